@@ -1,0 +1,46 @@
+"""quire: atomic, verifiable checkpoints of JAX training state to any fsspec URL."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from quire import errors
+from quire._api import AsyncResponse, load, load_async, metadata, save, save_async
+from quire._config import Config, configure
+from quire._dtypes import register_with_zarr as _register_with_zarr
+from quire.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    PluginError,
+    QuireError,
+    TreeMismatchError,
+    UnsupportedLeafError,
+)
+from quire.metadata import CheckpointMetadata, LeafMetadata
+from quire.options import StorageOptions
+
+_register_with_zarr()
+
+__all__ = [
+    "AsyncResponse",
+    "CheckpointExistsError",
+    "CheckpointMetadata",
+    "CheckpointNotFoundError",
+    "Config",
+    "CorruptCheckpointError",
+    "LeafMetadata",
+    "PluginError",
+    "QuireError",
+    "StorageOptions",
+    "TreeMismatchError",
+    "UnsupportedLeafError",
+    "__version__",
+    "configure",
+    "errors",
+    "load",
+    "load_async",
+    "metadata",
+    "save",
+    "save_async",
+]

@@ -1,0 +1,1 @@
+"""First-party backends (registered through the ``quire.backends`` entry points)."""

@@ -1,0 +1,260 @@
+"""Local file-system backend: O_EXCL-style create via link(2), rename-over replace, fsync."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import os
+import secrets
+import sys
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from quire._io import run_blocking
+from quire.backends import Backend, Buffer, Capabilities, PreconditionFailed
+
+_libc: Any = None
+if sys.platform.startswith("linux"):
+    try:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.syncfs.argtypes = [ctypes.c_int]
+    except (OSError, AttributeError):
+        _libc = None
+
+
+def local_path(url: str) -> str:
+    """The absolute file-system path of a local path or ``file://`` URL."""
+    if url.startswith("file://"):
+        parts = urlsplit(url)
+        path = unquote(parts.path)
+        if parts.netloc not in ("", "localhost"):
+            path = "//" + parts.netloc + path
+        return os.path.abspath(path)
+    if url.startswith(("local://")):
+        return os.path.abspath(url[len("local://") :])
+    return os.path.abspath(os.path.expanduser(url))
+
+
+def _write_all(fd: int, data: Sequence[Buffer]) -> None:
+    for buf in data:
+        mv = memoryview(buf).cast("B")
+        while mv.nbytes:
+            n = os.write(fd, mv)
+            mv = mv[n:]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalBackend(Backend):
+    """A checkpoint root on a local (POSIX) file system.
+
+    Writes go to their final names (every save uses a fresh ``d/<txid>/`` prefix, so no
+    reader ever sees them before the commit); ``sync`` makes them durable with one
+    ``syncfs(2)`` where available, else one ``fsync`` per file, plus the directories.
+    The commit record is written to a temporary name, fsynced, and then ``link(2)``-ed
+    into place (fails if it exists: an atomic conditional create with complete content)
+    or ``rename(2)``-d over the old one under an ``flock`` (compare-and-swap).
+    """
+
+    capabilities = Capabilities(
+        atomic_create=True, atomic_replace=True, durable=True, rename=True, readinto=True
+    )
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__(url, storage_options)
+        self.root = local_path(url)
+        self._dirty_files: list[str] = []
+        self._dirty_dirs: set[str] = set()
+        self._fsync = bool(self.storage_options.get("fsync", True))
+
+    def _p(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/")) if key else self.root
+
+    # -- reads -------------------------------------------------------------------
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        return await run_blocking(self._get, key, start, end)
+
+    def _get(self, key: str, start: int | None, end: int | None) -> bytes:
+        with open(self._p(key), "rb") as f:
+            if start:
+                f.seek(start)
+            return f.read() if end is None else f.read(end - (start or 0))
+
+    async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int = 0) -> int:
+        return await run_blocking(self._get_into, key, buffers, offset)
+
+    def _get_into(self, key: str, buffers: Sequence[memoryview], offset: int) -> int:
+        fd = os.open(self._p(key), os.O_RDONLY)
+        try:
+            total = 0
+            bufs = [memoryview(b).cast("B") for b in buffers]
+            while bufs:
+                n = os.preadv(fd, bufs[:1024], offset + total)
+                if n == 0:
+                    break
+                total += n
+                while bufs and n >= bufs[0].nbytes:
+                    n -= bufs[0].nbytes
+                    bufs.pop(0)
+                if bufs and n:
+                    bufs[0] = bufs[0][n:]
+            return total
+        finally:
+            os.close(fd)
+
+    async def size(self, key: str) -> int:
+        return (await run_blocking(os.stat, self._p(key))).st_size
+
+    async def exists(self, key: str) -> bool:
+        return await run_blocking(os.path.exists, self._p(key))
+
+    async def version(self, key: str) -> str | None:
+        return await run_blocking(self._version, key)
+
+    def _version(self, key: str) -> str | None:
+        try:
+            st = os.stat(self._p(key))
+        except FileNotFoundError:
+            return None
+        return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+
+    async def list(self, prefix: str = "") -> list[str]:
+        return await run_blocking(self._list, prefix)
+
+    def _list(self, prefix: str) -> list[str]:
+        base = self._p(prefix.rstrip("/"))
+        if os.path.isfile(base):
+            return [prefix.rstrip("/")]
+        out = []
+        for dirpath, _dirs, files in os.walk(base):
+            rel = os.path.relpath(dirpath, self.root)
+            for f in files:
+                out.append(f if rel == "." else f"{rel}/{f}".replace(os.sep, "/"))
+        return sorted(out)
+
+    # -- writes ------------------------------------------------------------------
+    def _makedirs(self, path: str) -> None:
+        d = os.path.dirname(path)
+        if not os.path.isdir(d):
+            os.makedirs(d, exist_ok=True)
+            # Record every new directory up to the root so sync() makes the entries durable.
+            while d.startswith(self.root) and d not in self._dirty_dirs:
+                self._dirty_dirs.add(d)
+                d = os.path.dirname(d)
+            self._dirty_dirs.add(os.path.dirname(self.root))
+
+    async def put(self, key: str, data: Sequence[Buffer]) -> None:
+        await run_blocking(self._put, key, data)
+
+    def _put(self, key: str, data: Sequence[Buffer]) -> None:
+        path = self._p(key)
+        self._makedirs(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, data)
+            if self._fsync and _libc is None:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._dirty_dirs.add(os.path.dirname(path))
+
+    async def sync(self) -> None:
+        if self._fsync:
+            await run_blocking(self._sync)
+
+    def _sync(self) -> None:
+        if _libc is not None and os.path.isdir(self.root):
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                if _libc.syncfs(fd) != 0:
+                    e = ctypes.get_errno()
+                    raise OSError(e, f"syncfs failed for {self.root}: {os.strerror(e)}")
+            finally:
+                os.close(fd)
+        else:
+            for d in sorted(self._dirty_dirs, key=len, reverse=True):
+                if os.path.isdir(d):
+                    _fsync_dir(d)
+        self._dirty_dirs.clear()
+
+    def _write_tmp(self, key: str, data: bytes) -> str:
+        path = self._p(key)
+        self._makedirs(path)
+        tmp = f"{path}.tmp-{secrets.token_hex(6)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, [data])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return tmp
+
+    async def put_if_absent(self, key: str, data: bytes) -> str:
+        return await run_blocking(self._put_if_absent, key, data)
+
+    def _put_if_absent(self, key: str, data: bytes) -> str:
+        tmp = self._write_tmp(key, data)
+        path = self._p(key)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise PreconditionFailed(f"{path} exists") from None
+        finally:
+            os.unlink(tmp)
+        _fsync_dir(os.path.dirname(path))
+        v = self._version(key)
+        assert v is not None
+        return v
+
+    async def replace_if_match(self, key: str, data: bytes, version: str) -> str:
+        return await run_blocking(self._replace_if_match, key, data, version)
+
+    def _replace_if_match(self, key: str, data: bytes, version: str) -> str:
+        tmp = self._write_tmp(key, data)
+        path = self._p(key)
+        dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX)
+            if self._version(key) != version:
+                os.unlink(tmp)
+                raise PreconditionFailed(f"{path} changed or vanished")
+            os.rename(tmp, path)
+            os.fsync(dfd)
+        finally:
+            fcntl.flock(dfd, fcntl.LOCK_UN)
+            os.close(dfd)
+        v = self._version(key)
+        assert v is not None
+        return v
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        await run_blocking(self._delete, list(keys))
+
+    def _delete(self, keys: list[str]) -> None:
+        dirs = set()
+        for k in keys:
+            p = self._p(k)
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+            dirs.add(os.path.dirname(p))
+        # Prune directories left empty, deepest first, never above the root.
+        for d in sorted(dirs, key=len, reverse=True):
+            while d.startswith(self.root + os.sep):
+                try:
+                    os.rmdir(d)
+                except OSError as e:
+                    if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                        break
+                    raise
+                d = os.path.dirname(d)

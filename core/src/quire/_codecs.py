@@ -1,0 +1,51 @@
+"""First-party codec factories (``quire.codecs`` entry points): id + JSON config -> zarr codec."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quire._registry import codecs as _registry
+from quire.errors import PluginError
+
+
+def zstd(level: int = 3, checksum: bool = False, **_: Any) -> Any:
+    from zarr.codecs import ZstdCodec
+
+    return ZstdCodec(level=level, checksum=checksum)
+
+
+def gzip(level: int = 5, **_: Any) -> Any:
+    from zarr.codecs import GzipCodec
+
+    return GzipCodec(level=level)
+
+
+def blosc(
+    cname: str = "zstd", clevel: int = 5, shuffle: str = "shuffle", typesize: int | None = None,
+    blocksize: int = 0, **_: Any,
+) -> Any:
+    from zarr.codecs import BloscCodec
+
+    return BloscCodec(cname=cname, clevel=clevel, shuffle=shuffle, typesize=typesize, blocksize=blocksize)
+
+
+def crc32c(**_: Any) -> Any:
+    from zarr.codecs import Crc32cCodec
+
+    return Crc32cCodec()
+
+
+def resolve(spec: Any, *, url: str | None = None) -> Any:
+    """A zarr bytes-to-bytes codec from an id, a ``{"name", "configuration"}`` dict or a codec."""
+    if isinstance(spec, str):
+        name, config = spec, {}
+    elif isinstance(spec, dict):
+        name, config = spec.get("name"), dict(spec.get("configuration") or {})
+        if not isinstance(name, str):
+            raise PluginError(f"codec spec {spec!r} has no 'name'")
+    elif hasattr(spec, "to_dict"):
+        return spec
+    else:
+        raise PluginError(f"cannot use {spec!r} as a codec: give an id, a dict or a zarr codec")
+    factory = _registry.get(name, url=url)
+    return factory(**config)

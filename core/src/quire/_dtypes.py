@@ -1,0 +1,130 @@
+"""dtype names, and zarr v3 data types for ml_dtypes' bfloat16 / float8 types.
+
+zarr-python does not ship these, so quire registers them through zarr's own
+``zarr.data_type`` entry-point group: with quire installed, a plain
+``zarr.open_array`` reads a bfloat16 array quire wrote.  The names are the ones
+tensorstore's ``zarr3`` driver uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import ml_dtypes
+import numpy as np
+from zarr.core.dtype.npy.float import BaseFloat
+
+# Names of the ml_dtypes float types that may appear in a checkpoint.
+ML_FLOAT_NAMES = (
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e4m3b11fnuz",
+    "float8_e4m3",
+    "float8_e3m4",
+    "float8_e8m0fnu",
+)
+ML_INT_NAMES = ("int4", "uint4", "int2", "uint2")
+
+_NUMPY_NAMES = (
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+)
+
+
+def _ml(name: str) -> np.dtype[Any] | None:
+    t = getattr(ml_dtypes, name, None)
+    return None if t is None else np.dtype(t)
+
+
+SUPPORTED: dict[str, np.dtype[Any]] = {n: np.dtype(n) for n in _NUMPY_NAMES}
+for _n in (*ML_FLOAT_NAMES, *ML_INT_NAMES):
+    _d = _ml(_n)
+    if _d is not None:
+        SUPPORTED[_n] = _d
+
+
+def dtype_name(dtype: Any) -> str:
+    """Canonical name of a numpy/ml_dtypes dtype, or raise ``TypeError``."""
+    d = np.dtype(dtype)
+    for name, cand in SUPPORTED.items():
+        if cand == d:
+            return name
+    raise TypeError(f"dtype {d} is not supported (supported: {', '.join(SUPPORTED)})")
+
+
+def dtype_from_name(name: str) -> np.dtype[Any]:
+    """The numpy dtype for a canonical name; ``KeyError`` when unknown."""
+    return SUPPORTED[name]
+
+
+def _make(name: str) -> type[BaseFloat[Any, Any]]:
+    d = np.dtype(getattr(ml_dtypes, name))
+
+    @dataclass(frozen=True, kw_only=True)
+    class _MLFloat(BaseFloat[Any, Any]):
+        dtype_cls = type(d)
+        _zarr_v3_name: ClassVar[str] = name  # type: ignore[misc]
+        _zarr_v2_names: ClassVar[tuple[str, ...]] = ()
+
+        @property
+        def item_size(self) -> int:
+            return d.itemsize
+
+        def to_native_dtype(self) -> Any:
+            return d
+
+    _MLFloat.__name__ = _MLFloat.__qualname__ = "".join(p.capitalize() for p in name.split("_"))
+    return _MLFloat
+
+
+BFloat16 = _make("bfloat16")
+Float8E4M3FN = _make("float8_e4m3fn")
+Float8E5M2 = _make("float8_e5m2")
+Float8E4M3FNUZ = _make("float8_e4m3fnuz")
+Float8E5M2FNUZ = _make("float8_e5m2fnuz")
+Float8E4M3B11FNUZ = _make("float8_e4m3b11fnuz")
+Float8E4M3 = _make("float8_e4m3")
+Float8E3M4 = _make("float8_e3m4")
+Float8E8M0FNU = _make("float8_e8m0fnu")
+
+_ZARR_TYPES = (
+    BFloat16,
+    Float8E4M3FN,
+    Float8E5M2,
+    Float8E4M3FNUZ,
+    Float8E5M2FNUZ,
+    Float8E4M3B11FNUZ,
+    Float8E4M3,
+    Float8E3M4,
+    Float8E8M0FNU,
+)
+
+
+def register_with_zarr() -> None:
+    """Register the ml_dtypes data types with zarr-python's registry (idempotent).
+
+    The ``zarr.data_type`` entry points declare them too, but zarr 3.1 never loads that
+    group, so quire registers them explicitly when it is imported.
+    """
+    from zarr.core.dtype import data_type_registry
+
+    for cls in _ZARR_TYPES:
+        name = cls._zarr_v3_name
+        if name not in data_type_registry.contents:
+            data_type_registry.register(name, cls)

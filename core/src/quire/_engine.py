@@ -1,0 +1,354 @@
+"""Save, load and the commit protocol (DESIGN.md "Commit protocol").
+
+A save walks the tree in the caller's thread (and, for ``save_async``, copies every
+owned shard to host memory there), then runs the rest on quire's event loop:
+
+1. every leaf handler writes its data under ``d/<txid>/`` (a fresh random id),
+2. ``backend.sync()`` makes the data durable,
+3. COMMIT: ``quire.json`` is created with ``put_if_absent`` (or swapped with
+   ``replace_if_match`` for ``overwrite=True``),
+4. only then is the old checkpoint's data deleted.
+
+A crash before 3 leaves only unreferenced garbage under a fresh txid; a crash after 3
+leaves the new checkpoint whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from quire import _format, _handlers
+from quire._budget import ByteBudget
+from quire._config import current
+from quire._paths import assign_locations, is_safe_location
+from quire._tree import KeyPath, Node, from_json, keystr, to_json, walk
+from quire._url import open_backend
+from quire.backends import Backend, PreconditionFailed
+from quire.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    QuireError,
+    TreeMismatchError,
+    UnsupportedLeafError,
+)
+from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry
+from quire.metadata import CheckpointMetadata
+from quire.options import StorageOptions, StorageSpec
+
+log = logging.getLogger("quire")
+JOURNAL_DIR = "journal"
+
+
+def new_txid() -> str:
+    return secrets.token_hex(8)
+
+
+def process_layout() -> tuple[int, int, int]:
+    """(process index, process count, primary process)."""
+    return jax.process_index(), jax.process_count(), current().primary_process
+
+
+# ----------------------------------------------------------------------------- saving
+@dataclass
+class PreparedSave:
+    """A tree walked and assigned to handlers, ready for the asynchronous part."""
+
+    root: Node
+    groups: dict[str, list[tuple[Node, SaveEntry]]]
+    txid: str
+
+
+def _is_leaf_value(x: Any) -> bool:
+    return _handlers.for_value(x) is not None
+
+
+def _storage_for(storage: StorageSpec, path: KeyPath, leaf: Any) -> StorageOptions:
+    base = StorageOptions(checksum=current().checksum, codecs=current().codecs or None)
+    if storage is None:
+        return base
+    if isinstance(storage, StorageOptions):
+        return storage
+    got = storage(path, leaf)
+    if got is None:
+        return base
+    if not isinstance(got, StorageOptions):
+        raise TypeError(
+            f"the storage callable returned {type(got).__name__} for {keystr(path)!r}; "
+            "return a quire.StorageOptions or None"
+        )
+    return got
+
+
+def prepare_save(tree: Any, storage: StorageSpec, *, copy: bool, url: str) -> PreparedSave:
+    """Walk ``tree``, choose handlers, assign locations; copy to host when ``copy``."""
+    root = walk(tree, _is_leaf_value, what=url)
+    txid = new_txid()
+    leaves = list(root.leaves())
+    locs = assign_locations([n.path for n in leaves], f"d/{txid}")
+    groups: dict[str, list[tuple[Node, SaveEntry]]] = collections.defaultdict(list)
+    for node, loc in zip(leaves, locs):
+        h = _handlers.for_value(node.value)
+        if h is None:  # pragma: no cover - walk() only stops at handled leaves
+            raise UnsupportedLeafError(f"{url}: no handler for leaf {keystr(node.path)!r}")
+        entry = SaveEntry(node.path, node.value, _storage_for(storage, node.path, node.value), loc)
+        groups[h.id].append((node, entry))
+    if copy:
+        for hid, items in groups.items():
+            snap = _handlers.get(hid).snapshot([e for _, e in items])
+            groups[hid] = [(n, e) for (n, _), e in zip(items, snap)]
+    return PreparedSave(root, dict(groups), txid)
+
+
+async def _read_record(backend: Backend, url: str) -> tuple[dict[str, Any], str | None]:
+    try:
+        raw = await backend.get(_format.RECORD)
+    except FileNotFoundError:
+        hint = ""
+        try:
+            if await backend.list(JOURNAL_DIR):
+                hint = (
+                    " It holds an unfinalized partial save: run quire.partial.finalize(url) "
+                    "to commit it, or quire.partial.load(url) to read it"
+                )
+        except Exception:  # listing is only for the hint
+            pass
+        raise CheckpointNotFoundError(f"no checkpoint at {url} (no {_format.RECORD}).{hint}") from None
+    return _format.parse(raw, url), None
+
+
+async def save_prepared(
+    url: str,
+    prep: PreparedSave,
+    *,
+    metadata: Mapping[str, Any] | None,
+    overwrite: bool,
+    storage_options: dict[str, Any] | None = None,
+    stats: dict[str, Any] | None = None,
+) -> None:
+    backend = open_backend(url, storage_options)
+    cfg = current()
+    pidx, pcount, primary = process_layout()
+    if not overwrite and await backend.exists(_format.RECORD):
+        raise CheckpointExistsError(
+            f"a checkpoint already exists at {url}; pass overwrite=True to replace it, "
+            "or save to another URL"
+        )
+    ctx = SaveContext(url, backend, prep.txid, pidx, pcount, primary, ByteBudget(cfg.byte_budget))
+    records: dict[int, dict[str, Any]] = {}
+    try:
+        for hid, items in prep.groups.items():
+            h = _handlers.get(hid, url=url)
+            recs = await h.save([e for _, e in items], ctx)
+            for (node, _), rec in zip(items, recs):
+                if rec.get("handler") != hid:
+                    rec = {**rec, "handler": hid}
+                records[id(node)] = rec
+        await backend.sync()
+    except BaseException:
+        # Nothing references this txid; remove what we wrote (GC would, later).
+        try:
+            await backend.delete_prefix(f"d/{prep.txid}")
+        except Exception:
+            log.warning("could not remove partial data d/%s under %s", prep.txid, url)
+        raise
+    if stats is not None:
+        stats.update(ctx.stats)
+        stats["budget_peak"] = ctx.budget.peak if ctx.budget else 0
+    tree_json = to_json(prep.root, lambda n: records[id(n)])
+    data = _format.build(tree=tree_json, txids=[prep.txid], metadata=dict(metadata or {}), process_count=pcount)
+    await commit(backend, url, data, prep.txid, overwrite=overwrite)
+
+
+async def commit(backend: Backend, url: str, data: bytes, txid: str, *, overwrite: bool) -> None:
+    """Write the commit record (the commit point) and then drop the superseded data."""
+    if not backend.capabilities.atomic_create:
+        log.warning(
+            "%s: backend %s has no atomic conditional create; a concurrent writer could "
+            "race this commit (install a dedicated quire backend for this protocol)",
+            url, type(backend).__name__,
+        )
+    old_txids: list[str] = []
+    if overwrite:
+        while True:
+            version = await backend.version(_format.RECORD)
+            if version is None:
+                try:
+                    await backend.put_if_absent(_format.RECORD, data)  # COMMIT
+                    break
+                except PreconditionFailed:
+                    continue  # someone committed meanwhile: replace theirs
+            try:
+                old = _format.parse(await backend.get(_format.RECORD), url)
+                old_txids = [t for t in old["txids"] if t != txid]
+            except (FileNotFoundError, CorruptCheckpointError):
+                old_txids = []
+            try:
+                await backend.replace_if_match(_format.RECORD, data, version)  # COMMIT
+                break
+            except PreconditionFailed:
+                continue
+    else:
+        try:
+            await backend.put_if_absent(_format.RECORD, data)  # COMMIT
+        except PreconditionFailed:
+            await backend.delete_prefix(f"d/{txid}")
+            raise CheckpointExistsError(
+                f"a checkpoint already exists at {url} (another writer committed first); "
+                "pass overwrite=True to replace it"
+            ) from None
+    for t in old_txids:
+        try:
+            await backend.delete_prefix(f"d/{t}")
+        except Exception as e:  # the new checkpoint is committed; old data is just garbage
+            log.warning("%s: could not delete superseded data d/%s: %s", url, t, e)
+
+
+# ----------------------------------------------------------------------------- loading
+def _is_abstract_leaf(x: Any) -> bool:
+    if x is None or isinstance(x, type):
+        return True
+    if isinstance(x, jax.ShapeDtypeStruct | jax.Array | np.ndarray | np.generic):
+        return True
+    if type(x) in (bool, int, float, complex, str, bytes):
+        return True
+    return _handlers.for_value(x) is not None
+
+
+def _diff_message(url: str, missing: list[str], extra: list[str], bad: list[str]) -> str:
+    lines = [f"checkpoint {url} does not match the target tree:"]
+    if missing:
+        lines.append(f"  in the checkpoint, missing from the target ({len(missing)}): " + ", ".join(missing))
+    if extra:
+        lines.append(f"  in the target, missing from the checkpoint ({len(extra)}): " + ", ".join(extra))
+    if bad:
+        lines.append(f"  mismatched ({len(bad)}): " + "; ".join(bad))
+    fix = "fix the abstract tree"
+    if missing and not extra and not bad:
+        fix = "pass partial=True to load only the keys in the target, or " + fix
+    lines.append(f"  To fix: {fix}.")
+    return "\n".join(lines)
+
+
+def _validate_locations(doc_root: Node, url: str) -> None:
+    for leaf in doc_root.leaves():
+        loc = leaf.value.get("location")
+        if loc is not None and not is_safe_location(loc):
+            raise CorruptCheckpointError(
+                f"{url}/quire.json: leaf {keystr(leaf.path)!r} has location {loc!r}, outside d/; "
+                "refusing to read it (the record is damaged or malicious)"
+            )
+
+
+async def load_doc(
+    url: str,
+    doc: dict[str, Any],
+    backend: Backend,
+    abstract: Any,
+    *,
+    partial: bool,
+) -> Any:
+    saved = from_json(doc["tree"])
+    _validate_locations(saved, url)
+    saved_leaves = {leaf.path: leaf for leaf in saved.leaves()}
+    if abstract is None:
+        target_root = saved
+        pairs = [(leaf, leaf.value, None) for leaf in saved.leaves()]
+    else:
+        target_root = walk(abstract, _is_abstract_leaf, what="abstract tree")
+        tleaves = list(target_root.leaves())
+        tpaths = {t.path for t in tleaves}
+        missing = [] if partial else [keystr(p) for p in saved_leaves if p not in tpaths]
+        extra = [keystr(t.path) for t in tleaves if t.path not in saved_leaves]
+        pairs = [(t, saved_leaves[t.path].value, t.value) for t in tleaves if t.path in saved_leaves]
+        bad = []
+        for t, rec, target in pairs:
+            h = _handlers.get(rec["handler"], url=url)
+            why = h.check(LoadEntry(t.path, rec, target))
+            if why:
+                bad.append(f"{keystr(t.path)!r}: {why}")
+        if missing or extra or bad:
+            raise TreeMismatchError(
+                _diff_message(url, missing, extra, bad), missing=missing, extra=extra, mismatched=bad
+            )
+    ctx = LoadContext(url, backend, jax.process_index(), jax.process_count())
+    groups: dict[str, list[tuple[Node, LoadEntry]]] = collections.defaultdict(list)
+    for node, rec, target in pairs:
+        groups[rec["handler"]].append((node, LoadEntry(node.path, rec, target)))
+    values: dict[int, Any] = {}
+
+    async def run(hid: str, items: list[tuple[Node, LoadEntry]]) -> None:
+        h = _handlers.get(hid, url=url)
+        got = await h.load([e for _, e in items], ctx)
+        for (node, _), v in zip(items, got):
+            values[id(node)] = v
+
+    await asyncio.gather(*(run(h, items) for h, items in groups.items()))
+    if abstract is None:
+        return _rebuild_saved(saved, values)
+    return target_root.rebuild(lambda n: values[id(n)])
+
+
+def _rebuild_saved(node: Node, values: dict[int, Any]) -> Any:
+    if node.kind == "leaf":
+        return values[id(node)]
+    kids = [_rebuild_saved(c, values) for c in node.children]
+    if node.kind == "dict":
+        return dict(zip(node.keys, kids))
+    if node.kind == "tuple" and node.typename is None:
+        return tuple(kids)
+    return kids
+
+
+async def load(url: str, abstract: Any, *, partial: bool, storage_options: dict[str, Any] | None = None) -> Any:
+    backend = open_backend(url, storage_options)
+    doc, _ = await _read_record(backend, url)
+    return await load_doc(url, doc, backend, abstract, partial=partial)
+
+
+# ----------------------------------------------------------------------------- metadata
+def metadata_from_doc(url: str, doc: dict[str, Any]) -> CheckpointMetadata:
+    saved = from_json(doc["tree"])
+    by_handler: dict[str, list[Node]] = collections.defaultdict(list)
+    for leaf in saved.leaves():
+        by_handler[leaf.value["handler"]].append(leaf)
+    metas: dict[int, Any] = {}
+    for hid, leaves in by_handler.items():
+        try:
+            h = _handlers.get(hid, url=url)
+            ms = h.metadata([leaf.value for leaf in leaves])
+        except QuireError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{url}/quire.json: malformed {hid!r} leaf record: {e!r}") from e
+        for leaf, m in zip(leaves, ms):
+            metas[id(leaf)] = m
+    return CheckpointMetadata(
+        tree=_rebuild_saved(saved, metas),
+        custom=doc["metadata"],
+        created=doc["_created"],
+        format_version=doc["version"],
+        url=url,
+        library_version=str(doc.get("library_version", "")),
+        process_count=doc["process_count"],
+        txids=tuple(doc["txids"]),
+        record=doc,
+    )
+
+
+async def metadata(url: str, storage_options: dict[str, Any] | None = None) -> CheckpointMetadata:
+    backend = open_backend(url, storage_options)
+    doc, _ = await _read_record(backend, url)
+    return metadata_from_doc(url, doc)
+
+
+Hook = Callable[[], None]

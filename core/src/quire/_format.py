@@ -1,0 +1,101 @@
+"""The commit record ``quire.json`` (format version 1): building and strict parsing."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any
+
+from quire.errors import CorruptCheckpointError
+
+FORMAT = "quire"
+VERSION = 1
+RECORD = "quire.json"
+MAX_DEPTH = 256
+
+
+def build(
+    *, tree: dict[str, Any], txids: list[str], metadata: dict[str, Any] | None, process_count: int
+) -> bytes:
+    from quire import __version__
+
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(),
+        "library_version": __version__,
+        "process_count": process_count,
+        "txids": txids,
+        "metadata": metadata or {},
+        "tree": tree,
+    }
+    try:
+        return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"user metadata must be JSON-serialisable (str keys; numbers, strings, lists, dicts): {e}"
+        ) from e
+
+
+def _bad(url: str, why: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{url}/{RECORD} is not a valid quire commit record: {why}. The checkpoint is damaged or "
+        "was not written by quire; restore it from a copy"
+    )
+
+
+def _check_tree(url: str, node: Any, depth: int = 0) -> None:
+    if depth > MAX_DEPTH:
+        raise _bad(url, f"tree deeper than {MAX_DEPTH}")
+    if not isinstance(node, dict) or not isinstance(node.get("kind"), str):
+        raise _bad(url, f"tree node {str(node)[:80]!r} has no kind")
+    kind = node["kind"]
+    if kind == "leaf":
+        if not isinstance(node.get("handler"), str):
+            raise _bad(url, "leaf without a handler id")
+        return
+    if kind not in ("dict", "list", "tuple"):
+        raise _bad(url, f"unknown node kind {kind!r}")
+    children = node.get("children")
+    if not isinstance(children, list):
+        raise _bad(url, f"{kind} node without a children list")
+    if kind == "dict":
+        keys = node.get("keys")
+        if not isinstance(keys, list) or len(keys) != len(children) or not all(isinstance(k, str) for k in keys):
+            raise _bad(url, "dict node whose keys are not a list of strings matching its children")
+        if len(set(keys)) != len(keys):
+            raise _bad(url, "dict node with duplicate keys")
+    for c in children:
+        _check_tree(url, c, depth + 1)
+
+
+def parse(raw: bytes, url: str) -> dict[str, Any]:
+    """Parse and validate a commit record; ``CorruptCheckpointError`` on any defect."""
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _bad(url, f"not JSON ({e}); it may be truncated") from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise _bad(url, "missing 'format': 'quire'")
+    v = doc.get("version")
+    if type(v) is not int:
+        raise _bad(url, f"version {v!r} is not an integer")
+    if v != VERSION:
+        raise CorruptCheckpointError(
+            f"{url}/{RECORD} has format version {v}; this quire reads version {VERSION}. "
+            "Upgrade quire to read it"
+        )
+    if not isinstance(doc.get("metadata"), dict):
+        raise _bad(url, "'metadata' is not an object")
+    txids = doc.get("txids")
+    if not isinstance(txids, list) or not all(isinstance(t, str) and t.isalnum() for t in txids):
+        raise _bad(url, "'txids' is not a list of ids")
+    if type(doc.get("process_count")) is not int:
+        raise _bad(url, "'process_count' is not an integer")
+    try:
+        created = datetime.datetime.fromisoformat(doc["created"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise _bad(url, "'created' is not an ISO timestamp") from e
+    doc["_created"] = created
+    _check_tree(url, doc.get("tree"))
+    return doc

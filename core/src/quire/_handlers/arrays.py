@@ -1,0 +1,451 @@
+"""Array leaves (numpy, jax, typed PRNG keys) stored as zarr v3 arrays, one chunk per shard."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import numpy as np
+
+from quire import _codecs
+from quire._budget import ByteBudget
+from quire._dtypes import dtype_from_name, dtype_name
+from quire._tree import keystr
+from quire._zarr import ArrayLayout, ChunkError, inner_chunks_for, read_region, write_chunk
+from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
+from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry
+from quire.metadata import LeafMetadata
+
+# A claimed array larger than this is refused as corrupt before anything is allocated.
+MAX_CLAIMED_BYTES = 2**50
+
+
+def _phys_mem() -> int:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 2**62
+
+
+def _norm_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+
+
+@dataclass
+class _Plan:
+    """Where an array's owned chunks come from (host copies for async saves)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    chunk_shape: tuple[int, ...]
+    owned: list[tuple[tuple[int, ...], Callable[[], np.ndarray]]]
+    allocates: bool  # whether producing a chunk allocates host memory
+    sharding: dict[str, Any] | None = None
+    source_dtype: str | None = None
+
+
+def _sharding_json(s: Any) -> dict[str, Any] | None:
+    if isinstance(s, jax.sharding.NamedSharding):
+        spec = [list(p) if isinstance(p, tuple) else p for p in s.spec]
+        return {
+            "type": "named",
+            "mesh": {str(k): int(v) for k, v in s.mesh.shape.items()},
+            "spec": spec,
+        }
+    if isinstance(s, jax.sharding.SingleDeviceSharding):
+        return {"type": "single"}
+    return {"type": type(s).__name__}
+
+
+def _plan(value: Any, storage: Any, path: tuple[Any, ...]) -> _Plan:
+    cast = None if storage.dtype is None else np.dtype(storage.dtype)
+    if isinstance(value, jax.Array):
+        shape = tuple(value.shape)
+        src = np.dtype(value.dtype)
+        sharding = value.sharding
+        chunk = tuple(sharding.shard_shape(value.shape)) if shape else ()
+        owned: list[tuple[tuple[int, ...], Callable[[], np.ndarray]]] = []
+        aligned = True
+        for s in value.addressable_shards:
+            if s.replica_id != 0:
+                continue
+            idx = _norm_index(s.index, shape)
+            coords = []
+            for sl, c, n in zip(idx, chunk, shape):
+                if c == 0 or sl.start % c or (sl.stop - sl.start != c and sl.stop != n):
+                    aligned = False
+                coords.append(sl.start // c if c else 0)
+            owned.append((tuple(coords), (lambda d=s.data: np.asarray(d))))
+        on_cpu = all(d.platform == "cpu" for d in sharding.device_set)
+        if not aligned:
+            if not value.is_fully_addressable:
+                raise UnsupportedLeafError(
+                    f"leaf {keystr(path)!r}: its sharding does not form a regular grid of shards, "
+                    "which quire cannot save from several processes; reshard it to a NamedSharding"
+                )
+            chunk = shape
+            owned = [(tuple(0 for _ in shape), lambda v=value: np.asarray(v))]
+        plan = _Plan(shape, src, chunk, owned, not on_cpu, _sharding_json(sharding))
+    else:
+        arr = np.asarray(value)
+        shape = tuple(arr.shape)
+        plan = _Plan(shape, arr.dtype, shape, [(tuple(0 for _ in shape), lambda a=arr: a)], False)
+    try:
+        dtype_name(plan.dtype)
+    except TypeError:
+        raise UnsupportedLeafError(
+            f"leaf {keystr(path)!r}: dtype {plan.dtype} is not supported; cast it to a numeric dtype"
+        ) from None
+    plan.chunk_shape = tuple(max(1, c) for c in plan.chunk_shape)
+    if cast is not None and cast != plan.dtype:
+        plan.source_dtype = dtype_name(plan.dtype)
+        plan.owned = [(c, (lambda f=f: f().astype(cast))) for c, f in plan.owned]
+        plan.dtype = cast
+        plan.allocates = True
+    return plan
+
+
+def _layout(plan: _Plan, storage: Any, url: str) -> ArrayLayout:
+    comps = tuple(_codecs.resolve(c, url=url) for c in (storage.codecs or ()))
+    comps = tuple(c for c in comps if type(c).__name__ != "Crc32cCodec")
+    inner = None
+    if storage.chunk_bytes is not None:
+        inner = inner_chunks_for(plan.chunk_shape, plan.dtype.itemsize, int(storage.chunk_bytes))
+    layout = ArrayLayout(plan.shape, plan.dtype, plan.chunk_shape, inner, comps, storage.checksum)
+    if comps:
+        spec = layout._spec(inner or plan.chunk_shape)
+        comps = tuple(c.evolve_from_array_spec(spec) for c in comps)
+        layout = replace(layout, compressors=comps)
+    return layout
+
+
+def layout_from_record(rec: Mapping[str, Any], url: str | None = None) -> ArrayLayout:
+    """The layout a record describes; ``CorruptCheckpointError`` if it is malformed."""
+    try:
+        shape = tuple(int(x) for x in rec["shape"])
+        chunk = tuple(int(x) for x in rec["chunk_shape"])
+        inner = rec.get("inner_shape")
+        inner_t = None if inner is None else tuple(int(x) for x in inner)
+        dtype = dtype_from_name(rec["dtype"])
+        if not isinstance(rec["location"], str):
+            raise TypeError("location")
+        if any(type(x) is not int for x in (*rec["shape"], *rec["chunk_shape"])):
+            raise TypeError("shape entries must be integers")
+        if any(s < 0 for s in shape) or any(c <= 0 for c in chunk) or len(chunk) != len(shape):
+            raise ValueError(f"bad shape {shape} / chunk shape {chunk}")
+        if inner_t is not None and (
+            len(inner_t) != len(chunk) or any(i <= 0 or c % i for i, c in zip(inner_t, chunk))
+        ):
+            raise ValueError(f"inner chunk shape {inner_t} does not divide {chunk}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > MAX_CLAIMED_BYTES or math.prod(chunk) * dtype.itemsize > MAX_CLAIMED_BYTES:
+            raise ValueError(f"claims {nbytes} bytes, beyond any real checkpoint")
+        comps = tuple(_codecs.resolve(c, url=url) for c in rec.get("codecs", []))
+        checksum = rec.get("checksum", True)
+        if not isinstance(checksum, bool):
+            raise TypeError("checksum must be a bool")
+    except QuireError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{url}: malformed array record ({e!r}); the commit record is damaged") from e
+    return ArrayLayout(shape, dtype, chunk, inner_t, comps, checksum)
+
+
+def _target_kind(target: Any, handler_id: str) -> str:
+    if target is None:
+        return "numpy" if handler_id == "numpy" else "jax"
+    if isinstance(target, np.ndarray) or target is np.ndarray or isinstance(target, np.generic):
+        return "numpy"
+    if isinstance(target, jax.ShapeDtypeStruct | jax.Array) or target is jax.Array:
+        return "jax"
+    if isinstance(target, type) or isinstance(target, bool | int | float | complex):
+        return "python"
+    return "jax"
+
+
+class ArrayHandler:
+    """Shared machinery of the numpy and jax handlers."""
+
+    id = "array"
+    priority = 0
+
+    # -- save -----------------------------------------------------------------------
+    def handles_abstract(self, abstract: Any) -> bool:
+        return True
+
+    def snapshot(self, entries: Sequence[SaveEntry]) -> list[SaveEntry]:
+        """Host copies of every owned shard (what ``save_async`` blocks on)."""
+        for e in entries:
+            if isinstance(e.value, jax.Array):
+                try:
+                    e.value.copy_to_host_async()
+                except Exception:  # not all array types support it; the copy below still works
+                    pass
+        out = []
+        for e in entries:
+            plan = _plan(self._to_array(e.value), e.storage, e.path)
+            plan.owned = [(c, (lambda a=np.array(f(), copy=True): a)) for c, f in plan.owned]
+            plan.allocates = False
+            out.append(replace(e, value=plan))
+        return out
+
+    def _to_array(self, value: Any) -> Any:
+        return value
+
+    def _extra_record(self, value: Any) -> dict[str, Any]:
+        return {}
+
+    async def save(self, entries: Sequence[SaveEntry], ctx: SaveContext) -> list[dict[str, Any]]:
+        budget = ctx.budget or ByteBudget(256 << 20)
+        sem = asyncio.Semaphore(64)
+
+        async def one(e: SaveEntry) -> dict[str, Any]:
+            plan = e.value if isinstance(e.value, _Plan) else _plan(self._to_array(e.value), e.storage, e.path)
+            layout = _layout(plan, e.storage, ctx.url)
+            jobs = []
+            if ctx.is_primary:
+                import json
+
+                meta = json.dumps(layout.zarr_json()).encode()
+                jobs.append(ctx.backend.put(f"{e.location}/zarr.json", [meta]))
+                ctx.stats["objects"] += 1
+            chunk_nbytes = math.prod(layout.chunk_shape) * layout.dtype.itemsize
+
+            async def write(coords: tuple[int, ...], produce: Callable[[], np.ndarray]) -> None:
+                need = chunk_nbytes if (plan.allocates or layout.compressors) else 0
+                async with sem, budget.hold(need):
+                    data = produce()
+                    n = await write_chunk(ctx.backend, e.location, layout, coords, data)
+                    ctx.stats["bytes"] += n
+                    ctx.stats["objects"] += 1
+
+            if math.prod(plan.shape):
+                jobs += [write(c, f) for c, f in plan.owned]
+            await asyncio.gather(*jobs)
+            rec: dict[str, Any] = {
+                "handler": self.id,
+                "shape": list(plan.shape),
+                "dtype": dtype_name(plan.dtype),
+                "location": e.location,
+                "chunk_shape": list(layout.chunk_shape),
+                "codecs": [c.to_dict() for c in layout.compressors],
+                "checksum": layout.checksum,
+                "nbytes": layout.nbytes,
+            }
+            if layout.inner_shape is not None:
+                rec["inner_shape"] = list(layout.inner_shape)
+            if plan.sharding is not None:
+                rec["sharding"] = plan.sharding
+            if plan.source_dtype is not None:
+                rec["source_dtype"] = plan.source_dtype
+            rec.update(self._extra_record(e.value))
+            return rec
+
+        async def guarded(e: SaveEntry) -> dict[str, Any]:
+            try:
+                return await one(e)
+            except QuireError:
+                raise
+            except Exception as err:
+                raise QuireError(f"{ctx.url}: saving leaf {keystr(e.path)!r} failed: {err}") from err
+
+        return list(await asyncio.gather(*(guarded(e) for e in entries)))
+
+    # -- load -----------------------------------------------------------------------
+    def _record_shape(self, rec: Mapping[str, Any]) -> tuple[int, ...]:
+        return tuple(rec["shape"])
+
+    def check(self, entry: LoadEntry) -> str | None:
+        t = entry.target
+        shape = getattr(t, "shape", None)
+        if shape is None or isinstance(t, type):
+            return None
+        saved = self._record_shape(entry.record)
+        if tuple(shape) != saved:
+            return f"saved shape {saved} {entry.record.get('dtype')}, target shape {tuple(shape)}"
+        return None
+
+    async def load(self, entries: Sequence[LoadEntry], ctx: LoadContext) -> list[Any]:
+        sem = asyncio.Semaphore(16)
+
+        async def one(e: LoadEntry) -> Any:
+            async with sem:
+                try:
+                    return await self._load_one(e, ctx)
+                except ChunkError as err:
+                    raise CorruptCheckpointError(
+                        f"{ctx.url}: leaf {keystr(e.path)!r}: {err}; the checkpoint is damaged "
+                        "(run `quire verify URL` to list every bad chunk, restore from a copy or re-save)"
+                    ) from err
+
+        return list(await asyncio.gather(*(one(e) for e in entries)))
+
+    async def _read_array(
+        self, e: LoadEntry, ctx: LoadContext, target: Any, kind: str
+    ) -> Any:
+        layout = layout_from_record(e.record, ctx.url)
+        loc = e.record["location"]
+        tdtype = getattr(target, "dtype", None) if kind != "python" else None
+        if isinstance(target, type):
+            tdtype = None
+        out_dtype = np.dtype(tdtype) if tdtype is not None else layout.dtype
+        shape = layout.shape
+        if kind in ("numpy", "python"):
+            self._check_memory(layout.nbytes, e, ctx)
+            buf = np.empty(shape, layout.dtype)
+            await read_region(ctx.backend, loc, layout, tuple(slice(0, n) for n in shape), buf)
+            ctx.stats["bytes"] += buf.nbytes
+            arr = buf if out_dtype == layout.dtype else buf.astype(out_dtype)
+            if kind == "python":
+                t = target if isinstance(target, type) else type(target)
+                if arr.shape != ():
+                    raise UnsupportedLeafError(
+                        f"{ctx.url}: leaf {keystr(e.path)!r} is an array of shape {shape}; "
+                        f"it cannot load as a {t.__name__}: use an array as the abstract leaf"
+                    )
+                return t(arr[()])
+            return arr
+        sharding = getattr(target, "sharding", None) if target is not None else None
+        if sharding is None or isinstance(target, type):
+            sharding = self._default_sharding(e.record)
+        idx_map = sharding.addressable_devices_indices_map(shape)
+        regions: dict[tuple[tuple[int, int], ...], list[Any]] = {}
+        for dev, idx in idx_map.items():
+            norm = _norm_index(idx, shape) if shape else ()
+            regions.setdefault(tuple((s.start, s.stop) for s in norm), []).append(dev)
+        per_region = math.prod(b - a for a, b in next(iter(regions))) * layout.dtype.itemsize if shape else 0
+        self._check_memory(per_region, e, ctx)
+        arrays: dict[Any, Any] = {}
+
+        async def region(key: tuple[tuple[int, int], ...], devs: list[Any]) -> None:
+            reg = tuple(slice(a, b) for a, b in key)
+            buf = np.empty(tuple(b - a for a, b in key), layout.dtype)
+            await read_region(ctx.backend, loc, layout, reg, buf)
+            ctx.stats["bytes"] += buf.nbytes
+            host = buf if out_dtype == layout.dtype else buf.astype(out_dtype)
+            for d in devs:
+                arrays[d] = jax.device_put(host, d)
+
+        await asyncio.gather(*(region(k, v) for k, v in regions.items()))
+        return jax.make_array_from_single_device_arrays(
+            shape, sharding, [arrays[d] for d in idx_map]
+        )
+
+    def _check_memory(self, nbytes: int, e: LoadEntry, ctx: LoadContext) -> None:
+        mem = _phys_mem()
+        if nbytes > mem:
+            raise CorruptCheckpointError(
+                f"{ctx.url}: leaf {keystr(e.path)!r} claims {nbytes} bytes per process, more than "
+                f"this machine's {mem} bytes of memory; refusing to allocate. If the checkpoint is "
+                "genuine, load it sharded over more devices/processes or leave it out (partial=True)"
+            )
+
+    def _default_sharding(self, rec: Mapping[str, Any]) -> Any:
+        s = rec.get("sharding") or {}
+        if s.get("type") == "named" and jax.process_count() == 1:
+            mesh_shape = s.get("mesh") or {}
+            sizes = [int(v) for v in mesh_shape.values()]
+            if math.prod(sizes) == jax.device_count():
+                devs = np.array(jax.devices()).reshape(sizes)
+                mesh = jax.sharding.Mesh(devs, tuple(mesh_shape))
+                spec = [tuple(p) if isinstance(p, list) else p for p in s.get("spec", [])]
+                return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    async def _load_one(self, e: LoadEntry, ctx: LoadContext) -> Any:
+        kind = _target_kind(e.target, self.id)
+        return await self._read_array(e, ctx, e.target, kind)
+
+    def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]:
+        out = []
+        for r in records:
+            dt = dtype_from_name(r["dtype"])
+            shape = tuple(r["shape"])
+            out.append(
+                LeafMetadata(
+                    shape=shape,
+                    dtype=dt,
+                    nbytes=math.prod(shape) * dt.itemsize,
+                    handler=r["handler"],
+                    chunk_shape=tuple(r.get("chunk_shape", shape)),
+                    codecs=tuple(c.get("name", "?") for c in r.get("codecs", [])),
+                    checksum=bool(r.get("checksum", True)),
+                    sharding=r.get("sharding"),
+                    location=r.get("location"),
+                )
+            )
+        return out
+
+
+class NumpyArrayHandler(ArrayHandler):
+    """``numpy.ndarray`` leaves of every numeric dtype (bfloat16 and float8 included)."""
+
+    id = "numpy"
+
+    def handles(self, value: Any) -> bool:
+        return isinstance(value, np.ndarray)
+
+
+class JaxArrayHandler(ArrayHandler):
+    """``jax.Array`` leaves with any sharding over the process's devices."""
+
+    id = "jax"
+
+    def handles(self, value: Any) -> bool:
+        return isinstance(value, jax.Array) and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+
+
+class PRNGKeyHandler(ArrayHandler):
+    """Typed JAX PRNG keys (``jax.random.key``): the key data plus the impl name."""
+
+    id = "prng_key"
+    priority = 10
+
+    def handles(self, value: Any) -> bool:
+        return isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+
+    def _to_array(self, value: Any) -> Any:
+        return jax.random.key_data(value)
+
+    def _extra_record(self, value: Any) -> dict[str, Any]:
+        if isinstance(value, _Plan):
+            impl, shape = value.impl, value.key_shape  # type: ignore[attr-defined]
+        else:
+            impl, shape = jax.random.key_impl(value), value.shape
+        return {"impl": str(getattr(impl, "name", impl)), "key_shape": list(shape)}
+
+    def snapshot(self, entries: Sequence[SaveEntry]) -> list[SaveEntry]:
+        out = super().snapshot(entries)
+        res = []
+        for orig, snap in zip(entries, out):
+            plan = snap.value
+            plan.impl = jax.random.key_impl(orig.value)
+            plan.key_shape = tuple(orig.value.shape)
+            res.append(snap)
+        return res
+
+    def _record_shape(self, rec: Mapping[str, Any]) -> tuple[int, ...]:
+        return tuple(rec.get("key_shape", rec["shape"]))
+
+    async def _load_one(self, e: LoadEntry, ctx: LoadContext) -> Any:
+        impl = e.record.get("impl")
+        if not isinstance(impl, str):
+            raise CorruptCheckpointError(f"{ctx.url}: leaf {keystr(e.path)!r}: PRNG key record lacks its impl")
+        target = e.target
+        data_target = None
+        if target is not None and getattr(target, "sharding", None) is not None and not isinstance(target, type):
+            data_target = jax.ShapeDtypeStruct(tuple(e.record["shape"]), np.uint32)
+        data = await self._read_array(e, ctx, data_target, "jax")
+        key = jax.random.wrap_key_data(data, impl=impl)
+        if data_target is not None:
+            key = jax.device_put(key, target.sharding)
+        return key
+
+    def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]:
+        out = super().metadata(records)
+        return [replace(m, shape=tuple(r.get("key_shape", m.shape))) for m, r in zip(out, records)]

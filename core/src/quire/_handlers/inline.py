@@ -1,0 +1,211 @@
+"""Leaves stored inline in ``quire.json``: scalars, strings, bytes and None."""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from quire._dtypes import dtype_from_name, dtype_name
+from quire.errors import CorruptCheckpointError, UnsupportedLeafError
+from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry
+
+_PY = {"bool": bool, "int": int, "float": float, "complex": complex}
+
+
+def _enc_float(x: float) -> Any:
+    if math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def _dec_float(v: Any) -> float:
+    if isinstance(v, str):
+        if v not in ("nan", "inf", "-inf"):
+            raise ValueError(v)
+        return float(v)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(v)
+    return float(v)
+
+
+class _Inline:
+    priority = 0
+    id = ""
+
+    def handles_abstract(self, abstract: Any) -> bool:
+        return True
+
+    def snapshot(self, entries: Sequence[SaveEntry]) -> list[SaveEntry]:
+        return list(entries)
+
+    async def save(self, entries: Sequence[SaveEntry], ctx: SaveContext) -> list[dict[str, Any]]:
+        return [{"handler": self.id, **self.encode(e)} for e in entries]
+
+    def encode(self, entry: SaveEntry) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def decode(self, record: Mapping[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def check(self, entry: LoadEntry) -> str | None:
+        return None
+
+    async def load(self, entries: Sequence[LoadEntry], ctx: LoadContext) -> list[Any]:
+        out = []
+        for e in entries:
+            try:
+                v = self.decode(e.record)
+            except (KeyError, ValueError, TypeError) as err:
+                raise CorruptCheckpointError(
+                    f"{ctx.url}: leaf {'/'.join(map(str, e.path))!r} has a malformed "
+                    f"{self.id!r} record ({err!r}); the commit record is damaged"
+                ) from err
+            out.append(convert(v, e.target, e.path))
+        return out
+
+    def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]:
+        return [type(self.decode(r)) for r in records]
+
+
+def convert(value: Any, target: Any, path: tuple[Any, ...]) -> Any:
+    """An inline value as the abstract target asks: a type, or a value of that type."""
+    if target is None or isinstance(target, type(value)) and not isinstance(target, type):
+        return value
+    t = target if isinstance(target, type) else type(target)
+    if isinstance(target, np.generic):
+        return target.dtype.type(value)
+    if hasattr(target, "dtype") and hasattr(target, "shape") and not isinstance(target, type):
+        arr = np.asarray(value, dtype=target.dtype)
+        return arr if isinstance(target, np.ndarray) else _jax_scalar(arr, target)
+    try:
+        return t(value)
+    except Exception as e:
+        raise UnsupportedLeafError(
+            f"leaf {'/'.join(map(str, path))!r}: cannot convert saved {type(value).__name__} "
+            f"to {t.__name__}; change the abstract leaf"
+        ) from e
+
+
+def _jax_scalar(arr: np.ndarray, target: Any) -> Any:
+    import jax
+
+    sharding = getattr(target, "sharding", None)
+    return jax.device_put(arr, sharding) if sharding is not None else jax.numpy.asarray(arr)
+
+
+class ScalarHandler(_Inline):
+    """Python and numpy scalars (bool, int, float, complex; every numeric dtype)."""
+
+    id = "scalar"
+
+    def handles(self, value: Any) -> bool:
+        if isinstance(value, np.generic):
+            try:
+                dtype_name(value.dtype)
+                return True
+            except TypeError:
+                return False
+        return type(value) in (bool, int, float, complex)
+
+    def encode(self, entry: SaveEntry) -> dict[str, Any]:
+        v = entry.value
+        if isinstance(v, np.generic):
+            name = dtype_name(v.dtype)
+            py = v.item() if v.dtype.kind in "biucf" else float(v)
+            if v.dtype.kind == "c":
+                return {"type": "numpy", "dtype": name, "value": [_enc_float(py.real), _enc_float(py.imag)]}
+            if isinstance(py, float) or v.dtype.kind == "V":
+                return {"type": "numpy", "dtype": name, "value": _enc_float(float(py))}
+            return {"type": "numpy", "dtype": name, "value": py}
+        t = type(v).__name__
+        if t == "complex":
+            return {"type": t, "value": [_enc_float(v.real), _enc_float(v.imag)]}
+        if t == "float":
+            return {"type": t, "value": _enc_float(v)}
+        return {"type": t, "value": v}
+
+    def decode(self, r: Mapping[str, Any]) -> Any:
+        t, v = r["type"], r["value"]
+        if t == "numpy":
+            d = dtype_from_name(r["dtype"])
+            if d.kind == "c":
+                return d.type(complex(_dec_float(v[0]), _dec_float(v[1])))
+            if d.kind in "iub":
+                if isinstance(v, float) or not isinstance(v, int | bool):
+                    raise ValueError(v)
+                return d.type(v)
+            return d.type(_dec_float(v))
+        if t == "bool":
+            if not isinstance(v, bool):
+                raise ValueError(v)
+            return v
+        if t == "int":
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(v)
+            return v
+        if t == "float":
+            return _dec_float(v)
+        if t == "complex":
+            return complex(_dec_float(v[0]), _dec_float(v[1]))
+        raise ValueError(f"unknown scalar type {t!r}")
+
+    def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]:
+        out: list[Any] = []
+        for r in records:
+            if r.get("type") == "numpy":
+                out.append(dtype_from_name(r["dtype"]).type)
+            else:
+                out.append(_PY.get(r.get("type", ""), object))
+        return out
+
+
+class StringHandler(_Inline):
+    id = "str"
+
+    def handles(self, value: Any) -> bool:
+        return type(value) is str
+
+    def encode(self, entry: SaveEntry) -> dict[str, Any]:
+        return {"value": entry.value}
+
+    def decode(self, r: Mapping[str, Any]) -> Any:
+        v = r["value"]
+        if not isinstance(v, str):
+            raise TypeError(f"expected a string, got {type(v).__name__}")
+        return v
+
+
+class BytesHandler(_Inline):
+    id = "bytes"
+
+    def handles(self, value: Any) -> bool:
+        return type(value) is bytes
+
+    def encode(self, entry: SaveEntry) -> dict[str, Any]:
+        return {"value": base64.b64encode(entry.value).decode("ascii")}
+
+    def decode(self, r: Mapping[str, Any]) -> Any:
+        return base64.b64decode(r["value"], validate=True)
+
+
+class NoneHandler(_Inline):
+    id = "none"
+
+    def handles(self, value: Any) -> bool:
+        return value is None
+
+    def encode(self, entry: SaveEntry) -> dict[str, Any]:
+        return {}
+
+    def decode(self, r: Mapping[str, Any]) -> Any:
+        return None
+
+    async def load(self, entries: Sequence[LoadEntry], ctx: LoadContext) -> list[Any]:
+        return [None for _ in entries]
+
+    def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]:
+        return [type(None) for _ in records]

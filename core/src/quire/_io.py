@@ -1,0 +1,68 @@
+"""The background event loop and the blocking-I/O thread pool quire runs on."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import os
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def io_threads() -> int:
+    """Threads for blocking file I/O, checksums and codecs (they release the GIL)."""
+    return int(os.environ.get("QUIRE_IO_THREADS", "16"))
+
+
+def pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(io_threads(), thread_name_prefix="quire-io")
+        return _pool
+
+
+async def run_blocking(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run ``fn`` in quire's I/O pool from a coroutine."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(pool(), functools.partial(fn, *args, **kwargs))
+
+
+def loop() -> asyncio.AbstractEventLoop:
+    """quire's event loop, running forever in a daemon thread."""
+    global _loop
+    with _lock:
+        if _loop is None or _loop.is_closed():
+            new = asyncio.new_event_loop()
+            ready = threading.Event()
+
+            def _run() -> None:
+                asyncio.set_event_loop(new)
+                new.call_soon(ready.set)
+                new.run_forever()
+
+            threading.Thread(target=_run, name="quire-loop", daemon=True).start()
+            ready.wait()
+            _loop = new
+        return _loop
+
+
+def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    """Schedule ``coro`` on quire's loop; returns a thread-safe future."""
+    lp = loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is lp:
+        coro.close()
+        raise RuntimeError("quire's blocking API was called from quire's own event loop")
+    return asyncio.run_coroutine_threadsafe(coro, lp)

@@ -1,0 +1,57 @@
+"""Escaping key paths into object keys that can never climb out of the checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+from urllib.parse import quote
+
+from quire._tree import KeyPath
+
+MAX_COMPONENT = 120
+MAX_PATH = 700
+_SAFE = "-_.~+=,@"
+
+
+def escape_component(key: object) -> str:
+    s = str(key)
+    if s == "":
+        return "%"  # never produced by percent-encoding, so it cannot collide
+    if s in (".", ".."):
+        return s.replace(".", "%2E")
+    out = quote(s, safe=_SAFE)
+    if len(out) > MAX_COMPONENT:
+        h = hashlib.sha256(s.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        out = f"{out[:MAX_COMPONENT - 18]}~{h}"
+    return out
+
+
+def escape_path(path: KeyPath) -> str:
+    """``('params', 'w/../x', 0)`` -> ``params/w%2F..%2Fx/0``; long paths are hashed."""
+    parts = [escape_component(k) for k in path] or ["%root"]
+    s = "/".join(parts)
+    if len(s) > MAX_PATH:
+        h = hashlib.sha256(repr(path).encode("utf-8", "surrogatepass")).hexdigest()[:24]
+        s = f"{s[:MAX_PATH - 40].rsplit('/', 1)[0]}/~{h}"
+    return s
+
+
+def assign_locations(paths: list[KeyPath], prefix: str) -> list[str]:
+    """Unique locations under ``prefix`` (case-insensitively unique, for macOS/Windows)."""
+    seen: set[str] = set()
+    out = []
+    for p in paths:
+        base = f"{prefix}/{escape_path(p)}"
+        loc, n = base, 1
+        while loc.lower() in seen:
+            n += 1
+            loc = f"{base}~{n}"
+        seen.add(loc.lower())
+        out.append(loc)
+    return out
+
+
+def is_safe_location(loc: object) -> bool:
+    """Whether a location read from a record stays inside ``d/``."""
+    if not isinstance(loc, str) or not loc.startswith("d/") or "\x00" in loc or "\\" in loc:
+        return False
+    return all(part not in ("", ".", "..") for part in loc.split("/"))

@@ -1,0 +1,140 @@
+"""Pytree walking: JSON tree structure, key paths, and rebuilding in a target's structure.
+
+quire records the tree as JSON node kinds and keys, never as a pickled treedef:
+
+* ``{"kind": "dict", "keys": [...], "children": [...]}`` (``"type"`` names a custom node
+  class for display only: nothing is ever imported from it),
+* ``{"kind": "list" | "tuple", "children": [...]}``,
+* ``{"kind": "leaf", "handler": id, ...handler metadata}``.
+
+Dicts, lists and tuples are walked natively (empty ones survive); any other registered
+JAX pytree node (namedtuples, dataclasses, flax structs) is walked one level at a time
+through ``jax.tree_util`` and recorded as a dict (named children) or a list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+from quire.errors import UnsupportedLeafError
+
+Key = str | int
+KeyPath = tuple[Key, ...]
+
+
+def keystr(path: KeyPath) -> str:
+    """Human-readable key path: ``params/layer1/w`` (``<root>`` for the empty path)."""
+    return "/".join(str(k) for k in path) if path else "<root>"
+
+
+@dataclass
+class Node:
+    """One node of a walked tree, with what is needed to rebuild it."""
+
+    kind: str  # "dict" | "list" | "tuple" | "leaf"
+    keys: list[Key] = field(default_factory=list)
+    children: list[Node] = field(default_factory=list)
+    value: Any = None  # the leaf itself
+    path: KeyPath = ()
+    typename: str | None = None
+    treedef: Any = None  # custom JAX node: rebuild with treedef.unflatten(children)
+
+    def leaves(self) -> Iterator[Node]:
+        if self.kind == "leaf":
+            yield self
+        else:
+            for c in self.children:
+                yield from c.leaves()
+
+    def rebuild(self, value_of: Callable[[Node], Any]) -> Any:
+        """Rebuild in this node's own structure, leaf values from ``value_of(leaf)``."""
+        if self.kind == "leaf":
+            return value_of(self)
+        vals = [c.rebuild(value_of) for c in self.children]
+        if self.treedef is not None:
+            return self.treedef.unflatten(vals)
+        if self.kind == "dict":
+            return dict(zip(self.keys, vals))
+        if self.kind == "tuple":
+            return tuple(vals)
+        return vals
+
+
+def _jax_key(k: Any) -> Key:
+    tu = jax.tree_util
+    if isinstance(k, tu.DictKey):
+        return k.key if isinstance(k.key, str | int) else str(k.key)
+    if isinstance(k, tu.GetAttrKey):
+        return k.name
+    if isinstance(k, tu.SequenceKey):
+        return k.idx
+    if isinstance(k, tu.FlattenedIndexKey):
+        return k.key
+    return str(k)
+
+
+def walk(tree: Any, is_leaf: Callable[[Any], bool], *, what: str = "tree") -> Node:
+    """Walk ``tree``; ``is_leaf`` says which values are leaves (checked before containers)."""
+
+    def go(x: Any, path: KeyPath) -> Node:
+        if is_leaf(x):
+            return Node("leaf", value=x, path=path)
+        if type(x) is dict:
+            keys = list(x)
+            for k in keys:
+                if not isinstance(k, str):
+                    raise UnsupportedLeafError(
+                        f"{what}: dict key {k!r} at {keystr(path)!r} is a {type(k).__name__}; "
+                        "quire saves dicts with str keys only (convert the key to str)"
+                    )
+            return Node("dict", keys, [go(x[k], (*path, k)) for k in keys], path=path)
+        if type(x) in (list, tuple):
+            kids = [go(v, (*path, i)) for i, v in enumerate(x)]
+            return Node("list" if type(x) is list else "tuple", list(range(len(x))), kids, path=path)
+        # Any other registered JAX pytree node, one level at a time.
+        kids_with_keys, treedef = jax.tree_util.tree_flatten_with_path(
+            x, is_leaf=lambda c: c is not x
+        )
+        if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+            raise UnsupportedLeafError(
+                f"{what}: leaf at {keystr(path)!r} has type {type(x).__module__}.{type(x).__qualname__}, "
+                "which no installed leaf handler saves; convert it to an array or scalar, register "
+                "it as a JAX pytree node, or register a quire leaf handler for it"
+            )
+        keys = [_jax_key(kp[-1]) if kp else i for i, (kp, _) in enumerate(kids_with_keys)]
+        kind = "dict" if all(isinstance(k, str) for k in keys) and keys else "list"
+        if kind == "list":
+            keys = list(range(len(keys)))
+        kids = [go(v, (*path, k)) for k, (_, v) in zip(keys, kids_with_keys)]
+        name = f"{type(x).__module__}.{type(x).__qualname__}"
+        return Node(kind, keys, kids, path=path, typename=name, treedef=treedef)
+
+    return go(tree, ())
+
+
+def to_json(node: Node, leaf_record: Callable[[Node], dict[str, Any]]) -> dict[str, Any]:
+    """The JSON form of a walked tree; leaf records come from ``leaf_record``."""
+    if node.kind == "leaf":
+        return {"kind": "leaf", **leaf_record(node)}
+    out: dict[str, Any] = {"kind": node.kind}
+    if node.kind == "dict":
+        out["keys"] = list(node.keys)
+    if node.typename:
+        out["type"] = node.typename
+    out["children"] = [to_json(c, leaf_record) for c in node.children]
+    return out
+
+
+def from_json(doc: Any, path: KeyPath = ()) -> Node:
+    """Parse a JSON tree (validated by the format module) back into nodes (no treedefs)."""
+    kind = doc["kind"]
+    if kind == "leaf":
+        return Node("leaf", value=doc, path=path)
+    children = doc["children"]
+    keys: list[Key] = list(doc["keys"]) if kind == "dict" else list(range(len(children)))
+    kids = [from_json(c, (*path, k)) for k, c in zip(keys, children)]
+    return Node(kind, keys, kids, path=path, typename=doc.get("type"))

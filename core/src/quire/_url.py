@@ -1,0 +1,56 @@
+"""URL -> backend: the protocol picks a ``quire.backends`` plugin."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from quire._config import current
+from quire._registry import INSTALL_HINTS, backends
+from quire.backends import Backend
+from quire.errors import PluginError
+
+
+def protocol_of(url: str) -> str:
+    if "://" not in url:
+        return "file"
+    return url.split("://", 1)[0].lower() or "file"
+
+
+def normalize(url: str | os.PathLike[str]) -> str:
+    """A canonical form of ``url`` (local paths absolute, no trailing slash)."""
+    s = os.fspath(url)
+    if not isinstance(s, str) or not s:
+        raise TypeError(f"checkpoint URL must be a non-empty str or path, got {url!r}")
+    if "\x00" in s:
+        raise ValueError(f"checkpoint URL {s!r} contains a NUL byte")
+    if protocol_of(s) == "file":
+        from quire._backends.local import local_path
+
+        return local_path(s)
+    return s.rstrip("/")
+
+
+def open_backend(url: str, storage_options: dict[str, Any] | None = None) -> Backend:
+    """The backend for ``url``: its protocol's plugin, else fsspec's generic one."""
+    proto = protocol_of(url)
+    opts = dict(current().storage_options.get(proto, {}))
+    opts.update(storage_options or {})
+    if proto in backends.names():
+        cls = backends.get(proto, url=url)
+        return cls(url, opts)  # type: ignore[no-any-return]
+    hint = INSTALL_HINTS.get(("quire.backends", proto))
+    if hint:
+        raise PluginError(
+            f"no quire backend for {proto}:// URLs ({url}); install {hint} (pip install {hint})"
+        )
+    import fsspec
+
+    if proto not in fsspec.available_protocols():
+        raise PluginError(
+            f"no quire backend and no fsspec file system for {proto}:// ({url}); "
+            "install a package that provides one"
+        )
+    from quire._backends.fsspec_generic import FsspecBackend
+
+    return FsspecBackend(url, opts)

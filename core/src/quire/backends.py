@@ -1,0 +1,150 @@
+"""The storage backend contract.
+
+A backend gives quire byte-level access to one checkpoint root (a URL prefix).  All keys
+are ``/``-separated paths relative to that root.  Third-party backends subclass
+:class:`Backend` and register under the ``quire.backends`` entry-point group, with the
+URL protocol as the name.
+
+Call order during a save (the commit point is marked)::
+
+    put(...)* ; sync()                     # every process writes the chunks it owns
+    put(zarr metadata)* ; sync()           # primary process, after the barrier
+    put_if_absent("quire.json")            # <-- COMMIT (new checkpoint)
+    replace_if_match("quire.json", v)      # <-- COMMIT (overwrite)
+    delete_prefix(old data)                # after the commit only
+
+A backend declares what it guarantees through :class:`Capabilities`; quire never probes
+by trial and error.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+__all__ = ["Backend", "Buffer", "Capabilities", "PreconditionFailed"]
+
+Buffer = bytes | bytearray | memoryview
+
+
+class PreconditionFailed(Exception):
+    """A conditional write lost: the object exists (create) or changed (replace)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend guarantees.
+
+    Attributes
+    ----------
+    atomic_create : bool
+        ``put_if_absent`` is a real conditional create (O_EXCL, If-None-Match, ...).
+    atomic_replace : bool
+        ``replace_if_match`` is a real compare-and-swap.
+    durable : bool
+        Data acknowledged by ``sync`` survives a crash of the machine.
+    rename : bool
+        The store can rename objects cheaply (local file systems).
+    readinto : bool
+        ``get_into`` reads straight into caller memory without an intermediate copy.
+    """
+
+    atomic_create: bool = False
+    atomic_replace: bool = False
+    durable: bool = False
+    rename: bool = False
+    readinto: bool = False
+
+
+class Backend(abc.ABC):
+    """Byte storage under one checkpoint root URL.
+
+    Parameters
+    ----------
+    url : str
+        The checkpoint root URL (``/path``, ``file:///path``, ``memory://x``, ``s3://b/k``...).
+    storage_options : dict, optional
+        fsspec-style options for the underlying file system.
+    """
+
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url
+        self.storage_options = dict(storage_options or {})
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    # -- reads -------------------------------------------------------------------
+    @abc.abstractmethod
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes of ``key`` (``[start, end)`` when given). ``FileNotFoundError`` if absent."""
+
+    async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int = 0) -> int:
+        """Fill ``buffers`` in order with the bytes of ``key`` from ``offset``; return the count.
+
+        The default reads a range and copies; backends with ``readinto`` override it.
+        """
+        total = sum(b.nbytes for b in buffers)
+        data = await self.get(key, offset, offset + total)
+        pos = 0
+        for b in buffers:
+            n = min(b.nbytes, len(data) - pos)
+            if n <= 0:
+                break
+            b.cast("B")[:n] = memoryview(data)[pos : pos + n]
+            pos += n
+        return pos
+
+    @abc.abstractmethod
+    async def size(self, key: str) -> int:
+        """Size in bytes of ``key``. ``FileNotFoundError`` if absent."""
+
+    @abc.abstractmethod
+    async def exists(self, key: str) -> bool:
+        """Whether ``key`` exists."""
+
+    @abc.abstractmethod
+    async def version(self, key: str) -> str | None:
+        """An opaque token that changes whenever ``key`` is replaced; None if absent."""
+
+    @abc.abstractmethod
+    async def list(self, prefix: str = "") -> list[str]:
+        """Every key under ``prefix`` (recursive), relative to the root, sorted."""
+
+    # -- writes ------------------------------------------------------------------
+    @abc.abstractmethod
+    async def put(self, key: str, data: Sequence[Buffer]) -> None:
+        """Write the concatenation of ``data`` to ``key``, replacing any object there."""
+
+    @abc.abstractmethod
+    async def put_if_absent(self, key: str, data: bytes) -> str:
+        """Create ``key`` only if it does not exist; return its version.
+
+        Raises :class:`PreconditionFailed` when it exists.  Must be atomic when
+        ``capabilities.atomic_create``.
+        """
+
+    @abc.abstractmethod
+    async def replace_if_match(self, key: str, data: bytes, version: str) -> str:
+        """Replace ``key`` only if its version is still ``version``; return the new one.
+
+        Raises :class:`PreconditionFailed` when it changed or vanished.
+        """
+
+    @abc.abstractmethod
+    async def delete(self, keys: Sequence[str]) -> None:
+        """Delete ``keys``; missing keys are ignored."""
+
+    async def delete_prefix(self, prefix: str) -> None:
+        """Delete every key under ``prefix``."""
+        await self.delete(await self.list(prefix))
+
+    async def sync(self) -> None:  # noqa: B027 - optional hook
+        """Make every completed ``put`` durable (no-op where puts are durable already)."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources this backend created (never a file system it was handed)."""

@@ -1,0 +1,66 @@
+"""quire's error hierarchy.
+
+Every error derives from :class:`QuireError` and mixes in the builtin a caller would
+naturally catch (``FileNotFoundError``, ``FileExistsError``, ``ValueError``,
+``TypeError``).  Messages name the URL, the key path and the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "PluginError",
+    "QuireError",
+    "TreeMismatchError",
+    "UnsupportedLeafError",
+]
+
+
+class QuireError(Exception):
+    """Base class of every error quire raises on purpose."""
+
+
+class CheckpointNotFoundError(QuireError, FileNotFoundError):
+    """No committed checkpoint (no ``quire.json``) exists at the URL."""
+
+
+class CheckpointExistsError(QuireError, FileExistsError):
+    """A checkpoint already exists at the URL (or a concurrent writer committed first)."""
+
+
+class CorruptCheckpointError(QuireError, ValueError):
+    """Checksum mismatch, truncated data, or a malformed / unknown-version record."""
+
+
+class TreeMismatchError(QuireError, ValueError):
+    """The abstract tree does not match the checkpoint (missing, extra or mis-shaped keys).
+
+    Attributes
+    ----------
+    missing, extra, mismatched : list of str
+        Key paths in the checkpoint but not in the target, in the target but not in the
+        checkpoint, and present in both with incompatible shapes.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: list[str] | None = None,
+        extra: list[str] | None = None,
+        mismatched: list[str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.missing = list(missing or [])
+        self.extra = list(extra or [])
+        self.mismatched = list(mismatched or [])
+
+
+class UnsupportedLeafError(QuireError, TypeError):
+    """A leaf of the tree has a type no installed leaf handler can save."""
+
+
+class PluginError(QuireError):
+    """A plugin is missing, failed to import, or two distributions claim the same name."""

@@ -1,0 +1,54 @@
+"""What ``quire.metadata`` returns: the tree of leaf descriptions, read from quire.json only."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CheckpointMetadata", "LeafMetadata"]
+
+
+@dataclass(frozen=True)
+class LeafMetadata:
+    """An array leaf as stored: shape, dtype, size, and how it is laid out."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    nbytes: int
+    handler: str = "numpy"
+    chunk_shape: tuple[int, ...] = ()
+    codecs: tuple[str, ...] = ()
+    checksum: bool = True
+    sharding: dict[str, Any] | None = None
+    location: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointMetadata:
+    """A committed checkpoint's description.
+
+    Attributes
+    ----------
+    tree : pytree
+        The saved tree's structure: array leaves as :class:`LeafMetadata`, inline leaves
+        (scalars, strings, bytes, None) as their value's type.
+    custom : dict
+        The user metadata passed to ``save``.
+    created : datetime.datetime
+        Commit time (UTC).
+    format_version : int
+        On-disk format version.
+    """
+
+    tree: Any
+    custom: dict[str, Any]
+    created: datetime.datetime
+    format_version: int
+    url: str = ""
+    library_version: str = ""
+    process_count: int = 1
+    txids: tuple[str, ...] = ()
+    record: dict[str, Any] = field(default_factory=dict, repr=False)
