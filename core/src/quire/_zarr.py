@@ -300,16 +300,16 @@ def _shift(region: Sequence[slice], origin: Sequence[int]) -> Any:
 
 
 async def _read_raw_into(
-    backend: Backend, key: str, layout: ArrayLayout, dest: np.ndarray, offset: int = 0
+    backend: Backend, key: str, layout: ArrayLayout, dest: np.ndarray, offset: int | None = None
 ) -> None:
     """Read an uncompressed (inner) chunk straight into C-contiguous ``dest`` and verify."""
     body = memoryview(dest.reshape(-1).view(np.uint8)) if dest.size else memoryview(bytearray())
     tail = bytearray(5 if layout.checksum else 1)
-    n = await backend.get_into(key, [body, memoryview(tail)], offset)
+    n = await backend.get_into(key, [body, memoryview(tail)], offset or 0)
     want = body.nbytes + (4 if layout.checksum else 0)
     if n < want:
         raise ChunkError(f"truncated: {n} bytes, expected {want}")
-    if offset == 0 and n > want:
+    if offset is None and n > want:  # a whole object, not a range of a zarr shard
         raise ChunkError(f"too long: more than {want} bytes")
     if layout.checksum:
         crc = await run_blocking(crc_bytes, body)

@@ -93,8 +93,11 @@ def _plan(value: Any, storage: Any, path: tuple[Any, ...]) -> _Plan:
         plan = _Plan(shape, src, chunk, owned, not on_cpu, _sharding_json(sharding))
     else:
         arr = np.asarray(value)
+        swapped = not arr.dtype.isnative and arr.dtype.kind in "iufc"
+        if swapped:  # store little-endian, like every other array
+            arr = arr.astype(arr.dtype.newbyteorder("="))
         shape = tuple(arr.shape)
-        plan = _Plan(shape, arr.dtype, shape, [(tuple(0 for _ in shape), lambda a=arr: a)], False)
+        plan = _Plan(shape, arr.dtype, shape, [(tuple(0 for _ in shape), lambda a=arr: a)], swapped)
     try:
         dtype_name(plan.dtype)
     except TypeError:

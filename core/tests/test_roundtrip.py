@@ -1,0 +1,353 @@
+"""Round-trips of every leaf and container kind, resharding, casting, strict/partial loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import quire
+from quire import StorageOptions
+
+P = jax.sharding.PartitionSpec
+NS = jax.sharding.NamedSharding
+
+
+def mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> jax.sharding.Mesh:
+    n = int(np.prod(shape))
+    return jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
+
+
+def assert_same(a: Any, b: Any) -> None:
+    """Exact equality, dtype and container type included."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (a, b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b), (a, b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(a, jax.Array | np.ndarray):
+        assert type(b) is type(a) or (isinstance(a, jax.Array) and isinstance(b, jax.Array)), (type(a), type(b))
+        if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            assert jax.random.key_impl(a) == jax.random.key_impl(b)
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+        assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=a.dtype.kind in "fc"), (a, b)
+    elif isinstance(a, float) and a != a:
+        assert isinstance(b, float) and b != b
+    else:
+        assert type(a) is type(b) and a == b, (a, b)
+
+
+ALL_DTYPES = [
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+    np.float16, np.float32, np.float64, np.complex64, np.complex128,
+    ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fnuz,
+    ml_dtypes.float8_e5m2fnuz, ml_dtypes.float8_e4m3b11fnuz,
+]
+
+
+def sample(dtype: Any, shape: tuple[int, ...] = (3, 5), seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    d = np.dtype(dtype)
+    if d.kind == "b":
+        return rng.random(shape) > 0.5
+    if d.kind in "iu":
+        info = np.iinfo(d)
+        return rng.integers(info.min, info.max, size=shape, dtype=d, endpoint=True)
+    if d.kind == "c":
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(d)
+    return (rng.standard_normal(shape) * 4).astype(d)
+
+
+def test_every_numpy_dtype_round_trips(url: str) -> None:
+    tree = {np.dtype(d).name: sample(d) for d in ALL_DTYPES}
+    tree["zero_d"] = np.array(3.5, np.float32)
+    tree["empty"] = np.zeros((0, 4), np.int32)
+    tree["big_endian"] = np.arange(6, dtype=">i4")
+    quire.save(url, tree)
+    out = quire.load(url)
+    want = dict(tree, big_endian=tree["big_endian"].astype("<i4"))
+    assert_same(want, out)
+
+
+def test_scalars_strings_bytes_none(url: str) -> None:
+    tree = {
+        "b": True, "i": -(2**70), "f": 0.1, "nan": float("nan"), "inf": float("-inf"), "c": 1 + 2j,
+        "np_f32": np.float32(1.25), "np_bf16": ml_dtypes.bfloat16(3.5), "np_u64": np.uint64(2**64 - 1),
+        "np_c64": np.complex64(1 - 1j), "np_bool": np.bool_(True),
+        "s": "héllo\u2603", "bytes": bytes(range(256)), "none": None,
+    }
+    quire.save(url, tree)
+    assert_same(tree, quire.load(url))
+
+
+class Pair(NamedTuple):
+    a: Any
+    b: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class State:
+    params: Any
+    step: Any
+
+
+def test_containers(url: str) -> None:
+    tree = {
+        "list": [np.arange(3), [], {}],
+        "tuple": (1, (2, "x")),
+        "nested": {"a": {"b": {"c": np.ones(2)}}},
+        "pair": Pair(np.arange(2), 5),
+        "state": State(params={"w": np.ones(3)}, step=7),
+        "none_child": [None, None],
+    }
+    quire.save(url, tree)
+    out = quire.load(url)
+    # Without an abstract tree, custom nodes come back as dicts; plain containers as themselves.
+    assert_same({"a": tree["pair"].a, "b": 5}, out["pair"])
+    assert_same({"params": {"w": np.ones(3)}, "step": 7}, out["state"])
+    assert_same(tree["list"], out["list"])
+    assert_same(tree["tuple"], out["tuple"])
+    assert_same(tree["none_child"], out["none_child"])
+    # With an abstract tree, in its own structure.
+    back = quire.load(url, tree)
+    assert isinstance(back["pair"], Pair) and isinstance(back["state"], State)
+    assert_same(tree["pair"].a, back["pair"].a)
+    assert back["state"].step == 7
+
+
+def test_prng_keys(url: str) -> None:
+    tree = {"k": jax.random.key(42), "ks": jax.random.split(jax.random.key(1), 4),
+            "rbg": jax.random.key(3, impl="rbg"), "raw": jax.random.PRNGKey(0)}
+    quire.save(url, tree)
+    out = quire.load(url)
+    assert_same(tree, out)
+    # The keys work: same random numbers.
+    assert np.array_equal(jax.random.normal(tree["rbg"], (3,)), jax.random.normal(out["rbg"], (3,)))
+
+
+def test_jax_shardings_and_resharding(url: str) -> None:
+    x = jnp.arange(64 * 24, dtype=jnp.float32).reshape(64, 24)
+    tree = {
+        "rows8": jax.device_put(x, NS(mesh((8,), ("d",)), P("d"))),
+        "grid": jax.device_put(x, NS(mesh((4, 2), ("a", "b")), P("a", "b"))),
+        "repl": jax.device_put(x, NS(mesh((8,), ("d",)), P())),
+        "partial_repl": jax.device_put(x, NS(mesh((4, 2), ("a", "b")), P(None, "b"))),
+        "single": jax.device_put(x, jax.devices()[3]),
+        "uneven": jax.device_put(jnp.arange(10.0), NS(mesh((4,), ("d",)), P("d"))) if False else jnp.arange(10.0),
+    }
+    quire.save(url, tree)
+    out = quire.load(url)
+    for k in tree:
+        assert_same(tree[k], out[k])
+    # Same sharding comes back without a target where the device count allows.
+    assert out["grid"].sharding.spec == P("a", "b")
+    # Reshard: 8 devices -> (4, 2) mesh -> 1 device -> numpy.
+    m42 = mesh((4, 2), ("x", "y"))
+    for target_sharding in [NS(m42, P("x", "y")), NS(m42, P("y", "x")), NS(m42, P(None, "x")),
+                            jax.sharding.SingleDeviceSharding(jax.devices()[5])]:
+        abstract = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target_sharding) for k in tree if k != "uneven"}
+        got = quire.load(url, abstract, partial=True)
+        for k, v in got.items():
+            assert v.sharding == target_sharding
+            assert np.array_equal(np.asarray(v), np.asarray(x)), k
+    got = quire.load(url, {"rows8": np.zeros((64, 24), np.float32)}, partial=True)
+    assert isinstance(got["rows8"], np.ndarray) and np.array_equal(got["rows8"], np.asarray(x))
+
+
+def test_resharded_load_reads_only_needed_chunks(tmp_path: Any) -> None:
+    from quire._backends.local import LocalBackend
+
+    url = str(tmp_path / "c")
+    x = jnp.arange(8 * 1024, dtype=jnp.float32).reshape(8, 1024)
+    quire.save(url, {"x": jax.device_put(x, NS(mesh((8,), ("d",)), P("d")))})
+    reads: list[str] = []
+    orig = LocalBackend._get_into
+
+    def spy(self: Any, key: str, *a: Any) -> Any:
+        reads.append(key)
+        return orig(self, key, *a)
+
+    LocalBackend._get_into = spy  # type: ignore[method-assign]
+    try:
+        # A target on the first device only, holding rows 0..1 of a (4,)-row split.
+        target = NS(mesh((4,), ("d",)), P("d"))
+        y = quire.load(url, {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target)})
+    finally:
+        LocalBackend._get_into = orig  # type: ignore[method-assign]
+    assert np.array_equal(np.asarray(y["x"]), np.asarray(x))
+    assert len(reads) == 8 and len(set(reads)) == 8  # each chunk read once, not once per device
+
+
+def test_casting_on_save_and_load(url: str) -> None:
+    tree = {"w": np.linspace(0, 1, 12, dtype=np.float32).reshape(3, 4), "i": np.arange(4, dtype=np.int64)}
+    quire.save(url, tree, storage=lambda p, leaf: StorageOptions(dtype=ml_dtypes.bfloat16) if p == ("w",) else None)
+    m = quire.metadata(url)
+    assert m.tree["w"].dtype == np.dtype(ml_dtypes.bfloat16)
+    out = quire.load(url, {"w": np.zeros((3, 4), np.float32), "i": jax.ShapeDtypeStruct((4,), jnp.int32)})
+    assert out["w"].dtype == np.float32 and np.allclose(out["w"], tree["w"], atol=1e-2)
+    assert out["i"].dtype == jnp.int32 and isinstance(out["i"], jax.Array)
+    assert np.array_equal(np.asarray(out["i"]), [0, 1, 2, 3])
+    # A Python type or value as the abstract leaf.
+    quire.save(url, {"a": np.array(2.5)}, overwrite=True)
+    assert quire.load(url, {"a": float}) == {"a": 2.5}
+
+
+def test_compression_and_chunking(url: str) -> None:
+    x = np.tile(np.arange(1000, dtype=np.float32), 300).reshape(300, 1000)
+    for opts in [StorageOptions(codecs=["zstd"]), StorageOptions(codecs=[{"name": "gzip", "configuration": {"level": 1}}]),
+                 StorageOptions(codecs=["blosc"], chunk_bytes=100_000), StorageOptions(chunk_bytes=64_000),
+                 StorageOptions(checksum=False)]:
+        quire.save(url, {"x": x}, storage=opts, overwrite=True)
+        m = quire.metadata(url)
+        assert m.tree["x"].checksum == opts.checksum
+        assert_same({"x": x}, quire.load(url))
+        # A sub-region restore of a chunked array.
+        part = quire.load(url, {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NS(mesh((4,), ("d",)), P("d")))})
+        assert np.array_equal(np.asarray(part["x"]), x)
+
+
+def test_strict_load_lists_every_difference(url: str) -> None:
+    quire.save(url, {"params": {"w": np.ones((3, 4)), "b": np.ones(4)}, "step": 1, "opt": [np.ones(2)]})
+    abstract = {"params": {"w": np.ones((4, 3)), "extra": np.ones(1)}, "step": int, "opt": [np.ones(2)]}
+    with pytest.raises(quire.TreeMismatchError) as ei:
+        quire.load(url, abstract)
+    msg = str(ei.value)
+    assert "params/b" in msg and "params/extra" in msg and "params/w" in msg and "(3, 4)" in msg
+    assert url in msg
+    assert ei.value.missing == ["params/b"] and ei.value.extra == ["params/extra"]
+    assert len(ei.value.mismatched) == 1
+    # partial=True: missing keys are fine, extra and mis-shaped ones are not.
+    with pytest.raises(quire.TreeMismatchError) as ei:
+        quire.load(url, {"params": {"extra": np.ones(1)}}, partial=True)
+    assert ei.value.extra == ["params/extra"] and not ei.value.missing
+    out = quire.load(url, {"params": {"w": np.zeros((3, 4))}}, partial=True)
+    assert list(out) == ["params"] and np.array_equal(out["params"]["w"], np.ones((3, 4)))
+    # Missing only: the message suggests partial=True.
+    with pytest.raises(quire.TreeMismatchError, match="partial=True"):
+        quire.load(url, {"step": int})
+
+
+def test_metadata_reads_only_the_record(url: str) -> None:
+    from quire.backends import Backend
+
+    quire.save(url, {"w": np.ones((2, 3), np.float32), "s": "x", "n": 3}, metadata={"epoch": 4, "tags": ["a"]})
+    calls: list[str] = []
+    orig = Backend.get_into
+
+    m = quire.metadata(url)
+    assert m.custom == {"epoch": 4, "tags": ["a"]}
+    assert m.format_version == 1
+    assert (time_ok := abs((m.created.timestamp()) - time.time())) < 60, time_ok
+    w = m.tree["w"]
+    assert isinstance(w, quire.LeafMetadata) and w.shape == (2, 3) and w.dtype == np.float32 and w.nbytes == 24
+    assert m.tree["s"] is str and m.tree["n"] is int
+    assert not calls and orig is Backend.get_into
+
+
+def test_metadata_touches_no_array_data(tmp_path: Any) -> None:
+    url = str(tmp_path / "c")
+    quire.save(url, {"w": np.ones(5)})
+    import shutil
+
+    shutil.rmtree(tmp_path / "c" / "d")  # no data at all: metadata still works
+    assert quire.metadata(url).tree["w"].shape == (5,)
+
+
+def test_exists_and_overwrite(url: str) -> None:
+    quire.save(url, {"a": np.ones(3)})
+    with pytest.raises(quire.CheckpointExistsError) as ei:
+        quire.save(url, {"a": np.zeros(3)})
+    assert isinstance(ei.value, FileExistsError) and "overwrite=True" in str(ei.value)
+    assert_same({"a": np.ones(3)}, quire.load(url))
+    quire.save(url, {"b": np.zeros(2)}, overwrite=True)
+    assert_same({"b": np.zeros(2)}, quire.load(url))
+    # The old data is gone; only the new txid remains.
+    from quire._url import open_backend
+    from quire import _io
+
+    keys = _io.submit(open_backend(url).list("d")).result()
+    txids = {k.split("/")[1] for k in keys}
+    assert txids == set(quire.metadata(url).txids)
+
+
+def test_not_found(url: str) -> None:
+    with pytest.raises(quire.CheckpointNotFoundError) as ei:
+        quire.load(url)
+    assert isinstance(ei.value, FileNotFoundError) and url.split("://")[-1] in str(ei.value)
+    with pytest.raises(quire.CheckpointNotFoundError):
+        quire.metadata(url)
+
+
+def test_unsupported_leaf_names_key_path(url: str) -> None:
+    class Opaque:
+        pass
+
+    with pytest.raises(quire.UnsupportedLeafError, match="model/layer/act") as ei:
+        quire.save(url, {"model": {"layer": {"act": Opaque()}}})
+    assert isinstance(ei.value, TypeError)
+    with pytest.raises(quire.UnsupportedLeafError, match="str keys"):
+        quire.save(url, {1: np.ones(1)})
+    with pytest.raises(quire.UnsupportedLeafError, match="object"):
+        quire.save(url, {"o": np.array([object()], dtype=object)})
+    with pytest.raises(quire.CheckpointNotFoundError):
+        quire.load(url)  # nothing was committed
+
+
+def test_async_save_and_load(url: str) -> None:
+    x = np.arange(1_000_000, dtype=np.float32)
+    j = jax.device_put(jnp.arange(4096.0).reshape(64, 64), NS(mesh((8,), ("d",)), P("d")))
+    r = quire.save_async(url, {"x": x, "j": j}, metadata={"step": 1})
+    x[:] = -1  # mutating after save_async returns must not change what is saved
+    assert r.result(timeout=60) is None and r.done()
+    out = quire.load_async(url).result()
+    assert np.array_equal(out["x"], np.arange(1_000_000, dtype=np.float32))
+    assert np.array_equal(np.asarray(out["j"]), np.asarray(j))
+
+
+def test_concurrent_async_saves_to_one_url_are_serialised(url: str) -> None:
+    rs = [quire.save_async(url, {"v": np.full(10, i)}, overwrite=True) for i in range(5)]
+    for r in rs:
+        r.result(timeout=60)
+    assert np.array_equal(quire.load(url)["v"], np.full(10, 4))
+    # Without overwrite, the second one fails clearly once the first committed.
+    url2 = url + "-2"
+    a = quire.save_async(url2, {"v": np.ones(1)})
+    b = quire.save_async(url2, {"v": np.zeros(1)})
+    a.result(timeout=60)
+    with pytest.raises(quire.CheckpointExistsError):
+        b.result(timeout=60)
+
+
+def test_racing_writers_exactly_one_commits(tmp_path: Any) -> None:
+    url = str(tmp_path / "race")
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def writer(i: int) -> None:
+        barrier.wait()
+        try:
+            # Different normalisations of one path bypass the in-process per-URL queue.
+            quire.save(url + "/" * i if i else url, {"who": np.full(1000, i)})
+        except BaseException as e:
+            errors.append(e)
+
+    ts = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert len(errors) >= 3 and all(isinstance(e, quire.CheckpointExistsError) for e in errors)
+    who = quire.load(url)["who"]
+    assert len(set(who.tolist())) == 1
