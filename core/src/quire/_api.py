@@ -74,8 +74,12 @@ def _start_save(
                 except BaseException:
                     pass
             await _engine.save_prepared(
-                u, prep, metadata=metadata, overwrite=overwrite,
-                storage_options=storage_options, stats=stats,
+                u,
+                prep,
+                metadata=metadata,
+                overwrite=overwrite,
+                storage_options=storage_options,
+                stats=stats,
             )
 
         fut = _io.submit(run())
@@ -129,7 +133,12 @@ def save(
     """
     # The streaming path: no host copy of the tree, shards are read while writing.
     _start_save(
-        url, tree, metadata=metadata, overwrite=overwrite, storage=storage, copy=False,
+        url,
+        tree,
+        metadata=metadata,
+        overwrite=overwrite,
+        storage=storage,
+        copy=False,
         storage_options=storage_options,
     ).result()
 
@@ -149,7 +158,12 @@ def save_async(
     while this one is in flight starts after it finishes.
     """
     return _start_save(
-        url, tree, metadata=metadata, overwrite=overwrite, storage=storage, copy=True,
+        url,
+        tree,
+        metadata=metadata,
+        overwrite=overwrite,
+        storage=storage,
+        copy=True,
         storage_options=storage_options,
     )
 
@@ -202,7 +216,9 @@ def load(
     return load_async(url, abstract, partial=partial, storage_options=storage_options).result()
 
 
-def metadata(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> CheckpointMetadata:
+def metadata(
+    url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+) -> CheckpointMetadata:
     """Describe the checkpoint at ``url`` (reads only ``quire.json``)."""
     u = normalize(url)
     return _io.submit(_engine.metadata(u, storage_options)).result()

@@ -8,7 +8,6 @@ import sys
 from typing import Any
 
 
-
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -63,11 +62,20 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     lines: list[str] = []
     totals = {"bytes": 0, "arrays": 0, "inline": 0}
-    _print_tree(m.tree if isinstance(m.tree, dict | list | tuple) else {"<root>": m.tree}, "  ", lines, totals)
+    _print_tree(
+        m.tree if isinstance(m.tree, dict | list | tuple) else {"<root>": m.tree},
+        "  ",
+        lines,
+        totals,
+    )
     print(f"checkpoint {m.url}")
-    print(f"  format v{m.format_version}, written by quire {m.library_version}, "
-          f"{m.process_count} process(es), created {m.created.isoformat()}")
-    print(f"  {totals['arrays']} arrays ({_human(totals['bytes'])}), {totals['inline']} inline leaves")
+    print(
+        f"  format v{m.format_version}, written by quire {m.library_version}, "
+        f"{m.process_count} process(es), created {m.created.isoformat()}"
+    )
+    print(
+        f"  {totals['arrays']} arrays ({_human(totals['bytes'])}), {totals['inline']} inline leaves"
+    )
     if m.custom:
         print("  metadata: " + json.dumps(m.custom, sort_keys=True))
     print("tree:")
@@ -105,16 +113,24 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="quire", description="Inspect and check quire checkpoints.")
+    parser = argparse.ArgumentParser(
+        prog="quire", description="Inspect and check quire checkpoints."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("info", help="show a checkpoint's tree (shapes, dtypes, sizes, codecs) and metadata")
+    p = sub.add_parser(
+        "info", help="show a checkpoint's tree (shapes, dtypes, sizes, codecs) and metadata"
+    )
     p.add_argument("url")
     p.add_argument("--json", action="store_true", help="print the raw commit record")
     p.set_defaults(fn=cmd_info)
-    p = sub.add_parser("verify", help="read every chunk and check its checksum (exit 1 on any failure)")
+    p = sub.add_parser(
+        "verify", help="read every chunk and check its checksum (exit 1 on any failure)"
+    )
     p.add_argument("url")
     p.set_defaults(fn=cmd_verify)
-    p = sub.add_parser("plugins", help="list installed plugins per entry-point group, with their status")
+    p = sub.add_parser(
+        "plugins", help="list installed plugins per entry-point group, with their status"
+    )
     p.set_defaults(fn=cmd_plugins)
     args = parser.parse_args(argv)
     from quire.errors import QuireError
@@ -131,4 +147,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

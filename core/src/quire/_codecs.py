@@ -21,12 +21,22 @@ def gzip(level: int = 5, **_: Any) -> Any:
 
 
 def blosc(
-    cname: str = "zstd", clevel: int = 5, shuffle: str = "shuffle", typesize: int | None = None,
-    blocksize: int = 0, **_: Any,
+    cname: str = "zstd",
+    clevel: int = 5,
+    shuffle: str = "shuffle",
+    typesize: int | None = None,
+    blocksize: int = 0,
+    **_: Any,
 ) -> Any:
     from zarr.codecs import BloscCodec
 
-    return BloscCodec(cname=cname, clevel=clevel, shuffle=shuffle, typesize=typesize, blocksize=blocksize)
+    return BloscCodec(
+        cname=cname,
+        clevel=clevel,
+        shuffle=shuffle,
+        typesize=typesize,
+        blocksize=blocksize,  # type: ignore[arg-type]
+    )
 
 
 def crc32c(**_: Any) -> Any:
@@ -37,6 +47,7 @@ def crc32c(**_: Any) -> Any:
 
 def resolve(spec: Any, *, url: str | None = None) -> Any:
     """A zarr bytes-to-bytes codec from an id, a ``{"name", "configuration"}`` dict or a codec."""
+    name: Any
     if isinstance(spec, str):
         name, config = spec, {}
     elif isinstance(spec, dict):

@@ -45,7 +45,9 @@ class Config:
 
 
 _global = Config()
-_override: contextvars.ContextVar[Config | None] = contextvars.ContextVar("quire_config", default=None)
+_override: contextvars.ContextVar[Config | None] = contextvars.ContextVar(
+    "quire_config", default=None
+)
 
 
 def current() -> Config:

@@ -122,7 +122,9 @@ async def _read_record(backend: Backend, url: str) -> tuple[dict[str, Any], str 
                 )
         except Exception:  # listing is only for the hint
             pass
-        raise CheckpointNotFoundError(f"no checkpoint at {url} (no {_format.RECORD}).{hint}") from None
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {url} (no {_format.RECORD}).{hint}"
+        ) from None
     return _format.parse(raw, url), None
 
 
@@ -165,7 +167,9 @@ async def save_prepared(
         stats.update(ctx.stats)
         stats["budget_peak"] = ctx.budget.peak if ctx.budget else 0
     tree_json = to_json(prep.root, lambda n: records[id(n)])
-    data = _format.build(tree=tree_json, txids=[prep.txid], metadata=dict(metadata or {}), process_count=pcount)
+    data = _format.build(
+        tree=tree_json, txids=[prep.txid], metadata=dict(metadata or {}), process_count=pcount
+    )
     await commit(backend, url, data, prep.txid, overwrite=overwrite)
 
 
@@ -175,7 +179,8 @@ async def commit(backend: Backend, url: str, data: bytes, txid: str, *, overwrit
         log.warning(
             "%s: backend %s has no atomic conditional create; a concurrent writer could "
             "race this commit (install a dedicated quire backend for this protocol)",
-            url, type(backend).__name__,
+            url,
+            type(backend).__name__,
         )
     old_txids: list[str] = []
     if overwrite:
@@ -227,9 +232,13 @@ def _is_abstract_leaf(x: Any) -> bool:
 def _diff_message(url: str, missing: list[str], extra: list[str], bad: list[str]) -> str:
     lines = [f"checkpoint {url} does not match the target tree:"]
     if missing:
-        lines.append(f"  in the checkpoint, missing from the target ({len(missing)}): " + ", ".join(missing))
+        lines.append(
+            f"  in the checkpoint, missing from the target ({len(missing)}): " + ", ".join(missing)
+        )
     if extra:
-        lines.append(f"  in the target, missing from the checkpoint ({len(extra)}): " + ", ".join(extra))
+        lines.append(
+            f"  in the target, missing from the checkpoint ({len(extra)}): " + ", ".join(extra)
+        )
     if bad:
         lines.append(f"  mismatched ({len(bad)}): " + "; ".join(bad))
     fix = "fix the abstract tree"
@@ -269,7 +278,9 @@ async def load_doc(
         tpaths = {t.path for t in tleaves}
         missing = [] if partial else [keystr(p) for p in saved_leaves if p not in tpaths]
         extra = [keystr(t.path) for t in tleaves if t.path not in saved_leaves]
-        pairs = [(t, saved_leaves[t.path].value, t.value) for t in tleaves if t.path in saved_leaves]
+        pairs = [
+            (t, saved_leaves[t.path].value, t.value) for t in tleaves if t.path in saved_leaves
+        ]
         bad = []
         for t, rec, target in pairs:
             h = _handlers.get(rec["handler"], url=url)
@@ -278,7 +289,10 @@ async def load_doc(
                 bad.append(f"{keystr(t.path)!r}: {why}")
         if missing or extra or bad:
             raise TreeMismatchError(
-                _diff_message(url, missing, extra, bad), missing=missing, extra=extra, mismatched=bad
+                _diff_message(url, missing, extra, bad),
+                missing=missing,
+                extra=extra,
+                mismatched=bad,
             )
     ctx = LoadContext(url, backend, jax.process_index(), jax.process_count())
     groups: dict[str, list[tuple[Node, LoadEntry]]] = collections.defaultdict(list)
@@ -309,7 +323,9 @@ def _rebuild_saved(node: Node, values: dict[int, Any]) -> Any:
     return kids
 
 
-async def load(url: str, abstract: Any, *, partial: bool, storage_options: dict[str, Any] | None = None) -> Any:
+async def load(
+    url: str, abstract: Any, *, partial: bool, storage_options: dict[str, Any] | None = None
+) -> Any:
     backend = open_backend(url, storage_options)
     doc, _ = await _read_record(backend, url)
     return await load_doc(url, doc, backend, abstract, partial=partial)
@@ -329,7 +345,9 @@ def metadata_from_doc(url: str, doc: dict[str, Any]) -> CheckpointMetadata:
         except QuireError:
             raise
         except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(f"{url}/quire.json: malformed {hid!r} leaf record: {e!r}") from e
+            raise CorruptCheckpointError(
+                f"{url}/quire.json: malformed {hid!r} leaf record: {e!r}"
+            ) from e
         for leaf, m in zip(leaves, ms):
             metas[id(leaf)] = m
     return CheckpointMetadata(
@@ -363,7 +381,9 @@ class VerifyProblem:
 
 
 async def verify(
-    url: str, storage_options: dict[str, Any] | None = None, progress: Callable[[int], None] | None = None
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[int, list[VerifyProblem]]:
     """Read every chunk of every array leaf and check it; returns (chunks checked, problems)."""
     from quire._handlers.arrays import layout_from_record
@@ -383,11 +403,15 @@ async def verify(
         layout = layout_from_record(rec, url)
         loc = rec["location"]
         if not await backend.exists(f"{loc}/zarr.json"):
-            problems.append(VerifyProblem(keystr(leaf.path), f"{loc}/zarr.json", "missing zarr metadata"))
+            problems.append(
+                VerifyProblem(keystr(leaf.path), f"{loc}/zarr.json", "missing zarr metadata")
+            )
         if not np.prod(layout.shape):
             continue
 
-        async def one(coords: tuple[int, ...], layout: Any = layout, loc: str = loc, path: KeyPath = leaf.path) -> None:
+        async def one(
+            coords: tuple[int, ...], layout: Any = layout, loc: str = loc, path: KeyPath = leaf.path
+        ) -> None:
             nonlocal checked
             reg = layout.chunk_region(coords)
             async with sem:
@@ -395,7 +419,9 @@ async def verify(
                 try:
                     await read_region(backend, loc, layout, reg, buf)
                 except ChunkError as e:
-                    problems.append(VerifyProblem(keystr(path), f"{loc}/{layout.chunk_key(coords)}", str(e)))
+                    problems.append(
+                        VerifyProblem(keystr(path), f"{loc}/{layout.chunk_key(coords)}", str(e))
+                    )
                 checked += 1
                 if progress:
                     progress(1)

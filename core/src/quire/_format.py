@@ -61,7 +61,11 @@ def _check_tree(url: str, node: Any, depth: int = 0) -> None:
         raise _bad(url, f"{kind} node without a children list")
     if kind == "dict":
         keys = node.get("keys")
-        if not isinstance(keys, list) or len(keys) != len(children) or not all(isinstance(k, str) for k in keys):
+        if (
+            not isinstance(keys, list)
+            or len(keys) != len(children)
+            or not all(isinstance(k, str) for k in keys)
+        ):
             raise _bad(url, "dict node whose keys are not a list of strings matching its children")
         if len(set(keys)) != len(keys):
             raise _bad(url, "dict node with duplicate keys")

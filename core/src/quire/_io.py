@@ -26,7 +26,9 @@ def pool() -> concurrent.futures.ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(io_threads(), thread_name_prefix="quire-io")
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                io_threads(), thread_name_prefix="quire-io"
+            )
         return _pool
 
 

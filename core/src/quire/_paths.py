@@ -21,7 +21,7 @@ def escape_component(key: object) -> str:
     out = quote(s, safe=_SAFE)
     if len(out) > MAX_COMPONENT:
         h = hashlib.sha256(s.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-        out = f"{out[:MAX_COMPONENT - 18]}~{h}"
+        out = f"{out[: MAX_COMPONENT - 18]}~{h}"
     return out
 
 
@@ -31,7 +31,7 @@ def escape_path(path: KeyPath) -> str:
     s = "/".join(parts)
     if len(s) > MAX_PATH:
         h = hashlib.sha256(repr(path).encode("utf-8", "surrogatepass")).hexdigest()[:24]
-        s = f"{s[:MAX_PATH - 40].rsplit('/', 1)[0]}/~{h}"
+        s = f"{s[: MAX_PATH - 40].rsplit('/', 1)[0]}/~{h}"
     return s
 
 

@@ -114,8 +114,12 @@ class Registry:
             where = f" (needed for {url})" if url else ""
             if not eps:
                 hint = INSTALL_HINTS.get((self.group, name))
-                fix = f"install {hint} (pip install {hint})" if hint else (
-                    f"install a package that provides it (installed: {', '.join(self.names()) or 'none'})"
+                fix = (
+                    f"install {hint} (pip install {hint})"
+                    if hint
+                    else (
+                        f"install a package that provides it (installed: {', '.join(self.names()) or 'none'})"
+                    )
                 )
                 raise PluginError(f"no {self.group} plugin named {name!r}{where}; {fix}")
             ep = self._choose(name, eps)
@@ -146,7 +150,9 @@ class Registry:
                         status = "ok"
                     except PluginError as e:
                         cause = e.__cause__
-                        status = f"failed: {type(cause).__name__}: {cause}" if cause else f"failed: {e}"
+                        status = (
+                            f"failed: {type(cause).__name__}: {cause}" if cause else f"failed: {e}"
+                        )
                 out.append(PluginInfo(self.group, name, ep.value, dist, ver, status))
         for name, obj in sorted(self._runtime.items()):
             out.append(PluginInfo(self.group, name, repr(obj), "<runtime>", "", "ok"))

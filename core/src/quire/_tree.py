@@ -94,12 +94,14 @@ def walk(tree: Any, is_leaf: Callable[[Any], bool], *, what: str = "tree") -> No
             return Node("dict", keys, [go(x[k], (*path, k)) for k in keys], path=path)
         if type(x) in (list, tuple):
             kids = [go(v, (*path, i)) for i, v in enumerate(x)]
-            return Node("list" if type(x) is list else "tuple", list(range(len(x))), kids, path=path)
+            return Node(
+                "list" if type(x) is list else "tuple", list(range(len(x))), kids, path=path
+            )
         # Any other registered JAX pytree node, one level at a time.
         kids_with_keys, treedef = jax.tree_util.tree_flatten_with_path(
             x, is_leaf=lambda c: c is not x
         )
-        if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+        if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # type: ignore[attr-defined]
             raise UnsupportedLeafError(
                 f"{what}: leaf at {keystr(path)!r} has type {type(x).__module__}.{type(x).__qualname__}, "
                 "which no installed leaf handler saves; convert it to an array or scalar, register "

@@ -22,13 +22,13 @@ from quire._dtypes import dtype_name
 from quire._io import run_blocking
 from quire.backends import Backend, Buffer
 
+_crc32c: Any
 try:
     from crc32c import crc32c as _crc32c
 except ImportError:  # pragma: no cover - crc32c is a dependency; google-crc32c comes with zarr
     import google_crc32c
 
-    def _crc32c(data: Any) -> int:
-        return int(google_crc32c.value(bytes(data)))
+    _crc32c = google_crc32c.value
 
 
 _U64_MAX = 2**64 - 1
@@ -37,6 +37,13 @@ MAX_OPEN_CHUNKS = 64  # concurrent chunk reads/writes per array operation
 
 class ChunkError(Exception):
     """A chunk failed verification (bad checksum, wrong size, missing, undecodable)."""
+
+
+def _bytes_view(arr: np.ndarray) -> memoryview:
+    """A flat byte view of a C-contiguous array (no copy)."""
+    if not arr.size:
+        return memoryview(bytearray())
+    return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 def crc32c(data: Any) -> int:
@@ -100,7 +107,8 @@ class ArrayLayout:
 
     def chunk_region(self, coords: Sequence[int]) -> tuple[slice, ...]:
         return tuple(
-            slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(coords, self.chunk_shape, self.shape)
+            slice(i * c, min((i + 1) * c, s))
+            for i, c, s in zip(coords, self.chunk_shape, self.shape)
         )
 
     def chunks_in(self, region: Sequence[slice]) -> Iterator[tuple[int, ...]]:
@@ -178,7 +186,7 @@ class ArrayLayout:
     def _encode_one(self, arr: np.ndarray) -> list[Buffer]:
         """Encode one (inner) chunk of exactly its chunk shape; returns buffers."""
         arr = np.ascontiguousarray(_le(arr))
-        raw = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
+        raw = _bytes_view(arr)
         if not self.compressors:
             return [raw, crc_bytes(raw)] if self.checksum else [raw]
         from zarr.core.buffer.cpu import Buffer as ZBuffer
@@ -303,7 +311,7 @@ async def _read_raw_into(
     backend: Backend, key: str, layout: ArrayLayout, dest: np.ndarray, offset: int | None = None
 ) -> None:
     """Read an uncompressed (inner) chunk straight into C-contiguous ``dest`` and verify."""
-    body = memoryview(dest.reshape(-1).view(np.uint8)) if dest.size else memoryview(bytearray())
+    body = _bytes_view(dest)
     tail = bytearray(5 if layout.checksum else 1)
     n = await backend.get_into(key, [body, memoryview(tail)], offset or 0)
     want = body.nbytes + (4 if layout.checksum else 0)
@@ -335,9 +343,10 @@ async def _read_chunk_region(
     corigin = [r.start for r in creg]
     try:
         if layout.inner_shape is None:
-            full = all(
-                (r.stop - r.start) == c for r, c in zip(creg, layout.chunk_shape)
-            ) and ov == creg
+            full = (
+                all((r.stop - r.start) == c for r, c in zip(creg, layout.chunk_shape))
+                and ov == creg
+            )
             if layout.fast and full and dest.flags.c_contiguous and dest.dtype == layout.dtype:
                 await _read_raw_into(backend, key, layout, dest)
                 return
@@ -373,7 +382,9 @@ async def _read_sharded(
         raw = raw[:-4]
     index = np.frombuffer(raw, dtype="<u8").reshape((*ng, 2))
     local = tuple(slice(r.start - o, r.stop - o) for r, o in zip(ov, corigin))  # chunk coordinates
-    sub = ArrayLayout(layout.chunk_shape, layout.dtype, inner, None, layout.compressors, layout.checksum)
+    sub = ArrayLayout(
+        layout.chunk_shape, layout.dtype, inner, None, layout.compressors, layout.checksum
+    )
 
     async def one(ic: tuple[int, ...]) -> None:
         off, nb = (int(v) for v in index[ic])
@@ -387,7 +398,9 @@ async def _read_sharded(
         d = dest[_shift(iov, [r.start for r in local])]
         if sub.fast and iov == ireg and d.flags.c_contiguous and d.dtype == layout.dtype:
             if nb != sub.encoded_size(inner):
-                raise ChunkError(f"inner chunk {ic} has {nb} bytes, expected {sub.encoded_size(inner)}")
+                raise ChunkError(
+                    f"inner chunk {ic} has {nb} bytes, expected {sub.encoded_size(inner)}"
+                )
             await _read_raw_into(backend, key, sub, d, off)
             return
         data = await backend.get(key, off, off + nb)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import ctypes.util
 import errno
@@ -33,7 +34,7 @@ def local_path(url: str) -> str:
         if parts.netloc not in ("", "localhost"):
             path = "//" + parts.netloc + path
         return os.path.abspath(path)
-    if url.startswith(("local://")):
+    if url.startswith("local://"):
         return os.path.abspath(url[len("local://") :])
     return os.path.abspath(os.path.expanduser(url))
 
@@ -127,10 +128,10 @@ class LocalBackend(Backend):
             return None
         return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
 
-    async def list(self, prefix: str = "") -> list[str]:
+    async def list(self, prefix: str = "") -> builtins.list[str]:
         return await run_blocking(self._list, prefix)
 
-    def _list(self, prefix: str) -> list[str]:
+    def _list(self, prefix: str) -> builtins.list[str]:
         base = self._p(prefix.rstrip("/"))
         if os.path.isfile(base):
             return [prefix.rstrip("/")]
@@ -239,7 +240,7 @@ class LocalBackend(Backend):
     async def delete(self, keys: Sequence[str]) -> None:
         await run_blocking(self._delete, list(keys))
 
-    def _delete(self, keys: list[str]) -> None:
+    def _delete(self, keys: builtins.list[str]) -> None:
         dirs = set()
         for k in keys:
             p = self._p(k)

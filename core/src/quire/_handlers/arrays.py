@@ -49,6 +49,18 @@ class _Plan:
     source_dtype: str | None = None
 
 
+def _const(a: np.ndarray) -> Callable[[], np.ndarray]:
+    return lambda: a
+
+
+def _host(x: Any) -> Callable[[], np.ndarray]:
+    return lambda: np.asarray(x)
+
+
+def _cast(f: Callable[[], np.ndarray], dtype: np.dtype[Any]) -> Callable[[], np.ndarray]:
+    return lambda: f().astype(dtype)
+
+
 def _sharding_json(s: Any) -> dict[str, Any] | None:
     if isinstance(s, jax.sharding.NamedSharding):
         spec = [list(p) if isinstance(p, tuple) else p for p in s.spec]
@@ -80,8 +92,8 @@ def _plan(value: Any, storage: Any, path: tuple[Any, ...]) -> _Plan:
                 if c == 0 or sl.start % c or (sl.stop - sl.start != c and sl.stop != n):
                     aligned = False
                 coords.append(sl.start // c if c else 0)
-            owned.append((tuple(coords), (lambda d=s.data: np.asarray(d))))
-        on_cpu = all(d.platform == "cpu" for d in sharding.device_set)
+            owned.append((tuple(coords), _host(s.data)))
+        on_cpu = all(getattr(d, "platform", "") == "cpu" for d in sharding.device_set)
         if not aligned:
             if not value.is_fully_addressable:
                 raise UnsupportedLeafError(
@@ -89,7 +101,7 @@ def _plan(value: Any, storage: Any, path: tuple[Any, ...]) -> _Plan:
                     "which quire cannot save from several processes; reshard it to a NamedSharding"
                 )
             chunk = shape
-            owned = [(tuple(0 for _ in shape), lambda v=value: np.asarray(v))]
+            owned = [(tuple(0 for _ in shape), _host(value))]
         plan = _Plan(shape, src, chunk, owned, not on_cpu, _sharding_json(sharding))
     else:
         arr = np.asarray(value)
@@ -97,7 +109,7 @@ def _plan(value: Any, storage: Any, path: tuple[Any, ...]) -> _Plan:
         if swapped:  # store little-endian, like every other array
             arr = arr.astype(arr.dtype.newbyteorder("="))
         shape = tuple(arr.shape)
-        plan = _Plan(shape, arr.dtype, shape, [(tuple(0 for _ in shape), lambda a=arr: a)], swapped)
+        plan = _Plan(shape, arr.dtype, shape, [(tuple(0 for _ in shape), _const(arr))], swapped)
     try:
         dtype_name(plan.dtype)
     except TypeError:
@@ -107,7 +119,7 @@ def _plan(value: Any, storage: Any, path: tuple[Any, ...]) -> _Plan:
     plan.chunk_shape = tuple(max(1, c) for c in plan.chunk_shape)
     if cast is not None and cast != plan.dtype:
         plan.source_dtype = dtype_name(plan.dtype)
-        plan.owned = [(c, (lambda f=f: f().astype(cast))) for c, f in plan.owned]
+        plan.owned = [(c, _cast(f, cast)) for c, f in plan.owned]
         plan.dtype = cast
         plan.allocates = True
     return plan
@@ -155,7 +167,9 @@ def layout_from_record(rec: Mapping[str, Any], url: str | None = None) -> ArrayL
     except QuireError:
         raise
     except (KeyError, TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{url}: malformed array record ({e!r}); the commit record is damaged") from e
+        raise CorruptCheckpointError(
+            f"{url}: malformed array record ({e!r}); the commit record is damaged"
+        ) from e
     return ArrayLayout(shape, dtype, chunk, inner_t, comps, checksum)
 
 
@@ -166,7 +180,7 @@ def _target_kind(target: Any, handler_id: str) -> str:
         return "numpy"
     if isinstance(target, jax.ShapeDtypeStruct | jax.Array) or target is jax.Array:
         return "jax"
-    if isinstance(target, type) or isinstance(target, bool | int | float | complex):
+    if isinstance(target, type | bool | int | float | complex):
         return "python"
     return "jax"
 
@@ -192,7 +206,7 @@ class ArrayHandler:
         out = []
         for e in entries:
             plan = _plan(self._to_array(e.value), e.storage, e.path)
-            plan.owned = [(c, (lambda a=np.array(f(), copy=True): a)) for c, f in plan.owned]
+            plan.owned = [(c, _const(np.array(f(), copy=True))) for c, f in plan.owned]
             plan.allocates = False
             out.append(replace(e, value=plan))
         return out
@@ -208,7 +222,11 @@ class ArrayHandler:
         sem = asyncio.Semaphore(64)
 
         async def one(e: SaveEntry) -> dict[str, Any]:
-            plan = e.value if isinstance(e.value, _Plan) else _plan(self._to_array(e.value), e.storage, e.path)
+            plan = (
+                e.value
+                if isinstance(e.value, _Plan)
+                else _plan(self._to_array(e.value), e.storage, e.path)
+            )
             layout = _layout(plan, e.storage, ctx.url)
             jobs = []
             if ctx.is_primary:
@@ -255,7 +273,9 @@ class ArrayHandler:
             except QuireError:
                 raise
             except Exception as err:
-                raise QuireError(f"{ctx.url}: saving leaf {keystr(e.path)!r} failed: {err}") from err
+                raise QuireError(
+                    f"{ctx.url}: saving leaf {keystr(e.path)!r} failed: {err}"
+                ) from err
 
         return list(await asyncio.gather(*(guarded(e) for e in entries)))
 
@@ -288,9 +308,7 @@ class ArrayHandler:
 
         return list(await asyncio.gather(*(one(e) for e in entries)))
 
-    async def _read_array(
-        self, e: LoadEntry, ctx: LoadContext, target: Any, kind: str
-    ) -> Any:
+    async def _read_array(self, e: LoadEntry, ctx: LoadContext, target: Any, kind: str) -> Any:
         layout = layout_from_record(e.record, ctx.url)
         loc = e.record["location"]
         tdtype = getattr(target, "dtype", None) if kind != "python" else None
@@ -321,7 +339,9 @@ class ArrayHandler:
         for dev, idx in idx_map.items():
             norm = _norm_index(idx, shape) if shape else ()
             regions.setdefault(tuple((s.start, s.stop) for s in norm), []).append(dev)
-        per_region = math.prod(b - a for a, b in next(iter(regions))) * layout.dtype.itemsize if shape else 0
+        per_region = (
+            math.prod(b - a for a, b in next(iter(regions))) * layout.dtype.itemsize if shape else 0
+        )
         self._check_memory(per_region, e, ctx)
         arrays: dict[Any, Any] = {}
 
@@ -400,7 +420,9 @@ class JaxArrayHandler(ArrayHandler):
     id = "jax"
 
     def handles(self, value: Any) -> bool:
-        return isinstance(value, jax.Array) and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+        return isinstance(value, jax.Array) and not jax.dtypes.issubdtype(
+            value.dtype, jax.dtypes.prng_key
+        )
 
 
 class PRNGKeyHandler(ArrayHandler):
@@ -410,7 +432,9 @@ class PRNGKeyHandler(ArrayHandler):
     priority = 10
 
     def handles(self, value: Any) -> bool:
-        return isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+        return isinstance(value, jax.Array) and jax.dtypes.issubdtype(
+            value.dtype, jax.dtypes.prng_key
+        )
 
     def _to_array(self, value: Any) -> Any:
         return jax.random.key_data(value)
@@ -438,10 +462,16 @@ class PRNGKeyHandler(ArrayHandler):
     async def _load_one(self, e: LoadEntry, ctx: LoadContext) -> Any:
         impl = e.record.get("impl")
         if not isinstance(impl, str):
-            raise CorruptCheckpointError(f"{ctx.url}: leaf {keystr(e.path)!r}: PRNG key record lacks its impl")
+            raise CorruptCheckpointError(
+                f"{ctx.url}: leaf {keystr(e.path)!r}: PRNG key record lacks its impl"
+            )
         target = e.target
         data_target = None
-        if target is not None and getattr(target, "sharding", None) is not None and not isinstance(target, type):
+        if (
+            target is not None
+            and getattr(target, "sharding", None) is not None
+            and not isinstance(target, type)
+        ):
             data_target = jax.ShapeDtypeStruct(tuple(e.record["shape"]), np.uint32)
         data = await self._read_array(e, ctx, data_target, "jax")
         key = jax.random.wrap_key_data(data, impl=impl)

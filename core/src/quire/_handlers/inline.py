@@ -73,7 +73,7 @@ class _Inline:
 
 def convert(value: Any, target: Any, path: tuple[Any, ...]) -> Any:
     """An inline value as the abstract target asks: a type, or a value of that type."""
-    if target is None or isinstance(target, type(value)) and not isinstance(target, type):
+    if target is None or (isinstance(target, type(value)) and not isinstance(target, type)):
         return value
     t = target if isinstance(target, type) else type(target)
     if isinstance(target, np.generic):
@@ -117,7 +117,11 @@ class ScalarHandler(_Inline):
             name = dtype_name(v.dtype)
             py = v.item() if v.dtype.kind in "biucf" else float(v)
             if v.dtype.kind == "c":
-                return {"type": "numpy", "dtype": name, "value": [_enc_float(py.real), _enc_float(py.imag)]}
+                return {
+                    "type": "numpy",
+                    "dtype": name,
+                    "value": [_enc_float(py.real), _enc_float(py.imag)],
+                }
             if isinstance(py, float) or v.dtype.kind == "V":
                 return {"type": "numpy", "dtype": name, "value": _enc_float(float(py))}
             return {"type": "numpy", "dtype": name, "value": py}
