@@ -31,16 +31,19 @@ def _print_tree(node: Any, indent: str, out: list[str], totals: dict[str, int]) 
             totals["bytes"] += v.nbytes
             totals["arrays"] += 1
             extras = []
+            dtype = v.dtype.name
+            if v.handler == "prng_key":
+                dtype = "prng_key"
             if v.codecs:
                 extras.append("codecs=" + "+".join(v.codecs))
             if not v.checksum:
                 extras.append("no checksum")
-            if v.chunk_shape and tuple(v.chunk_shape) != tuple(v.shape):
+            if v.handler != "prng_key" and v.chunk_shape and tuple(v.chunk_shape) != tuple(v.shape):
                 extras.append(f"chunks={list(v.chunk_shape)}")
             if v.sharding and v.sharding.get("type") == "named":
                 extras.append(f"mesh={v.sharding.get('mesh')} spec={v.sharding.get('spec')}")
             out.append(
-                f"{indent}{name}: {v.dtype.name}{list(v.shape)} {_human(v.nbytes)}"
+                f"{indent}{name}: {dtype}{list(v.shape)} {_human(v.nbytes)}"
                 + (f"  ({', '.join(extras)})" if extras else "")
             )
         elif isinstance(v, dict | list | tuple):
