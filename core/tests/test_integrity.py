@@ -58,7 +58,12 @@ def _dtype(name: str) -> np.dtype[Any]:
 
 
 def _data(name: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
-    """Deterministic values spanning the dtype's range (specials included for floats)."""
+    """Deterministic values spanning the dtype's range (specials included for floats);
+    always an ``ndarray`` (0-d included: numpy scalars are inline leaves, not arrays)."""
+    return np.asarray(_values(name, shape, seed))
+
+
+def _values(name: str, shape: tuple[int, ...], seed: int) -> Any:
     rng = np.random.default_rng(seed)
     dt = _dtype(name)
     if dt.kind == "b":
@@ -454,8 +459,20 @@ def good_ckpt(tmp_path: Path) -> Path:
     return url
 
 
+def _tree_holder(doc: dict[str, Any]) -> dict[str, Any]:
+    """The object holding the pytree's ``"tree"`` (top level, or the ``pytree`` unit)."""
+    if "tree" in doc:
+        return doc
+    units = doc["units"]
+    return units.get("pytree") or next(u for u in units.values() if u.get("kind") == "pytree")
+
+
+def _tree(doc: dict[str, Any]) -> dict[str, Any]:
+    return _tree_holder(doc)["tree"]
+
+
 def _w_leaf(doc: dict[str, Any]) -> dict[str, Any]:
-    params = doc["tree"]["children"][doc["tree"]["keys"].index("params")]
+    params = _tree(doc)["children"][_tree(doc)["keys"].index("params")]
     return params["children"][params["keys"].index("w")]
 
 
@@ -471,6 +488,12 @@ def _set_w(field: str, value: Any):
     return _edit(lambda d: _w_leaf(d).__setitem__(field, value))
 
 
+def _deep_tree(node: dict[str, Any], depth: int) -> dict[str, Any]:
+    for _ in range(depth):
+        node = {"kind": "list", "children": [node]}
+    return node
+
+
 RAW_DEFECTS = {
     "empty": lambda raw: b"",
     "truncated": lambda raw: raw[: len(raw) // 2],
@@ -479,9 +502,6 @@ RAW_DEFECTS = {
     "binary": lambda raw: b"\xff\xfe\x00\x01" * 10,
     "nul-padded": lambda raw: b"\x00" * len(raw),
     "nested-deep": lambda raw: b"[" * 100_000 + b"]" * 100_000,
-    "nested-deep-tree": lambda raw: raw.replace(
-        b'"tree":', b'"tree":' + b'{"kind":"list","children":[' * 300, 1
-    )[:-1] + b"]}" * 300 + b"}",
 }
 
 DOC_DEFECTS = {
@@ -495,15 +515,16 @@ DOC_DEFECTS = {
     "version-bool": _edit(lambda d: d.__setitem__("version", True)),
     "version-0": _edit(lambda d: d.__setitem__("version", 0)),
     "no-version": _edit(lambda d: d.pop("version")),
-    "tree-list": _edit(lambda d: d.__setitem__("tree", [])),
-    "tree-str": _edit(lambda d: d.__setitem__("tree", "dict")),
-    "tree-missing": _edit(lambda d: d.pop("tree")),
-    "tree-bad-kind": _edit(lambda d: d["tree"].__setitem__("kind", "set")),
-    "keys-not-strings": _edit(lambda d: d["tree"].__setitem__("keys", [1, 2])),
-    "keys-not-list": _edit(lambda d: d["tree"].__setitem__("keys", "params")),
-    "keys-too-few": _edit(lambda d: d["tree"].__setitem__("keys", ["params"])),
-    "keys-duplicate": _edit(lambda d: d["tree"].__setitem__("keys", ["params", "params"])),
-    "children-not-list": _edit(lambda d: d["tree"].__setitem__("children", {"a": 1})),
+    "tree-list": _edit(lambda d: _tree_holder(d).__setitem__("tree", [])),
+    "tree-str": _edit(lambda d: _tree_holder(d).__setitem__("tree", "dict")),
+    "tree-missing": _edit(lambda d: _tree_holder(d).pop("tree")),
+    "tree-too-deep": _edit(lambda d: _tree_holder(d).__setitem__("tree", _deep_tree(_tree(d), 300))),
+    "tree-bad-kind": _edit(lambda d: _tree(d).__setitem__("kind", "set")),
+    "keys-not-strings": _edit(lambda d: _tree(d).__setitem__("keys", [1, 2])),
+    "keys-not-list": _edit(lambda d: _tree(d).__setitem__("keys", "params")),
+    "keys-too-few": _edit(lambda d: _tree(d).__setitem__("keys", ["params"])),
+    "keys-duplicate": _edit(lambda d: _tree(d).__setitem__("keys", ["params", "params"])),
+    "children-not-list": _edit(lambda d: _tree(d).__setitem__("children", {"a": 1})),
     "leaf-no-handler": _edit(lambda d: _w_leaf(d).pop("handler")),
     "txids-str": _edit(lambda d: d.__setitem__("txids", d["txids"][0])),
     "txids-dict": _edit(lambda d: d.__setitem__("txids", {"a": 1})),

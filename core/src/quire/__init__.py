@@ -5,9 +5,20 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from quire import errors
-from quire._api import AsyncResponse, load, load_async, metadata, save, save_async
+from quire._api import (
+    AsyncResponse,
+    load,
+    load_async,
+    load_checkpointables,
+    metadata,
+    save,
+    save_async,
+    save_checkpointables,
+    save_checkpointables_async,
+)
 from quire._config import Config, configure
 from quire._dtypes import register_with_zarr as _register_with_zarr
+from quire.checkpointables import Checkpointable, CheckpointableHandler
 from quire.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -27,6 +38,8 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointMetadata",
     "CheckpointNotFoundError",
+    "Checkpointable",
+    "CheckpointableHandler",
     "Config",
     "CorruptCheckpointError",
     "LeafMetadata",
@@ -40,7 +53,10 @@ __all__ = [
     "errors",
     "load",
     "load_async",
+    "load_checkpointables",
     "metadata",
     "save",
     "save_async",
+    "save_checkpointables",
+    "save_checkpointables_async",
 ]

@@ -51,7 +51,7 @@ class AsyncResponse(Generic[T]):
 
 def _start_save(
     url: str | os.PathLike[str],
-    tree: Any,
+    units: Mapping[str, Any],
     *,
     metadata: Mapping[str, Any] | None,
     overwrite: bool,
@@ -61,7 +61,7 @@ def _start_save(
     stats: dict[str, Any] | None = None,
 ) -> AsyncResponse[None]:
     u = normalize(url)
-    prep = _engine.prepare_save(tree, storage, copy=copy, url=u)
+    prep = _engine.prepare_save(units, storage, copy=copy, url=u)
 
     with _inflight_lock:
         prev = _inflight.get(u)
@@ -134,7 +134,7 @@ def save(
     # The streaming path: no host copy of the tree, shards are read while writing.
     _start_save(
         url,
-        tree,
+        {_engine.PYTREE: tree},
         metadata=metadata,
         overwrite=overwrite,
         storage=storage,
@@ -159,13 +159,81 @@ def save_async(
     """
     return _start_save(
         url,
-        tree,
+        {_engine.PYTREE: tree},
         metadata=metadata,
         overwrite=overwrite,
         storage=storage,
         copy=True,
         storage_options=storage_options,
     )
+
+
+def save_checkpointables(
+    url: str | os.PathLike[str],
+    checkpointables: Mapping[str, Any],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    storage: StorageSpec = None,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """Save several named units (pytrees, JSON configs, checkpointable objects) in one commit.
+
+    ``quire.save(url, tree)`` is ``save_checkpointables(url, {"pytree": tree})``.  See
+    :mod:`quire.checkpointables` for what a unit may be.
+    """
+    from quire.checkpointables import as_mapping
+
+    _start_save(
+        url,
+        as_mapping(checkpointables),
+        metadata=metadata,
+        overwrite=overwrite,
+        storage=storage,
+        copy=False,
+        storage_options=storage_options,
+    ).result()
+
+
+def save_checkpointables_async(
+    url: str | os.PathLike[str],
+    checkpointables: Mapping[str, Any],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    storage: StorageSpec = None,
+    storage_options: dict[str, Any] | None = None,
+) -> AsyncResponse[None]:
+    """:func:`save_checkpointables` in the background (blocks only for host copies)."""
+    from quire.checkpointables import as_mapping
+
+    return _start_save(
+        url,
+        as_mapping(checkpointables),
+        metadata=metadata,
+        overwrite=overwrite,
+        storage=storage,
+        copy=True,
+        storage_options=storage_options,
+    )
+
+
+def load_checkpointables(
+    url: str | os.PathLike[str],
+    checkpointables: Mapping[str, Any] | None = None,
+    *,
+    partial: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Load the named units (all of them when ``checkpointables`` is None).
+
+    Each value of ``checkpointables`` is the unit's target: an abstract tree for a pytree
+    unit (None: as saved), the object to restore into for a Checkpointable unit.
+    """
+    u = normalize(url)
+    return _io.submit(
+        _engine.load_units(u, checkpointables, partial=partial, storage_options=storage_options)
+    ).result()
 
 
 def load_async(

@@ -26,10 +26,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from quire import _format, _handlers
+from quire import _checkpointables, _format, _handlers
 from quire._budget import ByteBudget
 from quire._config import current
-from quire._paths import assign_locations, is_safe_location
+from quire._paths import assign_locations, escape_component, is_safe_location
 from quire._tree import KeyPath, Node, from_json, keystr, to_json, walk
 from quire._url import open_backend
 from quire.backends import Backend, PreconditionFailed
@@ -46,6 +46,7 @@ from quire.metadata import CheckpointMetadata
 from quire.options import StorageOptions, StorageSpec
 
 log = logging.getLogger("quire")
+PYTREE = "pytree"
 JOURNAL_DIR = "journal"
 
 
@@ -61,11 +62,13 @@ def process_layout() -> tuple[int, int, int]:
 # ----------------------------------------------------------------------------- saving
 @dataclass
 class PreparedSave:
-    """A tree walked and assigned to handlers, ready for the asynchronous part."""
+    """Units walked and assigned to handlers, ready for the asynchronous part."""
 
-    root: Node
-    groups: dict[str, list[tuple[Node, SaveEntry]]]
     txid: str
+    roots: dict[str, Node]  # pytree units
+    groups: dict[str, list[tuple[Node, SaveEntry]]]  # leaf handler id -> leaves (all units)
+    objects: dict[str, tuple[str, Any]]  # other units: name -> (checkpointable handler id, obj)
+    order: list[str]  # unit names, in the caller's order
 
 
 def _is_leaf_value(x: Any) -> bool:
@@ -89,24 +92,37 @@ def _storage_for(storage: StorageSpec, path: KeyPath, leaf: Any) -> StorageOptio
     return got
 
 
-def prepare_save(tree: Any, storage: StorageSpec, *, copy: bool, url: str) -> PreparedSave:
-    """Walk ``tree``, choose handlers, assign locations; copy to host when ``copy``."""
-    root = walk(tree, _is_leaf_value, what=url)
+def prepare_save(
+    units: Mapping[str, Any], storage: StorageSpec, *, copy: bool, url: str
+) -> PreparedSave:
+    """Walk every unit, choose handlers, assign locations; copy to host when ``copy``."""
     txid = new_txid()
-    leaves = list(root.leaves())
-    locs = assign_locations([n.path for n in leaves], f"d/{txid}")
+    roots: dict[str, Node] = {}
+    objects: dict[str, tuple[str, Any]] = {}
     groups: dict[str, list[tuple[Node, SaveEntry]]] = collections.defaultdict(list)
-    for node, loc in zip(leaves, locs):
-        h = _handlers.for_value(node.value)
-        if h is None:  # pragma: no cover - walk() only stops at handled leaves
-            raise UnsupportedLeafError(f"{url}: no handler for leaf {keystr(node.path)!r}")
-        entry = SaveEntry(node.path, node.value, _storage_for(storage, node.path, node.value), loc)
-        groups[h.id].append((node, entry))
+    for name, obj in units.items():
+        hid = _checkpointables.handler_for(obj) if name != PYTREE else None
+        if hid is not None:
+            h = _checkpointables.get(hid, url=url)
+            objects[name] = (hid, _checkpointables.snapshot(h, obj) if copy else obj)
+            continue
+        root = walk(obj, _is_leaf_value, what=url if name == PYTREE else f"{url} unit {name!r}")
+        roots[name] = root
+        leaves = list(root.leaves())
+        locs = assign_locations([n.path for n in leaves], f"d/{txid}/{escape_component(name)}")
+        for node, loc in zip(leaves, locs):
+            h = _handlers.for_value(node.value)
+            if h is None:  # pragma: no cover - walk() only stops at handled leaves
+                raise UnsupportedLeafError(f"{url}: no handler for leaf {keystr(node.path)!r}")
+            entry = SaveEntry(
+                node.path, node.value, _storage_for(storage, node.path, node.value), loc
+            )
+            groups[h.id].append((node, entry))
     if copy:
         for hid, items in groups.items():
             snap = _handlers.get(hid).snapshot([e for _, e in items])
             groups[hid] = [(n, e) for (n, _), e in zip(items, snap)]
-    return PreparedSave(root, dict(groups), txid)
+    return PreparedSave(txid, roots, dict(groups), objects, list(units))
 
 
 async def _read_record(backend: Backend, url: str) -> tuple[dict[str, Any], str | None]:
@@ -147,6 +163,7 @@ async def save_prepared(
         )
     ctx = SaveContext(url, backend, prep.txid, pidx, pcount, primary, ByteBudget(cfg.byte_budget))
     records: dict[int, dict[str, Any]] = {}
+    unit_records: dict[str, dict[str, Any]] = {}
     try:
         for hid, items in prep.groups.items():
             h = _handlers.get(hid, url=url)
@@ -155,6 +172,10 @@ async def save_prepared(
                 if rec.get("handler") != hid:
                     rec = {**rec, "handler": hid}
                 records[id(node)] = rec
+        for name, (hid, obj) in prep.objects.items():
+            unit_records[name] = await _checkpointables.save_unit(
+                hid, obj, backend, f"d/{prep.txid}/{escape_component(name)}", url, ctx
+            )
         await backend.sync()
     except BaseException:
         # Nothing references this txid; remove what we wrote (GC would, later).
@@ -166,9 +187,17 @@ async def save_prepared(
     if stats is not None:
         stats.update(ctx.stats)
         stats["budget_peak"] = ctx.budget.peak if ctx.budget else 0
-    tree_json = to_json(prep.root, lambda n: records[id(n)])
+    units: dict[str, dict[str, Any]] = {}
+    for name in prep.order:
+        if name in prep.roots:
+            units[name] = {
+                "kind": "pytree",
+                "tree": to_json(prep.roots[name], lambda n: records[id(n)]),
+            }
+        else:
+            units[name] = unit_records[name]
     data = _format.build(
-        tree=tree_json, txids=[prep.txid], metadata=dict(metadata or {}), process_count=pcount
+        units=units, txids=[prep.txid], metadata=dict(metadata or {}), process_count=pcount
     )
     await commit(backend, url, data, prep.txid, overwrite=overwrite)
 
@@ -258,6 +287,19 @@ def _validate_locations(doc_root: Node, url: str) -> None:
             )
 
 
+def pytree_unit(doc: dict[str, Any], url: str, name: str = PYTREE) -> dict[str, Any]:
+    """The JSON tree of pytree unit ``name``; a clear error when it is not there."""
+    unit = doc["units"].get(name)
+    if unit is None or unit.get("kind") != "pytree":
+        have = ", ".join(f"{k!r} ({v.get('kind')})" for k, v in doc["units"].items()) or "none"
+        raise CheckpointNotFoundError(
+            f"checkpoint {url} has no pytree unit {name!r} (units: {have}); "
+            "use quire.load_checkpointables(url) to load its units"
+        )
+    tree: dict[str, Any] = unit["tree"]
+    return tree
+
+
 async def load_doc(
     url: str,
     doc: dict[str, Any],
@@ -265,8 +307,20 @@ async def load_doc(
     abstract: Any,
     *,
     partial: bool,
+    unit: str = PYTREE,
 ) -> Any:
-    saved = from_json(doc["tree"])
+    return await load_tree(url, pytree_unit(doc, url, unit), backend, abstract, partial=partial)
+
+
+async def load_tree(
+    url: str,
+    tree_json: dict[str, Any],
+    backend: Backend,
+    abstract: Any,
+    *,
+    partial: bool,
+) -> Any:
+    saved = from_json(tree_json)
     _validate_locations(saved, url)
     saved_leaves = {leaf.path: leaf for leaf in saved.leaves()}
     if abstract is None:
@@ -333,7 +387,24 @@ async def load(
 
 # ----------------------------------------------------------------------------- metadata
 def metadata_from_doc(url: str, doc: dict[str, Any]) -> CheckpointMetadata:
-    saved = from_json(doc["tree"])
+    unit = doc["units"].get(PYTREE)
+    tree = metadata_tree(url, unit["tree"]) if unit and unit.get("kind") == "pytree" else None
+    return CheckpointMetadata(
+        tree=tree,
+        custom=doc["metadata"],
+        created=doc["_created"],
+        format_version=doc["version"],
+        url=url,
+        library_version=str(doc.get("library_version", "")),
+        process_count=doc["process_count"],
+        txids=tuple(doc["txids"]),
+        units={k: v.get("handler", v["kind"]) for k, v in doc["units"].items()},
+        record=doc,
+    )
+
+
+def metadata_tree(url: str, tree_json: dict[str, Any]) -> Any:
+    saved = from_json(tree_json)
     by_handler: dict[str, list[Node]] = collections.defaultdict(list)
     for leaf in saved.leaves():
         by_handler[leaf.value["handler"]].append(leaf)
@@ -350,17 +421,41 @@ def metadata_from_doc(url: str, doc: dict[str, Any]) -> CheckpointMetadata:
             ) from e
         for leaf, m in zip(leaves, ms):
             metas[id(leaf)] = m
-    return CheckpointMetadata(
-        tree=_rebuild_saved(saved, metas),
-        custom=doc["metadata"],
-        created=doc["_created"],
-        format_version=doc["version"],
-        url=url,
-        library_version=str(doc.get("library_version", "")),
-        process_count=doc["process_count"],
-        txids=tuple(doc["txids"]),
-        record=doc,
-    )
+    return _rebuild_saved(saved, metas)
+
+
+async def load_units(
+    url: str,
+    targets: Mapping[str, Any] | None,
+    *,
+    partial: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Load the named units (all when ``targets`` is None); each target is an abstract tree
+    for pytree units, or the object / None for other units."""
+    backend = open_backend(url, storage_options)
+    doc, _ = await _read_record(backend, url)
+    units = doc["units"]
+    names = list(units) if targets is None else list(targets)
+    missing = [n for n in names if n not in units]
+    if missing:
+        raise TreeMismatchError(
+            f"checkpoint {url} has no unit(s) {', '.join(map(repr, missing))} "
+            f"(it has {', '.join(map(repr, units)) or 'none'}); fix the names you ask for",
+            extra=missing,
+        )
+    out: dict[str, Any] = {}
+
+    async def one(name: str) -> None:
+        unit = units[name]
+        target = None if targets is None else targets[name]
+        if unit["kind"] == "pytree":
+            out[name] = await load_tree(url, unit["tree"], backend, target, partial=partial)
+        else:
+            out[name] = await _checkpointables.load_unit(unit, backend, url, target)
+
+    await asyncio.gather(*(one(n) for n in names))
+    return {n: out[n] for n in names}
 
 
 async def metadata(url: str, storage_options: dict[str, Any] | None = None) -> CheckpointMetadata:
@@ -391,12 +486,16 @@ async def verify(
 
     backend = open_backend(url, storage_options)
     doc, _ = await _read_record(backend, url)
-    saved = from_json(doc["tree"])
-    _validate_locations(saved, url)
     problems: list[VerifyProblem] = []
     checked = 0
     sem = asyncio.Semaphore(8)
-    for leaf in saved.leaves():
+    all_leaves = []
+    for unit in doc["units"].values():
+        if unit["kind"] == "pytree":
+            saved = from_json(unit["tree"])
+            _validate_locations(saved, url)
+            all_leaves += list(saved.leaves())
+    for leaf in all_leaves:
         rec = leaf.value
         if "location" not in rec or "chunk_shape" not in rec:
             continue

@@ -1,4 +1,17 @@
-"""The commit record ``quire.json`` (format version 1): building and strict parsing."""
+"""The commit record ``quire.json`` (format version 1): building and strict parsing.
+
+Layout::
+
+    {"format": "quire", "version": 1, "created": ISO-8601, "library_version": str,
+     "process_count": int, "txids": [str], "metadata": {...user...},
+     "units": {
+        "pytree": {"kind": "pytree", "tree": <node>},          # quire.save's unit
+        "config": {"kind": "json", "value": <any JSON>},
+        "data":   {"kind": "handler", "handler": id, "location": "d/<txid>/data",
+                   "record": <handler JSON>}}}
+
+``<node>`` is described in ``quire._tree``.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +28,11 @@ MAX_DEPTH = 256
 
 
 def build(
-    *, tree: dict[str, Any], txids: list[str], metadata: dict[str, Any] | None, process_count: int
+    *,
+    units: dict[str, dict[str, Any]],
+    txids: list[str],
+    metadata: dict[str, Any] | None,
+    process_count: int,
 ) -> bytes:
     from quire import __version__
 
@@ -27,7 +44,7 @@ def build(
         "process_count": process_count,
         "txids": txids,
         "metadata": metadata or {},
-        "tree": tree,
+        "units": units,
     }
     try:
         return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
@@ -101,5 +118,19 @@ def parse(raw: bytes, url: str) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError) as e:
         raise _bad(url, "'created' is not an ISO timestamp") from e
     doc["_created"] = created
-    _check_tree(url, doc.get("tree"))
+    units = doc.get("units")
+    if not isinstance(units, dict):
+        raise _bad(url, "'units' is not an object")
+    for name, unit in units.items():
+        if not isinstance(unit, dict) or not isinstance(unit.get("kind"), str):
+            raise _bad(url, f"unit {name!r} has no kind")
+        if unit["kind"] == "pytree":
+            _check_tree(url, unit.get("tree"))
+        elif unit["kind"] == "handler":
+            if not isinstance(unit.get("handler"), str) or not isinstance(
+                unit.get("location"), str
+            ):
+                raise _bad(url, f"unit {name!r} lacks its handler id or location")
+        elif unit["kind"] != "json":
+            raise _bad(url, f"unit {name!r} has unknown kind {unit['kind']!r}")
     return doc

@@ -34,13 +34,16 @@ class CheckpointMetadata:
     ----------
     tree : pytree
         The saved tree's structure: array leaves as :class:`LeafMetadata`, inline leaves
-        (scalars, strings, bytes, None) as their value's type.
+        (scalars, strings, bytes, None) as their value's type.  None when the checkpoint
+        has no ``"pytree"`` unit (only other checkpointables).
     custom : dict
         The user metadata passed to ``save``.
     created : datetime.datetime
         Commit time (UTC).
     format_version : int
         On-disk format version.
+    units : dict
+        Every unit's name and kind (``"pytree"``, ``"json"`` or a checkpointable handler id).
     """
 
     tree: Any
@@ -51,4 +54,5 @@ class CheckpointMetadata:
     library_version: str = ""
     process_count: int = 1
     txids: tuple[str, ...] = ()
+    units: dict[str, str] = field(default_factory=dict)
     record: dict[str, Any] = field(default_factory=dict, repr=False)

@@ -1,0 +1,158 @@
+"""Checkpointables: named units of a checkpoint beyond the main pytree.
+
+``quire.save_checkpointables(url, {"state": tree, "data": it, "config": {...}})`` stores
+each named unit in one checkpoint, committed together.  A unit is one of
+
+* a pytree (the default: arrays, scalars, ... as with ``quire.save``),
+* a plain JSON config (dicts / lists of str, int, float, bool, None), stored inline in
+  ``quire.json`` by the ``json`` handler,
+* an object implementing :class:`Checkpointable` (it saves itself under its own
+  sub-prefix), or
+* an object for which a :class:`CheckpointableHandler` is registered (entry-point group
+  ``quire.checkpointables``, or :func:`quire.register_checkpointable_handler`) — the way to
+  checkpoint types you do not own.
+
+``quire.save(url, tree)`` is the single-unit case: the unit is named ``"pytree"``.
+
+Call order of a handler during a save (in quire's I/O thread pool, after every array
+is written, before the commit)::
+
+    handles(obj) -> save(obj, io) -> JSON record      # files go through io.write(...)
+
+and during a load::
+
+    load(io, record, target) -> object
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from quire.backends import Backend
+
+__all__ = ["Checkpointable", "CheckpointableHandler", "JsonHandler", "UnitIO"]
+
+PYTREE = "pytree"
+
+
+class UnitIO:
+    """Blocking byte access under one unit's sub-prefix (``d/<txid>/<unit>/``).
+
+    Handlers run in quire's I/O threads, so these calls may block.
+    """
+
+    def __init__(self, backend: Backend, prefix: str, url: str) -> None:
+        self.backend = backend
+        self.prefix = prefix
+        self.url = url
+        self.written: list[str] = []
+
+    def _key(self, name: str) -> str:
+        from quire._paths import escape_path
+
+        return f"{self.prefix}/{escape_path(tuple(name.split('/')))}"
+
+    def _run(self, coro: Any) -> Any:
+        from quire import _io
+
+        return _io.submit(coro).result()
+
+    def write(self, name: str, data: bytes) -> None:
+        """Store ``data`` as ``name`` (with a crc32c appended and checked on read)."""
+        from quire._zarr import crc_bytes
+
+        key = self._key(name)
+        self._run(self.backend.put(key, [data, crc_bytes(data)]))
+        self.written.append(name)
+
+    def read(self, name: str) -> bytes:
+        """The bytes stored as ``name``; ``CorruptCheckpointError`` if they fail their crc."""
+        from quire._zarr import crc_bytes
+        from quire.errors import CorruptCheckpointError
+
+        raw = self._run(self.backend.get(self._key(name)))
+        body, crc = raw[:-4], raw[-4:]
+        if len(raw) < 4 or crc_bytes(body) != crc:
+            raise CorruptCheckpointError(
+                f"{self.url}: object {self._key(name)!r} fails its checksum; the checkpoint is damaged"
+            )
+        return bytes(body)
+
+    def write_json(self, name: str, value: Any) -> None:
+        self.write(name, json.dumps(value, allow_nan=False).encode())
+
+    def read_json(self, name: str) -> Any:
+        return json.loads(self.read(name))
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """An object that saves and restores itself (e.g. a data iterator's position).
+
+    ``quire_save`` writes through ``io`` and returns a small JSON record;
+    ``quire_restore`` reads it back and returns the restored object (often ``self``,
+    restored in place).  When loading, pass the object (or anything with
+    ``quire_restore``) as the unit's target.
+    """
+
+    def quire_save(self, io: UnitIO) -> Any: ...
+
+    def quire_restore(self, io: UnitIO, record: Any) -> Any: ...
+
+
+@runtime_checkable
+class CheckpointableHandler(Protocol):
+    """Saves and loads objects of types you do not own, as a named unit."""
+
+    id: str
+
+    def handles(self, obj: Any) -> bool: ...
+
+    def save(self, obj: Any, io: UnitIO) -> Any: ...
+
+    def load(self, io: UnitIO, record: Any, target: Any) -> Any: ...
+
+
+def is_json_config(obj: Any, depth: int = 0) -> bool:
+    """Plain JSON data: dicts with str keys, lists, str, int, finite float, bool, None."""
+    if depth > 64:
+        return False
+    if obj is None or type(obj) in (str, int, bool):
+        return True
+    if type(obj) is float:
+        return math.isfinite(obj)
+    if type(obj) is list:
+        return all(is_json_config(v, depth + 1) for v in obj)
+    if type(obj) is dict:
+        return all(type(k) is str and is_json_config(v, depth + 1) for k, v in obj.items())
+    return False
+
+
+class JsonHandler:
+    """Plain JSON configs, stored inline in ``quire.json`` (readable, no extra objects).
+
+    Only non-empty dicts whose values are all JSON data are taken by this handler; a dict
+    with array leaves is a pytree unit.
+    """
+
+    id = "json"
+    inline = True
+
+    def handles(self, obj: Any) -> bool:
+        return type(obj) is dict and bool(obj) and is_json_config(obj)
+
+    def save(self, obj: Any, io: UnitIO) -> Any:
+        return obj
+
+    def load(self, io: UnitIO, record: Any, target: Any) -> Any:
+        return record
+
+
+def as_mapping(units: Any) -> Mapping[str, Any]:
+    if not isinstance(units, Mapping) or not all(isinstance(k, str) and k for k in units):
+        raise TypeError("checkpointables must be a dict of {non-empty str name: object}")
+    return units
