@@ -192,11 +192,29 @@ class RssSampler:
         return self.peak - self.base
 
 
+def _malloc_trim() -> Callable[[], None]:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return lambda: libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        return lambda: None
+
+
+malloc_trim = _malloc_trim()
+
+
 def prewarm(nbytes: int) -> None:
-    """Allocate and touch ``nbytes`` then free them, so the host backs the pages again."""
+    """Allocate and touch ``nbytes`` then free them, so the host backs the pages again.
+
+    ``malloc_trim`` then hands glibc's free heap back, so that the RSS growth of the next
+    phase is not hidden by memory an earlier phase freed into the heap.
+    """
     gc.collect()
     w = np.ones(max(1, nbytes // 8), np.float64)
     del w
+    malloc_trim()
 
 
 @dataclass

@@ -30,13 +30,14 @@ def blosc(
 ) -> Any:
     from zarr.codecs import BloscCodec
 
-    return BloscCodec(
-        cname=cname,
-        clevel=clevel,
-        shuffle=shuffle,
-        typesize=typesize,
-        blocksize=blocksize,  # type: ignore[arg-type]
-    )
+    opts: dict[str, Any] = {
+        "cname": cname,
+        "clevel": clevel,
+        "shuffle": shuffle,
+        "typesize": typesize,
+        "blocksize": blocksize,
+    }
+    return BloscCodec(**opts)
 
 
 def crc32c(**_: Any) -> Any:
