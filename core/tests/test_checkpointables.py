@@ -82,6 +82,7 @@ def test_async_units_copy_before_returning(url: str) -> None:
     config["lr"] = 99.0
     r.result(timeout=60)
     assert quire.load_checkpointables(url, {"config": None})["config"] == {"lr": 0.1}
-    raw = json.loads(open(url + "/quire.json").read()) if "://" not in url else None
-    if raw is not None:
+    if "://" not in url:
+        with open(url + "/quire.json") as f:
+            raw = json.load(f)
         assert raw["units"]["config"] == {"kind": "json", "value": {"lr": 0.1}}

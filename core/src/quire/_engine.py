@@ -144,23 +144,13 @@ async def _read_record(backend: Backend, url: str) -> tuple[dict[str, Any], str 
     return _format.parse(raw, url), None
 
 
-async def save_prepared(
-    url: str,
-    prep: PreparedSave,
-    *,
-    metadata: Mapping[str, Any] | None,
-    overwrite: bool,
-    storage_options: dict[str, Any] | None = None,
-    stats: dict[str, Any] | None = None,
-) -> None:
-    backend = open_backend(url, storage_options)
+async def write_units(
+    url: str, backend: Backend, prep: PreparedSave, *, stats: dict[str, Any] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Write every unit's data under ``d/<txid>/`` and make it durable; return the units'
+    JSON records.  On failure, remove what was written and re-raise."""
     cfg = current()
     pidx, pcount, primary = process_layout()
-    if not overwrite and await backend.exists(_format.RECORD):
-        raise CheckpointExistsError(
-            f"a checkpoint already exists at {url}; pass overwrite=True to replace it, "
-            "or save to another URL"
-        )
     ctx = SaveContext(url, backend, prep.txid, pidx, pcount, primary, ByteBudget(cfg.byte_budget))
     records: dict[int, dict[str, Any]] = {}
     unit_records: dict[str, dict[str, Any]] = {}
@@ -196,6 +186,26 @@ async def save_prepared(
             }
         else:
             units[name] = unit_records[name]
+    return units
+
+
+async def save_prepared(
+    url: str,
+    prep: PreparedSave,
+    *,
+    metadata: Mapping[str, Any] | None,
+    overwrite: bool,
+    storage_options: dict[str, Any] | None = None,
+    stats: dict[str, Any] | None = None,
+) -> None:
+    backend = open_backend(url, storage_options)
+    pcount = process_layout()[1]
+    if not overwrite and await backend.exists(_format.RECORD):
+        raise CheckpointExistsError(
+            f"a checkpoint already exists at {url}; pass overwrite=True to replace it, "
+            "or save to another URL"
+        )
+    units = await write_units(url, backend, prep, stats=stats)
     data = _format.build(
         units=units, txids=[prep.txid], metadata=dict(metadata or {}), process_count=pcount
     )

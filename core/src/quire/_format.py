@@ -33,6 +33,7 @@ def build(
     txids: list[str],
     metadata: dict[str, Any] | None,
     process_count: int,
+    extra: dict[str, Any] | None = None,
 ) -> bytes:
     from quire import __version__
 
@@ -45,6 +46,7 @@ def build(
         "txids": txids,
         "metadata": metadata or {},
         "units": units,
+        **(extra or {}),
     }
     try:
         return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()

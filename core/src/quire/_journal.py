@@ -1,0 +1,441 @@
+"""The versioned partial-save journal (DESIGN.md "Partial-save journal").
+
+Version N of an unfinalized checkpoint is the replay of ``journal/1.json .. N.json``.
+Each record is created with the backend's conditional create, so versions are totally
+ordered and two writers never both create N+1: the loser re-reads the journal and lands
+on N+2 with its changes applied on top, unless its change *conflicts* — it replaces or
+deletes a key path that a version created after the loser's base also touched — in which
+case it fails with :class:`JournalConflictError` (nothing of it is recorded).
+
+A record (JSON)::
+
+    {"format": "quire-journal", "version": 1, "journal_version": N, "base_version": B,
+     "created": ISO-8601, "txid": id | null, "metadata": {...},
+     "tree": <tree fragment, leaves carry their records> | null,
+     "deleted": [[key, ...], ...], "added": [[...]], "replaced": [[...]]}
+
+Replay merges fragments into the state (dicts by key, lists by index, the later version
+wins), then applies deletions.  ``finalize`` writes ``quire.json`` from the replay by
+conditional create and only then removes the journal and superseded data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import json
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from quire import _engine, _format
+from quire._tree import KeyPath, from_json, keystr
+from quire._url import open_backend
+from quire.backends import Backend, PreconditionFailed
+from quire.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    TreeMismatchError,
+)
+
+JOURNAL = "journal"
+FORMAT = "quire-journal"
+VERSION = 1
+MAX_RETRIES = 1000
+
+
+class JournalConflictError(CheckpointExistsError):
+    """A concurrent partial save touched the same key paths first; nothing was recorded."""
+
+
+@dataclass(frozen=True)
+class JournalVersion:
+    """One version of a partial-save journal."""
+
+    version: int
+    created: datetime.datetime
+    added: list[KeyPath] = field(default_factory=list)
+    replaced: list[KeyPath] = field(default_factory=list)
+    deleted: list[KeyPath] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    txid: str | None = None
+
+
+def record_key(n: int) -> str:
+    return f"{JOURNAL}/{n:010d}.json"
+
+
+# Records are immutable once created, so a per-process cache is always valid.
+_cache_lock = threading.Lock()
+_cache: dict[tuple[str, int], dict[str, Any]] = {}
+
+
+def _parse(raw: bytes, url: str, n: int) -> dict[str, Any]:
+    where = f"{url}/{record_key(n)}"
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(
+            f"{where} is not valid JSON ({e}); the journal is damaged"
+        ) from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CorruptCheckpointError(f"{where} is not a quire journal record")
+    if doc.get("version") != VERSION:
+        raise CorruptCheckpointError(
+            f"{where} has journal format version {doc.get('version')!r}; this quire reads "
+            f"{VERSION}. Upgrade quire"
+        )
+    if doc.get("journal_version") != n:
+        raise CorruptCheckpointError(f"{where} claims version {doc.get('journal_version')!r}")
+    if not isinstance(doc.get("metadata"), dict) or not isinstance(doc.get("deleted"), list):
+        raise CorruptCheckpointError(f"{where} has malformed fields")
+    if doc.get("tree") is not None:
+        _format._check_tree(url, doc["tree"])
+    return doc
+
+
+async def list_versions(backend: Backend) -> list[int]:
+    out = []
+    for k in await backend.list(JOURNAL):
+        name = k.rsplit("/", 1)[-1]
+        if name.endswith(".json") and name[:-5].isdigit():
+            out.append(int(name[:-5]))
+    return sorted(out)
+
+
+async def read_records(backend: Backend, url: str, upto: int | None = None) -> list[dict[str, Any]]:
+    """Every record (1..upto), parsed; ``CorruptCheckpointError`` if one is missing."""
+    versions = await list_versions(backend)
+    if upto is not None:
+        versions = [v for v in versions if v <= upto]
+    if versions != list(range(1, len(versions) + 1)):
+        raise CorruptCheckpointError(
+            f"{url}: the partial-save journal has gaps (versions {versions[:20]}); it is damaged"
+        )
+
+    async def one(n: int) -> dict[str, Any]:
+        with _cache_lock:
+            hit = _cache.get((url, n))
+        if hit is not None:
+            return hit
+        doc = _parse(await backend.get(record_key(n)), url, n)
+        with _cache_lock:
+            _cache[(url, n)] = doc
+        return doc
+
+    return list(await asyncio.gather(*(one(n) for n in versions)))
+
+
+def _forget(url: str) -> None:
+    with _cache_lock:
+        for k in [k for k in _cache if k[0] == url]:
+            del _cache[k]
+
+
+# ----------------------------------------------------------------------------- replay
+def _merge(base: dict[str, Any] | None, frag: dict[str, Any]) -> dict[str, Any]:
+    if base is None or frag["kind"] == "leaf" or base["kind"] != frag["kind"]:
+        return copy.deepcopy(frag)
+    out = dict(base)
+    if frag["kind"] == "dict":
+        keys = list(base["keys"])
+        kids = list(base["children"])
+        for k, c in zip(frag["keys"], frag["children"]):
+            if k in keys:
+                i = keys.index(k)
+                kids[i] = _merge(kids[i], c)
+            else:
+                keys.append(k)
+                kids.append(copy.deepcopy(c))
+        out["keys"], out["children"] = keys, kids
+    else:
+        kids = list(base["children"])
+        for i, c in enumerate(frag["children"]):
+            if i < len(kids):
+                kids[i] = _merge(kids[i], c)
+            else:
+                kids.append(copy.deepcopy(c))
+        out["children"] = kids
+    if "type" in frag:
+        out["type"] = frag["type"]
+    return out
+
+
+def _find(node: dict[str, Any] | None, path: Sequence[Any]) -> dict[str, Any] | None:
+    for k in path:
+        if node is None or node["kind"] == "leaf":
+            return None
+        if node["kind"] == "dict":
+            if k not in node["keys"]:
+                return None
+            node = node["children"][node["keys"].index(k)]
+        else:
+            if not isinstance(k, int) or not 0 <= k < len(node["children"]):
+                return None
+            node = node["children"][k]
+    return node
+
+
+def _delete(node: dict[str, Any] | None, path: Sequence[Any]) -> dict[str, Any] | None:
+    if node is None or not path:
+        return node
+    parent = _find(node, path[:-1])
+    if parent is None or parent["kind"] == "leaf":
+        return node
+    k = path[-1]
+    if parent["kind"] == "dict" and k in parent["keys"]:
+        i = parent["keys"].index(k)
+        del parent["keys"][i]
+        del parent["children"][i]
+    elif parent["kind"] != "dict" and isinstance(k, int) and 0 <= k < len(parent["children"]):
+        del parent["children"][k]
+    return node
+
+
+def replay(records: Iterable[dict[str, Any]]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(tree JSON, merged metadata) after applying ``records`` in order."""
+    state: dict[str, Any] | None = None
+    meta: dict[str, Any] = {}
+    for r in records:
+        if r.get("tree") is not None:
+            state = _merge(state, r["tree"])
+        for p in r.get("deleted", []):
+            state = _delete(state, p)
+        meta.update(r.get("metadata", {}))
+    return state, meta
+
+
+def _leaf_paths(tree: dict[str, Any] | None) -> list[KeyPath]:
+    if tree is None:
+        return []
+    return [leaf.path for leaf in from_json(tree).leaves()]
+
+
+def _overlaps(a: KeyPath, b: KeyPath) -> bool:
+    n = min(len(a), len(b))
+    return tuple(a[:n]) == tuple(b[:n])
+
+
+def _locations(tree: dict[str, Any] | None) -> set[str]:
+    out = set()
+    if tree is not None:
+        for leaf in from_json(tree).leaves():
+            loc = leaf.value.get("location")
+            if isinstance(loc, str) and loc.startswith("d/"):
+                out.add(loc)
+    return out
+
+
+def _txids_of(tree: dict[str, Any] | None) -> set[str]:
+    return {loc.split("/")[1] for loc in _locations(tree)}
+
+
+# ----------------------------------------------------------------------------- operations
+async def _ensure_not_finalized(backend: Backend, url: str) -> None:
+    if await backend.exists(_format.RECORD):
+        raise CheckpointExistsError(
+            f"{url} is already a finalized checkpoint; partial saves go to a new URL "
+            "(or quire.save(url, tree, overwrite=True) to replace it)"
+        )
+
+
+async def append(
+    url: str,
+    *,
+    prep: _engine.PreparedSave | None,
+    deleted: Sequence[KeyPath] = (),
+    metadata: dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> int:
+    """Write a partial save's data, then create its journal record; returns its version."""
+    backend = open_backend(url, storage_options)
+    await _ensure_not_finalized(backend, url)
+    base_records = await read_records(backend, url)
+    base = len(base_records)
+    state, _ = replay(base_records)
+    for p in deleted:
+        if _find(state, p) is None:
+            raise TreeMismatchError(
+                f"{url}: cannot delete {keystr(tuple(p))!r}: no such key path in version {base} "
+                "of the partial save",
+                missing=[keystr(tuple(p))],
+            )
+    frag: dict[str, Any] | None = None
+    txid = None
+    if prep is not None:
+        units = await _engine.write_units(url, backend, prep)
+        frag = units[_engine.PYTREE]["tree"]
+        txid = prep.txid
+    mine = _leaf_paths(frag) + [tuple(p) for p in deleted]
+    try:
+        for _ in range(MAX_RETRIES):
+            records = await read_records(backend, url)
+            n = len(records) + 1
+            for r in records[base:]:
+                theirs = [tuple(p) for p in r["added"] + r["replaced"] + r["deleted"]]
+                clash = [keystr(a) for a in mine if any(_overlaps(a, b) for b in theirs)]
+                if clash:
+                    raise JournalConflictError(
+                        f"{url}: partial save conflicts with version {r['journal_version']}, "
+                        f"written concurrently, on {', '.join(sorted(set(clash))[:10])}; "
+                        "re-read the checkpoint (quire.partial.load) and save again"
+                    )
+            cur, _ = replay(records)
+            cur_paths = _leaf_paths(cur)
+            added, replaced = [], []
+            for p in _leaf_paths(frag):
+                if _find(cur, p) is not None or any(_overlaps(p, q) for q in cur_paths):
+                    replaced.append(list(p))
+                else:
+                    added.append(list(p))
+            doc = {
+                "format": FORMAT,
+                "version": VERSION,
+                "journal_version": n,
+                "base_version": base,
+                "created": datetime.datetime.now(datetime.UTC).isoformat(),
+                "txid": txid,
+                "metadata": dict(metadata or {}),
+                "tree": frag,
+                "deleted": [list(p) for p in deleted],
+                "added": added,
+                "replaced": replaced,
+                "process_count": _engine.process_layout()[1],
+            }
+            data = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+            try:
+                await backend.put_if_absent(record_key(n), data)  # COMMIT of version n
+            except PreconditionFailed:
+                continue
+            break
+        else:  # pragma: no cover
+            raise CheckpointExistsError(f"{url}: gave up appending to a busy journal")
+    except BaseException:
+        if txid is not None:
+            await backend.delete_prefix(f"d/{txid}")
+        raise
+    # A finalize that raced us committed without version n: say so, leave no trace.
+    if await backend.exists(_format.RECORD):
+        fin = _format.parse(await backend.get(_format.RECORD), url)
+        if int(fin.get("journal_version", 0)) < n:
+            await backend.delete([record_key(n)])
+            if txid is not None:
+                await backend.delete_prefix(f"d/{txid}")
+            raise CheckpointExistsError(
+                f"{url} was finalized while this partial save was in flight; it is not part "
+                "of the checkpoint"
+            )
+    return n
+
+
+async def versions(url: str, storage_options: dict[str, Any] | None = None) -> list[JournalVersion]:
+    backend = open_backend(url, storage_options)
+    out = []
+    for r in await read_records(backend, url):
+        out.append(
+            JournalVersion(
+                version=r["journal_version"],
+                created=datetime.datetime.fromisoformat(r["created"]),
+                added=[tuple(p) for p in r["added"]],
+                replaced=[tuple(p) for p in r["replaced"]],
+                deleted=[tuple(p) for p in r["deleted"]],
+                metadata=r["metadata"],
+                txid=r.get("txid"),
+            )
+        )
+    return out
+
+
+async def load(
+    url: str,
+    abstract: Any,
+    *,
+    version: int | None,
+    partial: bool,
+    storage_options: dict[str, Any] | None = None,
+) -> Any:
+    backend = open_backend(url, storage_options)
+    records = await read_records(backend, url)
+    if not records:
+        if version is None and await backend.exists(_format.RECORD):
+            return await _engine.load(
+                url, abstract, partial=partial, storage_options=storage_options
+            )
+        raise CheckpointNotFoundError(f"no partial-save journal at {url}")
+    if version is not None:
+        if not 1 <= version <= len(records):
+            raise CheckpointNotFoundError(
+                f"{url}: partial-save version {version} does not exist (versions 1..{len(records)})"
+            )
+        records = records[:version]
+    state, _ = replay(records)
+    tree = state if state is not None else {"kind": "dict", "keys": [], "children": []}
+    return await _engine.load_tree(url, tree, backend, abstract, partial=partial)
+
+
+async def finalize(url: str, storage_options: dict[str, Any] | None = None) -> None:
+    backend = open_backend(url, storage_options)
+    if await backend.exists(_format.RECORD):
+        raise CheckpointExistsError(f"{url} is already finalized")
+    records = await read_records(backend, url)
+    if not records:
+        raise CheckpointNotFoundError(
+            f"no partial-save journal at {url}: nothing to finalize (quire.partial.save first)"
+        )
+    state, meta = replay(records)
+    tree = state if state is not None else {"kind": "dict", "keys": [], "children": []}
+    live = _txids_of(state)
+    data = _format.build(
+        units={_engine.PYTREE: {"kind": "pytree", "tree": tree}},
+        txids=sorted(live),
+        metadata=meta,
+        process_count=_engine.process_layout()[1],
+        extra={"journal_version": len(records)},
+    )
+    try:
+        await backend.put_if_absent(_format.RECORD, data)  # COMMIT
+    except PreconditionFailed:
+        raise CheckpointExistsError(f"{url} was finalized concurrently") from None
+    await _cleanup(backend, url, records, live, _locations(state))
+
+
+async def _cleanup(
+    backend: Backend,
+    url: str,
+    records: list[dict[str, Any]],
+    live: set[str],
+    live_locations: set[str] | None = None,
+) -> None:
+    dead = {r["txid"] for r in records if r.get("txid")} - live
+    # Leaves replaced or deleted inside a transaction that still has live leaves.
+    dead_locs = set()
+    if live_locations is not None:
+        for r in records:
+            dead_locs |= {
+                loc for loc in _locations(r.get("tree")) if loc.split("/")[1] in live
+            } - live_locations
+    # Highest version first, so an interrupted cleanup never leaves a gap below a record.
+    for r in reversed(records):
+        await backend.delete([record_key(r["journal_version"])])
+    sem = asyncio.Semaphore(16)
+
+    async def drop(prefix: str) -> None:
+        async with sem:
+            await backend.delete_prefix(prefix)
+
+    await asyncio.gather(*(drop(f"d/{t}") for t in dead), *(drop(loc) for loc in dead_locs))
+    _forget(url)
+
+
+async def discard(url: str, storage_options: dict[str, Any] | None = None) -> None:
+    backend = open_backend(url, storage_options)
+    records = await read_records(backend, url)
+    if not records:
+        raise CheckpointNotFoundError(f"no partial-save journal at {url}: nothing to discard")
+    live: set[str] = set()
+    if await backend.exists(_format.RECORD):
+        live = set(_format.parse(await backend.get(_format.RECORD), url)["txids"])
+    await _cleanup(backend, url, records, live)

@@ -1,0 +1,164 @@
+"""Partial saves: build a checkpoint over several calls, then finalize it atomically.
+
+::
+
+    quire.partial.save(url, {"params": params})          # version 1
+    quire.partial.save(url, {"opt_state": opt_state})    # version 2
+    quire.partial.delete(url, [("params", "unused")])    # version 3
+    quire.partial.load(url)                              # the state at version 3
+    quire.partial.finalize(url)                          # now an ordinary checkpoint
+
+Every call appends one version to ``<url>/journal/`` by conditional create, writing only
+its own leaves' data (never a copy of earlier versions).  A later version wins where two
+touch the same key; custom metadata is merged, later keys winning.  An interrupted call
+leaves the previous version whole.  Two writers appending at once never lose a version:
+one gets N+1, the other retries on top as N+2 — unless it replaces or deletes a key path
+that the winner also touched, in which case it raises :class:`JournalConflictError`
+(a :class:`quire.CheckpointExistsError`) and records nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from quire import _api, _engine, _io, _journal
+from quire._journal import JournalConflictError, JournalVersion
+from quire._url import normalize
+from quire.options import StorageSpec
+
+__all__ = [
+    "JournalConflictError",
+    "JournalVersion",
+    "delete",
+    "discard",
+    "finalize",
+    "load",
+    "save",
+    "save_async",
+    "versions",
+]
+
+
+def save_async(
+    url: str | os.PathLike[str],
+    tree: Any,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    storage: StorageSpec = None,
+    storage_options: dict[str, Any] | None = None,
+) -> _api.AsyncResponse[int]:
+    """Append ``tree`` (its leaves are added or replace earlier ones) as a new version.
+
+    Returns once every owned shard is copied to host memory; async calls on one URL
+    apply in call order.  The response's result is the new version number.
+    """
+    u = normalize(url)
+    prep = _engine.prepare_save({_engine.PYTREE: tree}, storage, copy=True, url=u)
+    md = dict(metadata or {})
+    return _api.chain(
+        u,
+        lambda: _journal.append(u, prep=prep, metadata=md, storage_options=storage_options),
+        f"partial save {u}",
+    )
+
+
+def save(
+    url: str | os.PathLike[str],
+    tree: Any,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    storage: StorageSpec = None,
+    storage_options: dict[str, Any] | None = None,
+) -> int:
+    """Blocking :func:`save_async`; returns the new version number.
+
+    Raises
+    ------
+    CheckpointExistsError
+        ``url`` is already finalized.
+    JournalConflictError
+        A concurrent partial save touched the same key paths first.
+    """
+    u = normalize(url)
+    prep = _engine.prepare_save({_engine.PYTREE: tree}, storage, copy=False, url=u)
+    md = dict(metadata or {})
+    return _api.chain(
+        u,
+        lambda: _journal.append(u, prep=prep, metadata=md, storage_options=storage_options),
+        f"partial save {u}",
+    ).result()
+
+
+def delete(
+    url: str | os.PathLike[str],
+    key_paths: Iterable[tuple[Any, ...]],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> int:
+    """Append a version deleting ``key_paths`` (tuples of keys, e.g. ``("params", "w")``;
+    a path to a container deletes the whole subtree).  Returns the new version number.
+
+    Raises ``TreeMismatchError`` naming any key path that does not exist.
+    """
+    u = normalize(url)
+    paths = []
+    for p in key_paths:
+        if isinstance(p, str | bytes) or not isinstance(p, tuple | list) or not p:
+            raise TypeError(
+                f"key paths are non-empty tuples of keys, e.g. ('params', 'w'); got {p!r}"
+            )
+        paths.append(tuple(p))
+    md = dict(metadata or {})
+    return _api.chain(
+        u,
+        lambda: _journal.append(
+            u, prep=None, deleted=paths, metadata=md, storage_options=storage_options
+        ),
+        f"partial delete {u}",
+    ).result()
+
+
+def finalize(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> None:
+    """Commit the latest version as an ordinary checkpoint, then remove the journal and
+    the data no leaf references any more.
+
+    Raises ``CheckpointNotFoundError`` without a journal, ``CheckpointExistsError`` when
+    already finalized.  If interrupted before the commit, run it again.
+    """
+    u = normalize(url)
+    _api.chain(u, lambda: _journal.finalize(u, storage_options), f"finalize {u}").result()
+
+
+def discard(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> None:
+    """Throw away the journal and its data (latest version first, so an interrupted
+    discard leaves an earlier version whole; run it again to finish)."""
+    u = normalize(url)
+    _api.chain(u, lambda: _journal.discard(u, storage_options), f"discard {u}").result()
+
+
+def versions(
+    url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+) -> list[JournalVersion]:
+    """Every version: ``.version``, ``.created`` and the key paths added, replaced, deleted."""
+    return _io.submit(_journal.versions(normalize(url), storage_options)).result()
+
+
+def load(
+    url: str | os.PathLike[str],
+    abstract: Any = None,
+    *,
+    version: int | None = None,
+    partial: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> Any:
+    """Load an unfinalized checkpoint at its latest (or any) version; same targets and
+    strictness as :func:`quire.load`."""
+    u = normalize(url)
+    return _io.submit(
+        _journal.load(
+            u, abstract, version=version, partial=partial, storage_options=storage_options
+        )
+    ).result()
