@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from quire import errors
+from quire import errors, partial
 from quire._api import (
     AsyncResponse,
     load,
@@ -55,6 +55,7 @@ __all__ = [
     "load_async",
     "load_checkpointables",
     "metadata",
+    "partial",
     "save",
     "save_async",
     "save_checkpointables",

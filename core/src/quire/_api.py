@@ -6,7 +6,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Generic, TypeVar
 
 from quire import _engine, _io
@@ -63,24 +63,35 @@ def _start_save(
     u = normalize(url)
     prep = _engine.prepare_save(units, storage, copy=copy, url=u)
 
+    return chain(
+        u,
+        lambda: _engine.save_prepared(
+            u,
+            prep,
+            metadata=metadata,
+            overwrite=overwrite,
+            storage_options=storage_options,
+            stats=stats,
+        ),
+        f"save {u}",
+    )
+
+
+def chain(u: str, make: Callable[[], Awaitable[T]], description: str) -> AsyncResponse[T]:
+    """Run ``make()`` on quire's loop after the previous write-operation on ``u`` ends.
+
+    Writes to one URL from one process thus apply in call order, one at a time.
+    """
     with _inflight_lock:
         prev = _inflight.get(u)
 
-        async def run() -> None:
+        async def run() -> T:
             if prev is not None and not prev.done():
-                # One save per URL at a time: wait for the earlier one, whatever its outcome.
                 try:
                     await asyncio.wrap_future(prev)
                 except BaseException:
-                    pass
-            await _engine.save_prepared(
-                u,
-                prep,
-                metadata=metadata,
-                overwrite=overwrite,
-                storage_options=storage_options,
-                stats=stats,
-            )
+                    pass  # its error belongs to its own caller
+            return await make()
 
         fut = _io.submit(run())
         _inflight[u] = fut
@@ -91,7 +102,7 @@ def _start_save(
                 del _inflight[u]
 
     fut.add_done_callback(_done)
-    return AsyncResponse(fut, f"save {u}")
+    return AsyncResponse(fut, description)
 
 
 def save(
