@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -29,6 +30,7 @@ import numpy as np
 from quire import _checkpointables, _format, _handlers
 from quire._budget import ByteBudget
 from quire._config import current
+from quire._multihost import Coordinator, MultiProcessError, digest
 from quire._paths import assign_locations, escape_component, is_safe_location
 from quire._tree import KeyPath, Node, from_json, keystr, to_json, walk
 from quire._url import open_backend
@@ -69,6 +71,7 @@ class PreparedSave:
     groups: dict[str, list[tuple[Node, SaveEntry]]]  # leaf handler id -> leaves (all units)
     objects: dict[str, tuple[str, Any]]  # other units: name -> (checkpointable handler id, obj)
     order: list[str]  # unit names, in the caller's order
+    coord: Coordinator
 
 
 def _is_leaf_value(x: Any) -> bool:
@@ -95,8 +98,14 @@ def _storage_for(storage: StorageSpec, path: KeyPath, leaf: Any) -> StorageOptio
 def prepare_save(
     units: Mapping[str, Any], storage: StorageSpec, *, copy: bool, url: str
 ) -> PreparedSave:
-    """Walk every unit, choose handlers, assign locations; copy to host when ``copy``."""
-    txid = new_txid()
+    """Walk every unit, choose handlers, assign locations; copy to host when ``copy``.
+
+    With several JAX processes this is a synchronisation point: the primary's txid is
+    used everywhere.
+    """
+    cfg = current()
+    coord = Coordinator(url, "save", primary=cfg.primary_process, timeout=cfg.timeout)
+    txid = coord.agree_txid()
     roots: dict[str, Node] = {}
     objects: dict[str, tuple[str, Any]] = {}
     groups: dict[str, list[tuple[Node, SaveEntry]]] = collections.defaultdict(list)
@@ -122,7 +131,7 @@ def prepare_save(
         for hid, items in groups.items():
             snap = _handlers.get(hid).snapshot([e for _, e in items])
             groups[hid] = [(n, e) for (n, _), e in zip(items, snap)]
-    return PreparedSave(txid, roots, dict(groups), objects, list(units))
+    return PreparedSave(txid, roots, dict(groups), objects, list(units), coord)
 
 
 async def _read_record(backend: Backend, url: str) -> tuple[dict[str, Any], str | None]:
@@ -145,7 +154,11 @@ async def _read_record(backend: Backend, url: str) -> tuple[dict[str, Any], str 
 
 
 async def write_units(
-    url: str, backend: Backend, prep: PreparedSave, *, stats: dict[str, Any] | None = None
+    url: str,
+    backend: Backend,
+    prep: PreparedSave,
+    *,
+    stats: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Write every unit's data under ``d/<txid>/`` and make it durable; return the units'
     JSON records.  On failure, remove what was written and re-raise."""
@@ -168,11 +181,10 @@ async def write_units(
             )
         await backend.sync()
     except BaseException:
-        # Nothing references this txid; remove what we wrote (GC would, later).
-        try:
-            await backend.delete_prefix(f"d/{prep.txid}")
-        except Exception:
-            log.warning("could not remove partial data d/%s under %s", prep.txid, url)
+        # Nothing references this txid; remove what we wrote (GC would, later).  With
+        # several processes the primary cleans up once every process has stopped.
+        if not prep.coord.active:
+            await _drop(backend, url, prep.txid)
         raise
     if stats is not None:
         stats.update(ctx.stats)
@@ -199,17 +211,100 @@ async def save_prepared(
     stats: dict[str, Any] | None = None,
 ) -> None:
     backend = open_backend(url, storage_options)
-    pcount = process_layout()[1]
-    if not overwrite and await backend.exists(_format.RECORD):
-        raise CheckpointExistsError(
-            f"a checkpoint already exists at {url}; pass overwrite=True to replace it, "
-            "or save to another URL"
+    coord = prep.coord
+
+    async def work() -> dict[str, dict[str, Any]]:
+        if not overwrite and await backend.exists(_format.RECORD):
+            raise CheckpointExistsError(
+                f"a checkpoint already exists at {url}; pass overwrite=True to replace it, "
+                "or save to another URL"
+            )
+        return await write_units(url, backend, prep, stats=stats)
+
+    async def do_commit(units: dict[str, dict[str, Any]]) -> None:
+        data = _format.build(
+            units=units,
+            txids=[prep.txid],
+            metadata=dict(metadata or {}),
+            process_count=coord.count,
         )
-    units = await write_units(url, backend, prep, stats=stats)
-    data = _format.build(
-        units=units, txids=[prep.txid], metadata=dict(metadata or {}), process_count=pcount
-    )
-    await commit(backend, url, data, prep.txid, overwrite=overwrite)
+        await commit(backend, url, data, prep.txid, overwrite=overwrite)
+
+    await collective(coord, url, work, do_commit, lambda: _drop(backend, url, prep.txid))
+
+
+async def _drop(backend: Backend, url: str, txid: str) -> None:
+    try:
+        await backend.delete_prefix(f"d/{txid}")
+    except Exception:
+        log.warning("could not remove partial data d/%s under %s", txid, url)
+
+
+def unit_digests(units: Mapping[str, dict[str, Any]]) -> dict[str, str]:
+    """A digest per leaf record (and per JSON unit): what every process must agree on."""
+    out: dict[str, str] = {}
+    for name, unit in units.items():
+        if unit["kind"] == "pytree":
+            for leaf in from_json(unit["tree"]).leaves():
+                out[f"{name}:{keystr(leaf.path)}"] = digest(leaf.value)
+            out[f"{name}:<structure>"] = digest(_structure(unit["tree"]))
+        elif unit["kind"] == "json":
+            out[name] = digest(unit["value"])
+    return out
+
+
+def _structure(node: dict[str, Any]) -> Any:
+    if node["kind"] == "leaf":
+        return None
+    return [node["kind"], node.get("keys"), [_structure(c) for c in node["children"]]]
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+async def collective(
+    coord: Coordinator,
+    url: str,
+    work: Callable[[], Awaitable[T]],
+    commit_fn: Callable[[T], Awaitable[R]],
+    cleanup: Callable[[], Awaitable[None]],
+    digests: Callable[[T], dict[str, str]] = unit_digests,  # type: ignore[assignment]
+) -> R:
+    """Run ``work`` on every process, then ``commit_fn`` on the primary once every process
+    succeeded and agrees; every process returns the primary's result or raises."""
+    try:
+        result = await work()
+    except BaseException as e:
+        if coord.active:
+            await coord.report(f"{type(e).__name__}: {e}")
+            if coord.is_primary:
+                await coord.decide(f"abort: primary process {coord.index} failed: {e}")
+                await cleanup()
+        raise
+    if not coord.active:
+        return await commit_fn(result)
+    mine = digests(result)
+    await coord.report(None, mine)
+    if coord.is_primary:
+        why = await coord.collect(mine)
+        if why is not None:
+            await coord.decide(f"abort: {why}")
+            await cleanup()
+            raise MultiProcessError(f"{url}: save aborted on every process, nothing committed: {why}")
+        try:
+            value = await commit_fn(result)
+        except BaseException as e:
+            await coord.decide(f"abort: the commit failed on primary process {coord.index}: {e}")
+            raise
+        await coord.decide("ok:" + json.dumps(value))
+        return value
+    out = await coord.outcome()
+    if not out.startswith("ok:"):
+        raise MultiProcessError(
+            f"{url}: save aborted on every process, nothing committed: {out.removeprefix('abort: ')}"
+        )
+    return json.loads(out[3:])  # type: ignore[no-any-return]
 
 
 async def commit(backend: Backend, url: str, data: bytes, txid: str, *, overwrite: bool) -> None:

@@ -98,6 +98,8 @@ def parse(raw: bytes, url: str) -> dict[str, Any]:
         doc = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _bad(url, f"not JSON ({e}); it may be truncated") from e
+    except RecursionError as e:
+        raise _bad(url, "nested too deeply") from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise _bad(url, "missing 'format': 'quire'")
     v = doc.get("version")

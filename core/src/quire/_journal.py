@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quire import _engine, _format
+from quire._multihost import Coordinator
 from quire._tree import KeyPath, from_json, keystr
 from quire._url import open_backend
 from quire.backends import Backend, PreconditionFailed
@@ -246,84 +247,117 @@ async def append(
     url: str,
     *,
     prep: _engine.PreparedSave | None,
+    coord: Coordinator | None = None,
     deleted: Sequence[KeyPath] = (),
     metadata: dict[str, Any] | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> int:
-    """Write a partial save's data, then create its journal record; returns its version."""
+    """Write a partial save's data, then create its journal record; returns its version.
+
+    With several processes every process writes its shards, and the primary creates the
+    record once all have succeeded (see ``quire._multihost``).
+    """
     backend = open_backend(url, storage_options)
-    await _ensure_not_finalized(backend, url)
-    base_records = await read_records(backend, url)
-    base = len(base_records)
-    state, _ = replay(base_records)
-    for p in deleted:
-        if _find(state, p) is None:
-            raise TreeMismatchError(
-                f"{url}: cannot delete {keystr(tuple(p))!r}: no such key path in version {base} "
-                "of the partial save",
-                missing=[keystr(tuple(p))],
-            )
-    frag: dict[str, Any] | None = None
-    txid = None
-    if prep is not None:
+    if coord is None:
+        coord = prep.coord if prep is not None else Coordinator(url, "partial", primary=0, timeout=None)
+    txid = prep.txid if prep is not None else None
+    base_box: list[int] = []
+
+    async def work() -> dict[str, Any] | None:
+        await _ensure_not_finalized(backend, url)
+        base_records = await read_records(backend, url)
+        base_box.append(len(base_records))
+        state, _ = replay(base_records)
+        for p in deleted:
+            if _find(state, p) is None:
+                raise TreeMismatchError(
+                    f"{url}: cannot delete {keystr(tuple(p))!r}: no such key path in version "
+                    f"{len(base_records)} of the partial save",
+                    missing=[keystr(tuple(p))],
+                )
+        if prep is None:
+            return None
         units = await _engine.write_units(url, backend, prep)
-        frag = units[_engine.PYTREE]["tree"]
-        txid = prep.txid
-    mine = _leaf_paths(frag) + [tuple(p) for p in deleted]
-    try:
-        for _ in range(MAX_RETRIES):
-            records = await read_records(backend, url)
-            n = len(records) + 1
-            for r in records[base:]:
-                theirs = [tuple(p) for p in r["added"] + r["replaced"] + r["deleted"]]
-                clash = [keystr(a) for a in mine if any(_overlaps(a, b) for b in theirs)]
-                if clash:
-                    raise JournalConflictError(
-                        f"{url}: partial save conflicts with version {r['journal_version']}, "
-                        f"written concurrently, on {', '.join(sorted(set(clash))[:10])}; "
-                        "re-read the checkpoint (quire.partial.load) and save again"
-                    )
-            cur, _ = replay(records)
-            cur_paths = _leaf_paths(cur)
-            added, replaced = [], []
-            for p in _leaf_paths(frag):
-                if _find(cur, p) is not None or any(_overlaps(p, q) for q in cur_paths):
-                    replaced.append(list(p))
-                else:
-                    added.append(list(p))
-            doc = {
-                "format": FORMAT,
-                "version": VERSION,
-                "journal_version": n,
-                "base_version": base,
-                "created": datetime.datetime.now(datetime.UTC).isoformat(),
-                "txid": txid,
-                "metadata": dict(metadata or {}),
-                "tree": frag,
-                "deleted": [list(p) for p in deleted],
-                "added": added,
-                "replaced": replaced,
-                "process_count": _engine.process_layout()[1],
-            }
-            data = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
-            try:
-                await backend.put_if_absent(record_key(n), data)  # COMMIT of version n
-            except PreconditionFailed:
-                continue
-            break
-        else:  # pragma: no cover
-            raise CheckpointExistsError(f"{url}: gave up appending to a busy journal")
-    except BaseException:
+        frag: dict[str, Any] = units[_engine.PYTREE]["tree"]
+        return frag
+
+    async def create(frag: dict[str, Any] | None) -> int:
+        try:
+            return await _create_record(backend, url, frag, txid, base_box[0], deleted, metadata)
+        except BaseException:
+            if txid is not None:
+                await backend.delete_prefix(f"d/{txid}")
+            raise
+
+    async def cleanup() -> None:
         if txid is not None:
             await backend.delete_prefix(f"d/{txid}")
-        raise
+
+    def digests(frag: dict[str, Any] | None) -> dict[str, str]:
+        if frag is None:
+            return {"<deleted>": _engine.digest([list(p) for p in deleted])}
+        return _engine.unit_digests({_engine.PYTREE: {"kind": "pytree", "tree": frag}})
+
+    return await _engine.collective(coord, url, work, create, cleanup, digests)
+
+
+async def _create_record(
+    backend: Backend,
+    url: str,
+    frag: dict[str, Any] | None,
+    txid: str | None,
+    base: int,
+    deleted: Sequence[KeyPath],
+    metadata: dict[str, Any] | None,
+) -> int:
+    mine = _leaf_paths(frag) + [tuple(p) for p in deleted]
+    for _ in range(MAX_RETRIES):
+        records = await read_records(backend, url)
+        n = len(records) + 1
+        for r in records[base:]:
+            theirs = [tuple(p) for p in r["added"] + r["replaced"] + r["deleted"]]
+            clash = [keystr(a) for a in mine if any(_overlaps(a, b) for b in theirs)]
+            if clash:
+                raise JournalConflictError(
+                    f"{url}: partial save conflicts with version {r['journal_version']}, "
+                    f"written concurrently, on {', '.join(sorted(set(clash))[:10])}; "
+                    "re-read the checkpoint (quire.partial.load) and save again"
+                )
+        cur, _ = replay(records)
+        cur_paths = _leaf_paths(cur)
+        added, replaced = [], []
+        for p in _leaf_paths(frag):
+            if _find(cur, p) is not None or any(_overlaps(p, q) for q in cur_paths):
+                replaced.append(list(p))
+            else:
+                added.append(list(p))
+        doc = {
+            "format": FORMAT,
+            "version": VERSION,
+            "journal_version": n,
+            "base_version": base,
+            "created": datetime.datetime.now(datetime.UTC).isoformat(),
+            "txid": txid,
+            "metadata": dict(metadata or {}),
+            "tree": frag,
+            "deleted": [list(p) for p in deleted],
+            "added": added,
+            "replaced": replaced,
+            "process_count": _engine.process_layout()[1],
+        }
+        data = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+        try:
+            await backend.put_if_absent(record_key(n), data)  # COMMIT of version n
+        except PreconditionFailed:
+            continue
+        break
+    else:  # pragma: no cover
+        raise CheckpointExistsError(f"{url}: gave up appending to a busy journal")
     # A finalize that raced us committed without version n: say so, leave no trace.
     if await backend.exists(_format.RECORD):
         fin = _format.parse(await backend.get(_format.RECORD), url)
         if int(fin.get("journal_version", 0)) < n:
             await backend.delete([record_key(n)])
-            if txid is not None:
-                await backend.delete_prefix(f"d/{txid}")
             raise CheckpointExistsError(
                 f"{url} was finalized while this partial save was in flight; it is not part "
                 "of the checkpoint"
@@ -376,7 +410,26 @@ async def load(
     return await _engine.load_tree(url, tree, backend, abstract, partial=partial)
 
 
-async def finalize(url: str, storage_options: dict[str, Any] | None = None) -> None:
+async def finalize(
+    url: str, storage_options: dict[str, Any] | None = None, coord: Coordinator | None = None
+) -> None:
+    """Every process calls it; the primary finalizes, the others wait for its outcome."""
+    if coord is None or not coord.active:
+        return await _finalize(url, storage_options)
+
+    async def nothing() -> None:
+        return None
+
+    async def run(_: None) -> None:
+        await _finalize(url, storage_options)
+
+    async def noop() -> None:
+        return None
+
+    await _engine.collective(coord, url, nothing, run, noop, lambda _: {})
+
+
+async def _finalize(url: str, storage_options: dict[str, Any] | None = None) -> None:
     backend = open_backend(url, storage_options)
     if await backend.exists(_format.RECORD):
         raise CheckpointExistsError(f"{url} is already finalized")
@@ -430,7 +483,23 @@ async def _cleanup(
     _forget(url)
 
 
-async def discard(url: str, storage_options: dict[str, Any] | None = None) -> None:
+async def discard(
+    url: str, storage_options: dict[str, Any] | None = None, coord: Coordinator | None = None
+) -> None:
+    """Every process calls it; the primary discards, the others wait for its outcome."""
+    if coord is None or not coord.active:
+        return await _discard(url, storage_options)
+
+    async def nothing() -> None:
+        return None
+
+    async def run(_: None) -> None:
+        await _discard(url, storage_options)
+
+    await _engine.collective(coord, url, nothing, run, nothing, lambda _: {})
+
+
+async def _discard(url: str, storage_options: dict[str, Any] | None = None) -> None:
     backend = open_backend(url, storage_options)
     records = await read_records(backend, url)
     if not records:

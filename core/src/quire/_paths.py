@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 from urllib.parse import quote
 
 from quire._tree import KeyPath
@@ -18,7 +19,7 @@ def escape_component(key: object) -> str:
         return "%"  # never produced by percent-encoding, so it cannot collide
     if s in (".", ".."):
         return s.replace(".", "%2E")
-    out = quote(s, safe=_SAFE)
+    out = quote(s, safe=_SAFE, errors="surrogatepass")
     if len(out) > MAX_COMPONENT:
         h = hashlib.sha256(s.encode("utf-8", "surrogatepass")).hexdigest()[:16]
         out = f"{out[: MAX_COMPONENT - 18]}~{h}"
@@ -36,17 +37,33 @@ def escape_path(path: KeyPath) -> str:
 
 
 def assign_locations(paths: list[KeyPath], prefix: str) -> list[str]:
-    """Unique locations under ``prefix`` (case-insensitively unique, for macOS/Windows)."""
-    seen: set[str] = set()
+    """Unique locations under ``prefix``.
+
+    Each key's name is made unique among its siblings case-insensitively (a ``~n``
+    suffix), so two keys never share a directory on macOS or Windows file systems.
+    """
+    names: dict[tuple[str, Any], str] = {}  # (parent dir, key) -> escaped name
+    taken: dict[str, set[str]] = {}  # parent dir -> lower-cased names in use
     out = []
     for p in paths:
-        base = f"{prefix}/{escape_path(p)}"
-        loc, n = base, 1
-        while loc.lower() in seen:
-            n += 1
-            loc = f"{base}~{n}"
-        seen.add(loc.lower())
-        out.append(loc)
+        parent = ""
+        for k in p:
+            name = names.get((parent, k))
+            if name is None:
+                base = escape_component(k)
+                used = taken.setdefault(parent, set())
+                name, n = base, 1
+                while name.lower() in used:
+                    n += 1
+                    name = f"{base}~{n}"
+                used.add(name.lower())
+                names[(parent, k)] = name
+            parent = f"{parent}/{name}" if parent else name
+        rel = parent or "%root"
+        if len(rel) > MAX_PATH:
+            h = hashlib.sha256(repr(p).encode("utf-8", "surrogatepass")).hexdigest()[:24]
+            rel = f"{rel[: MAX_PATH - 40].rsplit('/', 1)[0]}/~{h}"
+        out.append(f"{prefix}/{rel}")
     return out
 
 

@@ -41,6 +41,14 @@ __all__ = [
 ]
 
 
+def _coordinator(url: str, what: str) -> Any:
+    from quire._config import current
+    from quire._multihost import Coordinator
+
+    cfg = current()
+    return Coordinator(url, what, primary=cfg.primary_process, timeout=cfg.timeout)
+
+
 def save_async(
     url: str | os.PathLike[str],
     tree: Any,
@@ -112,10 +120,11 @@ def delete(
             )
         paths.append(tuple(p))
     md = dict(metadata or {})
+    coord = _coordinator(u, "partial-delete")
     return _api.chain(
         u,
         lambda: _journal.append(
-            u, prep=None, deleted=paths, metadata=md, storage_options=storage_options
+            u, prep=None, coord=coord, deleted=paths, metadata=md, storage_options=storage_options
         ),
         f"partial delete {u}",
     ).result()
@@ -129,14 +138,16 @@ def finalize(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | N
     already finalized.  If interrupted before the commit, run it again.
     """
     u = normalize(url)
-    _api.chain(u, lambda: _journal.finalize(u, storage_options), f"finalize {u}").result()
+    coord = _coordinator(u, "finalize")
+    _api.chain(u, lambda: _journal.finalize(u, storage_options, coord), f"finalize {u}").result()
 
 
 def discard(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> None:
     """Throw away the journal and its data (latest version first, so an interrupted
     discard leaves an earlier version whole; run it again to finish)."""
     u = normalize(url)
-    _api.chain(u, lambda: _journal.discard(u, storage_options), f"discard {u}").result()
+    coord = _coordinator(u, "discard")
+    _api.chain(u, lambda: _journal.discard(u, storage_options, coord), f"discard {u}").result()
 
 
 def versions(

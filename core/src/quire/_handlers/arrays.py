@@ -160,7 +160,12 @@ def layout_from_record(rec: Mapping[str, Any], url: str | None = None) -> ArrayL
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > MAX_CLAIMED_BYTES or math.prod(chunk) * dtype.itemsize > MAX_CLAIMED_BYTES:
             raise ValueError(f"claims {nbytes} bytes, beyond any real checkpoint")
-        comps = tuple(_codecs.resolve(c, url=url) for c in rec.get("codecs", []))
+        codecs = rec.get("codecs", [])
+        if not isinstance(codecs, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) for c in codecs
+        ):
+            raise TypeError(f"codecs must be a list of {{'name': ...}} objects, got {codecs!r}")
+        comps = tuple(_codecs.resolve(c, url=url) for c in codecs)
         checksum = rec.get("checksum", True)
         if not isinstance(checksum, bool):
             raise TypeError("checksum must be a bool")
@@ -387,6 +392,7 @@ class ArrayHandler:
     def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]:
         out = []
         for r in records:
+            layout_from_record({**r, "codecs": []})  # validates shape, dtype, chunks
             dt = dtype_from_name(r["dtype"])
             shape = tuple(r["shape"])
             out.append(
