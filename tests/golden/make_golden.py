@@ -1,0 +1,68 @@
+"""Write the golden checkpoints of on-disk format version 1 (run once per format version).
+
+    .venv/bin/python tests/golden/make_golden.py
+
+The files are committed; tests/test_golden.py loads them and fails if any is missing —
+it never regenerates them.  Values are deterministic so the test can rebuild them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def expected() -> dict[str, object]:
+    import ml_dtypes
+
+    return {
+        "params": {
+            "w": np.arange(24, dtype=np.float32).reshape(4, 6) / 7,
+            "b": np.arange(6, dtype=ml_dtypes.bfloat16),
+            "f8": np.linspace(-2, 2, 8).astype(ml_dtypes.float8_e4m3fn),
+        },
+        "opt": [np.arange(5, dtype=np.int64), (np.array(2.5), np.array([True, False]))],
+        "step": 1234,
+        "lr": 0.001,
+        "name": "golden",
+        "blob": b"\x00\xff",
+        "nothing": None,
+        "c": np.complex64(1 - 2j),
+    }
+
+
+def main() -> None:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    import jax
+
+    import quire
+
+    out = os.path.join(HERE, "v1")
+    if os.path.exists(out) and "--force" not in sys.argv:
+        sys.exit(f"{out} exists; pass --force to rewrite the golden files of format v1")
+    shutil.rmtree(out, ignore_errors=True)
+    tree = expected()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
+    sharded = jax.device_put(
+        np.arange(64, dtype=np.float32).reshape(8, 8),
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", "y")),
+    )
+    quire.save(os.path.join(out, "plain"), {**tree, "sharded": sharded, "key": jax.random.key(5)},
+               metadata={"golden": True})
+    quire.save(
+        os.path.join(out, "compressed"),
+        tree,
+        storage=quire.StorageOptions(codecs=["zstd"], chunk_bytes=32),
+    )
+    for i in range(2):
+        quire.partial.save(os.path.join(out, "journal"), {f"part{i}": np.full(3, i, np.int32)})
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()

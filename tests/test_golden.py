@@ -1,0 +1,66 @@
+"""Checkpoints written by format version 1 must load forever (golden files, never regenerated)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+import numpy as np
+import pytest
+
+import quire
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+sys.path.insert(0, HERE)
+from make_golden import expected  # noqa: E402
+
+V1 = os.path.join(HERE, "v1")
+
+
+def same(a: Any, b: Any) -> None:
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            same(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            same(x, y)
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    else:
+        assert type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("name", ["plain", "compressed"])
+def test_golden_v1_loads(name: str) -> None:
+    path = os.path.join(V1, name)
+    assert os.path.isfile(os.path.join(path, "quire.json")), (
+        f"golden checkpoint {path} is missing; it is committed with the repository and must "
+        "never be regenerated silently (tests/golden/make_golden.py writes it once per format)"
+    )
+    got = quire.load(path)
+    want = expected()
+    if name == "plain":
+        sharded = got.pop("sharded")
+        key = got.pop("key")
+        assert np.array_equal(np.asarray(sharded), np.arange(64, dtype=np.float32).reshape(8, 8))
+        assert np.array_equal(jax.random.key_data(key), jax.random.key_data(jax.random.key(5)))
+        assert quire.metadata(path).custom == {"golden": True}
+    same(want, got)
+    from quire._cli import main
+
+    assert main(["verify", path]) == 0
+
+
+def test_golden_v1_journal() -> None:
+    path = os.path.join(V1, "journal")
+    assert os.path.isdir(os.path.join(path, "journal")), f"golden journal {path} is missing"
+    got = quire.partial.load(path)
+    assert sorted(got) == ["part0", "part1"]
+    assert np.array_equal(got["part1"], np.full(3, 1, np.int32))
+    assert [v.version for v in quire.partial.versions(path)] == [1, 2]
