@@ -107,13 +107,26 @@ class Backend(abc.ABC):
     async def exists(self, key: str) -> bool:
         """Whether ``key`` exists."""
 
+    async def modified(self, key: str) -> float | None:
+        """Last-modification time of ``key`` (POSIX seconds), or None when the store can't say.
+
+        Optional: garbage collection uses it to spare data younger than its grace period
+        and treats None as "age unknown" (kept).  ``FileNotFoundError`` if absent.
+        """
+        return None
+
     @abc.abstractmethod
     async def version(self, key: str) -> str | None:
         """An opaque token that changes whenever ``key`` is replaced; None if absent."""
 
     @abc.abstractmethod
     async def list(self, prefix: str = "") -> list[str]:
-        """Every key under ``prefix`` (recursive), relative to the root, sorted."""
+        """Every key under ``prefix`` (recursive), relative to the root, sorted.
+
+        ``prefix`` is a directory-like path: the result holds ``prefix`` itself if it is a
+        key, and every key starting with ``prefix + "/"`` — never ``prefix2/...``.  The
+        empty prefix lists everything.
+        """
 
     # -- writes ------------------------------------------------------------------
     @abc.abstractmethod
@@ -140,7 +153,7 @@ class Backend(abc.ABC):
         """Delete ``keys``; missing keys are ignored."""
 
     async def delete_prefix(self, prefix: str) -> None:
-        """Delete every key under ``prefix``."""
+        """Delete every key under ``prefix`` (directory-like, as in :meth:`list`)."""
         await self.delete(await self.list(prefix))
 
     async def sync(self) -> None:  # noqa: B027 - optional hook

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import ctypes
 import ctypes.util
@@ -117,6 +118,9 @@ class LocalBackend(Backend):
 
     async def exists(self, key: str) -> bool:
         return await run_blocking(os.path.exists, self._p(key))
+
+    async def modified(self, key: str) -> float | None:
+        return (await run_blocking(os.stat, self._p(key))).st_mtime
 
     async def version(self, key: str) -> str | None:
         return await run_blocking(self._version, key)
@@ -238,7 +242,11 @@ class LocalBackend(Backend):
         return v
 
     async def delete(self, keys: Sequence[str]) -> None:
-        await run_blocking(self._delete, list(keys))
+        keys = list(keys)
+        # unlink(2) is metadata-bound: batches in parallel threads finish much sooner.
+        batches = [keys[i : i + 32] for i in range(0, len(keys), 32)] or [[]]
+        # Each batch prunes the directories it emptied; whichever finishes last succeeds.
+        await asyncio.gather(*(run_blocking(self._delete, b) for b in batches))
 
     def _delete(self, keys: builtins.list[str]) -> None:
         dirs = set()

@@ -50,6 +50,14 @@ class MemoryBackend(Backend):
     async def exists(self, key: str) -> bool:
         return self._p(key) in self.fs.store
 
+    async def modified(self, key: str) -> float | None:
+        try:
+            f = self.fs.store[self._p(key)]
+        except KeyError:
+            raise FileNotFoundError(f"memory://{self._p(key)}") from None
+        when = getattr(f, "modified", None)
+        return when.timestamp() if when is not None else None
+
     async def version(self, key: str) -> str | None:
         with _lock:
             p = self._p(key)
