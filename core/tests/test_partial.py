@@ -299,8 +299,15 @@ CHILD = textwrap.dedent(
                 os.kill(os.getpid(), signal.SIGKILL)
             return orig(self, *a, **k)
         setattr(L.LocalBackend, name, f)
-    for n in ("_put", "_sync", "_put_if_absent", "_replace_if_match", "_delete"):
+    for n in ("_put", "_put_if_absent", "_replace_if_match", "_delete"):
         wrap(n)
+    orig_fsync_dir = L._fsync_dir
+    def fsync_dir(path):
+        count[0] += 1
+        if count[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return orig_fsync_dir(path)
+    L._fsync_dir = fsync_dir
     if op == "save":
         quire.partial.save(url, {"p": {"w": np.full(1000, 2.0), "new": np.arange(10)}}, metadata={"v": 3})
     else:

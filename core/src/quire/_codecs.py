@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from quire._registry import codecs as _registry
@@ -46,8 +47,29 @@ def crc32c(**_: Any) -> Any:
     return Crc32cCodec()
 
 
+_resolved: dict[str, Any] = {}
+
+
 def resolve(spec: Any, *, url: str | None = None) -> Any:
-    """A zarr bytes-to-bytes codec from an id, a ``{"name", "configuration"}`` dict or a codec."""
+    """A zarr bytes-to-bytes codec from an id, a ``{"name", "configuration"}`` dict or a codec.
+
+    zarr codecs are immutable, so one object per distinct spec is shared.
+    """
+    if isinstance(spec, str | dict):
+        try:
+            key = json.dumps(spec, sort_keys=True)
+        except (TypeError, ValueError):
+            key = None
+        if key is not None:
+            hit = _resolved.get(key)
+            if hit is None:
+                hit = _resolve(spec, url=url)
+                _resolved[key] = hit
+            return hit
+    return _resolve(spec, url=url)
+
+
+def _resolve(spec: Any, *, url: str | None = None) -> Any:
     name: Any
     if isinstance(spec, str):
         name, config = spec, {}

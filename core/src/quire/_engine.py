@@ -440,9 +440,11 @@ async def load_tree(
         pairs = [
             (t, saved_leaves[t.path].value, t.value) for t in tleaves if t.path in saved_leaves
         ]
+        handler_cache: dict[str, Any] = {}
         bad = []
         for t, rec, target in pairs:
-            h = _handlers.get(rec["handler"], url=url)
+            h = handler_cache.get(rec["handler"]) or _handlers.get(rec["handler"], url=url)
+            handler_cache[rec["handler"]] = h
             why = h.check(LoadEntry(t.path, rec, target))
             if why:
                 bad.append(f"{keystr(t.path)!r}: {why}")

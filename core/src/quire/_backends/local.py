@@ -77,6 +77,12 @@ class LocalBackend(Backend):
         self._dirty_files: list[str] = []
         self._dirty_dirs: set[str] = set()
         self._fsync = bool(self.storage_options.get("fsync", True))
+        # "fsync" (default): each file is fsynced by the thread that wrote it, in parallel,
+        # then its directories; "syncfs": one syncfs(2) of the whole file system at the end
+        # (fewer calls, but it also waits for every other program's unwritten data).
+        self._sync_mode = str(self.storage_options.get("sync", "fsync"))
+        if self._sync_mode not in ("fsync", "syncfs"):
+            raise ValueError(f"storage option sync={self._sync_mode!r}: use 'fsync' or 'syncfs'")
 
     def _p(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/")) if key else self.root
@@ -166,30 +172,32 @@ class LocalBackend(Backend):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             _write_all(fd, data)
-            if self._fsync and _libc is None:
+            if self._fsync and not (self._sync_mode == "syncfs" and _libc is not None):
                 os.fsync(fd)
         finally:
             os.close(fd)
         self._dirty_dirs.add(os.path.dirname(path))
 
     async def sync(self) -> None:
-        if self._fsync:
-            await run_blocking(self._sync)
-
-    def _sync(self) -> None:
-        if _libc is not None and os.path.isdir(self.root):
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                if _libc.syncfs(fd) != 0:
-                    e = ctypes.get_errno()
-                    raise OSError(e, f"syncfs failed for {self.root}: {os.strerror(e)}")
-            finally:
-                os.close(fd)
-        else:
-            for d in sorted(self._dirty_dirs, key=len, reverse=True):
-                if os.path.isdir(d):
-                    _fsync_dir(d)
+        if not self._fsync:
+            return
+        if self._sync_mode == "syncfs" and _libc is not None:
+            await run_blocking(self._syncfs)
+        # Files were fsynced as they were written; now their directory entries.
+        dirs = [d for d in sorted(self._dirty_dirs, key=len, reverse=True) if os.path.isdir(d)]
         self._dirty_dirs.clear()
+        await asyncio.gather(*(run_blocking(_fsync_dir, d) for d in dirs))
+
+    def _syncfs(self) -> None:
+        if not os.path.isdir(self.root):
+            return
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if _libc.syncfs(fd) != 0:
+                e = ctypes.get_errno()
+                raise OSError(e, f"syncfs failed for {self.root}: {os.strerror(e)}")
+        finally:
+            os.close(fd)
 
     def _write_tmp(self, key: str, data: bytes) -> str:
         path = self._p(key)

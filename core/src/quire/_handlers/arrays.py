@@ -15,6 +15,7 @@ import numpy as np
 from quire import _codecs
 from quire._budget import ByteBudget
 from quire._dtypes import dtype_from_name, dtype_name
+from quire._io import pool, run_blocking
 from quire._tree import keystr
 from quire._zarr import ArrayLayout, ChunkError, inner_chunks_for, read_region, write_chunk
 from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
@@ -117,6 +118,14 @@ def _plan(value: Any, storage: Any, path: tuple[Any, ...]) -> _Plan:
             f"leaf {keystr(path)!r}: dtype {plan.dtype} is not supported; cast it to a numeric dtype"
         ) from None
     plan.chunk_shape = tuple(max(1, c) for c in plan.chunk_shape)
+    local = not isinstance(value, jax.Array) or value.is_fully_addressable
+    if local and jax.process_count() > 1:
+        from quire._config import current
+
+        if jax.process_index() != current().primary_process:
+            # Every process holds its own copy of a process-local value (numpy array,
+            # single-device jax array): the primary's is saved, no chunk has two writers.
+            plan.owned = []
     if cast is not None and cast != plan.dtype:
         plan.source_dtype = dtype_name(plan.dtype)
         plan.owned = [(c, _cast(f, cast)) for c, f in plan.owned]
@@ -208,10 +217,14 @@ class ArrayHandler:
                     e.value.copy_to_host_async()
                 except Exception:  # not all array types support it; the copy below still works
                     pass
+        plans = [_plan(self._to_array(e.value), e.storage, e.path) for e in entries]
+        jobs = [(plan, i, f) for plan in plans for i, (_, f) in enumerate(plan.owned)]
+        # Copies release the GIL: run them on every core (this is all save_async blocks on).
+        copies = list(pool().map(lambda job: np.array(job[2](), copy=True), jobs))
+        for (plan, i, _), arr in zip(jobs, copies):
+            plan.owned[i] = (plan.owned[i][0], _const(arr))
         out = []
-        for e in entries:
-            plan = _plan(self._to_array(e.value), e.storage, e.path)
-            plan.owned = [(c, _const(np.array(f(), copy=True))) for c, f in plan.owned]
+        for e, plan in zip(entries, plans):
             plan.allocates = False
             out.append(replace(e, value=plan))
         return out
@@ -347,8 +360,33 @@ class ArrayHandler:
         per_region = (
             math.prod(b - a for a, b in next(iter(regions))) * layout.dtype.itemsize if shape else 0
         )
-        self._check_memory(per_region, e, ctx)
         arrays: dict[Any, Any] = {}
+        # When this process's regions tile their bounding box (the usual case: a process
+        # holds a block of the mesh), read the box once: a stored chunk that overlaps
+        # several of the regions (a resharded load) is then read once, not once each.
+        box = None
+        if shape and len(regions) > 1:
+            box = tuple(
+                (min(k[d][0] for k in regions), max(k[d][1] for k in regions))
+                for d in range(len(shape))
+            )
+            area = sum(math.prod(b - a for a, b in k) for k in regions)
+            if math.prod(b - a for a, b in box) > area:
+                box = None
+        if box is not None:
+            self._check_memory(math.prod(b - a for a, b in box) * layout.dtype.itemsize, e, ctx)
+            whole = np.empty(tuple(b - a for a, b in box), layout.dtype)
+            await read_region(ctx.backend, loc, layout, tuple(slice(a, b) for a, b in box), whole)
+            ctx.stats["bytes"] += whole.nbytes
+            for key, devs in regions.items():
+                part = whole[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(key, box))]
+                host = np.ascontiguousarray(part, dtype=out_dtype)
+                for d in devs:
+                    arrays[d] = await run_blocking(jax.device_put, host, d)
+            return jax.make_array_from_single_device_arrays(
+                shape, sharding, [arrays[d] for d in idx_map]
+            )
+        self._check_memory(per_region, e, ctx)
 
         async def region(key: tuple[tuple[int, int], ...], devs: list[Any]) -> None:
             reg = tuple(slice(a, b) for a, b in key)
@@ -357,7 +395,7 @@ class ArrayHandler:
             ctx.stats["bytes"] += buf.nbytes
             host = buf if out_dtype == layout.dtype else buf.astype(out_dtype)
             for d in devs:
-                arrays[d] = jax.device_put(host, d)
+                arrays[d] = await run_blocking(jax.device_put, host, d)
 
         await asyncio.gather(*(region(k, v) for k, v in regions.items()))
         return jax.make_array_from_single_device_arrays(
