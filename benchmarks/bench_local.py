@@ -6,8 +6,8 @@ Run from the repository root::
     .venv/bin/python benchmarks/bench_local.py --quick    # ~170 MiB, for CI smoke runs
     .venv/bin/python benchmarks/bench_local.py --reps 5 --dir /mnt/scratch --variants numpy
 
-The tree: 2 arrays of 256 MiB, 24 of 32 MiB, 400 small arrays of 4-64 KiB and a few Python
-scalars, a mix of float32 and bfloat16 (``ml_dtypes.bfloat16``).  Two variants:
+The tree (1.26 GiB of array payload; the issue calls it "~2 GiB" but lists these sizes):
+2 arrays of 256 MiB, 24 of 32 MiB, 400 small arrays of 4-64 KiB and a few Python scalars, a mix of float32 and bfloat16 (``ml_dtypes.bfloat16``).  Two variants:
 
 * ``numpy``   - every array is a ``numpy.ndarray``;
 * ``sharded`` - the 26 big arrays are ``jax.Array``s sharded along axis 0 over a 1-D mesh of
@@ -46,23 +46,23 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import logging  # noqa: E402
-import shutil  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import warnings  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import gc
+import logging
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-import jax  # noqa: E402
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
+import jax
+import ml_dtypes
+import numpy as np
+import psutil
 
 MiB = 1 << 20
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -141,9 +141,12 @@ def verify(orig: dict[str, Any], got: dict[str, Any], who: str) -> None:
     for g, sub in orig.items():
         for k, v in sub.items():
             w = got[g][k]
-            if isinstance(v, jax.Array):
-                if not isinstance(w, jax.Array) or w.sharding != v.sharding:
-                    raise AssertionError(f"{who}: {g}.{k}: expected a jax.Array with {v.sharding}, got {type(w)}")
+            if isinstance(v, jax.Array) and (
+                not isinstance(w, jax.Array) or w.sharding != v.sharding
+            ):
+                raise AssertionError(
+                    f"{who}: {g}.{k}: expected a jax.Array with {v.sharding}, got {type(w)}"
+                )
             a, b = np.asarray(v), np.asarray(w)
             if a.shape != b.shape or a.dtype != b.dtype:
                 raise AssertionError(f"{who}: {g}.{k}: {a.shape} {a.dtype} != {b.shape} {b.dtype}")
@@ -382,13 +385,18 @@ def run_variant(
     nbytes = payload_bytes(tree)
     abstract = abstract_of(tree)
     n_arrays = sum(1 for _, v in leaves(tree) if hasattr(v, "nbytes"))
-    print(f"\n== variant {variant}: {nbytes / MiB:.1f} MiB in {n_arrays} arrays + "
-          f"{len(tree['scalars'])} scalars", flush=True)
+    print(
+        f"\n== variant {variant}: {nbytes / MiB:.1f} MiB in {n_arrays} arrays + "
+        f"{len(tree['scalars'])} scalars",
+        flush=True,
+    )
     res: dict[tuple[str, str], Result] = {}
     warm = int(args.prewarm * nbytes)
     for rep in range(args.reps):
         for key, peer in peers.items():
-            path = os.path.join(workdir, f"{variant}-{key}-{rep}" + (".safetensors" if key == "safetensors" else ""))
+            path = os.path.join(
+                workdir, f"{variant}-{key}-{rep}" + (".safetensors" if key == "safetensors" else "")
+            )
             rs = res.setdefault((key, "save"), Result())
             prewarm(warm)
             with RssSampler() as m:
@@ -409,7 +417,9 @@ def run_variant(
                 with RssSampler() as m:
                     t0 = time.perf_counter()
                     got = peer.load(path, tree, abstract)
-                    jax.block_until_ready([x for x in jax.tree_util.tree_leaves(got) if isinstance(x, jax.Array)])
+                    jax.block_until_ready(
+                        [x for x in jax.tree_util.tree_leaves(got) if isinstance(x, jax.Array)]
+                    )
                     dt = time.perf_counter() - t0
                 rl.times.append(dt)
                 rl.rss.append(m.growth)
@@ -431,40 +441,62 @@ def run_variant(
 
 
 def fmt_table(all_res: dict[str, tuple[int, dict[tuple[str, str], Result]]], reps: int) -> str:
-    hdr = ["variant", "peer", "op", "best s", "GB/s", "quire/peer", "files", "peak dRSS MiB",
-           "blocked s", "all reps s"]
+    hdr = [
+        "variant",
+        "peer",
+        "op",
+        "best s",
+        "GB/s",
+        "quire/peer",
+        "files",
+        "peak dRSS MiB",
+        "blocked s",
+        "all reps s",
+    ]
     rows = [hdr]
     for variant, (nbytes, res) in all_res.items():
         for (key, op), r in res.items():
             best = min(r.times)
             q = res.get(("quire", op))
             ratio = "-" if key.startswith("quire") or q is None else f"{best / min(q.times):.2f}x"
-            if key == "quire-async" and q is not None:
-                ratio = f"(sync/async {min(r.times) / min(q.times):.2f})"
-            rows.append([
-                variant,
-                _display(key),
-                "save_async" if key == "quire-async" else op,
-                f"{best:.3f}",
-                f"{nbytes / best / 1e9:.2f}",
-                ratio,
-                str(r.files) if op == "save" and r.files is not None else "",
-                f"{max(r.rss) / MiB:.0f}",
-                f"{min(r.blocked):.3f}" if r.blocked else "",
-                " ".join(f"{t:.2f}" for t in r.times),
-            ])
-    rows_sorted = [rows[0]] + sorted(rows[1:], key=lambda x: (x[0], x[2].startswith("load"), _order(x[1])))
-    widths = [max(len(r[i]) for r in rows_sorted) for i in range(len(hdr))]
+            rows.append(
+                [
+                    variant,
+                    _display(key),
+                    "save_async" if key == "quire-async" else op,
+                    f"{best:.3f}",
+                    f"{nbytes / best / 1e9:.2f}",
+                    ratio,
+                    str(r.files) if op == "save" and r.files is not None else "",
+                    f"{max(r.rss) / MiB:.0f}",
+                    f"{min(r.blocked):.3f}" if r.blocked else "",
+                    " ".join(f"{t:.2f}" for t in r.times),
+                ]
+            )
+    rows_sorted = [
+        rows[0],
+        *sorted(rows[1:], key=lambda x: (x[0], x[2].startswith("load"), _order(x[1]))),
+    ]
+    widths = [max(len(row[i]) for row in rows_sorted) for i in range(len(hdr))]
     lines = []
-    for i, r in enumerate(rows_sorted):
-        lines.append("  ".join(c.ljust(w) if j < 3 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
+    for i, row in enumerate(rows_sorted):
+        lines.append(
+            "  ".join(
+                c.ljust(w) if j < 3 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))
+            )
+        )
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
-_DISPLAY = {"quire": "quire", "quire-async": "quire async", "orbax": "orbax", "safetensors": "safetensors",
-            "raw": "raw numpy"}
+_DISPLAY = {
+    "quire": "quire",
+    "quire-async": "quire async",
+    "orbax": "orbax",
+    "safetensors": "safetensors",
+    "raw": "raw numpy",
+}
 
 
 def _display(key: str) -> str:
@@ -488,45 +520,78 @@ def targets(all_res: dict[str, tuple[int, dict[tuple[str, str], Result]]]) -> st
                     continue
                 ratio = min(p.times) / min(q.times)
                 ok = "PASS" if ratio >= need else "MISS"
-                out.append(f"  {variant:<8} {op:<5} quire/{_display(peer):<10} {ratio:5.2f}x  (target >= {need}x)  {ok}")
+                out.append(
+                    f"  {variant:<8} {op:<5} quire/{_display(peer):<10} {ratio:5.2f}x  (target >= {need}x)  {ok}"
+                )
     return "\n".join(out)
+
+
+def _quire_version() -> str:
+    import subprocess
+
+    import quire
+
+    try:
+        here = os.path.dirname(os.path.abspath(quire.__file__))
+        rev = subprocess.run(
+            ["git", "-C", here, "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = ""
+    return f"{quire.__version__} ({rev or 'no git'})"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3, help="repetitions; the minimum is reported (3)")
     ap.add_argument("--quick", action="store_true", help="~170 MiB tree for smoke runs")
-    ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir on /tmp)")
+    ap.add_argument(
+        "--dir", default=None, help="where checkpoints are written (default: a temp dir on /tmp)"
+    )
     ap.add_argument("--variants", default="numpy,sharded", help="comma list of numpy,sharded")
     ap.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {','.join(PEERS)}")
-    ap.add_argument("--prewarm", type=float, default=3.0, help="pre-warm this many times the payload")
+    ap.add_argument(
+        "--prewarm", type=float, default=3.0, help="pre-warm this many times the payload"
+    )
     ap.add_argument("--no-verify", action="store_true", help="skip checking loaded data on rep 0")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
 
     if len(jax.devices()) < 8:
-        print(f"need 8 jax devices, have {len(jax.devices())}; set XLA_FLAGS before jax is imported",
-              file=sys.stderr)
+        print(
+            f"need 8 jax devices, have {len(jax.devices())}; set XLA_FLAGS before jax is imported",
+            file=sys.stderr,
+        )
         return 2
     if args.dir:
         os.makedirs(args.dir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="quire-bench-", dir=args.dir)
     peer_keys = [p.strip() for p in args.peers.split(",") if p.strip()]
     peers = {k: PEERS[k]() for k in peer_keys}
-    print(f"python {sys.version.split()[0]}, jax {jax.__version__}, numpy {np.__version__}, "
-          f"{os.cpu_count()} cpus, {psutil.virtual_memory().total / 2**30:.1f} GiB RAM; writing under {workdir}")
+    print(
+        f"python {sys.version.split()[0]}, jax {jax.__version__}, numpy {np.__version__}, "
+        f"{os.cpu_count()} cpus, {psutil.virtual_memory().total / 2**30:.1f} GiB RAM; writing under {workdir}"
+    )
     print("loads read from the page cache (no drop_caches); all peers fsync their files")
+    print(f"quire {_quire_version()}; load average {os.getloadavg()[0]:.2f} at start")
     all_res = {}
     try:
         for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
             all_res[variant] = run_variant(variant, args, peers, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print(f"\n== results: best of {args.reps} reps; GB/s = 1e9 B of array payload per second; "
-          "quire/peer = throughput ratio (>1: quire faster); peak dRSS = max over reps of the peak RSS "
-          "growth during the phase; blocked = caller blocked in save()/save_async() of async APIs\n")
+    print(
+        f"\n== results: best of {args.reps} reps; GB/s = 1e9 B of array payload per second; "
+        "quire/peer = throughput ratio (>1: quire faster); peak dRSS = max over reps of the peak RSS "
+        "growth during the phase; blocked = caller blocked in save()/save_async() of async APIs\n"
+    )
     print(fmt_table(all_res, args.reps))
-    print("\n== targets (quire save/load >= 1.3x orbax, >= 0.8x raw numpy; differences < ~30% are noise)")
+    print(
+        "\n== targets (quire save/load >= 1.3x orbax, >= 0.8x raw numpy; differences < ~30% are noise)"
+    )
     print(targets(all_res))
     return 0
 

@@ -6,7 +6,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(params=["file", "memory"])

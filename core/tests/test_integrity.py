@@ -562,7 +562,7 @@ DOC_DEFECTS = {
         lambda d: _tree_holder(d).__setitem__("tree", _deep_tree(_tree(d), 300))
     ),
     "tree-bad-kind": _edit(lambda d: _tree(d).__setitem__("kind", "set")),
-    "keys-not-strings": _edit(lambda d: _tree(d).__setitem__("keys", [1, 2])),
+    "keys-not-strings": _edit(lambda d: _tree(d).__setitem__("keys", [1.5, "x"])),
     "keys-not-list": _edit(lambda d: _tree(d).__setitem__("keys", "params")),
     "keys-too-few": _edit(lambda d: _tree(d).__setitem__("keys", ["params"])),
     "keys-duplicate": _edit(lambda d: _tree(d).__setitem__("keys", ["params", "params"])),

@@ -103,6 +103,15 @@ class State:
     step: Any
 
 
+def test_int_dict_keys(url: str) -> None:
+    """Optimizer state_dicts key their state by int; int and str keys stay distinct."""
+    tree = {"state": {0: {"m": np.ones(2)}, 1: {"m": np.zeros(2)}}, "mixed": {1: "int", "1": "str"}}
+    quire.save(url, tree)
+    out = quire.load(url)
+    assert list(out["state"]) == [0, 1] and out["mixed"] == {1: "int", "1": "str"}
+    assert np.array_equal(out["state"][1]["m"], np.zeros(2))
+
+
 def test_containers(url: str) -> None:
     tree = {
         "list": [np.arange(3), [], {}],
@@ -297,8 +306,8 @@ def test_unsupported_leaf_names_key_path(url: str) -> None:
     with pytest.raises(quire.UnsupportedLeafError, match="model/layer/act") as ei:
         quire.save(url, {"model": {"layer": {"act": Opaque()}}})
     assert isinstance(ei.value, TypeError)
-    with pytest.raises(quire.UnsupportedLeafError, match="str keys"):
-        quire.save(url, {1: np.ones(1)})
+    with pytest.raises(quire.UnsupportedLeafError, match="str or int keys"):
+        quire.save(url, {1.5: np.ones(1)})
     with pytest.raises(quire.UnsupportedLeafError, match="object"):
         quire.save(url, {"o": np.array([object()], dtype=object)})
     with pytest.raises(quire.CheckpointNotFoundError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from quire import errors, partial
+from quire import errors, partial, policies
 from quire._api import (
     AsyncResponse,
     load,
@@ -16,8 +16,15 @@ from quire._api import (
     save_checkpointables,
     save_checkpointables_async,
 )
-from quire._config import Config, configure
+from quire._checkpointer import Checkpointer
+from quire._config import Config, Context, configure
 from quire._dtypes import register_with_zarr as _register_with_zarr
+from quire._registry import (
+    register_checkpointable_handler,
+    register_leaf_handler,
+    unregister_checkpointable_handler,
+    unregister_leaf_handler,
+)
 from quire.checkpointables import Checkpointable, CheckpointableHandler
 from quire.errors import (
     CheckpointExistsError,
@@ -40,7 +47,9 @@ __all__ = [
     "CheckpointNotFoundError",
     "Checkpointable",
     "CheckpointableHandler",
+    "Checkpointer",
     "Config",
+    "Context",
     "CorruptCheckpointError",
     "LeafMetadata",
     "PluginError",
@@ -56,8 +65,13 @@ __all__ = [
     "load_checkpointables",
     "metadata",
     "partial",
+    "policies",
+    "register_checkpointable_handler",
+    "register_leaf_handler",
     "save",
     "save_async",
     "save_checkpointables",
     "save_checkpointables_async",
+    "unregister_checkpointable_handler",
+    "unregister_leaf_handler",
 ]

@@ -121,7 +121,7 @@ def save(
     url : str or path
         A local path, ``file://``, ``memory://`` or any URL with an installed backend.
     tree : pytree
-        Dicts (str keys), lists, tuples, None and registered JAX pytree nodes, with array,
+        Dicts (str or int keys), lists, tuples, None and registered JAX pytree nodes, with array,
         scalar, string, bytes, None and PRNG-key leaves.
     metadata : dict, optional
         JSON-serialisable user metadata, returned by :func:`quire.metadata` as ``custom``.

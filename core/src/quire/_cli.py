@@ -1,4 +1,4 @@
-"""The ``quire`` command line: info, verify, plugins."""
+"""The ``quire`` command line: info, verify, plugins, ls, gc, cp."""
 
 from __future__ import annotations
 
@@ -101,17 +101,45 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ls(args: argparse.Namespace) -> int:
+    from quire._gc import cli_ls
+
+    return cli_ls(args.root, step_format=args.step_format, as_json=args.json)
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from quire._gc import cli_gc
+
+    return cli_gc(args.root, yes=args.yes, grace_period=args.grace, step_format=args.step_format)
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    from quire._copy import cli_cp
+
+    return cli_cp(
+        args.src,
+        args.dst,
+        overwrite=args.overwrite,
+        src_options=args.src_options,
+        dst_options=args.dst_options,
+        quiet=args.quiet,
+    )
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     from quire._registry import registries
 
-    for group, reg in registries.items():
+    reports = {group: reg.report(load=True) for group, reg in registries.items()}
+    rows = [i for infos in reports.values() for i in infos]
+    wn = max([len(i.name) for i in rows] + [12])
+    wd = max([len(i.distribution) for i in rows] + [12])
+    wv = max([len(i.version) for i in rows] + [7])
+    for group, infos in reports.items():
         print(f"{group}:")
-        infos = reg.report(load=True)
         if not infos:
             print("  (none)")
         for i in infos:
-            ver = f" {i.version}" if i.version else ""
-            print(f"  {i.name:<14} {i.distribution}{ver:<10} {i.status}")
+            print(f"  {i.name:<{wn}}  {i.distribution:<{wd}}  {i.version or '-':<{wv}}  {i.status}")
     return 0
 
 
@@ -135,6 +163,39 @@ def main(argv: list[str] | None = None) -> int:
         "plugins", help="list installed plugins per entry-point group, with their status"
     )
     p.set_defaults(fn=cmd_plugins)
+    p = sub.add_parser("ls", help="list a Checkpointer root's steps: state, size, age and metrics")
+    p.add_argument("root")
+    p.add_argument("--step-format", help="step directory pattern (default: the root's own)")
+    p.add_argument("--json", action="store_true", help="print a JSON list")
+    p.set_defaults(fn=cmd_ls)
+    p = sub.add_parser(
+        "gc",
+        help="remove uncommitted steps and superseded data of a Checkpointer root "
+        "(dry run unless --yes)",
+    )
+    p.add_argument("root")
+    p.add_argument("--yes", action="store_true", help="delete (default: only report)")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="spare data younger than this: a writer may still be at work (default 3600)",
+    )
+    p.add_argument("--step-format", help="step directory pattern (default: the root's own)")
+    p.set_defaults(fn=cmd_gc)
+    p = sub.add_parser(
+        "cp",
+        help="copy a committed checkpoint between any two URLs (local, s3://, gs://, ...): "
+        "data first, checksums verified, commit record last",
+    )
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
+    p.add_argument("--src-options", metavar="JSON", help="storage_options for SRC")
+    p.add_argument("--dst-options", metavar="JSON", help="storage_options for DST")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
+    p.set_defaults(fn=cmd_cp)
     args = parser.parse_args(argv)
     from quire.errors import QuireError
 

@@ -39,6 +39,7 @@ from quire.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    PluginError,
     QuireError,
     TreeMismatchError,
     UnsupportedLeafError,
@@ -165,6 +166,7 @@ async def write_units(
     cfg = current()
     pidx, pcount, primary = process_layout()
     ctx = SaveContext(url, backend, prep.txid, pidx, pcount, primary, ByteBudget(cfg.byte_budget))
+    ctx.limit = asyncio.Semaphore(max(1, cfg.max_concurrency))
     records: dict[int, dict[str, Any]] = {}
     unit_records: dict[str, dict[str, Any]] = {}
     try:
@@ -227,6 +229,7 @@ async def save_prepared(
             txids=[prep.txid],
             metadata=dict(metadata or {}),
             process_count=coord.count,
+            extra={"plugins": plugin_sources(units)},
         )
         await commit(backend, url, data, prep.txid, overwrite=overwrite)
 
@@ -238,6 +241,32 @@ async def _drop(backend: Backend, url: str, txid: str) -> None:
         await backend.delete_prefix(f"d/{txid}")
     except Exception:
         log.warning("could not remove partial data d/%s under %s", txid, url)
+
+
+def plugin_sources(units: Mapping[str, dict[str, Any]]) -> dict[str, str]:
+    """``{"group:id": distribution}`` for every third-party plugin the units need, so that
+    a reader lacking one is told which package to install."""
+    from quire import _registry
+
+    wanted: set[tuple[str, str]] = set()
+    for unit in units.values():
+        if unit["kind"] == "handler":
+            wanted.add(("quire.checkpointables", unit["handler"]))
+        elif unit["kind"] == "pytree":
+            for leaf in from_json(unit["tree"]).leaves():
+                wanted.add(("quire.leaf_handlers", leaf.value["handler"]))
+                for c in leaf.value.get("codecs", []):
+                    if isinstance(c, dict) and isinstance(c.get("name"), str):
+                        wanted.add(("quire.codecs", c["name"]))
+    out = {}
+    for group, name in sorted(wanted):
+        try:
+            dist = _registry.registries[group].distribution(name)
+        except Exception:
+            dist = None
+        if dist and dist.lower() != "quire":
+            out[f"{group}:{name}"] = dist
+    return out
 
 
 def unit_digests(units: Mapping[str, dict[str, Any]]) -> dict[str, str]:
@@ -414,10 +443,32 @@ async def load_doc(
     partial: bool,
     unit: str = PYTREE,
 ) -> Any:
-    return await load_tree(url, pytree_unit(doc, url, unit), backend, abstract, partial=partial)
+    return await load_tree(
+        url, pytree_unit(doc, url, unit), backend, abstract, partial=partial,
+        plugins=doc.get("plugins"),
+    )
 
 
 async def load_tree(
+    url: str,
+    tree_json: dict[str, Any],
+    backend: Backend,
+    abstract: Any,
+    *,
+    partial: bool,
+    plugins: Mapping[str, str] | None = None,
+) -> Any:
+    try:
+        return await _load_tree(url, tree_json, backend, abstract, partial=partial)
+    except PluginError as e:
+        # Name the package that wrote the missing plugin's data, when the record says.
+        for ident, dist in (plugins or {}).items():
+            if f"named {ident.split(':', 1)[1]!r}" in str(e):
+                raise PluginError(f"{e}. This checkpoint was written with {dist}: pip install {dist}") from e
+        raise
+
+
+async def _load_tree(
     url: str,
     tree_json: dict[str, Any],
     backend: Backend,
@@ -456,6 +507,7 @@ async def load_tree(
                 mismatched=bad,
             )
     ctx = LoadContext(url, backend, jax.process_index(), jax.process_count())
+    ctx.limit = asyncio.Semaphore(max(1, current().max_concurrency))
     groups: dict[str, list[tuple[Node, LoadEntry]]] = collections.defaultdict(list)
     for node, rec, target in pairs:
         groups[rec["handler"]].append((node, LoadEntry(node.path, rec, target)))
@@ -557,7 +609,9 @@ async def load_units(
         unit = units[name]
         target = None if targets is None else targets[name]
         if unit["kind"] == "pytree":
-            out[name] = await load_tree(url, unit["tree"], backend, target, partial=partial)
+            out[name] = await load_tree(
+                url, unit["tree"], backend, target, partial=partial, plugins=doc.get("plugins")
+            )
         else:
             out[name] = await _checkpointables.load_unit(unit, backend, url, target)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import functools
 import os
 import threading
@@ -33,9 +34,11 @@ def pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 async def run_blocking(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run ``fn`` in quire's I/O pool from a coroutine."""
+    """Run ``fn`` in quire's I/O pool from a coroutine, in a copy of the coroutine's
+    context (so the caller's ``quire.Context`` applies there too)."""
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(pool(), functools.partial(fn, *args, **kwargs))
+    ctx = contextvars.copy_context()
+    return await loop.run_in_executor(pool(), ctx.run, functools.partial(fn, *args, **kwargs))
 
 
 def loop() -> asyncio.AbstractEventLoop:
@@ -58,7 +61,12 @@ def loop() -> asyncio.AbstractEventLoop:
 
 
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-    """Schedule ``coro`` on quire's loop; returns a thread-safe future."""
+    """Schedule ``coro`` on quire's loop; returns a thread-safe future.
+
+    The coroutine runs in a copy of the caller's :mod:`contextvars` context (the callback
+    ``run_coroutine_threadsafe`` schedules captures it, and the task copies it), so the
+    ``quire.Context`` in effect at the call applies to the whole operation.
+    """
     lp = loop()
     try:
         running = asyncio.get_running_loop()

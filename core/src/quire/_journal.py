@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quire import _engine, _format
+from quire._config import current
 from quire._multihost import Coordinator
 from quire._tree import KeyPath, from_json, keystr
 from quire._url import open_backend
@@ -259,7 +260,11 @@ async def append(
     """
     backend = open_backend(url, storage_options)
     if coord is None:
-        coord = prep.coord if prep is not None else Coordinator(url, "partial", primary=0, timeout=None)
+        if prep is not None:
+            coord = prep.coord
+        else:
+            cfg = current()
+            coord = Coordinator(url, "partial", primary=cfg.primary_process, timeout=cfg.timeout)
     txid = prep.txid if prep is not None else None
     base_box: list[int] = []
 

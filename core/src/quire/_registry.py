@@ -4,16 +4,33 @@ A plugin that fails to import never breaks ``import quire``: the failure is reco
 (``quire plugins`` shows it) and raised as :class:`PluginError` only when that name is
 selected.  Two distributions claiming one name is an error naming both, unless the
 configuration picks one (``quire.configure(plugins={"quire.backends:s3": "dist"})``).
+Objects registered at run time (``quire.register_leaf_handler``...) take precedence over
+entry points of the same name.
 """
 
 from __future__ import annotations
 
+import itertools
+import re
 import threading
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from quire.errors import PluginError
+
+__all__ = [
+    "GROUPS",
+    "INSTALL_HINTS",
+    "PluginInfo",
+    "Registry",
+    "clear_caches",
+    "register_checkpointable_handler",
+    "register_leaf_handler",
+    "registries",
+    "unregister_checkpointable_handler",
+    "unregister_leaf_handler",
+]
 
 GROUPS = ("quire.backends", "quire.codecs", "quire.leaf_handlers", "quire.checkpointables")
 
@@ -26,15 +43,31 @@ INSTALL_HINTS = {
     ("quire.leaf_handlers", "torch"): "quire-torch",
 }
 
+# Bumped on every change of any registry; selection caches (_handlers) key on it.
+_generation = itertools.count(1)
+generation = 0
+
+
+def _bump() -> None:
+    global generation
+    generation = next(_generation)
+
 
 @dataclass(frozen=True)
 class PluginInfo:
+    """One row of ``quire plugins``: where a plugin comes from and whether it loads."""
+
     group: str
     name: str
     value: str
     distribution: str
     version: str
-    status: str  # "ok", "not loaded", "failed: ...", "conflict: ..."
+    status: str  # "ok", "not loaded", "failed: ...", "conflict: ...", "not chosen: ..."
+
+
+def canonical(dist: str) -> str:
+    """A distribution name as PEP 503 compares them (``Quire_S3`` == ``quire-s3``)."""
+    return re.sub(r"[-_.]+", "-", dist).lower()
 
 
 def _dist(ep: EntryPoint) -> tuple[str, str]:
@@ -51,8 +84,9 @@ class Registry:
         self.group = group
         self._lock = threading.RLock()
         self._eps: dict[str, list[EntryPoint]] | None = None
-        self._loaded: dict[str, Any] = {}
-        self._failed: dict[str, str] = {}
+        # Keyed by the chosen entry point, so a different configured choice loads anew.
+        self._loaded: dict[tuple[str, str, str], Any] = {}
+        self._failed: dict[tuple[str, str, str], tuple[str, BaseException]] = {}
         self._runtime: dict[str, Any] = {}
 
     def _scan(self) -> dict[str, list[EntryPoint]]:
@@ -61,90 +95,143 @@ class Registry:
                 found: dict[str, list[EntryPoint]] = {}
                 seen: set[tuple[str, str, str]] = set()
                 for ep in entry_points(group=self.group):
-                    ident = (ep.name, ep.value, _dist(ep)[0])
+                    ident = (ep.name, ep.value, canonical(_dist(ep)[0]))
                     if ident in seen:  # same distribution visible twice on sys.path
                         continue
                     seen.add(ident)
                     found.setdefault(ep.name, []).append(ep)
+                for eps in found.values():  # deterministic messages, whatever sys.path order
+                    eps.sort(key=lambda ep: (canonical(_dist(ep)[0]), ep.value))
                 self._eps = found
             return self._eps
 
     def clear_cache(self) -> None:
+        """Forget the scanned entry points and everything loaded (not run-time objects)."""
         with self._lock:
             self._eps = None
             self._loaded.clear()
             self._failed.clear()
+        _bump()
 
     def names(self) -> list[str]:
+        """Every name: installed entry points and run-time registrations."""
         return sorted(set(self._scan()) | set(self._runtime))
 
+    def entry_points(self, name: str) -> list[EntryPoint]:
+        """The entry points installed under ``name`` (several when distributions collide)."""
+        return list(self._scan().get(name, ()))
+
     def register(self, name: str, obj: Any) -> None:
+        """Register ``obj`` as ``name`` at run time (it wins over an entry point)."""
         with self._lock:
             self._runtime[name] = obj
+        _bump()
 
     def unregister(self, name: str) -> None:
         with self._lock:
             self._runtime.pop(name, None)
+        _bump()
+
+    def is_runtime(self, name: str) -> bool:
+        return name in self._runtime
 
     def _choose(self, name: str, eps: list[EntryPoint]) -> EntryPoint:
         if len(eps) == 1:
             return eps[0]
         from quire._config import current
 
-        choice = current().plugins.get(f"{self.group}:{name}")
+        key = f"{self.group}:{name}"
+        choice = current().plugins.get(key)
         if choice is not None:
             for ep in eps:
-                if _dist(ep)[0] == choice or ep.value == choice:
+                if canonical(_dist(ep)[0]) == canonical(choice) or ep.value == choice:
                     return ep
         dists = " and ".join(f"{_dist(ep)[0]} ({ep.value})" for ep in eps)
+        bad = f" (the configured choice {choice!r} is neither)" if choice is not None else ""
         raise PluginError(
-            f"{self.group} plugin {name!r} is provided by {dists}; pick one with "
-            f"quire.configure(plugins={{'{self.group}:{name}': '<distribution>'}}) "
-            "or uninstall one of them"
+            f"{self.group} plugin {name!r} is provided by {dists}{bad}; pick one with "
+            f"quire.configure(plugins={{'{key}': '<distribution>'}}) "
+            "(or quire.Context(plugins=...)), or uninstall one of them"
         )
+
+    def _missing(self, name: str, where: str) -> PluginError:
+        hint = INSTALL_HINTS.get((self.group, name))
+        if hint:
+            fix = f"install {hint} (pip install {hint})"
+        else:
+            have = ", ".join(self.names()) or "none"
+            fix = f"install the package that provides it (installed: {have})"
+        return PluginError(f"no {self.group} plugin named {name!r}{where}; {fix}")
 
     def get(self, name: str, *, url: str | None = None) -> Any:
         """The plugin object called ``name``; raises :class:`PluginError` with a fix."""
+        where = f" (needed for {url})" if url else ""
         with self._lock:
             if name in self._runtime:
                 return self._runtime[name]
-            if name in self._loaded:
-                return self._loaded[name]
             eps = self._scan().get(name)
-            where = f" (needed for {url})" if url else ""
             if not eps:
-                hint = INSTALL_HINTS.get((self.group, name))
-                fix = (
-                    f"install {hint} (pip install {hint})"
-                    if hint
-                    else (
-                        f"install a package that provides it (installed: {', '.join(self.names()) or 'none'})"
-                    )
-                )
-                raise PluginError(f"no {self.group} plugin named {name!r}{where}; {fix}")
+                raise self._missing(name, where)
             ep = self._choose(name, eps)
-            try:
-                obj = ep.load()
-            except Exception as e:
-                self._failed[name] = f"{type(e).__name__}: {e}"
-                raise PluginError(
-                    f"{self.group} plugin {name!r}{where} from {_dist(ep)[0]} failed to import: "
-                    f"{type(e).__name__}: {e}; reinstall or fix that package"
-                ) from e
-            self._loaded[name] = obj
-            return obj
+            dist = _dist(ep)[0]
+            ident = (ep.name, ep.value, dist)
+            if ident in self._loaded:
+                return self._loaded[ident]
+            failed = self._failed.get(ident)
+            if failed is None:
+                try:
+                    obj = ep.load()
+                except Exception as e:
+                    failed = (f"{type(e).__name__}: {e}", e)
+                    self._failed[ident] = failed
+                else:
+                    self._loaded[ident] = obj
+                    return obj
+        raise PluginError(
+            f"{self.group} plugin {name!r}{where} from {dist} ({ep.value}) failed to import: "
+            f"{failed[0]}; reinstall or fix {dist}"
+        ) from failed[1]
+
+    def distribution(self, name: str) -> str | None:
+        """The distribution that provides ``name`` here (None if none or run-time only)."""
+        eps = self._scan().get(name)
+        if not eps or name in self._runtime:
+            return None
+        try:
+            return _dist(self._choose(name, eps))[0]
+        except PluginError:
+            return None
 
     def report(self, *, load: bool = True) -> list[PluginInfo]:
+        """One row per entry point (and run-time registration) with its status.
+
+        With ``load``, every chosen plugin is imported so that import errors show as
+        ``failed: <error>``.
+        """
+        from quire._config import current
+
         out = []
         for name, eps in sorted(self._scan().items()):
+            chosen: EntryPoint | None = None
+            conflict = None
+            try:
+                chosen = self._choose(name, eps)
+            except PluginError:
+                conflict = "conflict: provided by " + " and ".join(_dist(o)[0] for o in eps)
+                conflict += f"; choose with quire.configure(plugins={{'{self.group}:{name}': ...}})"
             for ep in eps:
                 dist, ver = _dist(ep)
-                status = "not loaded"
-                if len(eps) > 1:
-                    status = "conflict: also provided by " + ", ".join(
-                        _dist(o)[0] for o in eps if o is not ep
+                if conflict is not None:
+                    status = conflict
+                elif ep is not chosen:
+                    status = "not chosen: plugins=" + repr(
+                        {f"{self.group}:{name}": current().plugins.get(f"{self.group}:{name}")}
                     )
-                elif load:
+                elif name in self._runtime:
+                    status = "overridden at run time"
+                elif not load:
+                    status = "not loaded"
+                else:
                     try:
                         self.get(name)
                         status = "ok"
@@ -154,8 +241,10 @@ class Registry:
                             f"failed: {type(cause).__name__}: {cause}" if cause else f"failed: {e}"
                         )
                 out.append(PluginInfo(self.group, name, ep.value, dist, ver, status))
-        for name, obj in sorted(self._runtime.items()):
-            out.append(PluginInfo(self.group, name, repr(obj), "<runtime>", "", "ok"))
+        with self._lock:
+            runtime = sorted(self._runtime.items())
+        for name, obj in runtime:
+            out.append(PluginInfo(self.group, name, repr(obj), "(run-time)", "", "ok"))
         return out
 
 
@@ -167,9 +256,82 @@ checkpointables = registries["quire.checkpointables"]
 
 
 def clear_caches() -> None:
-    """Forget scanned entry points and loaded plugins (tests use this)."""
+    """Forget scanned entry points and loaded plugins (tests that install plugins use this)."""
+    import importlib
+
+    importlib.invalidate_caches()
     for r in registries.values():
         r.clear_cache()
     from quire import _handlers
 
     _handlers.clear_instances()
+
+
+def _handler_id(handler: Any, kind: str) -> str:
+    hid = getattr(handler, "id", None)
+    if not isinstance(hid, str) or not hid:
+        raise TypeError(f"{handler!r} is not a {kind}: it has no str `id`")
+    if not callable(getattr(handler, "handles", None)):
+        raise TypeError(f"{handler!r} is not a {kind}: it has no `handles` method")
+    return hid
+
+
+def register_leaf_handler(handler: Any) -> Any:
+    """Make a leaf handler available at run time (usable as a class decorator).
+
+    Parameters
+    ----------
+    handler : LeafHandler instance or class
+        Its ``id`` is recorded in checkpoints and used to find it when loading; a class
+        is instantiated once, when first used.  It wins over an installed entry point
+        with the same id and takes part in handler choice like an installed one (the
+        handler whose ``types`` match the leaf's class most specifically wins).
+
+    Returns
+    -------
+    The ``handler`` argument, unchanged.
+
+    Raises
+    ------
+    TypeError
+        ``handler`` has no str ``id`` or no ``handles`` method.
+    """
+    leaf_handlers.register(_handler_id(handler, "leaf handler"), handler)
+    from quire import _handlers
+
+    _handlers.clear_instances()
+    return handler
+
+
+def unregister_leaf_handler(handler_id: str) -> None:
+    """Undo :func:`register_leaf_handler` (installed entry points come back into effect)."""
+    leaf_handlers.unregister(handler_id)
+    from quire import _handlers
+
+    _handlers.clear_instances()
+
+
+def register_checkpointable_handler(handler: Any) -> Any:
+    """Make a checkpointable handler (for objects of types you do not own) available.
+
+    Parameters
+    ----------
+    handler : CheckpointableHandler instance or class
+        Its ``id`` is recorded with each unit it saves and used to find it when loading.
+
+    Returns
+    -------
+    The ``handler`` argument, unchanged.
+
+    Raises
+    ------
+    TypeError
+        ``handler`` has no str ``id`` or no ``handles`` method.
+    """
+    checkpointables.register(_handler_id(handler, "checkpointable handler"), handler)
+    return handler
+
+
+def unregister_checkpointable_handler(handler_id: str) -> None:
+    """Undo :func:`register_checkpointable_handler`."""
+    checkpointables.unregister(handler_id)

@@ -86,10 +86,10 @@ def walk(tree: Any, is_leaf: Callable[[Any], bool], *, what: str = "tree") -> No
         if type(x) is dict:
             keys = list(x)
             for k in keys:
-                if not isinstance(k, str):
+                if not (isinstance(k, str) or type(k) is int):
                     raise UnsupportedLeafError(
                         f"{what}: dict key {k!r} at {keystr(path)!r} is a {type(k).__name__}; "
-                        "quire saves dicts with str keys only (convert the key to str)"
+                        "quire saves dicts with str or int keys only (convert the key)"
                     )
             return Node("dict", keys, [go(x[k], (*path, k)) for k in keys], path=path)
         if type(x) in (list, tuple):

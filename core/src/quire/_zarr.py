@@ -411,13 +411,20 @@ async def _read_sharded(
 
 
 async def read_region(
-    backend: Backend, location: str, layout: ArrayLayout, region: tuple[slice, ...], out: np.ndarray
+    backend: Backend,
+    location: str,
+    layout: ArrayLayout,
+    region: tuple[slice, ...],
+    out: np.ndarray,
+    *,
+    sem: asyncio.Semaphore | None = None,
 ) -> None:
     """Fill ``out`` (shape of ``region``, dtype of the layout) from the stored chunks.
 
     Raises :class:`ChunkError` (with the chunk key) on any integrity failure.
     """
-    sem = asyncio.Semaphore(MAX_OPEN_CHUNKS)
+    if sem is None:
+        sem = asyncio.Semaphore(MAX_OPEN_CHUNKS)
 
     async def one(coords: tuple[int, ...]) -> None:
         async with sem:

@@ -7,7 +7,8 @@ handler id recorded in ``quire.json``) or registered at run time with
 
 Call order for a save::
 
-    handles(value)                    # choose the handler (highest priority wins)
+    handles(value)                    # choose the handler: most specific `types`, then
+                                      # `priority` (docs/writing-a-plugin.md)
     snapshot(entries)                 # save_async only: host copies, in the caller
     await save(entries, ctx)          # write data, return one JSON record per leaf
 
@@ -72,6 +73,7 @@ class SaveContext:
     primary: int = 0
     budget: Any = None
     stats: dict[str, int] = field(default_factory=lambda: {"bytes": 0, "objects": 0})
+    limit: Any = None  # asyncio.Semaphore bounding requests in flight (Config.max_concurrency)
 
     @property
     def is_primary(self) -> bool:
@@ -87,6 +89,7 @@ class LoadContext:
     process_index: int = 0
     process_count: int = 1
     stats: dict[str, int] = field(default_factory=lambda: {"bytes": 0, "objects": 0})
+    limit: Any = None  # asyncio.Semaphore bounding requests in flight (Config.max_concurrency)
 
 
 @runtime_checkable

@@ -1,49 +1,121 @@
-"""Leaf-handler selection over the ``quire.leaf_handlers`` registry."""
+"""Leaf-handler selection over the ``quire.leaf_handlers`` registry.
+
+Candidates are the handlers of the current ``quire.Context`` (``leaf_handlers=``), then
+run-time registrations, then installed entry points.  For a leaf of class ``C`` they are
+ranked by
+
+1. specificity: a handler that declares ``types`` (a tuple of classes) ranks by the
+   position in ``C.__mro__`` of the first of them that ``C`` subclasses (``C`` itself
+   first, ``object`` last); a handler without ``types`` ranks like ``object``.  A handler
+   whose ``types`` do not match ``C`` is never asked;
+2. ``priority`` (higher first);
+3. where it comes from (Context, then run time, then installed) and then its id,
+
+and the first whose ``handles(value)`` is true wins.  The ranking depends only on the
+class, so it is computed once per class and registry state.
+"""
 
 from __future__ import annotations
 
 import threading
 from typing import Any
 
+from quire import _registry
 from quire._registry import leaf_handlers
 from quire.errors import PluginError
 
+__all__ = ["all_handlers", "clear_instances", "for_value", "get", "ranked"]
+
 _lock = threading.Lock()
-_instances: dict[str, Any] = {}
+# Handler instances, keyed by (id, the loaded plugin object): a configured plugin choice
+# that loads another object gets its own instance.
+_instances: dict[tuple[str, int], tuple[Any, Any]] = {}
+_ranked: dict[tuple[int, tuple[int, ...], type], tuple[tuple[Any, ...], list[Any]]] = {}
 
 
 def clear_instances() -> None:
     with _lock:
         _instances.clear()
+        _ranked.clear()
+
+
+def _context_handlers() -> tuple[Any, ...]:
+    from quire._config import current
+
+    return current().leaf_handlers
+
+
+def _instance(handler_id: str, obj: Any) -> Any:
+    key = (handler_id, id(obj))
+    with _lock:
+        hit = _instances.get(key)
+        if hit is not None and hit[0] is obj:
+            return hit[1]
+        h = obj() if isinstance(obj, type) else obj
+        _instances[key] = (obj, h)  # obj kept alive, so its id is not reused meanwhile
+        return h
 
 
 def get(handler_id: str, *, url: str | None = None) -> Any:
     """The handler instance for ``handler_id`` (PluginError naming the package if absent)."""
-    with _lock:
-        h = _instances.get(handler_id)
-    if h is not None:
-        return h
-    obj = leaf_handlers.get(handler_id, url=url)
-    h = obj() if isinstance(obj, type) else obj
-    with _lock:
-        _instances[handler_id] = h
-    return h
+    for h in _context_handlers():
+        if h.id == handler_id:
+            return h
+    return _instance(handler_id, leaf_handlers.get(handler_id, url=url))
 
 
-def all_handlers() -> list[Any]:
-    """Every handler that loads, highest priority first (broken plugins are skipped)."""
-    out = []
+def all_handlers() -> list[tuple[int, Any]]:
+    """(source rank, handler) for every handler in effect that loads; broken plugins are
+    skipped here (``quire plugins`` reports them, using one by id raises)."""
+    out: list[tuple[int, Any]] = [(0, h) for h in _context_handlers()]
+    seen = {h.id for _, h in out}
     for name in leaf_handlers.names():
+        if name in seen:
+            continue
         try:
-            out.append(get(name))
+            h = get(name)
         except PluginError:
             continue
-    out.sort(key=lambda h: -int(getattr(h, "priority", 0)))
+        out.append((1 if leaf_handlers.is_runtime(name) else 2, h))
+    return out
+
+
+def _specificity(h: Any, mro: tuple[type, ...]) -> int | None:
+    types = getattr(h, "types", None)
+    if types is None:
+        return len(mro)  # generic: after every handler that names a class of the leaf
+    if isinstance(types, type):
+        types = (types,)
+    ranks = [i for i, c in enumerate(mro) if any(c is t for t in types)]
+    return min(ranks) if ranks else None
+
+
+def ranked(cls: type) -> list[Any]:
+    """The handlers that may take a leaf of class ``cls``, best first."""
+    ctx = _context_handlers()
+    key = (_registry.generation, tuple(id(h) for h in ctx), cls)
+    with _lock:
+        hit = _ranked.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], ctx)):
+        return hit[1]
+    mro = cls.__mro__
+    scored = []
+    for source, h in all_handlers():
+        spec = _specificity(h, mro)
+        if spec is not None:
+            scored.append(((spec, -int(getattr(h, "priority", 0)), source, h.id), h))
+    scored.sort(key=lambda s: s[0])
+    out = [h for _, h in scored]
+    with _lock:
+        if len(_ranked) > 4096:  # many throwaway Contexts: start over rather than grow
+            _ranked.clear()
+        _ranked[key] = (ctx, out)
     return out
 
 
 def for_value(value: Any) -> Any | None:
-    for h in all_handlers():
+    """The handler that saves ``value`` (None when no handler takes it)."""
+    for h in ranked(type(value)):
         if h.handles(value):
             return h
     return None

@@ -14,6 +14,7 @@ import numpy as np
 
 from quire import _codecs
 from quire._budget import ByteBudget
+from quire._config import current
 from quire._dtypes import dtype_from_name, dtype_name
 from quire._io import pool, run_blocking
 from quire._tree import keystr
@@ -237,7 +238,7 @@ class ArrayHandler:
 
     async def save(self, entries: Sequence[SaveEntry], ctx: SaveContext) -> list[dict[str, Any]]:
         budget = ctx.budget or ByteBudget(256 << 20)
-        sem = asyncio.Semaphore(64)
+        sem = ctx.limit or asyncio.Semaphore(current().max_concurrency)
 
         async def one(e: SaveEntry) -> dict[str, Any]:
             plan = (
@@ -251,7 +252,12 @@ class ArrayHandler:
                 import json
 
                 meta = json.dumps(layout.zarr_json()).encode()
-                jobs.append(ctx.backend.put(f"{e.location}/zarr.json", [meta]))
+
+                async def put_meta(key: str = f"{e.location}/zarr.json", meta: bytes = meta) -> None:
+                    async with sem:
+                        await ctx.backend.put(key, [meta])
+
+                jobs.append(put_meta())
                 ctx.stats["objects"] += 1
             chunk_nbytes = math.prod(layout.chunk_shape) * layout.dtype.itemsize
 
@@ -337,7 +343,9 @@ class ArrayHandler:
         if kind in ("numpy", "python"):
             self._check_memory(layout.nbytes, e, ctx)
             buf = np.empty(shape, layout.dtype)
-            await read_region(ctx.backend, loc, layout, tuple(slice(0, n) for n in shape), buf)
+            await read_region(
+                ctx.backend, loc, layout, tuple(slice(0, n) for n in shape), buf, sem=ctx.limit
+            )
             ctx.stats["bytes"] += buf.nbytes
             arr = buf if out_dtype == layout.dtype else buf.astype(out_dtype)
             if kind == "python":
@@ -376,7 +384,9 @@ class ArrayHandler:
         if box is not None:
             self._check_memory(math.prod(b - a for a, b in box) * layout.dtype.itemsize, e, ctx)
             whole = np.empty(tuple(b - a for a, b in box), layout.dtype)
-            await read_region(ctx.backend, loc, layout, tuple(slice(a, b) for a, b in box), whole)
+            await read_region(
+                ctx.backend, loc, layout, tuple(slice(a, b) for a, b in box), whole, sem=ctx.limit
+            )
             ctx.stats["bytes"] += whole.nbytes
             for key, devs in regions.items():
                 part = whole[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(key, box))]
@@ -391,7 +401,7 @@ class ArrayHandler:
         async def region(key: tuple[tuple[int, int], ...], devs: list[Any]) -> None:
             reg = tuple(slice(a, b) for a, b in key)
             buf = np.empty(tuple(b - a for a, b in key), layout.dtype)
-            await read_region(ctx.backend, loc, layout, reg, buf)
+            await read_region(ctx.backend, loc, layout, reg, buf, sem=ctx.limit)
             ctx.stats["bytes"] += buf.nbytes
             host = buf if out_dtype == layout.dtype else buf.astype(out_dtype)
             for d in devs:

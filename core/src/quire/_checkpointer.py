@@ -1,0 +1,816 @@
+"""``quire.Checkpointer``: a sequence of step checkpoints under one root, for training loops.
+
+Layout and garbage rules: see ``quire._gc``.  Threads and ordering:
+
+* ``save`` runs the device-to-host copy in the caller's thread (``quire.save_async``),
+  then the write and the commit on quire's event loop.  One save is in flight at a time:
+  the next ``save`` (and ``load``) waits for it first.
+* After each commit, the keep policy runs as a background task; these tasks run one
+  after another, never two at once.  The automatic garbage collection runs once, as part
+  of the first save (so no later save of this Checkpointer can race with it).
+* A background failure is kept and raised by the next public call, by ``wait`` or
+  ``close``, or when the ``with`` block exits — never dropped.  Checkpointers still open
+  when the interpreter exits are closed then (errors are logged), before quire's I/O
+  threads stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import concurrent.futures.thread  # registers its exit hook before ours (see below)
+import json
+import logging
+import math
+import operator
+import threading
+import time
+import weakref
+from collections.abc import Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any, overload
+
+from quire import _api, _gc, _io
+from quire._config import current
+from quire._url import normalize, open_backend
+from quire.errors import CheckpointNotFoundError, QuireError
+from quire.policies import KeepPolicy, OnPreemption, SaveContext, SavePolicy, StepInfo
+
+if TYPE_CHECKING:
+    import os
+    import types
+
+    from quire.metadata import CheckpointMetadata
+
+__all__ = ["Checkpointer"]
+
+log = logging.getLogger("quire")
+PYTREE = "pytree"
+
+_open_checkpointers: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    for c in list(_open_checkpointers):
+        try:
+            c.close()
+        except BaseException as e:
+            log.error("quire.Checkpointer(%r): background work failed at exit: %r", c.root, e)
+
+
+# Threading's exit hooks run (last registered first) before the interpreter stops; the one
+# of concurrent.futures.thread makes thread pools (quire's I/O pool) refuse new work, so
+# ours must be registered after it (hence the import at the top).  A plain atexit hook
+# would run too late to finish a save.
+_register_exit = getattr(threading, "_register_atexit", None)
+if _register_exit is None:  # pragma: no cover - CPython always has it
+    import atexit
+
+    _register_exit = atexit.register
+_register_exit(_close_at_exit)
+
+
+def _as_step(step: Any) -> int:
+    try:
+        s = operator.index(step)
+    except TypeError:
+        raise TypeError(f"a step must be an int, got {type(step).__name__} {step!r}") from None
+    if s < 0:
+        raise ValueError(f"steps are non-negative ints, got {s}")
+    return s
+
+
+def _clean_metrics(metrics: Mapping[str, Any] | None, step: int) -> dict[str, Any]:
+    """Metrics as JSON: numbers (numpy / JAX scalars included) become Python numbers."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a dict of {{name: number}}, got {type(metrics).__name__}")
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if not isinstance(k, str):
+            raise TypeError(f"metric names must be str, got {k!r}")
+        if v is None or isinstance(v, bool | str):
+            out[k] = v
+            continue
+        if hasattr(v, "item") and getattr(v, "size", 1) == 1:
+            v = v.item()  # numpy / JAX scalars
+        if isinstance(v, int):
+            out[k] = v
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                log.warning("step %d: metric %r is %r; stored as null", step, k, v)
+                out[k] = None
+            else:
+                out[k] = v
+        else:
+            raise TypeError(
+                f"metric {k!r} must be a number (or str, bool, None), got {type(v).__name__}"
+            )
+    return out
+
+
+async def _await_response(resp: _api.AsyncResponse[Any]) -> Any:
+    """Await an AsyncResponse from a coroutine on quire's loop without blocking it."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def _set() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def _wake(_r: Any) -> None:
+        loop.call_soon_threadsafe(_set)
+
+    resp.add_done_callback(_wake)
+    await done
+    return resp.result()
+
+
+class Checkpointer:
+    """Numbered checkpoints of a training run under one root URL.
+
+    Each step is an ordinary quire checkpoint at ``<root>/<step_format.format(step)>``
+    (readable with ``quire.load``); a step exists iff its ``quire.json`` does.  The root
+    also holds ``checkpointer.json`` (the step format and the run's ``metadata``), created
+    by the first save.  Use it as a context manager: leaving the block waits for the
+    background work and raises its errors::
+
+        with quire.Checkpointer(root, save_policy=EveryNSteps(100), keep=LatestN(3)) as ckpt:
+            start = ckpt.latest_step()  # None: nothing committed yet
+            if start is None:
+                state, start = init_state(), 0
+            else:
+                state = ckpt.load(start, jax.eval_shape(init_state))
+            for step in range(start + 1, num_steps + 1):
+                state, loss = train_step(state, step)
+                ckpt.save(step, state, metrics={"loss": loss})   # saves when the policy says so
+
+    Parameters
+    ----------
+    root_url : str or path
+        Where the steps live (a local path, ``memory://...``, ``s3://...``).
+    save_policy : quire.policies.SavePolicy, optional
+        When :meth:`save` actually saves (default: at every call with a new step).
+    keep : quire.policies.KeepPolicy, optional
+        Which committed steps survive (default: all).  The latest committed step and
+        steps being loaded are never deleted.
+    step_format : str, optional
+        Directory name of a step, a ``str.format`` pattern with one int field; default
+        the root's recorded one, else ``"step_{:08d}"``.  Names that do not parse back to
+        a step are ignored.
+    storage_options : dict, optional
+        fsspec options for the backend.
+    metadata : dict, optional
+        JSON metadata about the run, stored once in ``checkpointer.json`` (the first
+        writer's is kept) and returned by ``metadata()``.
+    gc_grace_period : float or None
+        After its first commit, the Checkpointer removes (in the background, on the
+        primary process) uncommitted steps and superseded data older than this many
+        seconds; None turns that off (``quire gc ROOT`` still works).
+
+    Raises
+    ------
+    ValueError
+        ``step_format`` is invalid or differs from the one the root was written with.
+    CorruptCheckpointError
+        The root record is malformed.
+    """
+
+    def __init__(
+        self,
+        root_url: str | os.PathLike[str],
+        *,
+        save_policy: SavePolicy | None = None,
+        keep: KeepPolicy | None = None,
+        step_format: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        gc_grace_period: float | None = _gc.DEFAULT_GRACE_PERIOD,
+    ) -> None:
+        if save_policy is not None and not isinstance(save_policy, SavePolicy):
+            raise TypeError(f"save_policy must be a quire.policies.SavePolicy, got {save_policy!r}")
+        if keep is not None and not isinstance(keep, KeepPolicy):
+            raise TypeError(f"keep must be a quire.policies.KeepPolicy, got {keep!r}")
+        if gc_grace_period is not None and not gc_grace_period >= 0:
+            raise ValueError(f"gc_grace_period must be >= 0 seconds or None, got {gc_grace_period}")
+        self.root = normalize(root_url)
+        self._storage_options = dict(storage_options) if storage_options else None
+        self._backend = open_backend(self.root, self._storage_options)
+        self._save_policy = save_policy
+        self._keep = keep
+        self._gc_grace = gc_grace_period
+        self._metadata = dict(metadata or {})
+        try:
+            json.dumps(self._metadata, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"Checkpointer metadata must be JSON-serialisable: {e}") from e
+
+        import jax
+
+        self._primary = jax.process_index() == current().primary_process
+        self._lock = threading.RLock()
+        self._committed: dict[int, StepInfo | None] = {}  # None: record not read yet
+        self._deleting: set[int] = set()
+        self._pins: collections.Counter[int] = collections.Counter()
+        self._deferred = False  # a deletion waits for a load to end
+        self._inflight_step: int | None = None
+        self._save_fut: concurrent.futures.Future[Any] | None = None
+        self._tail: concurrent.futures.Future[Any] | None = None  # last background task
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+        self._errors: list[BaseException] = []
+        self._gc_done = False
+        self._closed = False
+
+        doc = self._run(_gc.read_root_record(self._backend, self.root))
+        if doc is not None and step_format is not None and doc["step_format"] != step_format:
+            raise ValueError(
+                f"{self.root} was written with step_format {doc['step_format']!r}, not "
+                f"{step_format!r}; pass step_format={doc['step_format']!r} or leave it out"
+            )
+        if doc is not None and metadata is not None and doc.get("metadata") != self._metadata:
+            log.warning(
+                "%s: keeping the run metadata recorded by the first writer; the metadata "
+                "passed to this Checkpointer differs and is not stored",
+                self.root,
+            )
+        self._root_doc = doc
+        self._fmt = _gc.StepFormat(
+            step_format or (doc["step_format"] if doc else _gc.DEFAULT_STEP_FORMAT)
+        )
+        self._relist()
+        self._last_saved_step: int | None = self._latest()
+        self._last_save_time = time.monotonic()
+        if save_policy is not None:
+            save_policy.attach()
+        _open_checkpointers.add(self)
+
+    # ------------------------------------------------------------------ plumbing
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return _io.submit(coro).result()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        # run_coroutine_threadsafe works from any thread, quire's loop thread included.
+        fut = asyncio.run_coroutine_threadsafe(coro, _io.loop())
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._collect)
+        return fut
+
+    def _collect(self, fut: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            if fut not in self._pending:
+                return
+            self._pending.discard(fut)
+            if not fut.cancelled() and fut.exception() is not None:
+                self._errors.append(fut.exception())  # type: ignore[arg-type]
+
+    def _raise_background(self) -> None:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            first = errors[0]
+            for e in errors[1:]:
+                first.add_note(f"another background task failed too: {type(e).__name__}: {e}")
+            raise first
+
+    def _schedule(self, make: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+        """Run ``make()`` in the background after every earlier background task."""
+        with self._lock:
+            prev = self._tail
+
+            async def run() -> None:
+                if prev is not None:
+                    try:
+                        await asyncio.wrap_future(prev)
+                    except BaseException:
+                        pass  # its error is reported through its own future
+                await make()
+
+            self._tail = self._spawn(run())
+
+    def _wait_save(self) -> None:
+        fut = self._save_fut
+        if fut is not None:
+            concurrent.futures.wait([fut])
+            self._collect(fut)
+        self._raise_background()
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                pending = list(self._pending)
+            if not pending:
+                return
+            concurrent.futures.wait(pending)
+            for f in pending:
+                self._collect(f)
+
+    def _url(self, step: int) -> str:
+        return f"{self.root}/{self._fmt.name(step)}"
+
+    def _latest(self) -> int | None:
+        with self._lock:
+            live = [s for s in self._committed if s not in self._deleting]
+            return max(live) if live else None
+
+    def _relist(self) -> None:
+        listing = self._run(_gc.list_root(self._backend, self._fmt))
+        found = {sd.step for sd in listing.steps if sd.state == "committed"}
+        with self._lock:
+            self._committed = {s: self._committed.get(s) for s in sorted(found)}
+
+    async def _load_infos(self) -> None:
+        with self._lock:
+            todo = [s for s, info in self._committed.items() if info is None]
+
+        async def one(step: int) -> None:
+            doc = await _gc.read_step_record(self._backend, self.root, self._fmt.name(step))
+            with self._lock:
+                if doc is None:  # deleted by someone else
+                    self._committed.pop(step, None)
+                elif step in self._committed:
+                    self._committed[step] = StepInfo(
+                        step, doc["_created"].timestamp(), _gc.record_metrics(doc)
+                    )
+
+        await asyncio.gather(*(one(s) for s in todo))
+
+    # ------------------------------------------------------------------ policies
+    def _decide(self, step: int) -> bool:
+        with self._lock:
+            floor = max(
+                (
+                    s
+                    for s in (self._latest(), self._last_saved_step, self._inflight_step)
+                    if s is not None
+                ),
+                default=None,
+            )
+            ctx = SaveContext(step, self._last_saved_step, self._last_save_time, time.monotonic())
+        if floor is not None and step <= floor:
+            answer = False
+        elif self._save_policy is None:
+            answer = True
+        else:
+            answer = bool(self._save_policy.should_save(ctx))
+        if self._save_policy is not None and not self._save_policy.deterministic:
+            import jax
+
+            if jax.process_count() > 1:
+                # Time- and signal-based answers may differ: every process follows process 0.
+                import numpy as np
+                from jax.experimental import multihost_utils
+
+                answer = bool(multihost_utils.broadcast_one_to_all(np.asarray(answer)))
+        return answer
+
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`save` would save at ``step``.
+
+        False for a step at or below the latest committed or started one; otherwise the
+        save policy's answer (True without a policy).  Asking has no side effect.
+        """
+        self._raise_background()
+        return self._decide(_as_step(step))
+
+    @property
+    def preempted(self) -> bool:
+        """Whether an :class:`~quire.policies.OnPreemption` policy received a notice.
+
+        Check it right after a save: if it is True then, the saved state is the latest and
+        the loop may stop (a notice arriving later makes the next step save).
+        """
+        p = self._save_policy
+        parts = getattr(p, "policies", (p,))
+        return any(isinstance(q, OnPreemption) and q.preempted for q in parts)
+
+    # ------------------------------------------------------------------ saving
+    def save(
+        self,
+        step: int,
+        tree: Any,
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Save ``tree`` as ``step`` if the save policy says so; return whether it saves.
+
+        Returns once the device-to-host copy is done; writing and committing go on in the
+        background (see :meth:`wait`).  If a save is still in flight, waits for it first
+        and raises its error, if any.
+
+        Parameters
+        ----------
+        step : int
+            The step number (non-negative).
+        tree : pytree
+            What ``quire.save`` accepts.
+        metrics : dict, optional
+            Numbers describing this step (e.g. ``{"val_loss": 0.31}``), stored in the step's
+            metadata under ``"quire.metrics"`` and used by ``BestN``.
+        metadata : dict, optional
+            Other JSON metadata of this step (``quire.metadata(url).custom``).
+        force : bool
+            Save whatever the policy says, replacing a committed step of that number.
+
+        Raises
+        ------
+        UnsupportedLeafError
+            A leaf cannot be saved (raised at once).
+        Exception
+            The error of an earlier background save or deletion.
+        """
+        return self._save(step, {PYTREE: tree}, metrics, metadata, force, single=True)
+
+    def save_checkpointables(
+        self,
+        step: int,
+        checkpointables: Mapping[str, Any],
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Like :meth:`save`, with several named units (see ``quire.save_checkpointables``)."""
+        return self._save(step, checkpointables, metrics, metadata, force, single=False)
+
+    def _save(
+        self,
+        step: Any,
+        units: Mapping[str, Any],
+        metrics: Mapping[str, Any] | None,
+        metadata: Mapping[str, Any] | None,
+        force: bool,
+        *,
+        single: bool,
+    ) -> bool:
+        if self._closed:
+            raise ValueError(f"quire.Checkpointer({self.root!r}) is closed")
+        self._raise_background()
+        step = _as_step(step)
+        if not force and not self._decide(step):
+            log.debug(
+                "%s: not saving step %d (save policy, or not after the last save)", self.root, step
+            )
+            return False
+        user = dict(metadata or {})
+        if _gc.METRICS_KEY in user:
+            raise ValueError(
+                f"metadata key {_gc.METRICS_KEY!r} is reserved; pass metrics=... instead"
+            )
+        clean = _clean_metrics(metrics, step)
+        if metrics is not None:
+            user[_gc.METRICS_KEY] = clean
+        self._wait_save()  # at most one save in flight
+        with self._lock:
+            being_deleted = step in self._deleting
+        if being_deleted:
+            self._drain()
+            self._raise_background()
+        if self._primary and self._root_doc is None:
+            self._run(_gc.create_root_record(self._backend, self._fmt.pattern, self._metadata))
+            self._root_doc = self._run(_gc.read_root_record(self._backend, self.root))
+        url = self._url(step)
+        if single:
+            resp = _api.save_async(
+                url,
+                units[PYTREE],
+                metadata=user,
+                overwrite=force,
+                storage_options=self._storage_options,
+            )
+        else:
+            resp = _api.save_checkpointables_async(
+                url,
+                units,
+                metadata=user,
+                overwrite=force,
+                storage_options=self._storage_options,
+            )
+        with self._lock:
+            self._inflight_step = step
+            self._last_saved_step = step
+            self._last_save_time = time.monotonic()
+            self._save_fut = self._spawn(self._finish_save(resp, step, clean, url))
+        return True
+
+    async def _finish_save(
+        self, resp: _api.AsyncResponse[Any], step: int, metrics: dict[str, Any], url: str
+    ) -> None:
+        try:
+            await _await_response(resp)
+        except BaseException as e:
+            with self._lock:
+                self._inflight_step = None
+            e.add_note(f"(background save of step {step} to {url})")
+            raise
+        with self._lock:
+            self._committed[step] = StepInfo(step, time.time(), metrics)
+            self._inflight_step = None
+            run_gc = self._primary and self._gc_grace is not None and not self._gc_done
+            self._gc_done = True
+        if run_gc:
+            # Inside the save: the next save waits for it, so GC never races our own writes.
+            try:
+                await self._auto_gc()
+            except Exception as e:  # the save did commit; GC can run again later
+                log.warning("%s: automatic garbage collection failed: %r", self.root, e)
+        if self._keep is not None:
+            self._schedule(self._retain)
+
+    def wait(self) -> None:
+        """Wait for the save in flight and background deletions; raise their errors."""
+        self._drain()
+        self._raise_background()
+
+    # ------------------------------------------------------------------ retention
+    async def _retain(self) -> None:
+        if self._keep is None:
+            return
+        await self._load_infos()
+        with self._lock:
+            live = sorted(s for s in self._committed if s not in self._deleting)
+            if not live:
+                return
+            infos = [i for s in live if (i := self._committed[s]) is not None]
+            keep = set(self._keep.keep(infos, time.time()))
+            keep.add(live[-1])  # never the latest committed step
+            if self._inflight_step is not None:
+                keep.add(self._inflight_step)
+            victims = [s for s in live if s not in keep]
+            self._deferred = any(self._pins[s] for s in victims)
+            victims = [s for s in victims if not self._pins[s]]
+            self._deleting.update(victims)
+        for s in victims:
+            name = self._fmt.name(s)
+            if self._primary:
+                try:
+                    await self._backend.delete([f"{name}/quire.json"])  # invisible from here on
+                except BaseException:
+                    with self._lock:
+                        self._deleting.discard(s)
+                    raise
+            with self._lock:
+                self._committed.pop(s, None)
+                self._deleting.discard(s)
+            if self._primary:
+                # A failure here leaves an incomplete step directory: garbage for gc().
+                await self._backend.delete_prefix(name)
+            log.debug("%s: deleted step %d (keep policy)", self.root, s)
+
+    def _protected(self) -> set[int]:
+        with self._lock:
+            out = set(self._deleting) | {s for s, n in self._pins.items() if n}
+            if self._inflight_step is not None:
+                out.add(self._inflight_step)
+            return out
+
+    async def _auto_gc(self) -> None:
+        assert self._gc_grace is not None
+        report = await _gc.collect(
+            self._backend,
+            self.root,
+            self._fmt,
+            grace_period=self._gc_grace,
+            exclude=self._protected(),
+        )
+        for g in report.removable:
+            log.info("%s: removed %s garbage %s", self.root, g.kind, g.prefix)
+
+    def gc(self, grace_period: float | None = None, *, dry_run: bool = False) -> _gc.GcReport:
+        """Remove uncommitted steps and superseded data older than ``grace_period`` seconds.
+
+        Parameters
+        ----------
+        grace_period : float, optional
+            Default: the Checkpointer's ``gc_grace_period`` (one hour if that is None).
+            Data younger than this may belong to a writer still in flight.
+        dry_run : bool
+            Only report what would be removed.
+
+        Returns
+        -------
+        GcReport
+            ``removable`` (removed unless ``dry_run``) and ``kept`` (too young, or of
+            unknown age on backends that do not report modification times).
+        """
+        self._wait_save()
+        grace = grace_period if grace_period is not None else self._gc_grace
+        if grace is None:
+            grace = _gc.DEFAULT_GRACE_PERIOD
+        return self._run(
+            _gc.collect(
+                self._backend,
+                self.root,
+                self._fmt,
+                grace_period=grace,
+                dry_run=dry_run,
+                exclude=self._protected(),
+            )
+        )
+
+    # ------------------------------------------------------------------ loading
+    def _agree(self, step: int | None) -> None:
+        """Check that every process is about to restore the same step (no-op for one)."""
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        try:
+            multihost_utils.assert_equal(
+                np.asarray(-1 if step is None else step, np.int64),
+                fail_message=f"processes would restore different steps of {self.root}",
+            )
+        except AssertionError as e:
+            raise QuireError(
+                f"processes disagree on the step of {self.root} to restore (this one: {step}); "
+                "they see different sets of steps: call reload() on every process, or pass "
+                f"the step explicitly. {e}"
+            ) from e
+
+    def _load(self, step: Any, fn: Callable[[str], Any]) -> Any:
+        self._wait_save()
+        with self._lock:
+            s = _as_step(step) if step is not None else self._latest()
+            deleting = s is not None and s in self._deleting
+            if s is not None:
+                self._pins[s] += 1
+        try:
+            self._agree(s)
+            if s is None:
+                raise CheckpointNotFoundError(
+                    f"no committed step under {self.root} (step format {self._fmt.pattern!r}); "
+                    "call reload() if another process wrote one"
+                )
+            if deleting:
+                raise CheckpointNotFoundError(
+                    f"step {s} of {self.root} is being deleted by the keep policy"
+                )
+            return fn(self._url(s))
+        finally:
+            if s is not None:
+                with self._lock:
+                    self._pins[s] -= 1
+                    if not self._pins[s]:
+                        del self._pins[s]
+                    retry = self._deferred and not self._pins
+                    if retry:
+                        self._deferred = False
+                if retry:
+                    self._schedule(self._retain)
+
+    def load(self, step: int | None = None, abstract: Any = None, *, partial: bool = False) -> Any:
+        """Load ``step`` (default: the latest committed one), as ``quire.load`` does.
+
+        Waits for a save in flight first.  Every process checks that all processes
+        restore the same step.  The step cannot be deleted while it is being loaded.
+
+        Parameters
+        ----------
+        step : int, optional
+            The step; None for the latest committed step.
+        abstract : pytree, optional
+            The target tree (see ``quire.load``).
+        partial : bool
+            Load only the keys in ``abstract``, ignoring the others (e.g. only the params
+            of another run's checkpoint).
+
+        Raises
+        ------
+        CheckpointNotFoundError
+            No such committed step (or none at all).
+        TreeMismatchError
+            ``abstract`` does not match (see ``quire.load``).
+        QuireError
+            Processes disagree on the step to restore.
+        """
+        return self._load(
+            step,
+            lambda url: _api.load(
+                url, abstract, partial=partial, storage_options=self._storage_options
+            ),
+        )
+
+    def load_checkpointables(
+        self,
+        step: int | None = None,
+        abstract: Mapping[str, Any] | None = None,
+        *,
+        partial: bool = False,
+    ) -> dict[str, Any]:
+        """Load named units of ``step`` (default: latest); see ``quire.load_checkpointables``."""
+        return self._load(  # type: ignore[no-any-return]
+            step,
+            lambda url: _api.load_checkpointables(
+                url, abstract, partial=partial, storage_options=self._storage_options
+            ),
+        )
+
+    # ------------------------------------------------------------------ inspection
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (as of the last listing plus this process's saves)."""
+        self._raise_background()
+        with self._lock:
+            return sorted(s for s in self._committed if s not in self._deleting)
+
+    def latest_step(self) -> int | None:
+        """The highest committed step, or None."""
+        self._raise_background()
+        return self._latest()
+
+    def reload(self) -> None:
+        """List the root again, to see steps written or deleted by other processes.
+
+        Waits for this Checkpointer's background work first (see :meth:`wait`).
+        """
+        self.wait()
+        self._root_doc = self._run(_gc.read_root_record(self._backend, self.root))
+        self._relist()
+
+    @overload
+    def metadata(self, step: None = None) -> dict[str, Any]: ...
+
+    @overload
+    def metadata(self, step: int) -> CheckpointMetadata: ...
+
+    def metadata(self, step: int | None = None) -> dict[str, Any] | CheckpointMetadata:
+        """A step's :class:`~quire.CheckpointMetadata`, or the run's metadata (a dict).
+
+        ``step=None`` returns the ``metadata`` stored in ``checkpointer.json`` (or, before
+        the first save, the one passed to the constructor).
+        """
+        self._raise_background()
+        if step is None:
+            if self._root_doc is not None:
+                return dict(self._root_doc.get("metadata", {}))
+            return dict(self._metadata)
+        m: CheckpointMetadata = _api.metadata(
+            self._url(_as_step(step)), storage_options=self._storage_options
+        )
+        return m
+
+    def metrics(self, step: int) -> dict[str, Any]:
+        """The metrics saved with ``step`` (empty if none); reads only ``quire.json``."""
+        self._raise_background()
+        s = _as_step(step)
+        with self._lock:
+            info = self._committed.get(s)
+        if info is None:
+            doc = self._run(_gc.read_step_record(self._backend, self.root, self._fmt.name(s)))
+            if doc is None:
+                raise CheckpointNotFoundError(f"no committed step {s} under {self.root}")
+            return _gc.record_metrics(doc)
+        return dict(info.metrics)
+
+    def best_step(self, metric: str, *, mode: str = "max") -> int | None:
+        """The committed step with the best ``metric`` (``mode`` "max" or "min"), or None."""
+        from quire.policies import BestN
+
+        self._raise_background()
+        ranker = BestN(1, metric=metric, mode=mode)
+        self._run(self._load_infos())
+        with self._lock:
+            infos = [
+                i for s, i in self._committed.items() if i is not None and s not in self._deleting
+            ]
+        ranked = ranker.ranked(infos)
+        return ranked[0] if ranked else None
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Wait for background work, raise its errors, and release the save policy."""
+        if self._closed:
+            self._raise_background()
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            _open_checkpointers.discard(self)
+            if self._save_policy is not None:
+                self._save_policy.detach()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:  # the body's error wins; keep this one visible
+            log.error("%s: background checkpoint work failed: %r", self.root, e)
+            exc.add_note(f"also, background checkpoint work failed: {type(e).__name__}: {e}")
+
+    def __repr__(self) -> str:
+        return (
+            f"Checkpointer({self.root!r}, step_format={self._fmt.pattern!r}, "
+            f"save_policy={self._save_policy!r}, keep={self._keep!r})"
+        )

@@ -1,0 +1,151 @@
+"""Conformance suite for checkpointable handlers (entry-point group ``quire.checkpointables``).
+
+Subclass :class:`CheckpointableHandlerSuite`, name the handler id and give a sample
+object::
+
+    from quire.testing import CheckpointableHandlerSuite
+
+    class TestLoaderState(CheckpointableHandlerSuite):
+        handler_id = "my-loader"
+
+        @pytest.fixture
+        def obj(self):
+            return make_loader(position=17)
+
+        def target(self, obj):
+            return make_loader(position=0)   # what load_checkpointables gets as target
+
+Override :meth:`CheckpointableHandlerSuite.assert_restored` when ``==`` does not
+compare your objects.  Never override a ``test_*`` method to make it pass.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+from quire.testing._common import UrlFixture, flip_byte, json_roundtrips, record_of
+
+__all__ = ["CheckpointableHandlerSuite"]
+
+
+class CheckpointableHandlerSuite(UrlFixture):
+    """Tests every checkpointable handler passes.
+
+    Attributes
+    ----------
+    handler_id : str
+        The handler's ``quire.checkpointables`` entry-point name (or run-time
+        registration); the plugin coverage check counts the handler as covered by it.
+
+    Fixtures to provide
+    -------------------
+    obj
+        A sample object the handler saves.
+    """
+
+    group: ClassVar[str] = "quire.checkpointables"
+    handler_id: ClassVar[str]
+
+    @pytest.fixture
+    def obj(self) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__}: provide an `obj` fixture returning a sample object"
+        )
+
+    def target(self, obj: Any) -> Any:
+        """The target passed to ``load_checkpointables`` for the unit (default None)."""
+        return None
+
+    def assert_restored(self, original: Any, restored: Any) -> None:
+        assert restored == original
+
+    def _get(self) -> Any:
+        from quire import _checkpointables
+
+        return _checkpointables.get(self.handler_id)
+
+    # -- the contract -----------------------------------------------------------------
+    def test_found_by_id(self) -> None:
+        h = self._get()
+        assert h is not None and h.id == self.handler_id
+        for m in ("handles", "save", "load"):
+            assert callable(getattr(h, m, None)), f"handler {self.handler_id!r} lacks {m}"
+
+    def test_chosen_for_its_object(self, obj: Any) -> None:
+        from quire import _checkpointables
+
+        assert self._get().handles(obj)
+        assert _checkpointables.handler_for(obj) == self.handler_id
+
+    def test_round_trip(self, url: str, obj: Any) -> None:
+        """Saved next to a pytree unit; loading the unit alone restores it."""
+        import quire
+
+        quire.save_checkpointables(url, {"unit": obj, "state": {"w": np.arange(4.0)}})
+        m = quire.metadata(url)
+        assert m.units["unit"] == self.handler_id
+        out = quire.load_checkpointables(url, {"unit": self.target(obj)})
+        assert list(out) == ["unit"]
+        self.assert_restored(obj, out["unit"])
+
+    def test_other_units_load_without_it(self, url: str, obj: Any) -> None:
+        import quire
+
+        quire.save_checkpointables(url, {"unit": obj, "state": {"w": np.arange(4.0)}})
+        out = quire.load_checkpointables(url, {"state": None})
+        assert list(out) == ["state"]
+        np.testing.assert_array_equal(out["state"]["w"], np.arange(4.0))
+
+    def test_record_is_plain_json(self, url: str, obj: Any) -> None:
+        import quire
+
+        quire.save_checkpointables(url, {"unit": obj})
+        unit = record_of(url)["units"]["unit"]
+        assert json_roundtrips(unit), f"unit record {unit!r} is not plain JSON"
+
+    def test_async_save(self, url: str, obj: Any) -> None:
+        import quire
+
+        quire.save_checkpointables_async(url, {"unit": obj}).result(timeout=120)
+        out = quire.load_checkpointables(url, {"unit": self.target(obj)})
+        self.assert_restored(obj, out["unit"])
+
+    def test_overwrite(self, url: str, obj: Any) -> None:
+        import quire
+
+        quire.save_checkpointables(url, {"unit": obj, "n": {"v": np.zeros(1)}})
+        quire.save_checkpointables(url, {"unit": obj, "n": {"v": np.ones(1)}}, overwrite=True)
+        out = quire.load_checkpointables(url, {"unit": self.target(obj), "n": None})
+        self.assert_restored(obj, out["unit"])
+        np.testing.assert_array_equal(out["n"]["v"], np.ones(1))
+
+    def test_writes_only_under_its_sub_prefix(self, tmp_path: Path, obj: Any) -> None:
+        """Objects the handler writes lie under ``d/<txid>/<unit name>/``."""
+        import quire
+
+        url = str(tmp_path / "ckpt")
+        quire.save_checkpointables(url, {"my unit": obj})
+        rec = record_of(url)
+        files = [p for p in (tmp_path / "ckpt").rglob("*") if p.is_file()]
+        rel = sorted(str(p.relative_to(tmp_path / "ckpt")) for p in files)
+        allowed = [f"d/{t}/my%20unit/" for t in rec["txids"]]
+        stray = [r for r in rel if r != "quire.json" and not any(r.startswith(a) for a in allowed)]
+        assert not stray, f"written outside the unit's sub-prefix: {stray}"
+
+    def test_damaged_object_is_detected(self, tmp_path: Path, obj: Any) -> None:
+        """Every byte the handler wrote is checked: a flipped byte fails the load."""
+        import quire
+
+        url = str(tmp_path / "ckpt")
+        quire.save_checkpointables(url, {"unit": obj})
+        files = [p for p in (tmp_path / "ckpt" / "d").rglob("*") if p.is_file()]
+        if not files:
+            pytest.skip(f"handler {self.handler_id!r} stores its units inline in quire.json")
+        for p in files:
+            flip_byte(p)
+        with pytest.raises(quire.CorruptCheckpointError):
+            quire.load_checkpointables(url, {"unit": self.target(obj)})
