@@ -223,7 +223,7 @@ async def save_prepared(
             )
         return await write_units(url, backend, prep, stats=stats)
 
-    async def do_commit(units: dict[str, dict[str, Any]]) -> None:
+    async def do_commit(units: dict[str, dict[str, Any]]) -> list[str]:
         data = _format.build(
             units=units,
             txids=[prep.txid],
@@ -231,9 +231,12 @@ async def save_prepared(
             process_count=coord.count,
             extra={"plugins": plugin_sources(units)},
         )
-        await commit(backend, url, data, prep.txid, overwrite=overwrite)
+        return await commit(backend, url, data, prep.txid, overwrite=overwrite, drop_old=False)
 
-    await collective(coord, url, work, do_commit, lambda: _drop(backend, url, prep.txid))
+    old = await collective(coord, url, work, do_commit, lambda: _drop(backend, url, prep.txid))
+    # Only after every process has heard the outcome: nobody waits on the old data's removal.
+    if not coord.active or coord.is_primary:
+        await drop_txids(backend, url, old)
 
 
 async def _drop(backend: Backend, url: str, txid: str) -> None:
@@ -336,8 +339,11 @@ async def collective(
     return json.loads(out[3:])  # type: ignore[no-any-return]
 
 
-async def commit(backend: Backend, url: str, data: bytes, txid: str, *, overwrite: bool) -> None:
-    """Write the commit record (the commit point) and then drop the superseded data."""
+async def commit(
+    backend: Backend, url: str, data: bytes, txid: str, *, overwrite: bool, drop_old: bool = True
+) -> list[str]:
+    """Write the commit record (the commit point), then drop the superseded data (unless
+    ``drop_old`` is False: the caller then deletes the returned txids' data itself)."""
     if not backend.capabilities.atomic_create:
         log.warning(
             "%s: backend %s has no atomic conditional create; a concurrent writer could "
@@ -374,7 +380,14 @@ async def commit(backend: Backend, url: str, data: bytes, txid: str, *, overwrit
                 f"a checkpoint already exists at {url} (another writer committed first); "
                 "pass overwrite=True to replace it"
             ) from None
-    for t in old_txids:
+    if drop_old:
+        await drop_txids(backend, url, old_txids)
+    return old_txids
+
+
+async def drop_txids(backend: Backend, url: str, txids: list[str]) -> None:
+    """Delete superseded data after a commit (failures only leave garbage for GC)."""
+    for t in txids:
         try:
             await backend.delete_prefix(f"d/{t}")
         except Exception as e:  # the new checkpoint is committed; old data is just garbage

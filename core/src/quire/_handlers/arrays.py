@@ -262,7 +262,10 @@ class ArrayHandler:
             chunk_nbytes = math.prod(layout.chunk_shape) * layout.dtype.itemsize
 
             async def write(coords: tuple[int, ...], produce: Callable[[], np.ndarray]) -> None:
-                need = chunk_nbytes if (plan.allocates or layout.compressors) else 0
+                # Host memory this chunk allocates: the cast/copy, then each encoded copy.
+                need = (chunk_nbytes if plan.allocates else 0) + (
+                    2 * chunk_nbytes if layout.compressors else 0
+                )
                 async with sem, budget.hold(need):
                     data = produce()
                     n = await write_chunk(ctx.backend, e.location, layout, coords, data)
