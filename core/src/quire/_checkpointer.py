@@ -315,8 +315,7 @@ class Checkpointer:
             return max(live) if live else None
 
     def _relist(self) -> None:
-        listing = self._run(_gc.list_root(self._backend, self._fmt))
-        found = {sd.step for sd in listing.steps if sd.state == "committed"}
+        found = set(self._run(_gc.committed_steps(self._backend, self._fmt)))
         with self._lock:
             self._committed = {s: self._committed.get(s) for s in sorted(found)}
 

@@ -190,6 +190,15 @@ class Listing:
     others: list[str] = field(default_factory=list)
 
 
+async def committed_steps(backend: Backend, fmt: StepFormat) -> list[int]:
+    """Steps with a commit record: one-level listing plus an existence check per step
+    (never a recursive listing of the steps' data)."""
+    _, names = await backend.list_dir("")
+    candidates = [(name, step) for name in names if (step := fmt.parse(name)) is not None]
+    found = await _gather_limited(backend.exists(f"{n}/{_format.RECORD}") for n, _ in candidates)
+    return sorted(step for (_, step), ok in zip(candidates, found) if ok)
+
+
 async def list_root(backend: Backend, fmt: StepFormat) -> Listing:
     """Group every key under the root by its first path component."""
     groups: dict[str, list[str]] = defaultdict(list)

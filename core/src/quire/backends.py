@@ -20,6 +20,7 @@ by trial and error.
 from __future__ import annotations
 
 import abc
+import builtins
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -127,6 +128,23 @@ class Backend(abc.ABC):
         key, and every key starting with ``prefix + "/"`` — never ``prefix2/...``.  The
         empty prefix lists everything.
         """
+
+    async def list_dir(self, prefix: str = "") -> tuple[builtins.list[str], builtins.list[str]]:
+        """Names directly under ``prefix``: ``(keys, sub-prefixes)``, each sorted.
+
+        Like an S3 listing with a ``/`` delimiter.  The default derives it from the
+        recursive :meth:`list`; backends that can list one level override it (a
+        Checkpointer root with many large steps is then cheap to scan).
+        """
+        base = prefix.rstrip("/")
+        start = len(base) + 1 if base else 0
+        files: set[str] = set()
+        dirs: set[str] = set()
+        for k in await self.list(base):
+            rest = k[start:]
+            head, sep, _ = rest.partition("/")
+            (dirs if sep else files).add(head)
+        return sorted(files), sorted(dirs)
 
     # -- writes ------------------------------------------------------------------
     @abc.abstractmethod

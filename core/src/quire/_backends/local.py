@@ -152,6 +152,20 @@ class LocalBackend(Backend):
                 out.append(f if rel == "." else f"{rel}/{f}".replace(os.sep, "/"))
         return sorted(out)
 
+    async def list_dir(self, prefix: str = "") -> tuple[builtins.list[str], builtins.list[str]]:
+        return await run_blocking(self._list_dir, prefix)
+
+    def _list_dir(self, prefix: str) -> tuple[builtins.list[str], builtins.list[str]]:
+        files: builtins.list[str] = []
+        dirs: builtins.list[str] = []
+        try:
+            with os.scandir(self._p(prefix.rstrip("/"))) as it:
+                for e in it:
+                    (dirs if e.is_dir(follow_symlinks=False) else files).append(e.name)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        return sorted(files), sorted(dirs)
+
     # -- writes ------------------------------------------------------------------
     def _makedirs(self, path: str) -> None:
         d = os.path.dirname(path)
