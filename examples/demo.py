@@ -5,6 +5,7 @@ Run:  python examples/demo.py [DIR]
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import tempfile
@@ -20,7 +21,7 @@ import quire
 
 def init_mlp(key: jax.Array, sizes: list[int]) -> dict[str, dict[str, jax.Array]]:
     params = {}
-    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+    for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes)):
         key, sub = jax.random.split(key)
         params[f"layer{i}"] = {
             "w": jax.random.normal(sub, (n_in, n_out), jnp.float32) / np.sqrt(n_in),

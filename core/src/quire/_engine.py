@@ -323,7 +323,9 @@ async def collective(
         if why is not None:
             await coord.decide(f"abort: {why}")
             await cleanup()
-            raise MultiProcessError(f"{url}: save aborted on every process, nothing committed: {why}")
+            raise MultiProcessError(
+                f"{url}: save aborted on every process, nothing committed: {why}"
+            )
         try:
             value = await commit_fn(result)
         except BaseException as e:
@@ -457,7 +459,11 @@ async def load_doc(
     unit: str = PYTREE,
 ) -> Any:
     return await load_tree(
-        url, pytree_unit(doc, url, unit), backend, abstract, partial=partial,
+        url,
+        pytree_unit(doc, url, unit),
+        backend,
+        abstract,
+        partial=partial,
         plugins=doc.get("plugins"),
     )
 
@@ -477,7 +483,9 @@ async def load_tree(
         # Name the package that wrote the missing plugin's data, when the record says.
         for ident, dist in (plugins or {}).items():
             if f"named {ident.split(':', 1)[1]!r}" in str(e):
-                raise PluginError(f"{e}. This checkpoint was written with {dist}: pip install {dist}") from e
+                raise PluginError(
+                    f"{e}. This checkpoint was written with {dist}: pip install {dist}"
+                ) from e
         raise
 
 

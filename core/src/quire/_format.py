@@ -85,7 +85,9 @@ def _check_tree(url: str, node: Any, depth: int = 0) -> None:
             or len(keys) != len(children)
             or not all(type(k) is str or type(k) is int for k in keys)
         ):
-            raise _bad(url, "dict node whose keys are not a list of strings/integers matching its children")
+            raise _bad(
+                url, "dict node whose keys are not a list of strings/integers matching its children"
+            )
         if len(set(keys)) != len(keys):
             raise _bad(url, "dict node with duplicate keys")
     for c in children:

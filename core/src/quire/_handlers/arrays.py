@@ -253,7 +253,9 @@ class ArrayHandler:
 
                 meta = json.dumps(layout.zarr_json()).encode()
 
-                async def put_meta(key: str = f"{e.location}/zarr.json", meta: bytes = meta) -> None:
+                async def put_meta(
+                    key: str = f"{e.location}/zarr.json", meta: bytes = meta
+                ) -> None:
                     async with sem:
                         await ctx.backend.put(key, [meta])
 

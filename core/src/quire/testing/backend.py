@@ -223,6 +223,15 @@ class BackendSuite:
         assert _run(backend.list("nope")) == []
         assert _run(backend.list("a/c/d/")) == ["a/c/d"]
 
+    def test_list_dir(self, backend: Backend) -> None:
+        for k in ["a/b", "a/c/d", "a/c/e", "a/x/y/z", "ab/x", "top"]:
+            _run(backend.put(k, [b"."]))
+        assert _run(backend.list_dir()) == (["top"], ["a", "ab"])
+        assert _run(backend.list_dir("a")) == (["b"], ["c", "x"])
+        assert _run(backend.list_dir("a/")) == (["b"], ["c", "x"])
+        assert _run(backend.list_dir("a/x")) == ([], ["y"])
+        assert _run(backend.list_dir("nope")) == ([], [])
+
     def test_list_empty_root(self, backend: Backend) -> None:
         assert _run(backend.list()) == []
 

@@ -1,0 +1,410 @@
+"""``quire cp``: copy a committed checkpoint between any two backends.
+
+Order (the commit protocol, as for a save):
+
+1. read SRC's commit record ``quire.json`` (nothing else makes a checkpoint);
+2. list what it references: each array leaf's ``zarr.json`` and every chunk of its grid,
+   every object under each checkpointable unit's location;
+3. copy those objects, at most ``max_concurrency`` at a time within ``byte_budget`` bytes,
+   checking each chunk's crc32c (and size, and decodability) as it is read - a damaged
+   source fails the copy and names the chunk - then ``sync`` DST;
+4. COMMIT: write the very same record at DST with ``put_if_absent`` (or, with
+   ``overwrite``, a compare-and-swap over DST's record, after which DST's superseded
+   data is deleted).
+
+A crash leaves DST as it was, plus unreferenced objects under ``d/<txid>/`` that
+``quire gc`` removes.  Data keeps its txids and locations, so the copy is byte-identical.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import numpy as np
+
+from quire import _format
+from quire._budget import ByteBudget
+from quire._config import current
+from quire._io import run_blocking
+from quire._paths import is_safe_location
+from quire._tree import KeyPath, from_json, keystr
+from quire._url import normalize, open_backend
+from quire.backends import Backend, PreconditionFailed
+from quire.errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+
+__all__ = ["CopyResult", "copy_checkpoint"]
+
+Progress = Callable[[int, int], None]  # (objects done, bytes done)
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyResult:
+    """What a copy did: objects and bytes written (the record included), chunks verified."""
+
+    src: str
+    dst: str
+    objects: int
+    bytes: int
+    verified: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+    """One object to copy: its key, what it belongs to, how to check it, a size estimate."""
+
+    key: str
+    owner: str
+    check: Callable[[bytes], None] | None = None
+    size: int | None = None
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_json(data: bytes) -> None:
+    try:
+        json.loads(data)
+    except ValueError as e:
+        raise ValueError(f"not JSON: {e}") from e
+
+
+def _check_unit_object(data: bytes) -> None:
+    from quire._zarr import crc_bytes
+
+    if len(data) < 4 or crc_bytes(data[:-4]) != data[-4:]:
+        raise ValueError("crc32c checksum mismatch")
+
+
+def _chunk_checker(layout: Any) -> Callable[[bytes], None]:
+    """Decode-and-verify of one stored chunk (or zarr shard) of ``layout``."""
+    from quire._zarr import _U64_MAX, ArrayLayout, crc_bytes
+
+    if layout.inner_shape is None:
+
+        def check_chunk(data: bytes) -> None:
+            layout._decode_one(data, layout.chunk_shape)
+
+        return check_chunk
+
+    inner = layout.inner_shape
+    sub = ArrayLayout(
+        layout.chunk_shape, layout.dtype, inner, None, layout.compressors, layout.checksum
+    )
+    n_inner = math.prod(layout.inner_grid)
+    ilen = n_inner * 16 + (4 if layout.checksum else 0)
+
+    def check(data: bytes) -> None:
+        if len(data) < ilen:
+            raise ValueError(f"truncated shard: {len(data)} bytes")
+        raw = data[len(data) - ilen :]
+        if layout.checksum:
+            if crc_bytes(raw[:-4]) != raw[-4:]:
+                raise ValueError("crc32c checksum mismatch in shard index")
+            raw = raw[:-4]
+        index = np.frombuffer(raw, dtype="<u8").reshape(n_inner, 2)
+        for i, (off, nb) in enumerate(index.tolist()):
+            if off == _U64_MAX and nb == _U64_MAX:
+                raise ValueError(f"inner chunk {i} missing from shard")
+            if off + nb > len(data) - ilen:
+                raise ValueError(f"inner chunk {i} lies outside the shard")
+            sub._decode_one(memoryview(data)[off : off + nb], inner)
+
+    return check
+
+
+# ----------------------------------------------------------------------------- planning
+async def _read_record(backend: Backend, url: str) -> tuple[bytes, dict[str, Any]]:
+    try:
+        raw = await backend.get(_format.RECORD)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {url} (no {_format.RECORD}); nothing to copy"
+        ) from None
+    return raw, _format.parse(raw, url)
+
+
+def _leaf_items(rec: dict[str, Any], path: KeyPath, url: str) -> list[_Item]:
+    from quire._handlers.arrays import layout_from_record
+
+    loc = rec["location"]
+    owner = keystr(path)
+    layout = layout_from_record(rec, url)
+    items = [_Item(f"{loc}/zarr.json", owner, _check_json)]
+    if math.prod(layout.shape):
+        check = _chunk_checker(layout)
+        size = layout.encoded_size(layout.chunk_shape)
+        if layout.inner_shape is not None:
+            size += math.prod(layout.inner_grid) * 16 + 4
+        items += [
+            _Item(f"{loc}/{layout.chunk_key(c)}", owner, check, size) for c in layout.all_chunks()
+        ]
+    return items
+
+
+async def plan(backend: Backend, url: str, doc: dict[str, Any]) -> list[_Item]:
+    """Every object SRC's record references, with its check."""
+    items: list[_Item] = []
+    listed: list[tuple[str, str, Callable[[bytes], None] | None]] = []
+    for name, unit in doc["units"].items():
+        if unit["kind"] == "pytree":
+            for leaf in from_json(unit["tree"]).leaves():
+                rec = leaf.value
+                loc = rec.get("location")
+                if loc is None:
+                    continue  # inline in the record
+                if not is_safe_location(loc):
+                    raise CorruptCheckpointError(
+                        f"{url}/{_format.RECORD}: leaf {keystr(leaf.path)!r} has location "
+                        f"{loc!r}, outside d/; refusing to copy it"
+                    )
+                if "chunk_shape" in rec:
+                    items += _leaf_items(rec, leaf.path, url)
+                else:  # another handler's objects: copied as they are
+                    listed.append((loc, keystr(leaf.path), None))
+        elif unit["kind"] == "handler":
+            loc = unit["location"]
+            if not is_safe_location(loc):
+                raise CorruptCheckpointError(
+                    f"{url}/{_format.RECORD}: unit {name!r} has location {loc!r}, outside d/"
+                )
+            listed.append((loc, f"unit {name!r}", _check_unit_object))
+    found = await asyncio.gather(*(backend.list(loc) for loc, _, _ in listed))
+    for (_, owner, check), keys in zip(listed, found):
+        items += [_Item(k, owner, check) for k in keys]
+    return items
+
+
+# ----------------------------------------------------------------------------- copying
+async def copy_checkpoint(
+    src: str,
+    dst: str,
+    *,
+    overwrite: bool = False,
+    src_options: dict[str, Any] | None = None,
+    dst_options: dict[str, Any] | None = None,
+    progress: Callable[[int, int, int, int], None] | None = None,
+) -> CopyResult:
+    """Copy the checkpoint at ``src`` to ``dst``; the record is written last.
+
+    Parameters
+    ----------
+    src, dst : str
+        Checkpoint URLs on any backends.
+    overwrite : bool
+        Replace a checkpoint at ``dst`` (atomically; its old data is deleted after).
+    src_options, dst_options : dict, optional
+        ``storage_options`` for each side.
+    progress : callable, optional
+        ``progress(objects_done, objects_total, bytes_done, bytes_total_estimate)``.
+
+    Raises
+    ------
+    CheckpointNotFoundError
+        No checkpoint at ``src``.
+    CheckpointExistsError
+        A checkpoint is at ``dst`` and ``overwrite`` is False (checked first, and again
+        by the conditional create of the record).
+    CorruptCheckpointError
+        An object of ``src`` is missing or fails its checksum (nothing is committed).
+    """
+    t0 = time.perf_counter()
+    src, dst = normalize(src), normalize(dst)
+    if src == dst:
+        raise ValueError(f"source and destination are the same checkpoint: {src}")
+    sb = open_backend(src, src_options)
+    db = open_backend(dst, dst_options)
+    try:
+        raw, doc = await _read_record(sb, src)
+        if not overwrite and await db.exists(_format.RECORD):
+            raise CheckpointExistsError(
+                f"a checkpoint already exists at {dst}; pass --overwrite to replace it"
+            )
+        items = await plan(sb, src, doc)
+        done_bytes, verified = await _copy_objects(sb, db, src, items, progress)
+        await db.sync()
+        await _commit(db, dst, raw, set(doc["txids"]), overwrite)
+    finally:
+        await sb.close()
+        await db.close()
+    return CopyResult(
+        src, dst, len(items) + 1, done_bytes + len(raw), verified, time.perf_counter() - t0
+    )
+
+
+async def _copy_objects(
+    sb: Backend,
+    db: Backend,
+    src: str,
+    items: list[_Item],
+    progress: Callable[[int, int, int, int], None] | None,
+) -> tuple[int, int]:
+    cfg = current()
+    budget = ByteBudget(cfg.byte_budget)
+    sem = asyncio.Semaphore(max(1, cfg.max_concurrency))
+    total_est = sum(i.size or 0 for i in items)
+    done = [0, 0, 0]  # objects, bytes, verified
+
+    async def one(item: _Item) -> None:
+        async with sem:
+            size = item.size if item.size is not None else await sb.size(item.key)
+            async with budget.hold(size):
+                try:
+                    data = await sb.get(item.key)
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(
+                        f"{src}: {item.owner}: {item.key} is missing; the checkpoint is "
+                        "damaged (run `quire verify`); nothing was committed at the destination"
+                    ) from None
+                if item.check is not None:
+                    try:
+                        await run_blocking(item.check, data)
+                    except Exception as e:
+                        raise CorruptCheckpointError(
+                            f"{src}: {item.owner}: {item.key} fails verification ({e}); the "
+                            "checkpoint is damaged (run `quire verify`); nothing was committed "
+                            "at the destination"
+                        ) from e
+                    done[2] += 1
+                await db.put(item.key, [data])
+        done[0] += 1
+        done[1] += len(data)
+        if progress is not None:
+            progress(done[0], len(items), done[1], max(total_est, done[1]))
+
+    tasks = [asyncio.ensure_future(one(i)) for i in items]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    return done[1], done[2]
+
+
+async def _commit(db: Backend, dst: str, raw: bytes, txids: set[str], overwrite: bool) -> None:
+    """Write the record at DST (the commit point), then drop DST's superseded data."""
+    old: set[str] = set()
+    if overwrite:
+        while True:
+            version = await db.version(_format.RECORD)
+            try:
+                if version is None:
+                    await db.put_if_absent(_format.RECORD, raw)  # COMMIT
+                    break
+                try:
+                    old = set(_format.parse(await db.get(_format.RECORD), dst)["txids"])
+                except (FileNotFoundError, CorruptCheckpointError):
+                    old = set()
+                await db.replace_if_match(_format.RECORD, raw, version)  # COMMIT
+                break
+            except PreconditionFailed:
+                continue  # another writer committed meanwhile: replace theirs
+    else:
+        try:
+            await db.put_if_absent(_format.RECORD, raw)  # COMMIT
+        except PreconditionFailed:
+            # Someone committed at DST first; drop our copies, unless their record uses
+            # the same txids (a concurrent copy of the same checkpoint).
+            try:
+                theirs = set(_format.parse(await db.get(_format.RECORD), dst)["txids"])
+            except (FileNotFoundError, CorruptCheckpointError):
+                theirs = set()
+            for t in txids - theirs:
+                await db.delete_prefix(f"d/{t}")
+            raise CheckpointExistsError(
+                f"a checkpoint already exists at {dst} (another writer committed first); "
+                "pass --overwrite to replace it"
+            ) from None
+    for t in old - txids:
+        await db.delete_prefix(f"d/{t}")
+
+
+# ----------------------------------------------------------------------------- CLI
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+class ProgressBar:
+    """A one-line progress bar, redrawn at most 10 times a second; silent off a terminal."""
+
+    def __init__(self, stream: TextIO, width: int = 30) -> None:
+        self.stream = stream
+        self.width = width
+        self.enabled = bool(getattr(stream, "isatty", lambda: False)())
+        self._last = 0.0
+        self._t0 = time.perf_counter()
+        self._drawn = False
+
+    def __call__(self, done: int, total: int, nbytes: int, est: int) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (now - self._last < 0.1 and done < total):
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        fill = int(frac * self.width)
+        rate = nbytes / max(now - self._t0, 1e-9)
+        self.stream.write(
+            f"\r[{'#' * fill}{'.' * (self.width - fill)}] {done}/{total} objects  "
+            f"{_human(nbytes)}/{_human(est)}  {_human(rate)}/s "
+        )
+        self.stream.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        if self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def cli_cp(
+    src: str,
+    dst: str,
+    *,
+    overwrite: bool = False,
+    src_options: str | None = None,
+    dst_options: str | None = None,
+    quiet: bool = False,
+) -> int:
+    """``quire cp``: copy, report, return the exit status."""
+    from quire import _io
+
+    opts = []
+    for what, text in (("--src-options", src_options), ("--dst-options", dst_options)):
+        try:
+            value = json.loads(text) if text else None
+        except ValueError:
+            value = []
+        if value is not None and not isinstance(value, dict):
+            print(
+                f"quire cp: {what} takes a JSON object, e.g. '{{\"anon\": true}}'", file=sys.stderr
+            )
+            return 2
+        opts.append(value)
+    bar = ProgressBar(sys.stderr)
+    bar.enabled = bar.enabled and not quiet
+    try:
+        res = _io.submit(
+            copy_checkpoint(
+                src, dst, overwrite=overwrite, src_options=opts[0], dst_options=opts[1],
+                progress=bar,
+            )
+        ).result()  # fmt: skip
+    finally:
+        bar.close()
+    if not quiet:
+        print(
+            f"copied {res.src} -> {res.dst}: {res.objects} objects, {_human(res.bytes)}, "
+            f"{res.verified} checksums verified, in {res.seconds:.1f}s"
+        )
+    return 0

@@ -1,0 +1,249 @@
+"""Machinery shared by the object-store backends (quire-s3, quire-gcs).
+
+* :class:`RetryPolicy` and :func:`retrying`: transient failures retried with jittered
+  exponential backoff until a deadline;
+* :class:`ClientCache`: one client (file system, connection pool) per option set on
+  quire's event loop, closed at exit; a private one on any other loop;
+* buffer helpers: flat views of the buffers a backend is handed, byte-range slices of
+  them without copying, reading a response stream into them, a large ranged read as
+  concurrent spans;
+* :func:`list_under` / :func:`dir_entries`: :meth:`Backend.list` and
+  :meth:`Backend.list_dir` from a store's prefix listing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import random
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from quire import _io
+from quire.backends import Buffer
+
+T = TypeVar("T")
+
+
+# ----------------------------------------------------------------------------- retries
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long transient failures are retried.
+
+    Attempt ``n`` (from 0) that fails transiently is followed by a pause drawn uniformly
+    from ``[b/2, b]``, ``b = min(max_backoff, backoff * 2**n)`` ("equal jitter": clients
+    that failed together do not retry together), unless that pause would end past
+    ``deadline`` seconds after the first attempt.
+    """
+
+    deadline: float = 120.0
+    backoff: float = 0.1
+    max_backoff: float = 10.0
+
+    @classmethod
+    def pop_from(cls, options: dict[str, Any]) -> RetryPolicy:
+        """The policy set by ``retry_*`` keys of ``options`` (removed from it)."""
+        d = cls()
+        return cls(
+            deadline=float(options.pop("retry_deadline", d.deadline)),
+            backoff=float(options.pop("retry_backoff", d.backoff)),
+            max_backoff=float(options.pop("retry_max_backoff", d.max_backoff)),
+        )
+
+    def pause(self, attempt: int) -> float:
+        b = min(self.max_backoff, self.backoff * 2.0 ** min(attempt, 60))
+        return random.uniform(b / 2, b)
+
+
+class RetriesExhausted(Exception):
+    """Transient failures lasted past the deadline; ``last`` is the final one."""
+
+    def __init__(self, attempts: int, elapsed: float, last: BaseException) -> None:
+        super().__init__(f"{attempts} attempts in {elapsed:.1f}s")
+        self.attempts = attempts
+        self.elapsed = elapsed
+        self.last = last
+
+
+async def retrying(
+    attempt: Callable[[int], Awaitable[T]],
+    policy: RetryPolicy,
+    is_transient: Callable[[BaseException], bool],
+    on_retry: Callable[[int, float, BaseException], None] | None = None,
+) -> T:
+    """``await attempt(n)`` for n = 0, 1, ... until it returns or fails for good.
+
+    ``n`` tells an attempt that an earlier one may have reached the server before its
+    reply was lost.  A non-transient error is raised as it is; transient ones past the
+    deadline raise :class:`RetriesExhausted`.
+    """
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    n = 0
+    while True:
+        try:
+            return await attempt(n)
+        except Exception as e:
+            if not is_transient(e):
+                raise
+            pause = policy.pause(n)
+            elapsed = loop.time() - start
+            if elapsed + pause > policy.deadline:
+                raise RetriesExhausted(n + 1, elapsed, e) from e
+            if on_retry is not None:
+                on_retry(n + 1, pause, e)
+        await asyncio.sleep(pause)
+        n += 1
+
+
+# ----------------------------------------------------------------------------- clients
+class ClientCache:
+    """Clients by option set: shared on quire's event loop, private elsewhere.
+
+    Every save and load runs on quire's loop; building a client costs ~0.2 s and a pool of
+    warm connections is what makes many small requests fast, so one client per distinct
+    option set (``token``) lives there for the process, closed at exit.  Changes to the
+    environment or to fsspec's config after the first use of an option set are not seen
+    by its client.  On any other loop each backend gets its own, closed by ``close()``.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[dict[str, Any]], Any],
+        close: Callable[[Any], Coroutine[Any, Any, None]],
+    ) -> None:
+        self._factory = factory
+        self._close = close
+        self._shared: dict[str, tuple[asyncio.AbstractEventLoop, Any]] = {}
+        atexit.register(self.close_shared)
+
+    def get(self, options: dict[str, Any], token: str) -> tuple[Any, bool]:
+        """``(client, private)`` for the running loop."""
+        loop = asyncio.get_running_loop()
+        if loop is not getattr(_io, "_loop", None):
+            return self._factory(options), True
+        hit = self._shared.get(token)
+        if hit is None or hit[0] is not loop:
+            hit = (loop, self._factory(options))
+            self._shared[token] = hit
+        return hit[1], False
+
+    async def release(self, client: Any, private: bool) -> None:
+        if private:
+            await self._close(client)
+
+    def close_shared(self) -> None:
+        for loop, client in list(self._shared.values()):
+            if loop.is_running() and not loop.is_closed():
+                fut = asyncio.run_coroutine_threadsafe(self._close(client), loop)
+                with contextlib.suppress(Exception):
+                    fut.result(timeout=2)
+        self._shared.clear()
+
+
+# ----------------------------------------------------------------------------- buffers
+def split_bucket_url(url: str) -> tuple[str, str]:
+    """``scheme://bucket/a/b/`` -> ``("bucket", "a/b")``."""
+    scheme, _, rest = url.partition("://")
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ValueError(f"{url!r} names no bucket; use {scheme}://bucket/path/to/checkpoint")
+    return bucket, prefix.strip("/")
+
+
+def views(data: Sequence[Buffer]) -> list[memoryview]:
+    """Flat byte views of the non-empty buffers of ``data``."""
+    return [v for v in (memoryview(d).cast("B") for d in data) if v.nbytes]
+
+
+def byte_slice(bufs: Sequence[memoryview], start: int, stop: int) -> list[memoryview]:
+    """The pieces of the concatenation of ``bufs`` in ``[start, stop)``, without copying."""
+    out = []
+    pos = 0
+    for v in bufs:
+        end = pos + v.nbytes
+        if end > start and pos < stop:
+            out.append(v[max(start - pos, 0) : min(stop, end) - pos])
+        pos = end
+        if pos >= stop:
+            break
+    return out
+
+
+async def read_into(stream: Any, bufs: Sequence[memoryview], block: int = 4 << 20) -> int:
+    """Copy from ``stream`` (anything with ``async read(n)``) into ``bufs`` in order."""
+    n = 0
+    for v in bufs:
+        pos = 0
+        while pos < v.nbytes:
+            chunk = await stream.read(min(v.nbytes - pos, block))
+            if not chunk:
+                return n
+            v[pos : pos + len(chunk)] = chunk
+            pos += len(chunk)
+            n += len(chunk)
+    return n
+
+
+async def gather_all(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run ``coros`` concurrently; on the first failure cancel the rest and raise it."""
+    tasks: list[asyncio.Task[T]] = []
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(c) for c in coros]
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
+async def read_spans(
+    read: Callable[[int, list[memoryview], int], Coroutine[Any, Any, int]],
+    bufs: list[memoryview],
+    offset: int,
+    span: int,
+) -> int:
+    """Fill ``bufs`` from ``offset`` with concurrent ``read(start, views, length)`` calls of
+    at most ``span`` bytes each; the byte count (short when the object ends early)."""
+    total = sum(v.nbytes for v in bufs)
+    spans = [(a, min(a + span, total)) for a in range(0, total, span)]
+    counts = await gather_all([read(offset + a, byte_slice(bufs, a, b), b - a) for a, b in spans])
+    n = 0
+    for (a, b), got in zip(spans, counts):
+        n += got
+        if got < b - a:  # the object ended inside this span
+            break
+    return n
+
+
+def dir_prefix(root: str, prefix: str) -> str:
+    """The object-name prefix of the "directory" ``prefix`` under ``root`` (``""`` or
+    ending in ``/``)."""
+    base = "/".join(p for p in (root, prefix.strip("/")) if p)
+    return f"{base}/" if base else ""
+
+
+def dir_entries(under: str, names: list[str], prefixes: list[str]) -> tuple[list[str], list[str]]:
+    """:meth:`Backend.list_dir` from a delimited listing of ``under``: object names and
+    common prefixes (``under + "x/"``), made relative and sorted."""
+    n = len(under)
+    return sorted(k[n:] for k in names), sorted(p[n:].rstrip("/") for p in prefixes)
+
+
+async def list_under(
+    lister: Callable[[str, int | None], Awaitable[list[str]]], root: str, prefix: str
+) -> list[str]:
+    """:meth:`Backend.list` from ``lister(name_prefix, limit)``, a store's listing of the
+    object names that start with ``name_prefix`` (sorted, at least ``limit`` of them)."""
+    prefix = prefix.strip("/")
+    base = "/".join(p for p in (root, prefix) if p)
+    under = f"{base}/" if base else ""
+    if prefix:
+        # The key ``prefix`` itself sorts first among names that start with it.
+        children, first = await asyncio.gather(lister(under, None), lister(base, 1))
+        found = children + [k for k in first[:1] if k == base]
+    else:
+        found = await lister(under, None)
+    cut = len(root) + 1 if root else 0
+    return sorted(k[cut:] for k in found)

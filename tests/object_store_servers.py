@@ -1,0 +1,394 @@
+"""Real object-store servers for the tests, and a fault-injecting HTTP proxy in front of them.
+
+* :class:`MotoS3` - moto's S3 server (``ThreadedMotoServer``) on 127.0.0.1, a random port;
+  it enforces ``If-None-Match`` / ``If-Match`` on PutObject.
+* :class:`GcsEmulator` - gcp-storage-emulator, in memory, on 127.0.0.1; it ignores
+  ``ifGenerationMatch`` (tests that rely on preconditions say so).
+* :class:`FaultProxy` - an HTTP/1.1 proxy between the client and either server (a real
+  network hop): per request it forwards, or answers 5xx / 4xx itself, resets the
+  connection before or after the server saw the request, stalls past the client's timeout,
+  or holds the request until the test releases it.  It logs every request.
+
+Start-up takes ~1 s each; the test modules share one of each per module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+S3_KEY = "quire-test-key-id"
+S3_SECRET = "quire-test-secret-0123456789"  # never to appear in messages or logs
+S3_BUCKET = "quire-test"
+GCS_BUCKET = "quire-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ----------------------------------------------------------------------------- servers
+class MotoS3:
+    """moto's S3 server on 127.0.0.1 with one bucket."""
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        self.host, self.port = host, int(port)
+        self.endpoint = f"http://{host}:{port}"
+        self.client().create_bucket(Bucket=S3_BUCKET)  # no region: moto's default
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=S3_KEY,
+            aws_secret_access_key=S3_SECRET,
+            region_name="us-east-1",
+        )
+
+    def options(self, endpoint: str | None = None, **extra: Any) -> dict[str, Any]:
+        return {
+            "endpoint_url": endpoint or self.endpoint,
+            "key": S3_KEY,
+            "secret": S3_SECRET,
+            **extra,
+        }
+
+    def fresh_url(self) -> str:
+        return f"s3://{S3_BUCKET}/{uuid.uuid4().hex[:12]}"
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+class GcsEmulator:
+    """gcp-storage-emulator, in memory, on 127.0.0.1 with one bucket."""
+
+    def __init__(self) -> None:
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        from gcp_storage_emulator.server import create_server
+
+        self.port = free_port()
+        self._server = create_server(
+            "127.0.0.1", self.port, in_memory=True, default_bucket=GCS_BUCKET
+        )
+        self._server.start()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def options(self, endpoint: str | None = None, **extra: Any) -> dict[str, Any]:
+        return {
+            "endpoint_url": endpoint or self.endpoint,
+            "token": "anon",
+            "project": "quire",
+            **extra,
+        }
+
+    def fresh_url(self) -> str:
+        return f"gs://{GCS_BUCKET}/{uuid.uuid4().hex[:12]}"
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+# ----------------------------------------------------------------------------- proxy
+@dataclass
+class Rule:
+    """What the proxy does to matching requests.
+
+    ``action``: ``"forward"``; an HTTP status (``"503"``, ``"500"``, ``"403"``, ``"412"``,
+    ...) answered by the proxy with the flavour's error body; ``"reset"`` (RST before the
+    server sees the request); ``"reset-after"`` (the server handles it, the reply is lost);
+    ``"stall"`` (no reply for ``delay`` s, then close); ``"hold"`` (wait for
+    :meth:`FaultProxy.release`, then forward - or drop it when ``drop`` is set or the client
+    has gone).  ``times`` matching requests are affected (-1: all), after ``skip`` of them,
+    and with ``every=n`` only every n-th of them.
+    """
+
+    action: str
+    method: str | None = None
+    path: str | None = None  # a regex searched in the request target (path and query)
+    times: int = 1
+    skip: int = 0
+    every: int = 1
+    delay: float = 30.0
+    drop: bool = False
+    code: str | None = None  # the S3 error code of an injected status (default per status)
+    hits: int = 0
+    arrived: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
+    _gate: asyncio.Event | None = None
+
+    def matches(self, method: str, target: str) -> bool:
+        if self.method and method != self.method:
+            return False
+        return not (self.path and not re.search(self.path, target))
+
+
+_S3_ERRORS = {
+    500: ("InternalError", "We encountered an internal error. Please try again."),
+    503: ("SlowDown", "Please reduce your request rate."),
+    403: ("AccessDenied", "Access Denied"),
+    412: ("PreconditionFailed", "At least one of the pre-conditions you specified did not hold"),
+    404: ("NoSuchBucket", "The specified bucket does not exist"),
+}
+
+
+class FaultProxy:
+    """An HTTP/1.1 proxy on 127.0.0.1 in front of ``upstream`` (host, port).
+
+    ``flavor`` ("s3" or "gcs") picks the error body format.  ``log`` holds one
+    ``(method, target, action)`` per request.
+    """
+
+    def __init__(self, upstream: tuple[str, int], flavor: str = "s3") -> None:
+        self.upstream = upstream
+        self.flavor = flavor
+        self.rules: list[Rule] = []
+        self.log: list[tuple[str, str, str, str]] = []
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def serve() -> None:
+            self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+            self.port = self._server.sockets[0].getsockname()[1]
+            ready.set()
+
+        def run() -> None:
+            asyncio.set_event_loop(self._loop)
+            self._loop.run_until_complete(serve())
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="fault-proxy", daemon=True)
+        self._thread.start()
+        ready.wait(10)
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    # -- control (any thread) --------------------------------------------------------
+    def add(self, action: str, **kw: Any) -> Rule:
+        rule = Rule(action, **kw)
+        if action == "hold":
+            rule._gate = asyncio.Event()
+        with self._lock:
+            self.rules.append(rule)
+        return rule
+
+    def clear(self) -> None:
+        with self._lock:
+            rules, self.rules = self.rules, []
+            self.log.clear()
+        for r in rules:
+            self.release(r)
+
+    def release(self, rule: Rule) -> None:
+        if rule._gate is not None:
+            self._loop.call_soon_threadsafe(rule._gate.set)
+
+    def wait_arrivals(self, rule: Rule, n: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        for _ in range(n):
+            if not rule.arrived.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"fewer than {n} requests reached the proxy rule {rule}")
+
+    def requests(
+        self, method: str | None = None, path: str | None = None
+    ) -> list[tuple[str, str, str, str]]:
+        """Logged requests with this method and a target matching ``path``."""
+        with self._lock:
+            return [
+                e
+                for e in self.log
+                if (method is None or e[0] == method) and (path is None or re.search(path, e[1]))
+            ]
+
+    def stop(self) -> None:
+        self.clear()
+
+        async def close() -> None:
+            self._server.close()
+
+        asyncio.run_coroutine_threadsafe(close(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    # -- serving -----------------------------------------------------------------------
+    def _pick(self, method: str, target: str) -> Rule | None:
+        with self._lock:
+            for r in self.rules:
+                if r.times != 0 and r.matches(method, target):
+                    r.hits += 1
+                    if r.hits <= r.skip or (r.hits - r.skip) % r.every:
+                        continue
+                    if r.times > 0:
+                        r.times -= 1
+                    return r
+        return None
+
+    def _error(self, status: int, code: str | None = None) -> bytes:
+        if self.flavor == "s3":
+            default, msg = _S3_ERRORS.get(status, ("InternalError", "error"))
+            code = code or default
+            body = (
+                f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+                f"<Message>{msg}</Message><RequestId>proxy</RequestId></Error>"
+            ).encode()
+            ctype = "application/xml"
+        else:
+            body = (
+                f'{{"error": {{"code": {status}, "message": "injected {status}", '
+                f'"errors": [{{"message": "injected {status}"}}]}}}}'
+            ).encode()
+            ctype = "application/json"
+        head = (
+            f"HTTP/1.1 {status} Injected\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        return head + body
+
+    @staticmethod
+    def _reset(writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+
+    async def _read_request(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[str, str, list[bytes], bytes, str] | None:
+        line = await reader.readline()
+        if not line.strip():
+            return None
+        method, target, _ = line.decode("latin-1").split(" ", 2)
+        headers: list[bytes] = []
+        length, chunked, expect, rng = 0, False, False, ""
+        while True:
+            h = await reader.readline()
+            if h in (b"\r\n", b"\n", b""):
+                break
+            name, _, value = h.decode("latin-1").partition(":")
+            lname, value = name.strip().lower(), value.strip()
+            if lname == "content-length":
+                length = int(value)
+            elif lname == "transfer-encoding" and "chunked" in value.lower():
+                chunked = True
+            elif lname == "expect" and value.lower() == "100-continue":
+                expect = True
+                continue
+            elif lname == "connection":
+                continue
+            elif lname == "range":
+                rng = value
+            headers.append(h)
+        if expect:
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await writer.drain()
+        if chunked:
+            body = bytearray()
+            while True:
+                size_line = await reader.readline()
+                body += size_line
+                size = int(size_line.split(b";")[0].strip() or b"0", 16)
+                chunk = await reader.readexactly(size + 2)
+                body += chunk
+                if size == 0:
+                    break
+            raw = bytes(body)
+        else:
+            raw = await reader.readexactly(length) if length else b""
+        return method, target, headers, raw, rng
+
+    async def _forward(
+        self, method: str, target: str, headers: list[bytes], body: bytes
+    ) -> tuple[bytes, bool]:
+        """Send the request upstream on a fresh connection; (raw reply, keep client open)."""
+        ur, uw = await asyncio.open_connection(*self.upstream)
+        try:
+            uw.write(f"{method} {target} HTTP/1.1\r\n".encode("latin-1"))
+            uw.write(b"".join(headers) + b"Connection: close\r\n\r\n" + body)
+            await uw.drain()
+            reply = await ur.read()  # the server closes after one reply (Connection: close)
+        finally:
+            uw.close()
+        head = reply.split(b"\r\n\r\n", 1)[0].lower()
+        framed = b"content-length:" in head or b"chunked" in head or method == "HEAD"
+        return reply, framed and b"connection: close" not in head
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                req = await self._read_request(reader, writer)
+                if req is None:
+                    break
+                method, target, headers, body, rng = req
+                rule = self._pick(method, target)
+                action = rule.action if rule else "forward"
+                with self._lock:
+                    self.log.append((method, target, action, rng))
+                if rule is not None:
+                    rule.arrived.release()
+                if action == "reset":
+                    self._reset(writer)
+                    return
+                if action == "stall":
+                    await asyncio.sleep(rule.delay if rule else 0)
+                    writer.close()
+                    return
+                if action.isdigit():
+                    writer.write(self._error(int(action), rule.code if rule else None))
+                    await writer.drain()
+                    continue
+                if action == "hold" and rule is not None and rule._gate is not None:
+                    await rule._gate.wait()
+                    await asyncio.sleep(0.05)
+                    if rule.drop or reader.at_eof():  # the client died meanwhile
+                        writer.close()
+                        return
+                reply, keep = await self._forward(method, target, headers, body)
+                if action == "reset-after":
+                    self._reset(writer)
+                    return
+                writer.write(reply)
+                await writer.drain()
+                if not keep:
+                    break
+        except (ConnectionError, asyncio.IncompleteReadError, OSError):
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+
+
+@contextlib.contextmanager
+def env(**values: str | None) -> Iterator[None]:
+    """Set (or, with None, unset) environment variables for a block."""
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,650 @@
+"""quire through ``s3://`` (moto's server) and ``gs://`` (gcp-storage-emulator) URLs.
+
+Every test talks HTTP to a real server, most of them through :class:`FaultProxy`, which
+injects faults on the wire: save / load / overwrite, two processes committing at once, a
+process killed at each step of the commit protocol, retried transient faults, permanent
+faults that fail at once, configuration the fsspec way, and ``quire cp`` between backends.
+
+gcp-storage-emulator ignores ``ifGenerationMatch``: the GCS tests check that the
+preconditions are *sent* (and that a 412 maps to the right error); that a server enforcing
+them makes exactly one of two writers commit is proven on S3 (moto) and on local disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from object_store_servers import (
+    S3_KEY,
+    S3_SECRET,
+    FaultProxy,
+    GcsEmulator,
+    MotoS3,
+    env,
+)
+from object_store_worker import assert_tree, build_tree
+
+import quire
+from quire import _io
+from quire._url import open_backend
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="subprocess + SIGKILL")
+
+WORKER = str(Path(__file__).with_name("object_store_worker.py"))
+FAST_RETRY = {"retry_backoff": 0.01, "retry_max_backoff": 0.2, "retry_deadline": 20}
+
+
+@dataclass
+class Store:
+    """One object store under test: its server, a fault proxy in front, request patterns."""
+
+    name: str
+    server: Any
+    proxy: FaultProxy
+    commit_write: dict[str, str]  # the write of quire.json
+    data_write: dict[str, str]  # writes under d/<txid>/
+    deletes: dict[str, str]  # deletes of superseded data
+    chunk_read: dict[str, str]  # reads of array chunks
+    timeout_option: dict[str, Any] = field(default_factory=dict)
+
+    def url(self) -> str:
+        return str(self.server.fresh_url())
+
+    def options(self, *, direct: bool = False, **extra: Any) -> dict[str, Any]:
+        endpoint = None if direct else self.proxy.endpoint
+        return dict(self.server.options(endpoint, **{**FAST_RETRY, **extra}))
+
+    def backend(self, url: str, **extra: Any) -> Any:
+        return open_backend(url, self.options(direct=True, **extra))
+
+
+def run(coro: Any) -> Any:
+    return _io.submit(coro).result(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def moto() -> Iterator[MotoS3]:
+    server = MotoS3()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def gcs() -> Iterator[GcsEmulator]:
+    server = GcsEmulator()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3_store(moto: MotoS3) -> Iterator[Store]:
+    proxy = FaultProxy((moto.host, moto.port), "s3")
+    yield Store(
+        "s3",
+        moto,
+        proxy,
+        commit_write={"method": "PUT", "path": r"/quire\.json(\?|$)"},
+        data_write={"method": "PUT", "path": r"/d/[0-9a-f]+/"},
+        deletes={"method": "POST", "path": r"\?delete"},
+        chunk_read={"method": "GET", "path": r"/d/[0-9a-f]+/.*/c/"},
+        timeout_option={"config_kwargs": {"read_timeout": 1, "connect_timeout": 1}},
+    )
+    proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def gcs_store(gcs: GcsEmulator) -> Iterator[Store]:
+    proxy = FaultProxy(("127.0.0.1", gcs.port), "gcs")
+    yield Store(
+        "gs",
+        gcs,
+        proxy,
+        commit_write={"method": "POST", "path": r"name=[^&]*quire\.json"},
+        data_write={"method": "POST", "path": r"name=[^&]*%2Fd%2F"},
+        deletes={"method": "DELETE", "path": r"/o/"},
+        chunk_read={"method": "GET", "path": r"/download/.*%2Fc%2F"},
+        timeout_option={"read_timeout": 1, "connect_timeout": 1},
+    )
+    proxy.stop()
+
+
+@pytest.fixture(params=["s3", "gs"])
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    s: Store = request.getfixturevalue("s3_store" if request.param == "s3" else "gcs_store")
+    s.proxy.clear()
+    yield s
+    s.proxy.clear()
+
+
+class Child:
+    """A saving process forked by the zygote."""
+
+    def __init__(self, pid: int, out: Path) -> None:
+        self.pid = pid
+        self.out = out
+
+    def _lines(self) -> list[str]:
+        return self.out.read_text().splitlines() if self.out.exists() else []
+
+    def alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def result(self, timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            done = [line for line in self._lines() if line.startswith("{")]
+            if done:
+                got = json.loads(done[-1])
+                assert got["result"] != "error", self.log()
+                return str(got["result"])
+            if not self.alive():
+                pytest.fail(f"saving process {self.pid} died:\n{self.log()}")
+            time.sleep(0.02)
+        pytest.fail(f"saving process {self.pid} timed out:\n{self.log()}")
+
+    def log(self) -> str:
+        log = Path(f"{self.out}.log")
+        return log.read_text() if log.exists() else ""
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+class Zygote:
+    """object_store_worker.py: imports once, forks a saving process per request."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.n = 0
+        self.proc = subprocess.Popen(
+            [sys.executable, WORKER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "JAX_PLATFORMS": "cpu",
+                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            },
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line.strip() == "zygote ready", line
+
+    def spawn(self, url: str, options: dict[str, Any], seed: int, overwrite: bool = False) -> Child:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.n += 1
+        out = self.tmp / f"child-{self.n}"
+        spec = {"url": url, "options": options, "seed": seed, "overwrite": overwrite,
+                "out": str(out)}  # fmt: skip
+        self.proc.stdin.write(json.dumps(spec) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line.startswith("forked "), line
+        return Child(int(line.split()[1]), out)
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
+    z = Zygote(tmp_path_factory.mktemp("zygote"))
+    yield z
+    z.close()
+
+
+def txids(store: Store, url: str) -> set[str]:
+    keys = run(store.backend(url).list("d"))
+    return {k.split("/")[1] for k in keys}
+
+
+# ----------------------------------------------------------------------------- round trips
+def test_roundtrip_sharded_jax_and_ranged_shard_reads(store: Store) -> None:
+    """jax arrays sharded over the devices, zarr shards with inner chunks read by range."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = np.array(jax.devices())
+    mesh = Mesh(devices, ("x",))
+    sharded = NamedSharding(mesh, PartitionSpec("x"))
+    n = len(devices)
+    x = jax.device_put(np.arange(n * 64 * 32, dtype=np.float32).reshape(n * 64, 32), sharded)
+    table = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+    tree = {"x": x, "table": table, "step": 7, "key": jax.random.key(3)}
+    url, opts = store.url(), store.options()
+    # 64 KiB table in 4 KiB inner chunks: one zarr shard object of 16 inner chunks.
+    quire.save(
+        url, tree, storage_options=opts,
+        storage=lambda path, leaf: quire.StorageOptions(chunk_bytes=4096)
+        if path == ("table",) else None,
+    )  # fmt: skip
+    got = quire.load(url, storage_options=opts)
+    np.testing.assert_array_equal(np.asarray(got["x"]), np.asarray(x))
+    np.testing.assert_array_equal(got["table"], table)
+    assert got["step"] == 7
+
+    # Load the table onto the devices, row blocks apart: each device's region is read as
+    # byte ranges of just its inner chunks (plus the shard index), never the whole object.
+    store.proxy.clear()
+    target = {"table": jax.ShapeDtypeStruct(table.shape, table.dtype, sharding=sharded)}
+    part = quire.load(url, target, partial=True, storage_options=opts)
+    np.testing.assert_array_equal(np.asarray(part["table"]), table)
+    reads = [
+        r for r in store.proxy.requests("GET", r"table")
+        if "zarr.json" not in r[1] and (store.name == "s3" or "alt=media" in r[1])
+    ]  # fmt: skip
+    assert reads and all(r[3].startswith("bytes=") for r in reads), reads
+    spans = [r[6:].split("-") for r in {r[3] for r in reads}]  # (an HTTP client may repeat one)
+    requested = sum(int(b) - int(a) + 1 for a, b in spans)
+    shard = table.nbytes + 16 * 4 + 16 * 16 + 4  # data + inner crcs + index + index crc
+    assert requested <= shard + n * (16 * 16 + 4), (requested, shard)  # index read per region
+    assert not store.proxy.requests(path=r"(/|%2F)x(/|%2F)")  # other leaves: not touched
+
+
+def test_overwrite_is_a_compare_and_swap(store: Store) -> None:
+    url, opts = store.url(), store.options()
+    quire.save(url, build_tree(1), storage_options=opts)
+    old = run(store.backend(url).version("quire.json"))
+    store.proxy.clear()
+    quire.save(url, build_tree(2), overwrite=True, storage_options=opts)
+    assert_tree(quire.load(url, storage_options=opts), 2)
+    writes = store.proxy.requests(**store.commit_write)
+    assert len(writes) == 1
+    if store.name == "gs":
+        assert f"ifGenerationMatch={old}" in writes[0][1]
+    assert len(txids(store, url)) == 1  # the old data went after the swap
+    # Never a copy + delete "rename": no copy requests at all.
+    assert not [r for r in store.proxy.log if "copy" in r[1].lower() or "rewrite" in r[1]]
+
+
+def test_gcs_commit_sends_generation_preconditions(gcs_store: Store) -> None:
+    """gcp-storage-emulator ignores ifGenerationMatch, so prove it is sent, and that a
+    refused precondition (412, injected) maps to CheckpointExistsError."""
+    store = gcs_store
+    store.proxy.clear()
+    url, opts = store.url(), store.options()
+    quire.save(url, build_tree(1), storage_options=opts)
+    (commit,) = store.proxy.requests(**store.commit_write)
+    assert "ifGenerationMatch=0" in commit[1]
+
+    url2 = store.url()
+    store.proxy.add("412", **store.commit_write)
+    with pytest.raises(quire.CheckpointExistsError):
+        quire.save(url2, build_tree(2), storage_options=opts)
+    assert run(store.backend(url2).list()) == []  # the loser removed its data
+    store.proxy.clear()
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_two_processes_race_for_one_url(
+    where: str, s3_store: Store, zygote: Zygote, tmp_path: Path
+) -> None:
+    """Both writers reach the commit together; exactly one commits, the other gets
+    CheckpointExistsError, and what loads is entirely the winner's."""
+    if where == "s3":
+        store = s3_store
+        store.proxy.clear()
+        url, opts = store.url(), store.options()
+        gate = store.proxy.add("hold", times=2, **store.commit_write)
+    else:
+        url, opts = str(tmp_path / "ckpt"), {}
+    procs = [zygote.spawn(url, opts, seed) for seed in (1, 2)]
+    if where == "s3":
+        store.proxy.wait_arrivals(gate, 2, timeout=120)  # both are at the commit
+        store.proxy.release(gate)
+    results = [p.result() for p in procs]
+    assert sorted(results) == ["committed", "exists"], results
+    winner = (1, 2)[results.index("committed")]
+    assert_tree(quire.load(url, storage_options=opts), winner)
+    if where == "s3":
+        assert len(txids(store, url)) == 1  # the loser's data is gone
+        store.proxy.clear()
+
+
+def test_uploads_are_concurrent_within_the_byte_budget_and_large_ones_split(store: Store) -> None:
+    MiB = 1 << 20
+    big = {"multipart_threshold": 6 * MiB, "multipart_chunksize": 5 * MiB}
+    if store.name == "gs":
+        big = {"resumable_threshold": 6 * MiB, "resumable_chunksize": 4 * MiB}
+    url = store.url()
+    b = open_backend(url, store.options(upload_budget=3 * MiB, **big))
+    blob = np.random.default_rng(0).integers(0, 255, 16 * MiB, dtype=np.uint8)
+
+    async def put_small() -> int:
+        await asyncio.gather(*(b.put(f"o{i}", [blob[:MiB].data]) for i in range(8)))
+        return int(b._budget.peak)  # type: ignore[attr-defined]
+
+    assert MiB < run(put_small()) <= 3 * MiB  # several uploads at once, never past the budget
+    run(b.put("large", [blob.data]))
+    assert run(b.get("large")) == blob.tobytes()
+    if store.name == "s3":
+        parts = store.proxy.requests("PUT", r"/large\?.*partNumber=")
+        assert len(parts) == 4  # 16 MiB in 5 MiB parts
+    else:
+        chunks = store.proxy.requests("PUT", r"upload_id=")
+        assert len(chunks) == 4  # 16 MiB in 4 MiB resumable chunks
+
+
+# ----------------------------------------------------------------------------- crashes
+def kill_at(
+    zygote: Zygote, store: Store, url: str, rule: dict[str, str], seed: int, overwrite: bool,
+    skip: int = 0,
+) -> None:  # fmt: skip
+    """Run a saving process and SIGKILL it while its request matching ``rule`` is held;
+    the held request is then dropped (it never reaches the server)."""
+    gate = store.proxy.add("hold", drop=True, skip=skip, **rule)
+    proc = zygote.spawn(url, store.options(), seed, overwrite)
+    try:
+        store.proxy.wait_arrivals(gate, 1, timeout=120)
+    finally:
+        proc.kill()
+        store.proxy.release(gate)
+    assert not [line for line in proc._lines() if line.startswith("{")]  # it never finished
+    store.proxy.clear()
+
+
+def test_crash_during_data_upload_leaves_no_checkpoint(store: Store, zygote: Zygote) -> None:
+    url = store.url()
+    kill_at(zygote, store, url, store.data_write, seed=1, overwrite=False, skip=2)
+    with pytest.raises(quire.CheckpointNotFoundError):
+        quire.load(url, storage_options=store.options())
+    quire.save(url, build_tree(3), storage_options=store.options())  # over the debris
+    assert_tree(quire.load(url, storage_options=store.options()), 3)
+
+
+def test_crash_before_commit_keeps_the_old_checkpoint(store: Store, zygote: Zygote) -> None:
+    url, opts = store.url(), store.options()
+    quire.save(url, build_tree(1), storage_options=opts)
+    kill_at(zygote, store, url, store.commit_write, seed=2, overwrite=True)
+    assert_tree(quire.load(url, storage_options=opts), 1)
+    assert len(txids(store, url)) == 2  # the new data was written, never committed
+    quire.save(url, build_tree(3), overwrite=True, storage_options=opts)
+    assert_tree(quire.load(url, storage_options=opts), 3)
+
+
+def test_crash_after_commit_has_the_new_checkpoint(store: Store, zygote: Zygote) -> None:
+    url, opts = store.url(), store.options()
+    quire.save(url, build_tree(1), storage_options=opts)
+    kill_at(zygote, store, url, store.deletes, seed=2, overwrite=True)
+    assert_tree(quire.load(url, storage_options=opts), 2)
+    assert len(txids(store, url)) == 2  # the old data is garbage now, for quire gc
+
+
+# ----------------------------------------------------------------------------- faults
+def test_transient_faults_are_retried(store: Store) -> None:
+    p = store.proxy
+    p.add("503", times=2, **store.data_write)
+    p.add("500", times=1, **store.data_write)
+    p.add("reset", times=1, **store.data_write)
+    p.add("reset-after", times=1, **store.data_write)
+    p.add("reset-after", times=1, **store.commit_write)  # committed, reply lost
+    p.add("503", times=2, **store.chunk_read)
+    p.add("reset", times=1, **store.chunk_read)
+    url, opts = store.url(), store.options()
+    quire.save(url, build_tree(4), storage_options=opts)
+    assert_tree(quire.load(url, storage_options=opts), 4)
+    injected = [r for r in p.log if r[2] != "forward"]
+    assert {r[2] for r in injected} == {"503", "500", "reset", "reset-after"}
+    for method, target, _, rng in injected:  # each was followed by a successful retry
+        assert (method, target, "forward", rng) in p.log, target
+    # The lost commit reply was recognised as this writer's commit: one record, whole.
+    assert len(p.requests(**store.commit_write)) == 2
+
+
+def test_read_timeout_is_retried(store: Store) -> None:
+    url = store.url()
+    opts = store.options(**store.timeout_option)
+    quire.save(url, build_tree(5), storage_options=opts)
+    store.proxy.add("stall", delay=3, times=1, **store.chunk_read)
+    t0 = time.monotonic()
+    assert_tree(quire.load(url, storage_options=opts), 5)
+    assert time.monotonic() - t0 >= 1  # it waited out the stalled request, then retried
+    assert [r for r in store.proxy.log if r[2] == "stall"]
+
+
+def test_transient_faults_past_the_deadline_fail_and_commit_nothing(store: Store) -> None:
+    store.proxy.add("503", times=-1, **store.data_write)
+    url = store.url()
+    opts = store.options(retry_deadline=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(quire.QuireError, match=r"kept failing.*gave up after \d+ attempts"):
+        quire.save(url, build_tree(6), storage_options=opts)
+    assert time.monotonic() - t0 < 15
+    assert not store.proxy.requests(**store.commit_write)  # never reached the commit
+    with pytest.raises(quire.CheckpointNotFoundError):
+        quire.load(url, storage_options=store.options())
+
+
+@pytest.mark.parametrize("fault", ["access-denied", "bad-credentials"])
+def test_permanent_faults_fail_at_once(
+    store: Store, fault: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    if fault == "access-denied":
+        store.proxy.add("403", times=-1, **store.data_write)
+    elif store.name == "s3":  # S3 says 403 InvalidAccessKeyId; GCS says 401
+        store.proxy.add("403", code="InvalidAccessKeyId", times=-1, **store.data_write)
+    else:
+        store.proxy.add("401", times=-1, **store.data_write)
+    url, opts = store.url(), store.options()
+    caplog.set_level(logging.DEBUG, logger="quire")
+    t0 = time.monotonic()
+    with pytest.raises(quire.QuireError) as info:
+        quire.save(url, build_tree(7), storage_options=opts)
+    assert time.monotonic() - t0 < 10
+    message = str(info.value)
+    assert "denied" in message and "credentials" in message, message
+    # Not retried: each object was tried once.
+    targets = [r[1] for r in store.proxy.requests(**store.data_write)]
+    assert len(targets) == len(set(targets))
+    assert not store.proxy.requests(**store.commit_write)
+    for text in (message, caplog.text):
+        assert S3_SECRET not in text
+    with pytest.raises(quire.CheckpointNotFoundError):
+        quire.load(url, storage_options=store.options())
+
+
+def test_missing_bucket_fails_at_once(store: Store) -> None:
+    url = f"{store.name}://no-such-bucket-{os.getpid()}/ckpt"
+    t0 = time.monotonic()
+    with pytest.raises(quire.QuireError, match=r"bucket 'no-such-bucket-.*' does not exist"):
+        quire.save(url, build_tree(8), storage_options=store.options())
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(quire.CheckpointNotFoundError):
+        quire.load(url, storage_options=store.options())
+
+
+def test_credentials_stay_out_of_records_logs_and_errors(
+    s3_store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = s3_store
+    store.proxy.clear()
+    caplog.set_level(logging.DEBUG, logger="quire")
+    url, opts = store.url(), store.options()
+    store.proxy.add("503", times=3, **store.data_write)
+    quire.save(url, build_tree(9), storage_options=opts)
+    record = run(store.backend(url).get("quire.json"))
+    assert S3_SECRET.encode() not in record and S3_KEY.encode() not in record
+    assert "retry" in caplog.text  # the retries were logged, without credentials
+    assert S3_SECRET not in caplog.text and S3_KEY not in caplog.text
+    assert S3_SECRET not in repr(open_backend(url, opts))
+    store.proxy.clear()
+
+
+# ----------------------------------------------------------------------------- configuration
+def test_configuration_the_fsspec_way(moto: MotoS3, gcs: GcsEmulator, tmp_path: Path) -> None:
+    import fsspec.config
+
+    tree = build_tree(10)
+    # quire.Context / quire.configure: per-protocol storage options.
+    url = moto.fresh_url()
+    with quire.Context(storage_options={"s3": moto.options()}):
+        quire.save(url, tree)
+        assert_tree(quire.load(url), 10)
+    # fsspec's config files.
+    (tmp_path / "s3.json").write_text(json.dumps({"s3": moto.options()}))
+    saved = dict(fsspec.config.conf)
+    try:
+        fsspec.config.set_conf_files(str(tmp_path), fsspec.config.conf)
+        opts = {"config_kwargs": {"user_agent_extra": "fsspec-config-test"}}
+        url = moto.fresh_url()
+        quire.save(url, tree, storage_options=opts)
+        assert_tree(quire.load(url, storage_options=opts), 10)
+    finally:
+        fsspec.config.conf.clear()
+        fsspec.config.conf.update(saved)
+    # The AWS environment (endpoint included).
+    with env(AWS_ACCESS_KEY_ID=S3_KEY, AWS_SECRET_ACCESS_KEY=S3_SECRET,
+             AWS_ENDPOINT_URL_S3=moto.endpoint, AWS_DEFAULT_REGION="us-east-1"):  # fmt: skip
+        opts = {"config_kwargs": {"user_agent_extra": "env-test"}}
+        url = moto.fresh_url()
+        quire.save(url, tree, storage_options=opts)
+        assert_tree(quire.load(url, storage_options=opts), 10)
+    # STORAGE_EMULATOR_HOST for GCS.
+    with env(STORAGE_EMULATOR_HOST=gcs.endpoint):
+        opts = {"project": "env-test"}  # anonymous, as for any emulator
+        url = gcs.fresh_url().replace("gs://", "gcs://")  # the gcs:// alias too
+        quire.save(url, tree, storage_options=opts)
+        assert_tree(quire.load(url, storage_options=opts), 10)
+
+
+def test_s3_url_without_the_plugin_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from quire import _registry
+
+    real = _registry.entry_points
+
+    def without_s3(**kw: Any) -> Any:
+        return [ep for ep in real(**kw) if not ep.value.startswith("quire_s3")]
+
+    monkeypatch.setattr(_registry, "entry_points", without_s3)
+    _registry.clear_caches()
+    try:
+        with pytest.raises(quire.PluginError, match=r"pip install quire-s3"):
+            quire.load("s3://bucket/ckpt")
+    finally:
+        monkeypatch.undo()
+        _registry.clear_caches()
+
+
+# ----------------------------------------------------------------------------- quire cp
+class Cursor:
+    """A data-iterator position that saves itself as a checkpointable unit."""
+
+    def __init__(self, pos: int) -> None:
+        self.pos = pos
+
+    def quire_save(self, io: Any) -> Any:
+        io.write("state", json.dumps({"pos": self.pos}).encode())
+        return {"version": 1}
+
+    def quire_restore(self, io: Any, record: Any) -> Cursor:
+        self.pos = json.loads(io.read("state"))["pos"]
+        return self
+
+
+def cli(*args: str) -> int:
+    from quire._cli import main
+
+    return main(list(args))
+
+
+def test_cp_between_local_s3_and_gcs(s3_store: Store, gcs_store: Store, tmp_path: Path) -> None:
+    src = str(tmp_path / "src")
+    tree = build_tree(11)
+    quire.save_checkpointables(
+        src, {"pytree": tree, "config": {"lr": 0.1}, "cursor": Cursor(42)},
+        storage=lambda path, leaf: quire.StorageOptions(chunk_bytes=4096, codecs=["zstd"])
+        if path == ("params", "w") else None,
+    )  # fmt: skip
+    s3_url, gs_url, back = s3_store.url(), gcs_store.url(), str(tmp_path / "back")
+    s3o, gso = json.dumps(s3_store.options()), json.dumps(gcs_store.options())
+    s3_store.proxy.clear()
+    assert cli("cp", src, s3_url, "--dst-options", s3o) == 0
+    # Data first, the commit record last.
+    writes = [r for r in s3_store.proxy.log if r[0] in ("PUT", "POST")]
+    assert "quire.json" in writes[-1][1] and all("quire.json" not in w[1] for w in writes[:-1])
+    assert cli("cp", s3_url, gs_url, "--src-options", s3o, "--dst-options", gso, "-q") == 0
+    assert cli("cp", gs_url, back, "--src-options", gso) == 0
+    got = quire.load_checkpointables(back, {"pytree": None, "config": None, "cursor": Cursor(0)})
+    assert_tree(got["pytree"], 11)
+    assert got["config"] == {"lr": 0.1} and got["cursor"].pos == 42
+    assert Path(back, "quire.json").read_bytes() == Path(src, "quire.json").read_bytes()
+    assert cli("verify", back) == 0
+
+
+def test_cp_refuses_an_existing_destination_unless_overwrite(
+    s3_store: Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src1, src2 = str(tmp_path / "one"), str(tmp_path / "two")
+    quire.save(src1, build_tree(12))
+    quire.save(src2, build_tree(13))
+    dst, opts = s3_store.url(), json.dumps(s3_store.options(direct=True))
+    assert cli("cp", src1, dst, "--dst-options", opts, "-q") == 0
+    assert cli("cp", src2, dst, "--dst-options", opts, "-q") == 2
+    assert "already exists" in capsys.readouterr().err
+    assert_tree(quire.load(dst, storage_options=json.loads(opts)), 12)
+    assert cli("cp", src2, dst, "--dst-options", opts, "--overwrite", "-q") == 0
+    assert_tree(quire.load(dst, storage_options=json.loads(opts)), 13)
+    assert len(txids(s3_store, dst)) == 1  # the replaced checkpoint's data was deleted
+
+
+def test_cp_verifies_checksums_and_commits_nothing_on_damage(
+    s3_store: Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "src"
+    quire.save(str(src), build_tree(14))
+    chunk = next(p for p in src.rglob("*") if p.is_file() and "/params/w/c/" in str(p))
+    raw = bytearray(chunk.read_bytes())
+    raw[100] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    dst, opts = s3_store.url(), json.dumps(s3_store.options(direct=True))
+    assert cli("cp", str(src), dst, "--dst-options", opts) == 2
+    err = capsys.readouterr().err
+    assert "CorruptCheckpointError" in err and "params/w" in err and "checksum" in err
+    assert not run(s3_store.backend(dst).exists("quire.json"))
+
+
+def test_cp_progress_bar_on_a_terminal(tmp_path: Path) -> None:
+    from quire._copy import ProgressBar, copy_checkpoint
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    src = str(tmp_path / "src")
+    quire.save(src, build_tree(15))
+    out = Tty()
+    bar = ProgressBar(out)
+    res = run(copy_checkpoint(src, str(tmp_path / "dst"), progress=bar))
+    bar.close()
+    assert res.objects > 5 and res.verified > 0
+    assert "objects" in out.getvalue() and "[" in out.getvalue()
+    assert f"{res.objects - 1}/{res.objects - 1} objects" in out.getvalue()
+    quiet = ProgressBar(io.StringIO())  # not a terminal: silent
+    quiet(1, 2, 3, 4)
+    assert not quiet.enabled
