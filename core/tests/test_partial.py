@@ -189,14 +189,16 @@ class JournalMachine(RuleBasedStateMachine):
 
     backend_kind = "memory"
 
+    def make_url(self) -> str:
+        if self.backend_kind == "memory":
+            return f"memory://journal-model/{uuid.uuid4().hex}"
+        import tempfile
+
+        return os.path.join(tempfile.mkdtemp(prefix="quire-model-"), "c")
+
     @initialize()
     def setup(self) -> None:
-        if self.backend_kind == "memory":
-            self.url = f"memory://journal-model/{uuid.uuid4().hex}"
-        else:
-            import tempfile
-
-            self.url = os.path.join(tempfile.mkdtemp(prefix="quire-model-"), "c")
+        self.url = self.make_url()
         self.model: dict[str, dict[str, float]] = {}
         self.history: list[dict[str, dict[str, float]]] = []
         self.finalized = False
