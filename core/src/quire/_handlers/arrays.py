@@ -188,6 +188,24 @@ def layout_from_record(rec: Mapping[str, Any], url: str | None = None) -> ArrayL
     return ArrayLayout(shape, dtype, chunk, inner_t, comps, checksum)
 
 
+def _chunks_span_regions(
+    layout: ArrayLayout,
+    box: tuple[tuple[int, int], ...],
+    regions: Mapping[tuple[tuple[int, int], ...], Any],
+) -> bool:
+    """Whether some stored chunk overlaps more than one target region (then reading the
+    bounding box once saves reading that chunk once per region)."""
+    for coords in layout.chunks_in(tuple(slice(a, b) for a, b in box)):
+        creg = layout.chunk_region(coords)
+        hits = 0
+        for key in regions:
+            if all(max(c.start, a) < min(c.stop, b) for c, (a, b) in zip(creg, key)):
+                hits += 1
+                if hits > 1:
+                    return True
+    return False
+
+
 def _target_kind(target: Any, handler_id: str) -> str:
     if target is None:
         return "numpy" if handler_id == "numpy" else "jax"
@@ -384,7 +402,11 @@ class ArrayHandler:
                 for d in range(len(shape))
             )
             area = sum(math.prod(b - a for a, b in k) for k in regions)
-            if math.prod(b - a for a, b in box) > area:
+            if math.prod(b - a for a, b in box) > area or not _chunks_span_regions(
+                layout, box, regions
+            ):
+                # Not a tiling, or every stored chunk feeds one region only (the same
+                # sharding as saved): per-region reads overlap reading with device_put.
                 box = None
         if box is not None:
             self._check_memory(math.prod(b - a for a, b in box) * layout.dtype.itemsize, e, ctx)
@@ -393,11 +415,15 @@ class ArrayHandler:
                 ctx.backend, loc, layout, tuple(slice(a, b) for a, b in box), whole, sem=ctx.limit
             )
             ctx.stats["bytes"] += whole.nbytes
-            for key, devs in regions.items():
+
+            async def place(key: tuple[tuple[int, int], ...], devs: list[Any]) -> None:
+                assert box is not None
                 part = whole[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(key, box))]
                 host = np.ascontiguousarray(part, dtype=out_dtype)
                 for d in devs:
                     arrays[d] = await run_blocking(jax.device_put, host, d)
+
+            await asyncio.gather(*(place(k, v) for k, v in regions.items()))
             return jax.make_array_from_single_device_arrays(
                 shape, sharding, [arrays[d] for d in idx_map]
             )
