@@ -123,6 +123,15 @@ def _record(ckpt: Path) -> dict[str, Any]:
 
 
 def _write_record(ckpt: Path, doc: Any) -> None:
+    """Write an edited record as a (buggy) writer would: with a matching checksum, so the
+    structural validation is what must catch it (a stale checksum is tested separately)."""
+    if isinstance(doc, dict) and "checksum" in doc:
+        from quire._format import record_checksum
+
+        try:
+            doc = {**doc, "checksum": record_checksum(doc)}
+        except (TypeError, ValueError):
+            doc = {k: v for k, v in doc.items() if k != "checksum"}
     (ckpt / "quire.json").write_text(json.dumps(doc))
 
 
@@ -971,3 +980,16 @@ def test_root_leaf_and_list_paths(tmp_path: Path) -> None:
                 _same(g, w)
         for p in _files_under(url):
             assert os.path.realpath(p).startswith(os.path.realpath(url) + os.sep)
+
+
+def test_tampered_inline_value_fails_the_record_checksum(tmp_path: Path) -> None:
+    """Inline leaves live in quire.json: a changed value is caught by the record's crc32c."""
+    url = str(tmp_path / "ckpt")
+    quire.save(url, {"step": 100, "lr": 0.5, "name": "run"})
+    raw = (tmp_path / "ckpt" / "quire.json").read_text()
+    assert '"value":100' in raw
+    (tmp_path / "ckpt" / "quire.json").write_text(raw.replace('"value":100', '"value":900'))
+    with pytest.raises(quire.CorruptCheckpointError, match="checksum"):
+        quire.load(url)
+    with pytest.raises(quire.CorruptCheckpointError, match="checksum"):
+        quire.metadata(url)

@@ -18,6 +18,7 @@ import pytest
 
 import quire
 from quire import _handlers
+from quire._format import record_checksum
 from quire._registry import clear_caches, codecs, leaf_handlers, registries
 
 # -- fake installed distributions -----------------------------------------------------------
@@ -247,6 +248,7 @@ def test_missing_leaf_handler_names_the_id_and_the_package(
     rec = json.loads((tmp_path / "c" / "quire.json").read_text())
     rec["units"]["pytree"]["tree"]["children"][0]["handler"] = "torch"
     rec["units"]["pytree"]["tree"]["children"][1]["handler"] = "fancy-strings"
+    rec["checksum"] = record_checksum(rec)
     (tmp_path / "c" / "quire.json").write_text(json.dumps(rec))
     # As if quire-torch were not installed:
     scanned = dict(leaf_handlers._scan())
@@ -256,6 +258,7 @@ def test_missing_leaf_handler_names_the_id_and_the_package(
     with pytest.raises(quire.PluginError, match=r"'torch'.*install quire-torch \(pip install"):
         quire.load(url)
     rec["units"]["pytree"]["tree"]["children"][0]["handler"] = "numpy"
+    rec["checksum"] = record_checksum(rec)
     (tmp_path / "c" / "quire.json").write_text(json.dumps(rec))
     with pytest.raises(quire.PluginError, match=r"'fancy-strings'.*install the package"):
         quire.load(url)
@@ -267,6 +270,7 @@ def test_missing_codec_names_the_id(tmp_path: Path) -> None:
     path = tmp_path / "c" / "quire.json"
     rec = json.loads(path.read_text())
     rec["units"]["pytree"]["tree"]["children"][0]["codecs"][0]["name"] = "zippy"
+    rec["checksum"] = record_checksum(rec)
     path.write_text(json.dumps(rec))
     with pytest.raises(quire.PluginError, match=r"no quire\.codecs plugin named 'zippy'"):
         quire.load(url)
@@ -545,6 +549,7 @@ def test_missing_plugin_error_names_the_package_from_the_record(tmp_path: Any) -
     leaf = doc["units"]["pytree"]["tree"]["children"][0]
     leaf["handler"] = "acme-gone"
     doc["plugins"] = {"quire.leaf_handlers:acme-gone": "acme-gone-dist"}
+    doc["checksum"] = record_checksum(doc)
     with open(f"{url}/quire.json", "w") as f:
         json.dump(doc, f)
     with pytest.raises(quire.PluginError, match="pip install acme-gone-dist"):

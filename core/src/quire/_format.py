@@ -49,6 +49,7 @@ def build(
         **(extra or {}),
     }
     try:
+        doc["checksum"] = record_checksum(doc)
         return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
     except (TypeError, ValueError) as e:
         raise TypeError(
@@ -94,6 +95,17 @@ def _check_tree(url: str, node: Any, depth: int = 0) -> None:
         _check_tree(url, c, depth + 1)
 
 
+def record_checksum(doc: dict[str, Any]) -> str:
+    """crc32c (hex) of the record without its ``checksum`` field, in canonical JSON
+    (sorted keys, compact separators, ASCII): a flipped byte in an inline value — a
+    scalar, a string, a JSON unit — is caught like a flipped byte in a chunk."""
+    from quire._zarr import crc32c
+
+    body = {k: v for k, v in doc.items() if k != "checksum" and not k.startswith("_")}
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return f"crc32c:{crc32c(canon.encode()):08x}"
+
+
 def parse(raw: bytes, url: str) -> dict[str, Any]:
     """Parse and validate a commit record; ``CorruptCheckpointError`` on any defect."""
     try:
@@ -112,6 +124,17 @@ def parse(raw: bytes, url: str) -> dict[str, Any]:
             f"{url}/{RECORD} has format version {v}; this quire reads version {VERSION}. "
             "Upgrade quire to read it"
         )
+    stored = doc.get("checksum")
+    if stored is not None:  # optional: records may be written by other tools
+        try:
+            actual = record_checksum(doc)
+        except (TypeError, ValueError) as e:
+            raise _bad(url, f"cannot be checked ({e})") from e
+        if stored != actual:
+            raise CorruptCheckpointError(
+                f"{url}/{RECORD} fails its checksum (stored {stored!r}, computed {actual!r}): "
+                "the commit record was modified or damaged; restore it from a copy"
+            )
     if not isinstance(doc.get("metadata"), dict):
         raise _bad(url, "'metadata' is not an object")
     txids = doc.get("txids")

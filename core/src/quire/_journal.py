@@ -90,6 +90,9 @@ def _parse(raw: bytes, url: str, n: int) -> dict[str, Any]:
             f"{where} has journal format version {doc.get('version')!r}; this quire reads "
             f"{VERSION}. Upgrade quire"
         )
+    stored = doc.get("checksum")
+    if stored is not None and stored != _format.record_checksum(doc):
+        raise CorruptCheckpointError(f"{where} fails its checksum; the journal is damaged")
     if doc.get("journal_version") != n:
         raise CorruptCheckpointError(f"{where} claims version {doc.get('journal_version')!r}")
     if not isinstance(doc.get("metadata"), dict) or not isinstance(doc.get("deleted"), list):
@@ -350,6 +353,7 @@ async def _create_record(
             "replaced": replaced,
             "process_count": _engine.process_layout()[1],
         }
+        doc["checksum"] = _format.record_checksum(doc)
         data = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
         try:
             await backend.put_if_absent(record_key(n), data)  # COMMIT of version n
