@@ -529,6 +529,7 @@ async def _load_tree(
             )
     ctx = LoadContext(url, backend, jax.process_index(), jax.process_count())
     ctx.limit = asyncio.Semaphore(max(1, current().max_concurrency))
+    ctx.budget = ByteBudget(current().byte_budget)
     groups: dict[str, list[tuple[Node, LoadEntry]]] = collections.defaultdict(list)
     for node, rec, target in pairs:
         groups[rec["handler"]].append((node, LoadEntry(node.path, rec, target)))

@@ -90,6 +90,7 @@ class LoadContext:
     process_count: int = 1
     stats: dict[str, int] = field(default_factory=lambda: {"bytes": 0, "objects": 0})
     limit: Any = None  # asyncio.Semaphore bounding requests in flight (Config.max_concurrency)
+    budget: Any = None  # ByteBudget bounding transient host buffers (Config.byte_budget)
 
 
 @runtime_checkable

@@ -429,14 +429,21 @@ class ArrayHandler:
             )
         self._check_memory(per_region, e, ctx)
 
+        budget = getattr(ctx, "budget", None) or ByteBudget(current().byte_budget)
+
         async def region(key: tuple[tuple[int, int], ...], devs: list[Any]) -> None:
             reg = tuple(slice(a, b) for a, b in key)
-            buf = np.empty(tuple(b - a for a, b in key), layout.dtype)
-            await read_region(ctx.backend, loc, layout, reg, buf, sem=ctx.limit)
-            ctx.stats["bytes"] += buf.nbytes
-            host = buf if out_dtype == layout.dtype else buf.astype(out_dtype)
-            for d in devs:
-                arrays[d] = await run_blocking(jax.device_put, host, d)
+            nbytes = math.prod(b - a for a, b in key) * layout.dtype.itemsize
+            # The host buffer lives until it is on the device: bounded by the byte budget.
+            need = nbytes * (1 if out_dtype == layout.dtype else 2)
+            async with budget.hold(need):
+                buf = np.empty(tuple(b - a for a, b in key), layout.dtype)
+                await read_region(ctx.backend, loc, layout, reg, buf, sem=ctx.limit)
+                ctx.stats["bytes"] += buf.nbytes
+                host = buf if out_dtype == layout.dtype else buf.astype(out_dtype)
+                for d in devs:
+                    arrays[d] = await run_blocking(jax.device_put, host, d)
+                del buf, host
 
         await asyncio.gather(*(region(k, v) for k, v in regions.items()))
         return jax.make_array_from_single_device_arrays(
