@@ -647,9 +647,6 @@ async def metadata(url: str, storage_options: dict[str, Any] | None = None) -> C
     return metadata_from_doc(url, doc)
 
 
-Hook = Callable[[], None]
-
-
 # ----------------------------------------------------------------------------- verify
 @dataclass(frozen=True)
 class VerifyProblem:
