@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, settings
 from object_store_servers import GcsEmulator, MotoS3
 
@@ -28,20 +26,6 @@ _spec.loader.exec_module(_model)
 _SETTINGS = settings(
     max_examples=6, stateful_step_count=8, deadline=None, suppress_health_check=list(HealthCheck)
 )
-
-
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoS3]:
-    server = MotoS3()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def gcs() -> Iterator[GcsEmulator]:
-    server = GcsEmulator()
-    yield server
-    server.stop()
 
 
 def _run_machine(server: Any, protocol: str) -> None:

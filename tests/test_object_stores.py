@@ -78,20 +78,6 @@ def run(coro: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def moto() -> Iterator[MotoS3]:
-    server = MotoS3()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def gcs() -> Iterator[GcsEmulator]:
-    server = GcsEmulator()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def s3_store(moto: MotoS3) -> Iterator[Store]:
     proxy = FaultProxy((moto.host, moto.port), "s3")
     yield Store(

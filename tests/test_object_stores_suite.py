@@ -43,20 +43,6 @@ def _flaky(proxy: FaultProxy) -> FaultProxy:
     return proxy
 
 
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoS3]:
-    server = MotoS3()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def gcs() -> Iterator[GcsEmulator]:
-    server = GcsEmulator()
-    yield server
-    server.stop()
-
-
 def _check_faults_fired(proxy: FaultProxy) -> None:
     """After a whole class ran through it, every kind of fault was injected (and the tests
     passed anyway).  Skipped for short runs (``-k``), where some may not have come up."""
