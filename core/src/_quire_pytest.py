@@ -32,12 +32,9 @@ def quire_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         return
     url = f"memory://quire-tests/{uuid.uuid4().hex}"
     yield url
-    from fsspec.implementations.memory import MemoryFileSystem
+    from quire._backends.memory import forget
 
-    root = "/" + url.split("://", 1)[1]
-    store = MemoryFileSystem.store
-    for k in [k for k in store if k == root or k.startswith(root + "/")]:
-        store.pop(k, None)
+    forget(url)
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fsspec.implementations.memory import MemoryFileSystem
 
+from quire._backends.memory import forget
 from quire.testing import BackendSuite
 
 
@@ -35,7 +35,4 @@ class TestMemoryBackend(BackendSuite):
     def backend_url(self) -> Iterator[str]:
         url = f"memory://quire-backend-suite/{uuid.uuid4().hex}"
         yield url
-        root = "/" + url.split("://", 1)[1]
-        store = MemoryFileSystem.store
-        for k in [k for k in store if k == root or k.startswith(root + "/")]:
-            store.pop(k, None)
+        forget(url)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from quire import _api, _gc, _io
 from quire._config import current
+from quire._format import PYTREE
 from quire._url import normalize, open_backend
 from quire.errors import CheckpointNotFoundError, QuireError
 from quire.policies import KeepPolicy, OnPreemption, SaveContext, SavePolicy, StepInfo
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger("quire")
-PYTREE = "pytree"
 
 _open_checkpointers: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 

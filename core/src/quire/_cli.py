@@ -7,13 +7,7 @@ import json
 import sys
 from typing import Any
 
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+from quire._text import human_bytes as _human
 
 
 def _print_tree(node: Any, indent: str, out: list[str], totals: dict[str, int]) -> None:

@@ -8,9 +8,9 @@ Order (the commit protocol, as for a save):
 3. copy those objects, at most ``max_concurrency`` at a time within ``byte_budget`` bytes,
    checking each chunk's crc32c (and size, and decodability) as it is read - a damaged
    source fails the copy and names the chunk - then ``sync`` DST;
-4. COMMIT: write the very same record at DST with ``put_if_absent`` (or, with
-   ``overwrite``, a compare-and-swap over DST's record, after which DST's superseded
-   data is deleted).
+4. COMMIT: ``quire._commit.publish`` writes the very same record at DST (a conditional
+   create or, with ``overwrite``, a compare-and-swap over DST's record, after which DST's
+   superseded data is deleted).
 
 A crash leaves DST as it was, plus unreferenced objects under ``d/<txid>/`` that
 ``quire gc`` removes.  Data keeps its txids and locations, so the copy is byte-identical.
@@ -29,15 +29,16 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from quire import _format
+from quire import _commit, _format
 from quire._budget import ByteBudget
 from quire._config import current
 from quire._io import run_blocking
 from quire._paths import is_safe_location
+from quire._text import human_bytes as _human
 from quire._tree import KeyPath, from_json, keystr
 from quire._url import normalize, open_backend
-from quire.backends import Backend, PreconditionFailed
-from quire.errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+from quire.backends import Backend
+from quire.errors import CorruptCheckpointError
 
 __all__ = ["CopyResult", "copy_checkpoint"]
 
@@ -119,16 +120,6 @@ def _chunk_checker(layout: Any) -> Callable[[bytes], None]:
 
 
 # ----------------------------------------------------------------------------- planning
-async def _read_record(backend: Backend, url: str) -> tuple[bytes, dict[str, Any]]:
-    try:
-        raw = await backend.get(_format.RECORD)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(
-            f"no checkpoint at {url} (no {_format.RECORD}); nothing to copy"
-        ) from None
-    return raw, _format.parse(raw, url)
-
-
 def _leaf_items(rec: dict[str, Any], path: KeyPath, url: str) -> list[_Item]:
     from quire._handlers.arrays import layout_from_record
 
@@ -220,15 +211,16 @@ async def copy_checkpoint(
     sb = open_backend(src, src_options)
     db = open_backend(dst, dst_options)
     try:
-        raw, doc = await _read_record(sb, src)
-        if not overwrite and await db.exists(_format.RECORD):
-            raise CheckpointExistsError(
-                f"a checkpoint already exists at {dst}; pass --overwrite to replace it"
-            )
+        record = await _commit.read(sb, src)
+        raw, doc = record.raw, record.doc
+        if not overwrite:
+            await _commit.ensure_absent(db, dst, "pass --overwrite to replace it")
         items = await plan(sb, src, doc)
         done_bytes, verified = await _copy_objects(sb, db, src, items, progress)
         await db.sync()
-        await _commit(db, dst, raw, set(doc["txids"]), overwrite)
+        await _commit.publish(
+            db, dst, raw, record.txids, overwrite=overwrite, fix="pass --overwrite to replace it"
+        )
     finally:
         await sb.close()
         await db.close()
@@ -288,53 +280,7 @@ async def _copy_objects(
     return done[1], done[2]
 
 
-async def _commit(db: Backend, dst: str, raw: bytes, txids: set[str], overwrite: bool) -> None:
-    """Write the record at DST (the commit point), then drop DST's superseded data."""
-    old: set[str] = set()
-    if overwrite:
-        while True:
-            version = await db.version(_format.RECORD)
-            try:
-                if version is None:
-                    await db.put_if_absent(_format.RECORD, raw)  # COMMIT
-                    break
-                try:
-                    old = set(_format.parse(await db.get(_format.RECORD), dst)["txids"])
-                except (FileNotFoundError, CorruptCheckpointError):
-                    old = set()
-                await db.replace_if_match(_format.RECORD, raw, version)  # COMMIT
-                break
-            except PreconditionFailed:
-                continue  # another writer committed meanwhile: replace theirs
-    else:
-        try:
-            await db.put_if_absent(_format.RECORD, raw)  # COMMIT
-        except PreconditionFailed:
-            # Someone committed at DST first; drop our copies, unless their record uses
-            # the same txids (a concurrent copy of the same checkpoint).
-            try:
-                theirs = set(_format.parse(await db.get(_format.RECORD), dst)["txids"])
-            except (FileNotFoundError, CorruptCheckpointError):
-                theirs = set()
-            for t in txids - theirs:
-                await db.delete_prefix(f"d/{t}")
-            raise CheckpointExistsError(
-                f"a checkpoint already exists at {dst} (another writer committed first); "
-                "pass --overwrite to replace it"
-            ) from None
-    for t in old - txids:
-        await db.delete_prefix(f"d/{t}")
-
-
 # ----------------------------------------------------------------------------- CLI
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 class ProgressBar:
     """A one-line progress bar, redrawn at most 10 times a second; silent off a terminal."""
 

@@ -5,9 +5,8 @@ owned shard to host memory there), then runs the rest on quire's event loop:
 
 1. every leaf handler writes its data under ``d/<txid>/`` (a fresh random id),
 2. ``backend.sync()`` makes the data durable,
-3. COMMIT: ``quire.json`` is created with ``put_if_absent`` (or swapped with
-   ``replace_if_match`` for ``overwrite=True``),
-4. only then is the old checkpoint's data deleted.
+3. COMMIT: ``quire._commit.publish`` creates ``quire.json`` (or swaps it for
+   ``overwrite=True``) and only then deletes the old checkpoint's data.
 
 A crash before 3 leaves only unreferenced garbage under a fresh txid; a crash after 3
 leaves the new checkpoint whole.
@@ -17,26 +16,25 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 import numpy as np
 
-from quire import _checkpointables, _format, _handlers
+from quire import _checkpointables, _commit, _format, _handlers
 from quire._budget import ByteBudget
 from quire._config import current
-from quire._multihost import Coordinator, MultiProcessError, digest
-from quire._paths import assign_locations, escape_component, is_safe_location
+from quire._format import PYTREE
+from quire._multihost import Coordinator, digest
+from quire._paths import assign_locations, escape_component
 from quire._tree import KeyPath, Node, from_json, keystr, to_json, walk
 from quire._url import open_backend
-from quire.backends import Backend, PreconditionFailed
+from quire.backends import Backend
 from quire.errors import (
-    CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     PluginError,
@@ -49,8 +47,6 @@ from quire.metadata import CheckpointMetadata
 from quire.options import StorageOptions, StorageSpec
 
 log = logging.getLogger("quire")
-PYTREE = "pytree"
-JOURNAL_DIR = "journal"
 
 
 def new_txid() -> str:
@@ -135,25 +131,6 @@ def prepare_save(
     return PreparedSave(txid, roots, dict(groups), objects, list(units), coord)
 
 
-async def _read_record(backend: Backend, url: str) -> tuple[dict[str, Any], str | None]:
-    try:
-        raw = await backend.get(_format.RECORD)
-    except FileNotFoundError:
-        hint = ""
-        try:
-            if await backend.list(JOURNAL_DIR):
-                hint = (
-                    " It holds an unfinalized partial save: run quire.partial.finalize(url) "
-                    "to commit it, or quire.partial.load(url) to read it"
-                )
-        except Exception:  # listing is only for the hint
-            pass
-        raise CheckpointNotFoundError(
-            f"no checkpoint at {url} (no {_format.RECORD}).{hint}"
-        ) from None
-    return _format.parse(raw, url), None
-
-
 async def write_units(
     url: str,
     backend: Backend,
@@ -186,7 +163,7 @@ async def write_units(
         # Nothing references this txid; remove what we wrote (GC would, later).  With
         # several processes the primary cleans up once every process has stopped.
         if not prep.coord.active:
-            await _drop(backend, url, prep.txid)
+            await _commit.drop_txids(backend, url, [prep.txid])
         raise
     if stats is not None:
         stats.update(ctx.stats)
@@ -216,14 +193,13 @@ async def save_prepared(
     coord = prep.coord
 
     async def work() -> dict[str, dict[str, Any]]:
-        if not overwrite and await backend.exists(_format.RECORD):
-            raise CheckpointExistsError(
-                f"a checkpoint already exists at {url}; pass overwrite=True to replace it, "
-                "or save to another URL"
+        if not overwrite:
+            await _commit.ensure_absent(
+                backend, url, "pass overwrite=True to replace it, or save to another URL"
             )
         return await write_units(url, backend, prep, stats=stats)
 
-    async def do_commit(units: dict[str, dict[str, Any]]) -> list[str]:
+    async def do_commit(units: dict[str, dict[str, Any]]) -> None:
         data = _format.build(
             units=units,
             txids=[prep.txid],
@@ -231,19 +207,16 @@ async def save_prepared(
             process_count=coord.count,
             extra={"plugins": plugin_sources(units)},
         )
-        return await commit(backend, url, data, prep.txid, overwrite=overwrite, drop_old=False)
+        await _commit.publish(backend, url, data, [prep.txid], overwrite=overwrite, coord=coord)
 
-    old = await collective(coord, url, work, do_commit, lambda: _drop(backend, url, prep.txid))
-    # Only after every process has heard the outcome: nobody waits on the old data's removal.
-    if not coord.active or coord.is_primary:
-        await drop_txids(backend, url, old)
-
-
-async def _drop(backend: Backend, url: str, txid: str) -> None:
-    try:
-        await backend.delete_prefix(f"d/{txid}")
-    except Exception:
-        log.warning("could not remove partial data d/%s under %s", txid, url)
+    await _commit.collective(
+        coord,
+        url,
+        work,
+        do_commit,
+        lambda: _commit.drop_txids(backend, url, [prep.txid]),
+        unit_digests,
+    )
 
 
 def plugin_sources(units: Mapping[str, dict[str, Any]]) -> dict[str, str]:
@@ -291,111 +264,6 @@ def _structure(node: dict[str, Any]) -> Any:
     return [node["kind"], node.get("keys"), [_structure(c) for c in node["children"]]]
 
 
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-async def collective(
-    coord: Coordinator,
-    url: str,
-    work: Callable[[], Awaitable[T]],
-    commit_fn: Callable[[T], Awaitable[R]],
-    cleanup: Callable[[], Awaitable[None]],
-    digests: Callable[[T], dict[str, str]] = unit_digests,  # type: ignore[assignment]
-) -> R:
-    """Run ``work`` on every process, then ``commit_fn`` on the primary once every process
-    succeeded and agrees; every process returns the primary's result or raises."""
-    try:
-        result = await work()
-    except BaseException as e:
-        if coord.active:
-            await coord.report(f"{type(e).__name__}: {e}")
-            if coord.is_primary:
-                await coord.decide(f"abort: primary process {coord.index} failed: {e}")
-                await cleanup()
-        raise
-    if not coord.active:
-        return await commit_fn(result)
-    mine = digests(result)
-    await coord.report(None, mine)
-    if coord.is_primary:
-        why = await coord.collect(mine)
-        if why is not None:
-            await coord.decide(f"abort: {why}")
-            await cleanup()
-            raise MultiProcessError(
-                f"{url}: save aborted on every process, nothing committed: {why}"
-            )
-        try:
-            value = await commit_fn(result)
-        except BaseException as e:
-            await coord.decide(f"abort: the commit failed on primary process {coord.index}: {e}")
-            raise
-        await coord.decide("ok:" + json.dumps(value))
-        return value
-    out = await coord.outcome()
-    if not out.startswith("ok:"):
-        raise MultiProcessError(
-            f"{url}: save aborted on every process, nothing committed: {out.removeprefix('abort: ')}"
-        )
-    return json.loads(out[3:])  # type: ignore[no-any-return]
-
-
-async def commit(
-    backend: Backend, url: str, data: bytes, txid: str, *, overwrite: bool, drop_old: bool = True
-) -> list[str]:
-    """Write the commit record (the commit point), then drop the superseded data (unless
-    ``drop_old`` is False: the caller then deletes the returned txids' data itself)."""
-    if not backend.capabilities.atomic_create:
-        log.warning(
-            "%s: backend %s has no atomic conditional create; a concurrent writer could "
-            "race this commit (install a dedicated quire backend for this protocol)",
-            url,
-            type(backend).__name__,
-        )
-    old_txids: list[str] = []
-    if overwrite:
-        while True:
-            version = await backend.version(_format.RECORD)
-            if version is None:
-                try:
-                    await backend.put_if_absent(_format.RECORD, data)  # COMMIT
-                    break
-                except PreconditionFailed:
-                    continue  # someone committed meanwhile: replace theirs
-            try:
-                old = _format.parse(await backend.get(_format.RECORD), url)
-                old_txids = [t for t in old["txids"] if t != txid]
-            except (FileNotFoundError, CorruptCheckpointError):
-                old_txids = []
-            try:
-                await backend.replace_if_match(_format.RECORD, data, version)  # COMMIT
-                break
-            except PreconditionFailed:
-                continue
-    else:
-        try:
-            await backend.put_if_absent(_format.RECORD, data)  # COMMIT
-        except PreconditionFailed:
-            await backend.delete_prefix(f"d/{txid}")
-            raise CheckpointExistsError(
-                f"a checkpoint already exists at {url} (another writer committed first); "
-                "pass overwrite=True to replace it"
-            ) from None
-    if drop_old:
-        await drop_txids(backend, url, old_txids)
-    return old_txids
-
-
-async def drop_txids(backend: Backend, url: str, txids: list[str]) -> None:
-    """Delete superseded data after a commit (failures only leave garbage for GC)."""
-    for t in txids:
-        try:
-            await backend.delete_prefix(f"d/{t}")
-        except Exception as e:  # the new checkpoint is committed; old data is just garbage
-            log.warning("%s: could not delete superseded data d/%s: %s", url, t, e)
-
-
 # ----------------------------------------------------------------------------- loading
 def _is_abstract_leaf(x: Any) -> bool:
     if x is None or isinstance(x, type):
@@ -424,16 +292,6 @@ def _diff_message(url: str, missing: list[str], extra: list[str], bad: list[str]
         fix = "pass partial=True to load only the keys in the target, or " + fix
     lines.append(f"  To fix: {fix}.")
     return "\n".join(lines)
-
-
-def _validate_locations(doc_root: Node, url: str) -> None:
-    for leaf in doc_root.leaves():
-        loc = leaf.value.get("location")
-        if loc is not None and not is_safe_location(loc):
-            raise CorruptCheckpointError(
-                f"{url}/quire.json: leaf {keystr(leaf.path)!r} has location {loc!r}, outside d/; "
-                "refusing to read it (the record is damaged or malicious)"
-            )
 
 
 def pytree_unit(doc: dict[str, Any], url: str, name: str = PYTREE) -> dict[str, Any]:
@@ -498,7 +356,6 @@ async def _load_tree(
     partial: bool,
 ) -> Any:
     saved = from_json(tree_json)
-    _validate_locations(saved, url)
     saved_leaves = {leaf.path: leaf for leaf in saved.leaves()}
     if abstract is None:
         target_root = saved
@@ -562,7 +419,7 @@ async def load(
     url: str, abstract: Any, *, partial: bool, storage_options: dict[str, Any] | None = None
 ) -> Any:
     backend = open_backend(url, storage_options)
-    doc, _ = await _read_record(backend, url)
+    doc = (await _commit.read(backend, url)).doc
     return await load_doc(url, doc, backend, abstract, partial=partial)
 
 
@@ -615,7 +472,7 @@ async def load_units(
     """Load the named units (all when ``targets`` is None); each target is an abstract tree
     for pytree units, or the object / None for other units."""
     backend = open_backend(url, storage_options)
-    doc, _ = await _read_record(backend, url)
+    doc = (await _commit.read(backend, url)).doc
     units = doc["units"]
     names = list(units) if targets is None else list(targets)
     missing = [n for n in names if n not in units]
@@ -643,7 +500,7 @@ async def load_units(
 
 async def metadata(url: str, storage_options: dict[str, Any] | None = None) -> CheckpointMetadata:
     backend = open_backend(url, storage_options)
-    doc, _ = await _read_record(backend, url)
+    doc = (await _commit.read(backend, url)).doc
     return metadata_from_doc(url, doc)
 
 
@@ -665,7 +522,7 @@ async def verify(
     from quire._zarr import ChunkError, read_region
 
     backend = open_backend(url, storage_options)
-    doc, _ = await _read_record(backend, url)
+    doc = (await _commit.read(backend, url)).doc
     problems: list[VerifyProblem] = []
     checked = 0
     sem = asyncio.Semaphore(8)
@@ -673,7 +530,6 @@ async def verify(
     for unit in doc["units"].values():
         if unit["kind"] == "pytree":
             saved = from_json(unit["tree"])
-            _validate_locations(saved, url)
             all_leaves += list(saved.leaves())
     for leaf in all_leaves:
         rec = leaf.value

@@ -24,6 +24,8 @@ from quire.errors import CorruptCheckpointError
 FORMAT = "quire"
 VERSION = 1
 RECORD = "quire.json"
+PYTREE = "pytree"  # the unit name of quire.save's tree
+JOURNAL_DIR = "journal"  # <ckpt>/journal/: the partial-save journal
 MAX_DEPTH = 256
 
 

@@ -33,8 +33,10 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from quire import _format
-from quire.backends import Backend, PreconditionFailed
+from quire import _commit, _format
+from quire._format import JOURNAL_DIR
+from quire._text import human_bytes as _human
+from quire.backends import Backend
 from quire.errors import CorruptCheckpointError, QuireError
 
 ROOT_RECORD = "checkpointer.json"
@@ -42,7 +44,6 @@ ROOT_FORMAT = "quire-checkpointer"
 ROOT_VERSION = 1
 DEFAULT_STEP_FORMAT = "step_{:08d}"
 DEFAULT_GRACE_PERIOD = 3600.0
-JOURNAL_DIR = "journal"
 METRICS_KEY = "quire.metrics"
 _CONCURRENCY = 32
 
@@ -145,11 +146,7 @@ async def create_root_record(backend: Backend, step_format: str, metadata: dict[
         data = json.dumps(doc, allow_nan=False, indent=1).encode()
     except (TypeError, ValueError) as e:
         raise TypeError(f"Checkpointer metadata must be JSON-serialisable: {e}") from e
-    try:
-        await backend.put_if_absent(ROOT_RECORD, data)
-    except PreconditionFailed:
-        return False
-    return True
+    return await _commit.create(backend, ROOT_RECORD, data, backend.url)
 
 
 async def root_step_format(backend: Backend, url: str, given: str | None = None) -> StepFormat:
@@ -258,11 +255,8 @@ async def newest(backend: Backend, keys: Collection[str]) -> float | None:
 
 async def read_step_record(backend: Backend, url: str, name: str) -> dict[str, Any] | None:
     """The parsed ``quire.json`` of step directory ``name``; None if it vanished."""
-    try:
-        raw = await backend.get(f"{name}/{_format.RECORD}")
-    except FileNotFoundError:
-        return None
-    return _format.parse(raw, f"{url}/{name}")
+    rec = await _commit.read_if_exists(backend, url, under=name)
+    return rec.doc if rec is not None else None
 
 
 def record_metrics(doc: dict[str, Any]) -> dict[str, Any]:
@@ -425,14 +419,6 @@ async def delete_step(backend: Backend, name: str) -> None:
 
 
 # ----------------------------------------------------------------------------- CLI
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "?"

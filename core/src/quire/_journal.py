@@ -30,12 +30,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from quire import _engine, _format
+from quire import _commit, _engine, _format
 from quire._config import current
 from quire._multihost import Coordinator
 from quire._tree import KeyPath, from_json, keystr
 from quire._url import open_backend
-from quire.backends import Backend, PreconditionFailed
+from quire.backends import Backend
 from quire.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -43,7 +43,7 @@ from quire.errors import (
     TreeMismatchError,
 )
 
-JOURNAL = "journal"
+JOURNAL = _format.JOURNAL_DIR
 FORMAT = "quire-journal"
 VERSION = 1
 MAX_RETRIES = 1000
@@ -99,6 +99,7 @@ def _parse(raw: bytes, url: str, n: int) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{where} has malformed fields")
     if doc.get("tree") is not None:
         _format._check_tree(url, doc["tree"])
+        _commit.check_tree_locations(doc["tree"], where)
     return doc
 
 
@@ -306,7 +307,7 @@ async def append(
             return {"<deleted>": _engine.digest([list(p) for p in deleted])}
         return _engine.unit_digests({_engine.PYTREE: {"kind": "pytree", "tree": frag}})
 
-    return await _engine.collective(coord, url, work, create, cleanup, digests)
+    return await _commit.collective(coord, url, work, create, cleanup, digests)
 
 
 async def _create_record(
@@ -355,22 +356,18 @@ async def _create_record(
         }
         doc["checksum"] = _format.record_checksum(doc)
         data = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
-        try:
-            await backend.put_if_absent(record_key(n), data)  # COMMIT of version n
-        except PreconditionFailed:
-            continue
-        break
+        if await _commit.create(backend, record_key(n), data, url):  # COMMIT of version n
+            break
     else:  # pragma: no cover
         raise CheckpointExistsError(f"{url}: gave up appending to a busy journal")
     # A finalize that raced us committed without version n: say so, leave no trace.
-    if await backend.exists(_format.RECORD):
-        fin = _format.parse(await backend.get(_format.RECORD), url)
-        if int(fin.get("journal_version", 0)) < n:
-            await backend.delete([record_key(n)])
-            raise CheckpointExistsError(
-                f"{url} was finalized while this partial save was in flight; it is not part "
-                "of the checkpoint"
-            )
+    fin = await _commit.read_if_exists(backend, url)
+    if fin is not None and int(fin.doc.get("journal_version", 0)) < n:
+        await backend.delete([record_key(n)])
+        raise CheckpointExistsError(
+            f"{url} was finalized while this partial save was in flight; it is not part "
+            "of the checkpoint"
+        )
     return n
 
 
@@ -435,7 +432,7 @@ async def finalize(
     async def noop() -> None:
         return None
 
-    await _engine.collective(coord, url, nothing, run, noop, lambda _: {})
+    await _commit.collective(coord, url, nothing, run, noop, lambda _: {})
 
 
 async def _finalize(url: str, storage_options: dict[str, Any] | None = None) -> None:
@@ -457,10 +454,9 @@ async def _finalize(url: str, storage_options: dict[str, Any] | None = None) -> 
         process_count=_engine.process_layout()[1],
         extra={"journal_version": len(records)},
     )
-    try:
-        await backend.put_if_absent(_format.RECORD, data)  # COMMIT
-    except PreconditionFailed:
-        raise CheckpointExistsError(f"{url} was finalized concurrently") from None
+    await _commit.publish(
+        backend, url, data, live, overwrite=False, fix="it was finalized concurrently", owned=False
+    )
     await _cleanup(backend, url, records, live, _locations(state))
 
 
@@ -505,7 +501,7 @@ async def discard(
     async def run(_: None) -> None:
         await _discard(url, storage_options)
 
-    await _engine.collective(coord, url, nothing, run, nothing, lambda _: {})
+    await _commit.collective(coord, url, nothing, run, nothing, lambda _: {})
 
 
 async def _discard(url: str, storage_options: dict[str, Any] | None = None) -> None:
@@ -513,7 +509,5 @@ async def _discard(url: str, storage_options: dict[str, Any] | None = None) -> N
     records = await read_records(backend, url)
     if not records:
         raise CheckpointNotFoundError(f"no partial-save journal at {url}: nothing to discard")
-    live: set[str] = set()
-    if await backend.exists(_format.RECORD):
-        live = set(_format.parse(await backend.get(_format.RECORD), url)["txids"])
-    await _cleanup(backend, url, records, live)
+    fin = await _commit.read_if_exists(backend, url)
+    await _cleanup(backend, url, records, fin.txids if fin is not None else set())

@@ -45,16 +45,14 @@ import time
 from typing import Any
 
 from quire._io import run_blocking
-from quire.errors import QuireError
+from quire.errors import MultiProcessError
+
+__all__ = ["COMMIT", "Coordinator", "MultiProcessError", "digest"]
 
 _seq_lock = threading.Lock()
 _seq = itertools.count(1)
 
 COMMIT = "commit"
-
-
-class MultiProcessError(QuireError):
-    """Another process failed, disagreed, or stopped responding during a collective save."""
 
 
 def _client() -> Any:
@@ -105,6 +103,7 @@ class Coordinator:
             n = next(_seq)
         self.key = f"quire/{n}/{hashlib.sha256(url.encode()).hexdigest()[:12]}/{what}"
         self._claimed = False
+        self.decided = False  # the primary has announced the outcome
         self._deadline = 0.0
         if self.active and not 0 <= primary < self.count:
             raise MultiProcessError(f"primary process {primary} is not in 0..{self.count - 1}")
@@ -248,6 +247,7 @@ class Coordinator:
         """Primary: publish ``ok:<json>`` or ``abort: <why>``."""
         if not self.active:
             return
+        self.decided = True
         c = _client()
         if self._claimed:
             await run_blocking(c.key_value_set, f"{self.key}/result", outcome)

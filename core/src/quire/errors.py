@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "MultiProcessError",
     "PluginError",
     "QuireError",
     "TreeMismatchError",
@@ -64,3 +65,9 @@ class UnsupportedLeafError(QuireError, TypeError):
 
 class PluginError(QuireError):
     """A plugin is missing, failed to import, or two distributions claim the same name."""
+
+
+class MultiProcessError(QuireError, RuntimeError):
+    """Another JAX process failed, disagreed, or stopped responding during a collective
+    operation (a save, a partial save, a finalize); nothing was committed unless the
+    message says the commit started."""

@@ -102,3 +102,14 @@ class MemoryBackend(Backend):
                 p = self._p(k)
                 self.fs.store.pop(p, None)
                 _versions.pop(p, None)
+
+
+def forget(url: str) -> None:
+    """Remove everything under a ``memory://`` URL from the process-wide store (tests'
+    clean-up: the store outlives every backend instance)."""
+    root = "/" + url.split("://", 1)[-1].strip("/")
+    store = MemoryFileSystem.store
+    with _lock:
+        for k in [k for k in store if k == root or k.startswith(root + "/")]:
+            store.pop(k, None)
+            _versions.pop(k, None)

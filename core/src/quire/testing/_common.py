@@ -24,12 +24,9 @@ class UrlFixture:
             return
         u = f"memory://quire-suite/{uuid.uuid4().hex}"
         yield u
-        from fsspec.implementations.memory import MemoryFileSystem
+        from quire._backends.memory import forget
 
-        root = "/" + u.split("://", 1)[1]
-        store = MemoryFileSystem.store
-        for k in [k for k in store if k == root or k.startswith(root + "/")]:
-            store.pop(k, None)
+        forget(u)
 
 
 def record_of(url: str) -> dict[str, Any]:

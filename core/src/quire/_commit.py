@@ -1,0 +1,281 @@
+"""The one commit path: reading and writing ``quire.json`` (DESIGN.md "Commit protocol").
+
+Every module that needs the commit record reads it with :func:`read`, and every record
+quire creates - ``quire.json``, journal versions, the Checkpointer's root record - is
+written here and nowhere else.  Call order of a save (``quire.save``), a copy
+(``quire cp``) and a finalize (``quire.partial.finalize``)::
+
+    ensure_absent(dst)                # optional early "already exists" check
+    collective(coord, work, ...)      # every process writes d/<txid>/...; backend.sync()
+      |  primary, once every process succeeded and agrees on the records:
+      +- publish(backend, url, record, txids, overwrite=...)
+           put_if_absent("quire.json")            # <-- COMMIT POINT (new checkpoint)
+           replace_if_match("quire.json", v)      # <-- COMMIT POINT (overwrite)
+           coord.decide("ok")                     # every process hears "committed"
+           delete_prefix(d/<old txid>)            # superseded data, after the commit only
+
+A crash before the commit point leaves only unreferenced data under a fresh txid (GC
+removes it); a crash after it leaves the new checkpoint whole, and at worst superseded
+data behind.  The create and the swap use the backend's real preconditions; which
+guarantees hold is read from its declared ``atomic_create`` / ``atomic_replace``
+capabilities, and a backend lacking one is used with a warning, never refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from quire import _format
+from quire._paths import is_safe_location
+from quire._tree import from_json, keystr
+from quire.backends import Backend, PreconditionFailed
+from quire.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MultiProcessError,
+)
+
+if TYPE_CHECKING:
+    from quire._multihost import Coordinator
+
+log = logging.getLogger("quire")
+
+RECORD = _format.RECORD
+JOURNAL_DIR = "journal"
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Record:
+    """A parsed, location-checked commit record and the exact bytes it was read from."""
+
+    raw: bytes
+    doc: dict[str, Any]
+
+    @property
+    def txids(self) -> set[str]:
+        return set(self.doc["txids"])
+
+
+# ----------------------------------------------------------------------------- reading
+def check_locations(units: dict[str, Any], url: str) -> None:
+    """Refuse a record whose leaves or units point outside ``d/`` (damage or malice)."""
+    for name, unit in units.items():
+        if unit.get("kind") == "pytree":
+            check_tree_locations(unit["tree"], url)
+        elif unit.get("kind") == "handler" and not is_safe_location(unit.get("location")):
+            raise CorruptCheckpointError(
+                f"{url}/{RECORD}: unit {name!r} has location {unit.get('location')!r}, outside "
+                "d/; refusing to read it (the record is damaged or malicious)"
+            )
+
+
+def check_tree_locations(tree: dict[str, Any], url: str) -> None:
+    """As :func:`check_locations`, for one pytree unit's (or journal fragment's) tree."""
+    for leaf in from_json(tree).leaves():
+        loc = leaf.value.get("location")
+        if loc is not None and not is_safe_location(loc):
+            raise CorruptCheckpointError(
+                f"{url}/{RECORD}: leaf {keystr(leaf.path)!r} has location {loc!r}, outside d/; "
+                "refusing to read it (the record is damaged or malicious)"
+            )
+
+
+async def read(backend: Backend, url: str, *, under: str = "") -> Record:
+    """Read, parse and check the commit record at ``<under>/quire.json``.
+
+    Raises ``CheckpointNotFoundError`` when it is absent (pointing at an unfinalized
+    journal when there is one), ``CorruptCheckpointError`` when it is malformed, fails
+    its checksum or points outside ``d/``.
+    """
+    got = await _read(backend, url, under=under, missing_ok=False)
+    assert got is not None
+    return got
+
+
+async def read_if_exists(backend: Backend, url: str, *, under: str = "") -> Record | None:
+    """As :func:`read`, but None when there is no record (e.g. a step deleted meanwhile)."""
+    return await _read(backend, url, under=under, missing_ok=True)
+
+
+async def _read(backend: Backend, url: str, *, under: str, missing_ok: bool) -> Record | None:
+    base = f"{under}/" if under else ""
+    where = f"{url}/{under}" if under else url
+    try:
+        raw = await backend.get(base + RECORD)
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        hint = ""
+        try:
+            if await backend.list(base + JOURNAL_DIR):
+                hint = (
+                    " It holds an unfinalized partial save: run quire.partial.finalize(url) "
+                    "to commit it, or quire.partial.load(url) to read it"
+                )
+        except Exception:  # listing is only for the hint
+            pass
+        raise CheckpointNotFoundError(f"no checkpoint at {where} (no {RECORD}).{hint}") from None
+    doc = _format.parse(raw, where)
+    check_locations(doc["units"], where)
+    return Record(raw, doc)
+
+
+async def ensure_absent(backend: Backend, url: str, fix: str) -> None:
+    """Fail early (before any data is written) when a checkpoint is already at ``url``;
+    the conditional create at the commit point is what actually decides."""
+    if await backend.exists(RECORD):
+        raise CheckpointExistsError(f"a checkpoint already exists at {url}; {fix}")
+
+
+# ----------------------------------------------------------------------------- writing
+def _warn_unless(backend: Backend, url: str, capability: str, what: str) -> None:
+    if not getattr(backend.capabilities, capability):
+        log.warning(
+            "%s: backend %s has no %s; a concurrent writer could race this %s "
+            "(install a dedicated quire backend for this protocol)",
+            url,
+            type(backend).__name__,
+            capability.replace("_", " "),
+            what,
+        )
+
+
+async def create(backend: Backend, key: str, data: bytes, url: str) -> bool:
+    """Conditionally create ``key`` (a journal version, the Checkpointer's root record);
+    True if this call created it, False if it already existed."""
+    _warn_unless(backend, url, "atomic_create", f"create of {key}")
+    try:
+        await backend.put_if_absent(key, data)  # COMMIT of ``key``
+    except PreconditionFailed:
+        return False
+    return True
+
+
+async def publish(
+    backend: Backend,
+    url: str,
+    data: bytes,
+    txids: Collection[str],
+    *,
+    overwrite: bool,
+    fix: str = "pass overwrite=True to replace it",
+    owned: bool = True,
+    coord: Coordinator | None = None,
+) -> None:
+    """Commit ``data`` as ``url``'s ``quire.json``, then drop the data it supersedes.
+
+    ``txids`` are the data the record references.  Without ``overwrite`` the record is
+    conditionally created; losing that race raises ``CheckpointExistsError`` after
+    removing ``txids`` when this call ``owned`` them (wrote them for this commit), unless
+    the winner's record references them too (a concurrent copy of the same checkpoint).  With ``overwrite`` the current
+    record is swapped for ours by compare-and-swap, retried until it lands.  After the
+    commit point the primary of ``coord`` announces the outcome, and only then is the data
+    of txids no longer referenced deleted (a failure there just leaves garbage for GC).
+    """
+    _warn_unless(backend, url, "atomic_create", "commit")
+    mine = set(txids)
+    old: set[str] = set()
+    if overwrite:
+        _warn_unless(backend, url, "atomic_replace", "overwrite")
+        while True:
+            version = await backend.version(RECORD)
+            try:
+                if version is None:
+                    await backend.put_if_absent(RECORD, data)  # COMMIT POINT
+                    old = set()
+                    break
+                old = await _txids_at(backend, url)
+                await backend.replace_if_match(RECORD, data, version)  # COMMIT POINT
+                break
+            except PreconditionFailed:
+                continue  # another writer committed meanwhile: replace theirs
+    else:
+        try:
+            await backend.put_if_absent(RECORD, data)  # COMMIT POINT
+        except PreconditionFailed:
+            if owned:
+                await drop_txids(backend, url, sorted(mine - await _txids_at(backend, url)))
+            raise CheckpointExistsError(
+                f"a checkpoint already exists at {url} (another writer committed first); {fix}"
+            ) from None
+    if coord is not None and coord.active and coord.is_primary:
+        await coord.decide("ok:null")
+    await drop_txids(backend, url, sorted(old - mine))
+
+
+async def _txids_at(backend: Backend, url: str) -> set[str]:
+    try:
+        return set(_format.parse(await backend.get(RECORD), url)["txids"])
+    except (FileNotFoundError, CorruptCheckpointError):
+        return set()
+
+
+async def drop_txids(backend: Backend, url: str, txids: Collection[str]) -> None:
+    """Delete the data of ``txids`` (failures only leave garbage for GC)."""
+    for t in txids:
+        try:
+            await backend.delete_prefix(f"d/{t}")
+        except Exception as e:
+            log.warning("%s: could not delete unreferenced data d/%s: %s", url, t, e)
+
+
+# ----------------------------------------------------------------------------- processes
+async def collective(
+    coord: Coordinator,
+    url: str,
+    work: Callable[[], Awaitable[T]],
+    commit_fn: Callable[[T], Awaitable[R]],
+    cleanup: Callable[[], Awaitable[None]],
+    digests: Callable[[T], dict[str, str]],
+) -> R:
+    """Run ``work`` on every process, then ``commit_fn`` on the primary once every process
+    succeeded and agrees (``digests`` of their results match); every process returns the
+    primary's result or raises ``MultiProcessError``.  ``commit_fn`` may announce the
+    outcome itself (``publish`` does, at the commit point); otherwise it is announced
+    with ``commit_fn``'s JSON result once it returns."""
+    try:
+        result = await work()
+    except BaseException as e:
+        if coord.active:
+            await coord.report(f"{type(e).__name__}: {e}")
+            if coord.is_primary:
+                await coord.decide(f"abort: primary process {coord.index} failed: {e}")
+                await cleanup()
+        raise
+    if not coord.active:
+        return await commit_fn(result)
+    mine = digests(result)
+    await coord.report(None, mine)
+    if coord.is_primary:
+        why = await coord.collect(mine)
+        if why is not None:
+            await coord.decide(f"abort: {why}")
+            await cleanup()
+            raise MultiProcessError(
+                f"{url}: save aborted on every process, nothing committed: {why}"
+            )
+        try:
+            value = await commit_fn(result)
+        except BaseException as e:
+            if not coord.decided:
+                await coord.decide(
+                    f"abort: the commit failed on primary process {coord.index}: {e}"
+                )
+            raise
+        if not coord.decided:
+            await coord.decide("ok:" + json.dumps(value))
+        return value
+    out = await coord.outcome()
+    if not out.startswith("ok:"):
+        raise MultiProcessError(
+            f"{url}: save aborted on every process, nothing committed: {out.removeprefix('abort: ')}"
+        )
+    return json.loads(out[3:])  # type: ignore[no-any-return]
