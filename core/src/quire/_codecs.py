@@ -82,4 +82,13 @@ def _resolve(spec: Any, *, url: str | None = None) -> Any:
     else:
         raise PluginError(f"cannot use {spec!r} as a codec: give an id, a dict or a zarr codec")
     factory = _registry.get(name, url=url)
-    return factory(**config)
+    try:
+        return factory(**config)
+    except ImportError as e:  # the plugin loaded, the library it wraps did not
+        dist = _registry.distribution(name) or "the package that provides it"
+        raise PluginError(
+            f"codec {name!r} from {dist} cannot be created ({type(e).__name__}: {e}); "
+            f"reinstall or fix {dist}",
+            group=_registry.group,
+            name=name,
+        ) from e

@@ -20,7 +20,11 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-__all__ = ["Config", "Context", "configure", "current"]
+__all__ = ["GROUPS", "Config", "Context", "configure", "current"]
+
+# The plugin entry-point groups (quire._registry has one registry per group); here because
+# the ``plugins=`` option names them, and configuration sits below the registries.
+GROUPS = ("quire.backends", "quire.codecs", "quire.leaf_handlers", "quire.checkpointables")
 
 
 @dataclass(frozen=True)
@@ -104,8 +108,6 @@ def _instance(h: Any) -> Any:
 
 def _validate(name: str, v: Any) -> Any:
     """The normalized value of option ``name``; ValueError/TypeError naming the fix."""
-    from quire._registry import GROUPS
-
     if name == "byte_budget":
         return _int(name, v, 1)
     if name == "max_concurrency":

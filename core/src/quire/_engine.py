@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from quire import _checkpointables, _commit, _format, _handlers
+from quire import _checkpointables, _commit, _format, _handlers, _registry
 from quire._budget import ByteBudget
 from quire._config import current
 from quire._format import PYTREE
@@ -149,7 +149,15 @@ async def write_units(
     try:
         for hid, items in prep.groups.items():
             h = _handlers.get(hid, url=url)
-            recs = await h.save([e for _, e in items], ctx)
+            try:
+                recs = await h.save([e for _, e in items], ctx)
+            except Exception as e:
+                wrapped = _handlers.wrap_failure(
+                    h, e, [keystr(x.path) for _, x in items], url, "saving"
+                )
+                if wrapped is e:
+                    raise
+                raise wrapped from e
             for (node, _), rec in zip(items, recs):
                 if rec.get("handler") != hid:
                     rec = {**rec, "handler": hid}
@@ -222,8 +230,6 @@ async def save_prepared(
 def plugin_sources(units: Mapping[str, dict[str, Any]]) -> dict[str, str]:
     """``{"group:id": distribution}`` for every third-party plugin the units need, so that
     a reader lacking one is told which package to install."""
-    from quire import _registry
-
     wanted: set[tuple[str, str]] = set()
     for unit in units.values():
         if unit["kind"] == "handler":
@@ -339,12 +345,10 @@ async def load_tree(
         return await _load_tree(url, tree_json, backend, abstract, partial=partial)
     except PluginError as e:
         # Name the package that wrote the missing plugin's data, when the record says.
-        for ident, dist in (plugins or {}).items():
-            if f"named {ident.split(':', 1)[1]!r}" in str(e):
-                raise PluginError(
-                    f"{e}. This checkpoint was written with {dist}: pip install {dist}"
-                ) from e
-        raise
+        hinted = _registry.record_hint(e, plugins)
+        if hinted is e:
+            raise
+        raise hinted from e
 
 
 async def _load_tree(
@@ -394,7 +398,15 @@ async def _load_tree(
 
     async def run(hid: str, items: list[tuple[Node, LoadEntry]]) -> None:
         h = _handlers.get(hid, url=url)
-        got = await h.load([e for _, e in items], ctx)
+        try:
+            got = await h.load([e for _, e in items], ctx)
+        except Exception as e:
+            wrapped = _handlers.wrap_failure(
+                h, e, [keystr(x.path) for _, x in items], url, "loading"
+            )
+            if wrapped is e:
+                raise
+            raise wrapped from e
         for (node, _), v in zip(items, got):
             values[id(node)] = v
 
@@ -492,7 +504,13 @@ async def load_units(
                 url, unit["tree"], backend, target, partial=partial, plugins=doc.get("plugins")
             )
         else:
-            out[name] = await _checkpointables.load_unit(unit, backend, url, target)
+            try:
+                out[name] = await _checkpointables.load_unit(unit, backend, url, target)
+            except PluginError as e:
+                hinted = _registry.record_hint(e, doc.get("plugins"))
+                if hinted is e:
+                    raise
+                raise hinted from e
 
     await asyncio.gather(*(one(n) for n in names))
     return {n: out[n] for n in names}

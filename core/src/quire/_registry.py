@@ -13,10 +13,12 @@ from __future__ import annotations
 import itertools
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
+from quire._config import GROUPS, current
 from quire.errors import PluginError
 
 __all__ = [
@@ -32,7 +34,6 @@ __all__ = [
     "unregister_leaf_handler",
 ]
 
-GROUPS = ("quire.backends", "quire.codecs", "quire.leaf_handlers", "quire.checkpointables")
 
 # Where to get first-party plugins that are not installed.
 INSTALL_HINTS = {
@@ -42,10 +43,30 @@ INSTALL_HINTS = {
     ("quire.backends", "gcs"): "quire-gcs",
     ("quire.leaf_handlers", "torch"): "quire-torch",
 }
+# Distributions quire itself vouches for in an install hint.  A record's ``plugins`` map
+# is untrusted input: a name outside this set (and not installed here providing that very
+# plugin) is quoted as the record's claim, never suggested as ``pip install X``.
+FIRST_PARTY = ("quire-s3", "quire-gcs", "quire-torch", "quire-orbax")
 
 # Bumped on every change of any registry; selection caches (_handlers) key on it.
 _generation = itertools.count(1)
 generation = 0
+
+
+# Run when the leaf handlers change or the caches are cleared: quire._handlers registers
+# its instance cache here, so that this module never imports it (no import cycle).
+_listeners: list[Callable[[], None]] = []
+
+
+def on_change(fn: Callable[[], None]) -> Callable[[], None]:
+    """Call ``fn`` whenever leaf handlers are (un)registered or the caches are cleared."""
+    _listeners.append(fn)
+    return fn
+
+
+def _notify() -> None:
+    for fn in list(_listeners):
+        fn()
 
 
 def _bump() -> None:
@@ -138,8 +159,6 @@ class Registry:
     def _choose(self, name: str, eps: list[EntryPoint]) -> EntryPoint:
         if len(eps) == 1:
             return eps[0]
-        from quire._config import current
-
         key = f"{self.group}:{name}"
         choice = current().plugins.get(key)
         if choice is not None:
@@ -151,7 +170,9 @@ class Registry:
         raise PluginError(
             f"{self.group} plugin {name!r} is provided by {dists}{bad}; pick one with "
             f"quire.configure(plugins={{'{key}': '<distribution>'}}) "
-            "(or quire.Context(plugins=...)), or uninstall one of them"
+            "(or quire.Context(plugins=...)), or uninstall one of them",
+            group=self.group,
+            name=name,
         )
 
     def _missing(self, name: str, where: str) -> PluginError:
@@ -161,7 +182,9 @@ class Registry:
         else:
             have = ", ".join(self.names()) or "none"
             fix = f"install the package that provides it (installed: {have})"
-        return PluginError(f"no {self.group} plugin named {name!r}{where}; {fix}")
+        return PluginError(
+            f"no {self.group} plugin named {name!r}{where}; {fix}", group=self.group, name=name
+        )
 
     def get(self, name: str, *, url: str | None = None) -> Any:
         """The plugin object called ``name``; raises :class:`PluginError` with a fix."""
@@ -189,7 +212,9 @@ class Registry:
                     return obj
         raise PluginError(
             f"{self.group} plugin {name!r}{where} from {dist} ({ep.value}) failed to import: "
-            f"{failed[0]}; reinstall or fix {dist}"
+            f"{failed[0]}; reinstall or fix {dist}",
+            group=self.group,
+            name=name,
         ) from failed[1]
 
     def distribution(self, name: str) -> str | None:
@@ -208,8 +233,6 @@ class Registry:
         With ``load``, every chosen plugin is imported so that import errors show as
         ``failed: <error>``.
         """
-        from quire._config import current
-
         out = []
         for name, eps in sorted(self._scan().items()):
             chosen: EntryPoint | None = None
@@ -255,6 +278,30 @@ leaf_handlers = registries["quire.leaf_handlers"]
 checkpointables = registries["quire.checkpointables"]
 
 
+def record_hint(err: PluginError, plugins: object) -> PluginError:
+    """``err`` completed with what a checkpoint's ``plugins`` map says about the plugin
+    that is missing or broken (``{"group:name": distribution}``, untrusted input)."""
+    if err.group is None or err.name is None or not isinstance(plugins, dict):
+        return err
+    claimed = plugins.get(f"{err.group}:{err.name}")
+    if not isinstance(claimed, str) or not claimed:
+        return err
+    known = {canonical(d) for d in FIRST_PARTY}
+    reg = registries.get(err.group)
+    if reg is not None:
+        known |= {canonical(_dist(ep)[0]) for ep in reg.entry_points(err.name)}
+    if canonical(claimed) in known and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", claimed):
+        hint = f"This checkpoint was written with {claimed}: pip install {claimed}"
+    else:
+        hint = (
+            f"The checkpoint says it was written with plugin distribution {claimed[:100]!r}; "
+            "quire does not know that distribution and suggests nothing to install: find out "
+            "where the checkpoint comes from and which package provides "
+            f"{err.group} plugin {err.name!r}"
+        )
+    return PluginError(f"{err}. {hint}", group=err.group, name=err.name)
+
+
 def clear_caches() -> None:
     """Forget scanned entry points and loaded plugins (tests that install plugins use this)."""
     import importlib
@@ -262,9 +309,7 @@ def clear_caches() -> None:
     importlib.invalidate_caches()
     for r in registries.values():
         r.clear_cache()
-    from quire import _handlers
-
-    _handlers.clear_instances()
+    _notify()
 
 
 def _handler_id(handler: Any, kind: str) -> str:
@@ -297,18 +342,14 @@ def register_leaf_handler(handler: Any) -> Any:
         ``handler`` has no str ``id`` or no ``handles`` method.
     """
     leaf_handlers.register(_handler_id(handler, "leaf handler"), handler)
-    from quire import _handlers
-
-    _handlers.clear_instances()
+    _notify()
     return handler
 
 
 def unregister_leaf_handler(handler_id: str) -> None:
     """Undo :func:`register_leaf_handler` (installed entry points come back into effect)."""
     leaf_handlers.unregister(handler_id)
-    from quire import _handlers
-
-    _handlers.clear_instances()
+    _notify()
 
 
 def register_checkpointable_handler(handler: Any) -> Any:

@@ -64,7 +64,21 @@ class UnsupportedLeafError(QuireError, TypeError):
 
 
 class PluginError(QuireError):
-    """A plugin is missing, failed to import, or two distributions claim the same name."""
+    """A plugin is missing, failed to import, or two distributions claim the same name.
+
+    Parameters
+    ----------
+    message : str
+        What went wrong and the fix.
+    group, name : str, optional
+        The entry-point group (``quire.leaf_handlers``, ``quire.codecs``, ...) and the
+        plugin name at fault, when there is one; kept as attributes of the same names.
+    """
+
+    def __init__(self, message: str, *, group: str | None = None, name: str | None = None) -> None:
+        super().__init__(message)
+        self.group = group
+        self.name = name
 
 
 class MultiProcessError(QuireError, RuntimeError):

@@ -21,6 +21,7 @@ import threading
 from typing import Any
 
 from quire import _registry
+from quire._config import current
 from quire._registry import leaf_handlers
 from quire.errors import PluginError
 
@@ -33,6 +34,7 @@ _instances: dict[tuple[str, int], tuple[Any, Any]] = {}
 _ranked: dict[tuple[int, tuple[int, ...], type], tuple[tuple[Any, ...], list[Any]]] = {}
 
 
+@_registry.on_change
 def clear_instances() -> None:
     with _lock:
         _instances.clear()
@@ -40,8 +42,6 @@ def clear_instances() -> None:
 
 
 def _context_handlers() -> tuple[Any, ...]:
-    from quire._config import current
-
     return current().leaf_handlers
 
 
@@ -51,7 +51,16 @@ def _instance(handler_id: str, obj: Any) -> Any:
         hit = _instances.get(key)
         if hit is not None and hit[0] is obj:
             return hit[1]
-        h = obj() if isinstance(obj, type) else obj
+        try:
+            h = obj() if isinstance(obj, type) else obj
+        except Exception as e:  # e.g. the plugin imports its framework when instantiated
+            dist = leaf_handlers.distribution(handler_id) or "the package that provides it"
+            raise PluginError(
+                f"leaf handler {handler_id!r} from {dist} cannot be created "
+                f"({type(e).__name__}: {e}); reinstall or fix {dist}",
+                group=leaf_handlers.group,
+                name=handler_id,
+            ) from e
         _instances[key] = (obj, h)  # obj kept alive, so its id is not reused meanwhile
         return h
 
@@ -119,3 +128,27 @@ def for_value(value: Any) -> Any | None:
         if h.handles(value):
             return h
     return None
+
+
+def wrap_failure(h: Any, e: Exception, paths: list[str], url: str, doing: str) -> Exception:
+    """A third-party handler's own exception, re-typed with the leaves' key paths.
+
+    quire's errors and quire's own handlers pass through unchanged; otherwise the result
+    has the same type as ``e`` when that type takes a message (so ``except ValueError``
+    still works), else is a :class:`~quire.errors.QuireError`.  Raise it ``from e``.
+    """
+    from quire.errors import QuireError
+
+    if isinstance(e, QuireError) or type(h).__module__.startswith("quire."):
+        return e
+    shown = ", ".join(repr(p) for p in paths[:5]) + (", ..." if len(paths) > 5 else "")
+    what = f"leaf {shown}" if len(paths) == 1 else f"one of {len(paths)} leaves ({shown})"
+    msg = (
+        f"{url}: leaf handler {getattr(h, 'id', h)!r} failed {doing} {what}: "
+        f"{type(e).__name__}: {e}"
+    )
+    try:
+        wrapped = type(e)(msg)
+    except Exception:
+        return QuireError(msg)
+    return wrapped if wrapped.args == (msg,) else QuireError(msg)
