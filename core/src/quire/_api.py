@@ -32,16 +32,62 @@ class AsyncResponse(Generic[T]):
         self._description = description
 
     def result(self, timeout: float | None = None) -> T:
-        """Wait for completion; re-raise the operation's error. ``TimeoutError`` on timeout."""
+        """Wait for completion and return the operation's result.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait; None waits as long as it takes.
+
+        Returns
+        -------
+        The operation's result (None for saves).
+
+        Raises
+        ------
+        TimeoutError
+            Not done within ``timeout`` (the operation goes on).
+        Exception
+            Whatever the operation raised, re-raised here.
+        """
         return self._future.result(timeout)
 
     def done(self) -> bool:
+        """Whether the operation has finished (successfully or not).
+
+        Returns
+        -------
+        bool
+        """
         return self._future.done()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The operation's error, or None if it succeeded (waits like :meth:`result`).
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait; None waits as long as it takes.
+
+        Returns
+        -------
+        BaseException or None
+
+        Raises
+        ------
+        TimeoutError
+            Not done within ``timeout``.
+        """
         return self._future.exception(timeout)
 
     def add_done_callback(self, fn: Any) -> None:
+        """Call ``fn(response)`` once the operation finishes (at once if it has).
+
+        Parameters
+        ----------
+        fn : callable
+            Called with this :class:`AsyncResponse`, in quire's event-loop thread.
+        """
         self._future.add_done_callback(lambda _f: fn(self))
 
     def __repr__(self) -> str:
@@ -167,6 +213,32 @@ def save_async(
 
     The caller may then mutate or donate the arrays. A second save to the same URL
     while this one is in flight starts after it finishes.
+
+    Parameters
+    ----------
+    url : str or os.PathLike
+        Where to save: a local path or any fsspec URL with an installed backend.
+    tree : pytree
+        The tree to save (see :func:`save`).
+    metadata : mapping, optional
+        JSON-serialisable user metadata, stored in ``quire.json``.
+    overwrite : bool
+        Replace a committed checkpoint at ``url`` atomically (compare-and-swap of
+        ``quire.json``; the old data is removed after the commit).
+    storage : StorageOptions or callable, optional
+        Per-leaf storage options (codecs, checksums, chunking), as for :func:`save`.
+    storage_options : dict, optional
+        fsspec ``storage_options`` for the backend.
+
+    Returns
+    -------
+    AsyncResponse
+        ``.result()`` waits for the commit and raises what :func:`save` would.
+
+    Raises
+    ------
+    UnsupportedLeafError
+        A leaf has a type no installed leaf handler saves (raised at once).
     """
     return _start_save(
         url,
@@ -192,6 +264,33 @@ def save_checkpointables(
 
     ``quire.save(url, tree)`` is ``save_checkpointables(url, {"pytree": tree})``.  See
     :mod:`quire.checkpointables` for what a unit may be.
+
+    Parameters
+    ----------
+    url : str or os.PathLike
+        Where to save: a local path or any fsspec URL with an installed backend.
+    checkpointables : mapping of str to unit
+        Unit name -> pytree, JSON value or checkpointable object.
+    metadata : mapping, optional
+        JSON-serialisable user metadata, stored in ``quire.json``.
+    overwrite : bool
+        Replace a committed checkpoint at ``url`` atomically (compare-and-swap of
+        ``quire.json``; the old data is removed after the commit).
+    storage : StorageOptions or callable, optional
+        Per-leaf storage options (codecs, checksums, chunking), as for :func:`save`.
+    storage_options : dict, optional
+        fsspec ``storage_options`` for the backend.
+
+    Raises
+    ------
+    CheckpointExistsError
+        A checkpoint is at ``url`` and ``overwrite`` is False (or another writer
+        committed first).
+    UnsupportedLeafError
+        A leaf or unit has a type no installed handler saves.
+    MultiProcessError
+        With several JAX processes: another process failed or disagreed; nothing was
+        committed.
     """
     from quire.checkpointables import as_mapping
 
@@ -215,7 +314,30 @@ def save_checkpointables_async(
     storage: StorageSpec = None,
     storage_options: dict[str, Any] | None = None,
 ) -> AsyncResponse[None]:
-    """:func:`save_checkpointables` in the background (blocks only for host copies)."""
+    """:func:`save_checkpointables` in the background (blocks only for host copies).
+
+    Parameters
+    ----------
+    url : str or os.PathLike
+        Where to save: a local path or any fsspec URL with an installed backend.
+    checkpointables : mapping of str to unit
+        Unit name -> pytree, JSON value or checkpointable object.
+    metadata : mapping, optional
+        JSON-serialisable user metadata, stored in ``quire.json``.
+    overwrite : bool
+        Replace a committed checkpoint at ``url`` atomically (compare-and-swap of
+        ``quire.json``; the old data is removed after the commit).
+    storage : StorageOptions or callable, optional
+        Per-leaf storage options (codecs, checksums, chunking), as for :func:`save`.
+    storage_options : dict, optional
+        fsspec ``storage_options`` for the backend.
+
+    Returns
+    -------
+    AsyncResponse
+        ``.result()`` waits for the commit and raises what
+        :func:`save_checkpointables` would.
+    """
     from quire.checkpointables import as_mapping
 
     return _start_save(
@@ -238,8 +360,31 @@ def load_checkpointables(
 ) -> dict[str, Any]:
     """Load the named units (all of them when ``checkpointables`` is None).
 
-    Each value of ``checkpointables`` is the unit's target: an abstract tree for a pytree
-    unit (None: as saved), the object to restore into for a Checkpointable unit.
+    Parameters
+    ----------
+    url : str or os.PathLike
+        The checkpoint.
+    checkpointables : mapping of str to target, optional
+        Each value is the unit's target: an abstract tree for a pytree unit (None: as
+        saved), the object to restore into for a Checkpointable unit.
+    partial : bool
+        For pytree units, load only the keys present in the target.
+    storage_options : dict, optional
+        fsspec ``storage_options`` for the backend.
+
+    Returns
+    -------
+    dict
+        Unit name -> loaded value, in the order asked for.
+
+    Raises
+    ------
+    CheckpointNotFoundError
+        No committed checkpoint at ``url``.
+    TreeMismatchError
+        A unit asked for is not in the checkpoint, or a target does not match.
+    PluginError
+        A unit needs a handler that is not installed or fails to load.
     """
     u = normalize(url)
     return _io.submit(
@@ -254,7 +399,24 @@ def load_async(
     partial: bool = False,
     storage_options: dict[str, Any] | None = None,
 ) -> AsyncResponse[Any]:
-    """Start :func:`load` in the background."""
+    """Start :func:`load` in the background.
+
+    Parameters
+    ----------
+    url : str or os.PathLike
+        The checkpoint.
+    abstract : pytree, optional
+        The target, as for :func:`load`.
+    partial : bool
+        Load only the keys present in ``abstract``.
+    storage_options : dict, optional
+        fsspec ``storage_options`` for the backend.
+
+    Returns
+    -------
+    AsyncResponse
+        ``.result()`` returns the tree and raises what :func:`load` would.
+    """
     u = normalize(url)
     return AsyncResponse(
         _io.submit(_engine.load(u, abstract, partial=partial, storage_options=storage_options)),
@@ -298,6 +460,29 @@ def load(
 def metadata(
     url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
 ) -> CheckpointMetadata:
-    """Describe the checkpoint at ``url`` (reads only ``quire.json``)."""
+    """Describe the checkpoint at ``url`` (reads only ``quire.json``).
+
+    Parameters
+    ----------
+    url : str or os.PathLike
+        The checkpoint.
+    storage_options : dict, optional
+        fsspec ``storage_options`` for the backend.
+
+    Returns
+    -------
+    CheckpointMetadata
+        The tree of leaf metadata (shapes, dtypes, ...), user metadata, creation time,
+        txids and units, and the raw record.
+
+    Raises
+    ------
+    CheckpointNotFoundError
+        No committed checkpoint at ``url``.
+    CorruptCheckpointError
+        The commit record is malformed, fails its checksum or points outside ``d/``.
+    PluginError
+        A leaf needs a handler that is not installed or fails to load.
+    """
     u = normalize(url)
     return _io.submit(_engine.metadata(u, storage_options)).result()

@@ -347,7 +347,13 @@ def register_leaf_handler(handler: Any) -> Any:
 
 
 def unregister_leaf_handler(handler_id: str) -> None:
-    """Undo :func:`register_leaf_handler` (installed entry points come back into effect)."""
+    """Undo :func:`register_leaf_handler` (installed entry points come back into effect).
+
+    Parameters
+    ----------
+    handler_id : str
+        The ``id`` of the handler registered at run time.
+    """
     leaf_handlers.unregister(handler_id)
     _notify()
 
@@ -374,5 +380,11 @@ def register_checkpointable_handler(handler: Any) -> Any:
 
 
 def unregister_checkpointable_handler(handler_id: str) -> None:
-    """Undo :func:`register_checkpointable_handler`."""
+    """Undo :func:`register_checkpointable_handler`.
+
+    Parameters
+    ----------
+    handler_id : str
+        The ``id`` of the handler registered at run time.
+    """
     checkpointables.unregister(handler_id)

@@ -100,18 +100,126 @@ class LeafHandler(Protocol):
     id: str
     priority: int
 
-    def handles(self, value: Any) -> bool: ...
+    def handles(self, value: Any) -> bool:
+        """Whether this handler saves ``value`` (asked only for classes in ``types``).
 
-    def handles_abstract(self, abstract: Any) -> bool: ...
+        Parameters
+        ----------
+        value : object
+            A leaf of the tree being saved.
 
-    def snapshot(self, entries: Sequence[SaveEntry]) -> list[SaveEntry]: ...
+        Returns
+        -------
+        bool
+        """
+        ...
 
-    async def save(
-        self, entries: Sequence[SaveEntry], ctx: SaveContext
-    ) -> list[dict[str, Any]]: ...
+    def handles_abstract(self, abstract: Any) -> bool:
+        """Whether this handler can load into the abstract leaf ``abstract``.
 
-    def check(self, entry: LoadEntry) -> str | None: ...
+        Parameters
+        ----------
+        abstract : object
+            A leaf of the user's abstract tree (a ``jax.ShapeDtypeStruct``, a type, ...).
 
-    async def load(self, entries: Sequence[LoadEntry], ctx: LoadContext) -> list[Any]: ...
+        Returns
+        -------
+        bool
+        """
+        ...
 
-    def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]: ...
+    def snapshot(self, entries: Sequence[SaveEntry]) -> list[SaveEntry]:
+        """Copy the values to host memory for ``save_async``, in the caller's thread.
+
+        Parameters
+        ----------
+        entries : sequence of SaveEntry
+            The leaves this handler will save.
+
+        Returns
+        -------
+        list of SaveEntry
+            The same entries, one per input, whose values the caller may now mutate.
+        """
+        ...
+
+    async def save(self, entries: Sequence[SaveEntry], ctx: SaveContext) -> list[dict[str, Any]]:
+        """Write the leaves' data under their locations (before the commit point).
+
+        Parameters
+        ----------
+        entries : sequence of SaveEntry
+            The leaves to save, with storage options and locations under ``d/<txid>/``.
+        ctx : SaveContext
+            Backend, process layout, byte budget and concurrency limit.
+
+        Returns
+        -------
+        list of dict
+            One JSON-serialisable leaf record per entry, stored in ``quire.json``.
+
+        Raises
+        ------
+        Exception
+            Any failure; quire re-raises it with the key paths of ``entries``.
+        """
+        ...
+
+    def check(self, entry: LoadEntry) -> str | None:
+        """Why the saved leaf cannot load into ``entry.target`` (None when it can).
+
+        Parameters
+        ----------
+        entry : LoadEntry
+            The saved record and the target.
+
+        Returns
+        -------
+        str or None
+            A short reason (shown in the strict-load diff), or None.
+        """
+        ...
+
+    async def load(self, entries: Sequence[LoadEntry], ctx: LoadContext) -> list[Any]:
+        """Read the leaves back.
+
+        Parameters
+        ----------
+        entries : sequence of LoadEntry
+            The records this handler wrote and their targets.
+        ctx : LoadContext
+            Backend, process layout, byte budget and concurrency limit.
+
+        Returns
+        -------
+        list
+            One value per entry, as its target asks.
+
+        Raises
+        ------
+        CorruptCheckpointError
+            Data is missing or fails its checksum.
+        Exception
+            Any other failure; quire re-raises it with the key paths of ``entries``.
+        """
+        ...
+
+    def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """Describe saved leaves from their records alone (no data is read).
+
+        Parameters
+        ----------
+        records : sequence of mapping
+            Leaf records this handler wrote.
+
+        Returns
+        -------
+        list
+            One description per record (``quire.LeafMetadata`` for arrays).
+
+        Raises
+        ------
+        KeyError, TypeError, ValueError
+            A malformed record (quire turns these into ``CorruptCheckpointError``).
+        """
+        ...

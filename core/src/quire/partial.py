@@ -60,7 +60,25 @@ def save_async(
     """Append ``tree`` (its leaves are added or replace earlier ones) as a new version.
 
     Returns once every owned shard is copied to host memory; async calls on one URL
-    apply in call order.  The response's result is the new version number.
+    apply in call order.
+
+    Parameters
+    ----------
+    url : str or os.PathLike
+        The (unfinalized) checkpoint.
+    tree : pytree
+        Leaves to add or replace (key paths as in :func:`quire.save`).
+    metadata : mapping, optional
+        JSON user metadata merged into the checkpoint's (later versions win per key).
+    storage : StorageOptions or callable, optional
+        Per-leaf storage options, as for :func:`quire.save`.
+    storage_options : dict, optional
+        fsspec ``storage_options`` for the backend.
+
+    Returns
+    -------
+    AsyncResponse of int
+        ``.result()`` is the new version number; it raises what :func:`save` would.
     """
     u = normalize(url)
     prep = _engine.prepare_save({_engine.PYTREE: tree}, storage, copy=True, url=u)
@@ -81,6 +99,24 @@ def save(
     storage_options: dict[str, Any] | None = None,
 ) -> int:
     """Blocking :func:`save_async`; returns the new version number.
+
+    Parameters
+    ----------
+    url : str or os.PathLike
+        The (unfinalized) checkpoint.
+    tree : pytree
+        Leaves to add or replace (key paths as in :func:`quire.save`).
+    metadata : mapping, optional
+        JSON user metadata merged into the checkpoint's (later versions win per key).
+    storage : StorageOptions or callable, optional
+        Per-leaf storage options, as for :func:`quire.save`.
+    storage_options : dict, optional
+        fsspec ``storage_options`` for the backend.
+
+    Returns
+    -------
+    int
+        The new version number.
 
     Raises
     ------
@@ -106,10 +142,33 @@ def delete(
     metadata: Mapping[str, Any] | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> int:
-    """Append a version deleting ``key_paths`` (tuples of keys, e.g. ``("params", "w")``;
-    a path to a container deletes the whole subtree).  Returns the new version number.
+    """Append a version deleting ``key_paths``.
 
-    Raises ``TreeMismatchError`` naming any key path that does not exist.
+    Parameters
+    ----------
+    url : str or os.PathLike
+        The (unfinalized) checkpoint.
+    key_paths : iterable of tuple
+        Tuples of keys, e.g. ``("params", "w")``; a path to a container deletes the
+        whole subtree.
+    metadata : mapping, optional
+        JSON user metadata merged into the checkpoint's.
+    storage_options : dict, optional
+        fsspec ``storage_options`` for the backend.
+
+    Returns
+    -------
+    int
+        The new version number.
+
+    Raises
+    ------
+    TreeMismatchError
+        A key path does not exist in the latest version (the error names it).
+    TypeError
+        A key path is not a non-empty tuple of keys.
+    CheckpointExistsError
+        ``url`` is already finalized.
     """
     u = normalize(url)
     paths = []
@@ -134,8 +193,21 @@ def finalize(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | N
     """Commit the latest version as an ordinary checkpoint, then remove the journal and
     the data no leaf references any more.
 
-    Raises ``CheckpointNotFoundError`` without a journal, ``CheckpointExistsError`` when
-    already finalized.  If interrupted before the commit, run it again.
+    If interrupted before the commit, run it again.
+
+    Parameters
+    ----------
+    url : str or os.PathLike
+        The (unfinalized) checkpoint.
+    storage_options : dict, optional
+        fsspec ``storage_options`` for the backend.
+
+    Raises
+    ------
+    CheckpointNotFoundError
+        There is no journal at ``url``.
+    CheckpointExistsError
+        ``url`` is already finalized (or was finalized concurrently).
     """
     u = normalize(url)
     coord = _coordinator(u, "finalize")
@@ -144,7 +216,20 @@ def finalize(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | N
 
 def discard(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> None:
     """Throw away the journal and its data (latest version first, so an interrupted
-    discard leaves an earlier version whole; run it again to finish)."""
+    discard leaves an earlier version whole; run it again to finish).
+
+    Parameters
+    ----------
+    url : str or os.PathLike
+        The (unfinalized) checkpoint.
+    storage_options : dict, optional
+        fsspec ``storage_options`` for the backend.
+
+    Raises
+    ------
+    CheckpointNotFoundError
+        There is no journal at ``url``.
+    """
     u = normalize(url)
     coord = _coordinator(u, "discard")
     _api.chain(u, lambda: _journal.discard(u, storage_options, coord), f"discard {u}").result()
@@ -153,7 +238,26 @@ def discard(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | No
 def versions(
     url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
 ) -> list[JournalVersion]:
-    """Every version: ``.version``, ``.created`` and the key paths added, replaced, deleted."""
+    """Every version of the journal at ``url``, oldest first.
+
+    Parameters
+    ----------
+    url : str or os.PathLike
+        The (unfinalized) checkpoint.
+    storage_options : dict, optional
+        fsspec ``storage_options`` for the backend.
+
+    Returns
+    -------
+    list of JournalVersion
+        ``.version``, ``.created``, ``.metadata`` and the key paths added, replaced and
+        deleted by each version.
+
+    Raises
+    ------
+    CorruptCheckpointError
+        A journal record is malformed or missing.
+    """
     return _io.submit(_journal.versions(normalize(url), storage_options)).result()
 
 
@@ -165,8 +269,34 @@ def load(
     partial: bool = False,
     storage_options: dict[str, Any] | None = None,
 ) -> Any:
-    """Load an unfinalized checkpoint at its latest (or any) version; same targets and
-    strictness as :func:`quire.load`."""
+    """Load an unfinalized checkpoint at its latest (or any) version.
+
+    Parameters
+    ----------
+    url : str or os.PathLike
+        The (unfinalized) checkpoint.
+    abstract : pytree, optional
+        The target; same meaning and strictness as for :func:`quire.load`.
+    version : int, optional
+        The version to load (default: the latest).
+    partial : bool
+        Load only the keys present in ``abstract``.
+    storage_options : dict, optional
+        fsspec ``storage_options`` for the backend.
+
+    Returns
+    -------
+    pytree
+        The replay of versions 1..``version``.
+
+    Raises
+    ------
+    CheckpointNotFoundError
+        No journal at ``url`` (a finalized checkpoint loads as with :func:`quire.load`
+        when ``version`` is None), or no such version.
+    TreeMismatchError
+        ``abstract`` does not match the tree.
+    """
     u = normalize(url)
     return _io.submit(
         _journal.load(
