@@ -99,9 +99,37 @@ class Checkpointable(Protocol):
     ``quire_restore``) as the unit's target.
     """
 
-    def quire_save(self, io: UnitIO) -> Any: ...
+    def quire_save(self, io: UnitIO) -> Any:
+        """Write this object's state through ``io`` (before the commit point).
 
-    def quire_restore(self, io: UnitIO, record: Any) -> Any: ...
+        Parameters
+        ----------
+        io : UnitIO
+            Reads and writes objects under the unit's own prefix in the checkpoint.
+
+        Returns
+        -------
+        object
+            A small JSON-serialisable record, stored in ``quire.json``.
+        """
+        ...
+
+    def quire_restore(self, io: UnitIO, record: Any) -> Any:
+        """Restore the state written by :meth:`quire_save`.
+
+        Parameters
+        ----------
+        io : UnitIO
+            Reads and writes objects under the unit's own prefix in the checkpoint.
+        record : object
+            The record ``quire_save`` returned.
+
+        Returns
+        -------
+        object
+            The restored object (often ``self``).
+        """
+        ...
 
 
 @runtime_checkable
@@ -110,11 +138,55 @@ class CheckpointableHandler(Protocol):
 
     id: str
 
-    def handles(self, obj: Any) -> bool: ...
+    def handles(self, obj: Any) -> bool:
+        """Whether this handler saves the unit ``obj``.
 
-    def save(self, obj: Any, io: UnitIO) -> Any: ...
+        Parameters
+        ----------
+        obj : object
+            A unit given to ``save_checkpointables``.
 
-    def load(self, io: UnitIO, record: Any, target: Any) -> Any: ...
+        Returns
+        -------
+        bool
+        """
+        ...
+
+    def save(self, obj: Any, io: UnitIO) -> Any:
+        """Write ``obj`` through ``io`` (before the commit point).
+
+        Parameters
+        ----------
+        obj : object
+            The unit.
+        io : UnitIO
+            Reads and writes objects under the unit's own prefix in the checkpoint.
+
+        Returns
+        -------
+        object
+            A small JSON-serialisable record, stored in ``quire.json``.
+        """
+        ...
+
+    def load(self, io: UnitIO, record: Any, target: Any) -> Any:
+        """Read the unit back.
+
+        Parameters
+        ----------
+        io : UnitIO
+            Reads and writes objects under the unit's own prefix in the checkpoint.
+        record : object
+            The record :meth:`save` returned.
+        target : object or None
+            The caller's target for this unit (None: as saved).
+
+        Returns
+        -------
+        object
+            The loaded unit.
+        """
+        ...
 
 
 def is_json_config(obj: Any, depth: int = 0) -> bool:

@@ -94,7 +94,20 @@ class SavePolicy:
     deterministic: bool = True
 
     def should_save(self, ctx: SaveContext) -> bool:
-        """Whether to save at ``ctx.step``. Must not change state: it may be asked twice."""
+        """Whether to save at ``ctx.step``. Must not change state: it may be asked twice.
+
+        Subclasses override this method; their docstrings inherit this description.
+
+        Parameters
+        ----------
+        ctx : SaveContext
+            The step, the time now and of the last save, and the latest committed step.
+
+        Returns
+        -------
+        bool
+            True to save at this step.
+        """
         raise NotImplementedError
 
     def attach(self) -> None:
@@ -301,7 +314,22 @@ class KeepPolicy:
     """Base class of keep policies: override :meth:`keep`."""
 
     def keep(self, steps: Sequence[StepInfo], now: float) -> set[int]:
-        """The steps (of ``steps``, sorted by step) this policy keeps; ``now`` is POSIX time."""
+        """The steps this policy keeps.
+
+        Subclasses override this method; their docstrings inherit this description.
+
+        Parameters
+        ----------
+        steps : sequence of StepInfo
+            The committed steps, sorted by step, with their commit time and metrics.
+        now : float
+            POSIX time.
+
+        Returns
+        -------
+        set of int
+            The step numbers to keep (the Checkpointer always keeps the latest too).
+        """
         raise NotImplementedError
 
     def __or__(self, other: KeepPolicy) -> AnyKeep:
@@ -370,7 +398,18 @@ class BestN(KeepPolicy):
         self.mode = mode
 
     def ranked(self, steps: Sequence[StepInfo]) -> list[int]:
-        """Steps having the metric, best first."""
+        """Steps having the metric, best first.
+
+        Parameters
+        ----------
+        steps : sequence of StepInfo
+            Committed steps with their metrics.
+
+        Returns
+        -------
+        list of int
+            Step numbers, best first; steps without the metric are left out.
+        """
         scored = [(v, s.step) for s in steps if (v := _metric_value(s, self.metric)) is not None]
         sign = -1.0 if self.mode == "max" else 1.0
         scored.sort(key=lambda vs: (sign * vs[0], -vs[1]))
