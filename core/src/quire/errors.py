@@ -8,9 +8,13 @@ naturally catch (``FileNotFoundError``, ``FileExistsError``, ``ValueError``,
 from __future__ import annotations
 
 __all__ = [
+    "BucketNotFoundError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "EndpointUnreachableError",
+    "ObjectStoreError",
+    "ObjectStorePermissionError",
     "PluginError",
     "QuireError",
     "TreeMismatchError",
@@ -64,3 +68,20 @@ class UnsupportedLeafError(QuireError, TypeError):
 
 class PluginError(QuireError):
     """A plugin is missing, failed to import, or two distributions claim the same name."""
+
+
+class ObjectStoreError(QuireError, OSError):
+    """An object-store request failed for good: a permanent error, or transient ones
+    past the backend's retry deadline (base of each backend's own error, e.g. ``S3Error``)."""
+
+
+class ObjectStorePermissionError(ObjectStoreError, PermissionError):
+    """The store refused the request (401 / 403, unknown key id, no credentials)."""
+
+
+class BucketNotFoundError(ObjectStoreError, FileNotFoundError):
+    """The bucket of the URL does not exist."""
+
+
+class EndpointUnreachableError(ObjectStoreError, ConnectionError):
+    """The store's endpoint cannot be reached: its host name does not resolve."""
