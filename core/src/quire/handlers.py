@@ -19,6 +19,10 @@ and for a load::
     await load(entries, ctx)          # read, verify, return values
 
 Handlers always receive batches of entries, never one leaf per call.
+
+Leaf plugins that store arrays build on :class:`ArrayHandler` (subclass) or
+:class:`NumpyArrayHandler` (hold one and convert leaves to numpy arrays): quire's zarr v3
+array format, chunked by sharding, crc32c on every chunk.
 """
 
 from __future__ import annotations
@@ -30,9 +34,18 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from quire.options import StorageOptions
 
 if TYPE_CHECKING:
+    from quire._handlers.arrays import ArrayHandler, NumpyArrayHandler
     from quire.backends import Backend
 
-__all__ = ["LeafHandler", "LoadContext", "LoadEntry", "SaveContext", "SaveEntry"]
+__all__ = [
+    "ArrayHandler",
+    "LeafHandler",
+    "LoadContext",
+    "LoadEntry",
+    "NumpyArrayHandler",
+    "SaveContext",
+    "SaveEntry",
+]
 
 KeyPath = tuple[Any, ...]
 
@@ -115,3 +128,12 @@ class LeafHandler(Protocol):
     async def load(self, entries: Sequence[LoadEntry], ctx: LoadContext) -> list[Any]: ...
 
     def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]: ...
+
+
+def __getattr__(name: str) -> Any:
+    # The array handlers import this module (and jax): loaded on first use.
+    if name in ("ArrayHandler", "NumpyArrayHandler"):
+        from quire._handlers import arrays
+
+        return getattr(arrays, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -92,7 +92,7 @@ class TorchTensorHandler:
     priority = 0
 
     def __init__(self) -> None:
-        from quire._handlers.arrays import NumpyArrayHandler
+        from quire.handlers import NumpyArrayHandler
 
         # Tensors are stored in the numpy handler's array format.
         self._arrays = NumpyArrayHandler()
