@@ -18,9 +18,16 @@ from quire._config import current
 from quire._dtypes import dtype_from_name, dtype_name
 from quire._io import pool, run_blocking
 from quire._tree import keystr
-from quire._zarr import ArrayLayout, ChunkError, inner_chunks_for, read_region, write_chunk
+from quire._zarr import (
+    ArrayLayout,
+    ChunkError,
+    array_objects,
+    inner_chunks_for,
+    read_region,
+    write_chunk,
+)
 from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
-from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry
+from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
 from quire.metadata import LeafMetadata
 
 # A claimed array larger than this is refused as corrupt before anything is allocated.
@@ -352,6 +359,15 @@ class ArrayHandler:
         return list(await asyncio.gather(*(guarded(e) for e in entries)))
 
     # -- load -----------------------------------------------------------------------
+    async def objects(
+        self, entries: Sequence[LoadEntry], ctx: LoadContext
+    ) -> list[list[StoredObject]]:
+        """Each leaf's ``zarr.json`` and chunks (or zarr shards), with their checks."""
+        return [
+            array_objects(layout_from_record(e.record, ctx.url), e.record["location"])
+            for e in entries
+        ]
+
     def _record_shape(self, rec: Mapping[str, Any]) -> tuple[int, ...]:
         return tuple(rec["shape"])
 
