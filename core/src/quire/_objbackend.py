@@ -10,20 +10,27 @@ from __future__ import annotations
 import abc
 import asyncio
 import builtins
-import contextlib
 import errno
 import logging
 import socket
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from quire import _objstore as objstore
 from quire._budget import ByteBudget
 from quire._config import current
-from quire._objstore import RetriesExhausted, RetryPolicy, retrying
+from quire._objstore import (
+    NO_SUCH_NAME,
+    RESOLVE_DEADLINE,
+    ObjectInfo,
+    RetriesExhausted,
+    RetryPolicy,
+    name_resolution_error,
+    retrying,
+    strip_userinfo,
+)
 from quire.backends import Backend, Buffer, PreconditionFailed
 from quire.errors import (
     BucketNotFoundError,
@@ -34,76 +41,6 @@ from quire.errors import (
 
 T = TypeVar("T")
 MiB = 1 << 20
-
-# getaddrinfo's answers that mean "this name does not exist": retrying cannot fix them.
-_NO_SUCH_NAME = frozenset(
-    getattr(socket, n) for n in ("EAI_NONAME", "EAI_NODATA", "EAI_FAIL") if hasattr(socket, n)
-)
-# "Temporary failure in name resolution" (no DNS server reachable, e.g. no network):
-# retried, but only this long, so a machine without network fails in seconds.
-RESOLVE_DEADLINE = 5.0
-
-
-def strip_userinfo(url: str) -> tuple[str, list[str]]:
-    """``url`` without ``user:password@``, and the removed parts (to redact them).
-
-    Parameters
-    ----------
-    url : str
-        An endpoint URL such as ``http://KEY:SECRET@host:9000``.
-
-    Returns
-    -------
-    tuple of (str, list of str)
-        The URL with its userinfo removed, and the user name and password found.
-    """
-    try:
-        parts = urlsplit(url)
-        user, password, host, port = parts.username, parts.password, parts.hostname, parts.port
-    except ValueError:
-        return url, []
-    if user is None and password is None:
-        return url, []
-    netloc = (f"[{host}]" if host and ":" in host else host or "") + (f":{port}" if port else "")
-    return urlunsplit(parts._replace(netloc=netloc)), [s for s in (user, password) if s]
-
-
-def name_resolution_error(e: BaseException) -> socket.gaierror | None:
-    """The :class:`socket.gaierror` behind ``e`` (its cause chain, or the ``os_error`` /
-    ``error`` attributes aiohttp and botocore wrap it in), or None."""
-    seen: set[int] = set()
-    todo: list[Any] = [e]
-    while todo:
-        x = todo.pop()
-        if x is None or id(x) in seen or not isinstance(x, BaseException):
-            continue
-        seen.add(id(x))
-        if isinstance(x, socket.gaierror):
-            return x
-        kwargs = getattr(x, "kwargs", None)
-        todo += [x.__cause__, x.__context__, getattr(x, "os_error", None)]
-        if isinstance(kwargs, dict):
-            todo.append(kwargs.get("error"))
-    return None
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    """What :meth:`ObjectStoreBackend.stat` says about an object.
-
-    Attributes
-    ----------
-    size : int
-        Its size in bytes.
-    version : str
-        The token :meth:`Backend.version` returns (ETag, generation).
-    modified : float or None
-        Last modification, POSIX seconds (None when the store does not say).
-    """
-
-    size: int
-    version: str
-    modified: float | None = None
 
 
 class ObjectStoreBackend(Backend):
@@ -400,7 +337,7 @@ class ObjectStoreBackend(Backend):
             dns = name_resolution_error(e)
             if dns is not None:
                 # A name that does not exist stays so; "try again" is retried briefly.
-                return dns.errno not in _NO_SUCH_NAME and (
+                return dns.errno not in NO_SUCH_NAME and (
                     dns.errno == getattr(socket, "EAI_AGAIN", errno.EAGAIN)
                     and loop.time() - start < RESOLVE_DEADLINE
                 )
@@ -569,12 +506,6 @@ class ObjectStoreBackend(Backend):
         return await objstore.gather_all(
             [one(i + 1, a, min(a + part_size, total)) for i, a in enumerate(starts)]
         )
-
-    @contextlib.asynccontextmanager
-    async def hold(self, nbytes: int) -> AsyncIterator[None]:
-        """Hold ``nbytes`` of :attr:`budget` for the duration of the block."""
-        async with self.budget.hold(nbytes):
-            yield
 
     async def holds(self, key: str, data: bytes) -> str | None:
         """The version of ``key`` if it holds exactly ``data``, else None.

@@ -204,8 +204,9 @@ class Backend(abc.ABC):
 # The toolkit lives in private modules that build on the classes above; imported last
 # so that they find them defined.
 from quire._budget import ByteBudget  # noqa: E402
-from quire._objbackend import ObjectInfo, ObjectStoreBackend  # noqa: E402
+from quire._objbackend import ObjectStoreBackend  # noqa: E402
 from quire._objstore import (  # noqa: E402
+    ObjectInfo,
     RetriesExhausted,
     RetryPolicy,
     byte_slice,
