@@ -17,6 +17,7 @@ import pytest
 from object_store_servers import S3_KEY, S3_SECRET, FaultProxy, GcsEmulator, MotoS3
 
 import quire
+from quire._url import open_backend
 from quire.errors import EndpointUnreachableError
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="real servers on 127.0.0.1")
@@ -82,6 +83,9 @@ def test_credentials_in_the_endpoint_url_are_stripped_and_never_logged(
     assert any(r.levelname == "DEBUG" for r in caplog.records)  # the libraries did log
     assert secret not in caplog.text
     assert all(secret not in str(w.message) for w in warned)
+    with pytest.warns(UserWarning):
+        backend = open_backend(url, opts)
+    assert secret not in repr(backend.storage_options)
     # A failure's message names the endpoint without the credentials either.
     with pytest.raises(quire.CheckpointNotFoundError) as info, pytest.warns(UserWarning):
         quire.load(url + "-absent", storage_options=opts)

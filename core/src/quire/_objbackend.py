@@ -109,12 +109,13 @@ class ObjectStoreBackend(Backend):
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         super().__init__(url, storage_options)
+        self.bucket, self.root = objstore.split_bucket_url(url)
         opts = dict(self.storage_options)
+        found = self._strip_endpoint_credentials(opts)
+        self.storage_options = dict(opts)  # as callers see it: no credentials in URLs
         self.retry = RetryPolicy.pop_from(opts)
         self.upload_budget = int(opts.pop("upload_budget", current().byte_budget))
         self.read_part_size = max(1, int(opts.pop("read_part_size", 64 * MiB)))
-        self.bucket, self.root = objstore.split_bucket_url(url)
-        found = self._strip_endpoint_credentials(opts)
         self._secret_values = self.secret_values(opts) + found
         self._options = self.configure(opts)
         self._token = repr(sorted(self._options.items(), key=lambda kv: kv[0]))
