@@ -100,4 +100,5 @@ async def verify_leaves(
         checked += n
         if progress is not None:
             progress(n)
+    problems.sort(key=lambda p: (keystr(p.path), p.key))  # found in completion order
     return checked, problems
