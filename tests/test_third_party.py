@@ -166,6 +166,38 @@ class TestMoneyHandler(LeafHandlerSuite):
         return [acme.Money(Decimal("9.99"), "EUR"), acme.Money(Decimal("-1e-30"), "JPY")]
 
 
+class TestTapeHandler(LeafHandlerSuite):
+    handler_id = "acme-tape"
+
+    @pytest.fixture
+    def values(self, acme: Any) -> list[Any]:
+        return [acme.Tape(b"\x00\x01 hello"), acme.Tape(b""), acme.Tape(bytes(range(256)) * 9)]
+
+
+def test_verify_and_cp_check_a_third_party_handlers_data(acme: Any, tmp_path: Path) -> None:
+    """``quire verify`` and ``quire cp`` know the acme-tape format only through its handler."""
+    from quire._cli import main
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    quire.save(str(src), {"t": acme.Tape(b"x" * 100), "w": np.arange(4)})
+    assert main(["verify", str(src)]) == 0
+    tape = next(p for p in src.rglob("tape") if p.is_file())
+    blob = bytearray(tape.read_bytes())
+    blob[10] ^= 0xFF
+    tape.write_bytes(bytes(blob))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["verify", str(src)]) == 1
+    assert "crc32 mismatch" in out.getvalue() and "/tape" in out.getvalue(), out.getvalue()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["cp", str(src), str(dst)]) != 0
+    assert (
+        "CorruptCheckpointError" in err.getvalue() and "tape fails verification" in err.getvalue()
+    )
+    assert not (dst / "quire.json").exists()
+
+
 class TestRandomHandler(CheckpointableHandlerSuite):
     handler_id = "acme-random"
 

@@ -21,13 +21,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
 import sys
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
-
-import numpy as np
 
 from quire import _commit, _format
 from quire._budget import ByteBudget
@@ -35,10 +32,11 @@ from quire._config import current
 from quire._io import run_blocking
 from quire._paths import is_safe_location
 from quire._text import human_bytes as _human
-from quire._tree import KeyPath, from_json, keystr
+from quire._tree import from_json, keystr
 from quire._url import normalize, open_backend
 from quire.backends import Backend
 from quire.errors import CorruptCheckpointError
+from quire.handlers import StoredObject
 
 __all__ = ["CopyResult", "copy_checkpoint"]
 
@@ -68,13 +66,6 @@ class _Item:
 
 
 # ----------------------------------------------------------------------------- checks
-def _check_json(data: bytes) -> None:
-    try:
-        json.loads(data)
-    except ValueError as e:
-        raise ValueError(f"not JSON: {e}") from e
-
-
 def _check_unit_object(data: bytes) -> None:
     from quire._zarr import crc_bytes
 
@@ -82,82 +73,41 @@ def _check_unit_object(data: bytes) -> None:
         raise ValueError("crc32c checksum mismatch")
 
 
-def _chunk_checker(layout: Any) -> Callable[[bytes], None]:
-    """Decode-and-verify of one stored chunk (or zarr shard) of ``layout``."""
-    from quire._zarr import _U64_MAX, ArrayLayout, crc_bytes
-
-    if layout.inner_shape is None:
-
-        def check_chunk(data: bytes) -> None:
-            layout._decode_one(data, layout.chunk_shape)
-
-        return check_chunk
-
-    inner = layout.inner_shape
-    sub = ArrayLayout(
-        layout.chunk_shape, layout.dtype, inner, None, layout.compressors, layout.checksum
-    )
-    n_inner = math.prod(layout.inner_grid)
-    ilen = n_inner * 16 + (4 if layout.checksum else 0)
+# ----------------------------------------------------------------------------- planning
+def _range_checks(objs: list[StoredObject]) -> Callable[[bytes], None] | None:
+    """One check of a whole object from the checks of the ranges leaves own in it."""
+    checked = [o for o in objs if o.check is not None or o.length is not None]
+    if not checked:
+        return None
 
     def check(data: bytes) -> None:
-        if len(data) < ilen:
-            raise ValueError(f"truncated shard: {len(data)} bytes")
-        raw = data[len(data) - ilen :]
-        if layout.checksum:
-            if crc_bytes(raw[:-4]) != raw[-4:]:
-                raise ValueError("crc32c checksum mismatch in shard index")
-            raw = raw[:-4]
-        index = np.frombuffer(raw, dtype="<u8").reshape(n_inner, 2)
-        for i, (off, nb) in enumerate(index.tolist()):
-            if off == _U64_MAX and nb == _U64_MAX:
-                raise ValueError(f"inner chunk {i} missing from shard")
-            if off + nb > len(data) - ilen:
-                raise ValueError(f"inner chunk {i} lies outside the shard")
-            sub._decode_one(memoryview(data)[off : off + nb], inner)
+        for o in checked:
+            part = o.cut(data)
+            if o.length is not None and len(part) != o.length:
+                raise ValueError(f"{len(part)} bytes at {o.offset}, expected {o.length}")
+            if o.check is not None:
+                o.check(part)
 
     return check
 
 
-# ----------------------------------------------------------------------------- planning
-def _leaf_items(rec: dict[str, Any], path: KeyPath, url: str) -> list[_Item]:
-    from quire._handlers.arrays import layout_from_record
-
-    loc = rec["location"]
-    owner = keystr(path)
-    layout = layout_from_record(rec, url)
-    items = [_Item(f"{loc}/zarr.json", owner, _check_json)]
-    if math.prod(layout.shape):
-        check = _chunk_checker(layout)
-        size = layout.encoded_size(layout.chunk_shape)
-        if layout.inner_shape is not None:
-            size += math.prod(layout.inner_grid) * 16 + 4
-        items += [
-            _Item(f"{loc}/{layout.chunk_key(c)}", owner, check, size) for c in layout.all_chunks()
-        ]
-    return items
-
-
 async def plan(backend: Backend, url: str, doc: dict[str, Any]) -> list[_Item]:
-    """Every object SRC's record references, with its check."""
+    """Every object SRC's record references, with its check (leaves: their handlers')."""
+    from quire._owned import leaf_objects
+
     items: list[_Item] = []
     listed: list[tuple[str, str, Callable[[bytes], None] | None]] = []
+    leaves = []
     for name, unit in doc["units"].items():
         if unit["kind"] == "pytree":
             for leaf in from_json(unit["tree"]).leaves():
-                rec = leaf.value
-                loc = rec.get("location")
-                if loc is None:
-                    continue  # inline in the record
-                if not is_safe_location(loc):
+                loc = leaf.value.get("location")
+                if loc is not None and not is_safe_location(loc):
                     raise CorruptCheckpointError(
                         f"{url}/{_format.RECORD}: leaf {keystr(leaf.path)!r} has location "
                         f"{loc!r}, outside d/; refusing to copy it"
                     )
-                if "chunk_shape" in rec:
-                    items += _leaf_items(rec, leaf.path, url)
-                else:  # another handler's objects: copied as they are
-                    listed.append((loc, keystr(leaf.path), None))
+                leaves.append(leaf)
         elif unit["kind"] == "handler":
             loc = unit["location"]
             if not is_safe_location(loc):
@@ -165,6 +115,14 @@ async def plan(backend: Backend, url: str, doc: dict[str, Any]) -> list[_Item]:
                     f"{url}/{_format.RECORD}: unit {name!r} has location {loc!r}, outside d/"
                 )
             listed.append((loc, f"unit {name!r}", _check_unit_object))
+    # Objects by key: a packed object holds ranges of several leaves; it is copied once.
+    owned: dict[str, tuple[str, list[StoredObject]]] = {}
+    for leaf, objs in await leaf_objects(url, backend, leaves):
+        for o in objs:
+            owned.setdefault(o.key, (keystr(leaf.path), []))[1].append(o)
+    for key, (owner, objs) in owned.items():
+        whole = objs[0].size if len(objs) == 1 and objs[0].length is None else None
+        items.append(_Item(key, owner, _range_checks(objs), whole))
     found = await asyncio.gather(*(backend.list(loc) for loc, _, _ in listed))
     for (_, owner, check), keys in zip(listed, found):
         items += [_Item(k, owner, check) for k in keys]

@@ -535,49 +535,15 @@ async def verify(
     storage_options: dict[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> tuple[int, list[VerifyProblem]]:
-    """Read every chunk of every array leaf and check it; returns (chunks checked, problems)."""
-    from quire._handlers.arrays import layout_from_record
-    from quire._zarr import ChunkError, read_region
+    """Have every leaf's handler check every object it owns; (objects checked, problems)."""
+    from quire._owned import verify_leaves
 
     backend = open_backend(url, storage_options)
     doc = (await _commit.read(backend, url)).doc
-    problems: list[VerifyProblem] = []
-    checked = 0
-    sem = asyncio.Semaphore(8)
     all_leaves = []
     for unit in doc["units"].values():
         if unit["kind"] == "pytree":
             saved = from_json(unit["tree"])
             all_leaves += list(saved.leaves())
-    for leaf in all_leaves:
-        rec = leaf.value
-        if "location" not in rec or "chunk_shape" not in rec:
-            continue
-        layout = layout_from_record(rec, url)
-        loc = rec["location"]
-        if not await backend.exists(f"{loc}/zarr.json"):
-            problems.append(
-                VerifyProblem(keystr(leaf.path), f"{loc}/zarr.json", "missing zarr metadata")
-            )
-        if not np.prod(layout.shape):
-            continue
-
-        async def one(
-            coords: tuple[int, ...], layout: Any = layout, loc: str = loc, path: KeyPath = leaf.path
-        ) -> None:
-            nonlocal checked
-            reg = layout.chunk_region(coords)
-            async with sem:
-                buf = np.empty(tuple(r.stop - r.start for r in reg), layout.dtype)
-                try:
-                    await read_region(backend, loc, layout, reg, buf)
-                except ChunkError as e:
-                    problems.append(
-                        VerifyProblem(keystr(path), f"{loc}/{layout.chunk_key(coords)}", str(e))
-                    )
-                checked += 1
-                if progress:
-                    progress(1)
-
-        await asyncio.gather(*(one(c) for c in layout.all_chunks()))
-    return checked, problems
+    checked, found = await verify_leaves(url, backend, all_leaves, progress)
+    return checked, [VerifyProblem(keystr(p.path), p.key, p.error) for p in found]

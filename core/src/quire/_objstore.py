@@ -7,6 +7,8 @@
 * buffer helpers: flat views of the buffers a backend is handed, byte-range slices of
   them without copying, reading a response stream into them, a large ranged read as
   concurrent spans;
+* :func:`strip_userinfo` / :func:`name_resolution_error`: credentials out of endpoint
+  URLs; DNS failures told apart from transient ones;
 * :func:`list_under` / :func:`dir_entries`: :meth:`Backend.list` and
   :meth:`Backend.list_dir` from a store's prefix listing.
 """
@@ -17,9 +19,11 @@ import asyncio
 import atexit
 import contextlib
 import random
+import socket
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 from quire import _io
 from quire.backends import Buffer
@@ -53,6 +57,7 @@ class RetryPolicy:
         )
 
     def pause(self, attempt: int) -> float:
+        """The jittered pause after failed attempt number ``attempt`` (from 0)."""
         b = min(self.max_backoff, self.backoff * 2.0 ** min(attempt, 60))
         return random.uniform(b / 2, b)
 
@@ -75,9 +80,28 @@ async def retrying(
 ) -> T:
     """``await attempt(n)`` for n = 0, 1, ... until it returns or fails for good.
 
-    ``n`` tells an attempt that an earlier one may have reached the server before its
-    reply was lost.  A non-transient error is raised as it is; transient ones past the
-    deadline raise :class:`RetriesExhausted`.
+    Parameters
+    ----------
+    attempt : callable
+        One try; ``n`` tells it that an earlier one may have reached the server before
+        its reply was lost.
+    policy : RetryPolicy
+        Backoff and deadline.
+    is_transient : callable
+        Whether a failure may heal when repeated.
+    on_retry : callable, optional
+        ``on_retry(n, pause, error)`` before each pause (to log it).
+
+    Returns
+    -------
+    What ``attempt`` returned.
+
+    Raises
+    ------
+    RetriesExhausted
+        Transient failures lasted past ``policy.deadline``.
+    Exception
+        A non-transient failure, as it was raised.
     """
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -96,6 +120,78 @@ async def retrying(
                 on_retry(n + 1, pause, e)
         await asyncio.sleep(pause)
         n += 1
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What :meth:`quire.backends.ObjectStoreBackend.stat` says about an object.
+
+    Attributes
+    ----------
+    size : int
+        Its size in bytes.
+    version : str
+        The token :meth:`Backend.version` returns (ETag, generation).
+    modified : float or None
+        Last modification, POSIX seconds (None when the store does not say).
+    """
+
+    size: int
+    version: str
+    modified: float | None = None
+
+
+# ----------------------------------------------------------------------------- endpoints
+# getaddrinfo's answers that mean "this name does not exist": retrying cannot fix them.
+NO_SUCH_NAME = frozenset(
+    getattr(socket, n) for n in ("EAI_NONAME", "EAI_NODATA", "EAI_FAIL") if hasattr(socket, n)
+)
+# "Temporary failure in name resolution" (no DNS server reachable, e.g. no network):
+# retried, but only this long, so a machine without network fails in seconds.
+RESOLVE_DEADLINE = 5.0
+
+
+def strip_userinfo(url: str) -> tuple[str, list[str]]:
+    """``url`` without ``user:password@``, and the removed parts (to redact them).
+
+    Parameters
+    ----------
+    url : str
+        An endpoint URL such as ``http://KEY:SECRET@host:9000``.
+
+    Returns
+    -------
+    tuple of (str, list of str)
+        The URL with its userinfo removed, and the user name and password found.
+    """
+    try:
+        parts = urlsplit(url)
+        user, password, host, port = parts.username, parts.password, parts.hostname, parts.port
+    except ValueError:
+        return url, []
+    if user is None and password is None:
+        return url, []
+    netloc = (f"[{host}]" if host and ":" in host else host or "") + (f":{port}" if port else "")
+    return urlunsplit(parts._replace(netloc=netloc)), [s for s in (user, password) if s]
+
+
+def name_resolution_error(e: BaseException) -> socket.gaierror | None:
+    """The :class:`socket.gaierror` behind ``e`` (its cause chain, or the ``os_error`` /
+    ``error`` attributes aiohttp and botocore wrap it in), or None."""
+    seen: set[int] = set()
+    todo: list[Any] = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen or not isinstance(x, BaseException):
+            continue
+        seen.add(id(x))
+        if isinstance(x, socket.gaierror):
+            return x
+        kwargs = getattr(x, "kwargs", None)
+        todo += [x.__cause__, x.__context__, getattr(x, "os_error", None)]
+        if isinstance(kwargs, dict):
+            todo.append(kwargs.get("error"))
+    return None
 
 
 # ----------------------------------------------------------------------------- clients

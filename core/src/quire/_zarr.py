@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ import numpy as np
 from quire._dtypes import dtype_name
 from quire._io import run_blocking
 from quire.backends import Backend, Buffer
+from quire.handlers import StoredObject
 
 _crc32c: Any
 try:
@@ -35,7 +37,7 @@ _U64_MAX = 2**64 - 1
 MAX_OPEN_CHUNKS = 64  # concurrent chunk reads/writes per array operation
 
 
-class ChunkError(Exception):
+class ChunkError(ValueError):
     """A chunk failed verification (bad checksum, wrong size, missing, undecodable)."""
 
 
@@ -359,6 +361,100 @@ async def _read_chunk_region(
         raise ChunkError("missing chunk object") from e
 
 
+def _index_bytes(layout: ArrayLayout) -> int:
+    """Size of a zarr shard's index (at its end): 16 bytes per inner chunk, + crc32c."""
+    return math.prod(layout.inner_grid) * 16 + (4 if layout.checksum else 0)
+
+
+def _shard_index(layout: ArrayLayout, raw: bytes) -> np.ndarray:
+    """The ``(n, 2)`` (offset, nbytes) rows of a shard index, its crc32c checked."""
+    if layout.checksum:
+        if crc_bytes(raw[:-4]) != raw[-4:]:
+            raise ChunkError("crc32c checksum mismatch in shard index")
+        raw = raw[:-4]
+    return np.frombuffer(raw, dtype="<u8").reshape(-1, 2)
+
+
+def _inner_span(row: Any, which: Any, limit: int) -> tuple[int, int]:
+    """``(offset, nbytes)`` of an inner chunk from its index row, inside ``limit`` bytes."""
+    off, nb = (int(v) for v in row)
+    if off == _U64_MAX and nb == _U64_MAX:
+        raise ChunkError(f"inner chunk {which} missing from shard")
+    if off + nb > limit:
+        raise ChunkError(f"inner chunk {which} lies outside the shard")
+    return off, nb
+
+
+def chunk_checker(layout: ArrayLayout) -> Callable[[bytes], None]:
+    """``check(data)``: decode-and-verify one stored chunk (or zarr shard) of ``layout``;
+    raises :class:`ChunkError` (a ``ValueError``) naming what is wrong."""
+    if layout.inner_shape is None:
+
+        def check_chunk(data: bytes) -> None:
+            try:
+                layout._decode_one(data, layout.chunk_shape)
+            except ChunkError:
+                raise
+            except Exception as e:
+                raise ChunkError(f"undecodable: {e}") from e
+
+        return check_chunk
+
+    inner = layout.inner_shape
+    sub = ArrayLayout(
+        layout.chunk_shape, layout.dtype, inner, None, layout.compressors, layout.checksum
+    )
+    ilen = _index_bytes(layout)
+
+    def check(data: bytes) -> None:
+        if len(data) < ilen:
+            raise ChunkError(f"truncated shard: {len(data)} bytes")
+        for i, row in enumerate(_shard_index(layout, data[len(data) - ilen :])):
+            off, nb = _inner_span(row, i, len(data) - ilen)
+            try:
+                sub._decode_one(memoryview(data)[off : off + nb], inner)
+            except ChunkError as e:
+                raise ChunkError(f"inner chunk {i}: {e}") from e
+            except Exception as e:
+                raise ChunkError(f"inner chunk {i} undecodable: {e}") from e
+
+    return check
+
+
+def metadata_checker(layout: ArrayLayout) -> Callable[[bytes], None]:
+    """``check(data)`` of an array's ``zarr.json``: JSON, a zarr v3 array of the recorded
+    shape (what zarr readers open)."""
+
+    def check(data: bytes) -> None:
+        try:
+            doc = json.loads(data)
+        except ValueError as e:
+            raise ChunkError(f"zarr.json is not JSON: {e}") from e
+        if not isinstance(doc, dict) or doc.get("zarr_format") != 3:
+            raise ChunkError("zarr.json is not zarr v3 array metadata")
+        if doc.get("node_type") != "array" or doc.get("shape") != list(layout.shape):
+            raise ChunkError(
+                f"zarr.json describes shape {doc.get('shape')!r}, the record {list(layout.shape)}"
+            )
+
+    return check
+
+
+def array_objects(layout: ArrayLayout, location: str) -> list[StoredObject]:
+    """What an array leaf at ``location`` owns: its ``zarr.json`` and every chunk, checked."""
+    out = [StoredObject(f"{location}/zarr.json", check=metadata_checker(layout))]
+    if not math.prod(layout.shape):
+        return out
+    check = chunk_checker(layout)
+    size = layout.encoded_size(layout.chunk_shape)
+    if layout.inner_shape is not None:
+        size += _index_bytes(layout)
+    return out + [
+        StoredObject(f"{location}/{layout.chunk_key(c)}", check=check, size=size)
+        for c in layout.all_chunks()
+    ]
+
+
 async def _read_sharded(
     backend: Backend,
     key: str,
@@ -370,28 +466,18 @@ async def _read_sharded(
     assert layout.inner_shape is not None
     inner = layout.inner_shape
     ng = layout.inner_grid
-    n_inner = math.prod(ng)
-    ilen = n_inner * 16 + (4 if layout.checksum else 0)
+    ilen = _index_bytes(layout)
     size = await backend.size(key)
     if size < ilen:
         raise ChunkError(f"truncated shard: {size} bytes")
-    raw = await backend.get(key, size - ilen, size)
-    if layout.checksum:
-        if crc_bytes(raw[:-4]) != raw[-4:]:
-            raise ChunkError("crc32c checksum mismatch in shard index")
-        raw = raw[:-4]
-    index = np.frombuffer(raw, dtype="<u8").reshape((*ng, 2))
+    index = _shard_index(layout, await backend.get(key, size - ilen, size)).reshape((*ng, 2))
     local = tuple(slice(r.start - o, r.stop - o) for r, o in zip(ov, corigin))  # chunk coordinates
     sub = ArrayLayout(
         layout.chunk_shape, layout.dtype, inner, None, layout.compressors, layout.checksum
     )
 
     async def one(ic: tuple[int, ...]) -> None:
-        off, nb = (int(v) for v in index[ic])
-        if off == _U64_MAX and nb == _U64_MAX:
-            raise ChunkError(f"inner chunk {ic} missing from shard")
-        if off + nb > size - ilen:
-            raise ChunkError(f"inner chunk {ic} lies outside the shard")
+        off, nb = _inner_span(index[ic], ic, size - ilen)
         ireg = sub.chunk_region(ic)
         iov = _intersect(ireg, local)
         assert iov is not None

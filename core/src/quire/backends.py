@@ -15,6 +15,12 @@ Call order during a save (the commit point is marked)::
 
 A backend declares what it guarantees through :class:`Capabilities`; quire never probes
 by trial and error.
+
+Toolkit for backends over object stores (what quire-s3 and quire-gcs are built on):
+:class:`ObjectStoreBackend` (retries with a deadline, fail-fast on unresolvable hosts,
+byte budget, credential redaction, part uploads, an error-mapping hook),
+:class:`RetryPolicy` / :func:`retrying` / :class:`RetriesExhausted`, :class:`ByteBudget`,
+and the buffer helpers :func:`byte_slice`, :func:`read_into` and :func:`gather_all`.
 """
 
 from __future__ import annotations
@@ -25,7 +31,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-__all__ = ["Backend", "Buffer", "Capabilities", "PreconditionFailed"]
+__all__ = [
+    "Backend",
+    "Buffer",
+    "ByteBudget",
+    "Capabilities",
+    "ObjectInfo",
+    "ObjectStoreBackend",
+    "PreconditionFailed",
+    "RetriesExhausted",
+    "RetryPolicy",
+    "byte_slice",
+    "gather_all",
+    "read_into",
+    "retrying",
+]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -179,3 +199,18 @@ class Backend(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources this backend created (never a file system it was handed)."""
+
+
+# The toolkit lives in private modules that build on the classes above; imported last
+# so that they find them defined.
+from quire._budget import ByteBudget  # noqa: E402
+from quire._objbackend import ObjectStoreBackend  # noqa: E402
+from quire._objstore import (  # noqa: E402
+    ObjectInfo,
+    RetriesExhausted,
+    RetryPolicy,
+    byte_slice,
+    gather_all,
+    read_into,
+    retrying,
+)

@@ -8,10 +8,14 @@ naturally catch (``FileNotFoundError``, ``FileExistsError``, ``ValueError``,
 from __future__ import annotations
 
 __all__ = [
+    "BucketNotFoundError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "EndpointUnreachableError",
     "MultiProcessError",
+    "ObjectStoreError",
+    "ObjectStorePermissionError",
     "PluginError",
     "QuireError",
     "TreeMismatchError",
@@ -85,3 +89,20 @@ class MultiProcessError(QuireError, RuntimeError):
     """Another JAX process failed, disagreed, or stopped responding during a collective
     operation (a save, a partial save, a finalize); nothing was committed unless the
     message says the commit started."""
+
+
+class ObjectStoreError(QuireError, OSError):
+    """An object-store request failed for good: a permanent error, or transient ones
+    past the backend's retry deadline (base of each backend's own error, e.g. ``S3Error``)."""
+
+
+class ObjectStorePermissionError(ObjectStoreError, PermissionError):
+    """The store refused the request (401 / 403, unknown key id, no credentials)."""
+
+
+class BucketNotFoundError(ObjectStoreError, FileNotFoundError):
+    """The bucket of the URL does not exist."""
+
+
+class EndpointUnreachableError(ObjectStoreError, ConnectionError):
+    """The store's endpoint cannot be reached: its host name does not resolve."""

@@ -18,21 +18,51 @@ and for a load::
     check(entry)                      # shape/dtype diff, before anything is read
     await load(entries, ctx)          # read, verify, return values
 
+``quire verify`` and ``quire cp`` know nothing of a handler's format; they ask it
+(both methods optional, with the defaults below)::
+
+    await objects(entries, ctx)       # the StoredObjects each leaf owns, with checks
+    async for p in verify(entries, ctx):   # ObjectProblems (default: check_objects)
+
+``cp`` copies every object a leaf owns and runs each :class:`StoredObject`'s ``check``
+on its byte range as it goes; ``verify`` reads and checks them all.  A handler without
+``objects`` owns every object under its records' ``location`` (copied, and verified as
+readable, without a check); one that stores nothing outside ``quire.json`` owns none.
+
 Handlers always receive batches of entries, never one leaf per call.
+
+Leaf plugins that store arrays build on :class:`ArrayHandler` (subclass) or
+:class:`NumpyArrayHandler` (hold one and convert leaves to numpy arrays): quire's zarr v3
+array format, chunked by sharding, crc32c on every chunk.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from quire.options import StorageOptions
 
 if TYPE_CHECKING:
+    from quire._handlers.arrays import ArrayHandler, NumpyArrayHandler
     from quire.backends import Backend
 
-__all__ = ["LeafHandler", "LoadContext", "LoadEntry", "SaveContext", "SaveEntry"]
+__all__ = [
+    "ArrayHandler",
+    "LeafHandler",
+    "LoadContext",
+    "LoadEntry",
+    "NumpyArrayHandler",
+    "ObjectProblem",
+    "SaveContext",
+    "SaveEntry",
+    "StoredObject",
+    "check_objects",
+    "default_objects",
+]
 
 KeyPath = tuple[Any, ...]
 
@@ -91,6 +121,148 @@ class LoadContext:
     stats: dict[str, int] = field(default_factory=lambda: {"bytes": 0, "objects": 0})
     limit: Any = None  # asyncio.Semaphore bounding requests in flight (Config.max_concurrency)
     budget: Any = None  # ByteBudget bounding transient host buffers (Config.byte_budget)
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """Bytes a leaf owns: a byte range of an object, and how to check it.
+
+    Attributes
+    ----------
+    key : str
+        The object's key, relative to the checkpoint root (under ``d/``).
+    offset : int
+        Where the leaf's bytes start in the object.
+    length : int or None
+        How many bytes are the leaf's; None for "to the end of the object".  A packed
+        layout names ranges of a shared object; the one-object-per-chunk layout names
+        whole objects.
+    check : callable or None
+        ``check(data)`` raises ``ValueError`` (with the reason) when ``data``, the
+        range's bytes, is damaged; None when only presence can be checked.  It runs in a
+        worker thread.
+    size : int or None
+        The expected size of the range when known (progress, byte budgets).
+    """
+
+    key: str
+    offset: int = 0
+    length: int | None = None
+    check: Callable[[bytes], None] | None = None
+    size: int | None = None
+
+    def cut(self, data: bytes) -> bytes:
+        """This range of ``data``, the bytes of the whole object."""
+        end = None if self.length is None else self.offset + self.length
+        return data[self.offset : end]
+
+
+@dataclass(frozen=True)
+class ObjectProblem:
+    """One damaged or missing stored object, as ``verify`` reports it.
+
+    Attributes
+    ----------
+    path : tuple
+        The key path of the leaf that owns it.
+    key : str
+        The object's key (relative to the checkpoint root).
+    error : str
+        What is wrong with it.
+    """
+
+    path: KeyPath
+    key: str
+    error: str
+
+
+async def default_objects(
+    entries: Sequence[LoadEntry], ctx: LoadContext
+) -> list[list[StoredObject]]:
+    """What a handler without ``objects`` owns: every object under each record's
+    ``location`` (listed, no checks), nothing for records without one.
+
+    Parameters
+    ----------
+    entries : sequence of LoadEntry
+        The leaves (targets unused).
+    ctx : LoadContext
+        Where they live.
+
+    Returns
+    -------
+    list of list of StoredObject
+        One list per entry.
+    """
+
+    async def one(e: LoadEntry) -> list[StoredObject]:
+        loc = e.record.get("location")
+        if not isinstance(loc, str) or not loc:
+            return []
+        return [StoredObject(k) for k in await ctx.backend.list(loc)]
+
+    return list(await asyncio.gather(*(one(e) for e in entries)))
+
+
+async def check_objects(
+    entries: Sequence[LoadEntry], objects: Sequence[Sequence[StoredObject]], ctx: LoadContext
+) -> AsyncIterator[ObjectProblem]:
+    """Read every stored range and run its check: the default ``verify``.
+
+    At most ``ctx.limit`` reads run at once (8 without one), each holding its bytes in
+    ``ctx.budget`` when there is one; ``ctx.stats["objects"]`` and ``["bytes"]`` count
+    what was read.
+
+    Parameters
+    ----------
+    entries : sequence of LoadEntry
+        The leaves.
+    objects : sequence of sequence of StoredObject
+        What each entry owns (from ``objects``).
+    ctx : LoadContext
+        Where they live.
+
+    Yields
+    ------
+    ObjectProblem
+        One per missing or damaged range, in completion order.
+    """
+    limit = ctx.limit or asyncio.Semaphore(8)
+
+    async def read(obj: StoredObject) -> bytes:
+        end = None if obj.length is None else obj.offset + obj.length
+        need = obj.size or obj.length or 0
+        async with ctx.budget.hold(need) if ctx.budget else contextlib.nullcontext():
+            data = await ctx.backend.get(obj.key, obj.offset or None, end)
+            ctx.stats["objects"] = ctx.stats.get("objects", 0) + 1
+            ctx.stats["bytes"] = ctx.stats.get("bytes", 0) + len(data)
+            if obj.length is not None and len(data) != obj.length:
+                raise ValueError(f"{len(data)} bytes at {obj.offset}, expected {obj.length}")
+            if obj.check is not None:
+                await asyncio.to_thread(obj.check, data)
+            return data
+
+    async def one(path: KeyPath, obj: StoredObject) -> ObjectProblem | None:
+        async with limit:
+            try:
+                await read(obj)
+            except FileNotFoundError:
+                return ObjectProblem(path, obj.key, "missing")
+            except ValueError as e:
+                return ObjectProblem(path, obj.key, str(e) or type(e).__name__)
+        return None
+
+    tasks = [
+        asyncio.ensure_future(one(e.path, o)) for e, objs in zip(entries, objects) for o in objs
+    ]
+    try:
+        for fut in asyncio.as_completed(tasks):
+            problem = await fut
+            if problem is not None:
+                yield problem
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 @runtime_checkable
@@ -223,3 +395,16 @@ class LeafHandler(Protocol):
             A malformed record (quire turns these into ``CorruptCheckpointError``).
         """
         ...
+
+    # Optional (verify and cp use the module's defaults without them):
+    #   async def objects(self, entries, ctx) -> list[list[StoredObject]]
+    #   def verify(self, entries, ctx) -> AsyncIterator[ObjectProblem]
+
+
+def __getattr__(name: str) -> Any:
+    # The array handlers import this module (and jax): loaded on first use.
+    if name in ("ArrayHandler", "NumpyArrayHandler"):
+        from quire._handlers import arrays
+
+        return getattr(arrays, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

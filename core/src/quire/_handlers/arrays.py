@@ -18,9 +18,16 @@ from quire._config import current
 from quire._dtypes import dtype_from_name, dtype_name
 from quire._io import pool, run_blocking
 from quire._tree import keystr
-from quire._zarr import ArrayLayout, ChunkError, inner_chunks_for, read_region, write_chunk
+from quire._zarr import (
+    ArrayLayout,
+    ChunkError,
+    array_objects,
+    inner_chunks_for,
+    read_region,
+    write_chunk,
+)
 from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
-from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry
+from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
 from quire.metadata import LeafMetadata
 
 # A claimed array larger than this is refused as corrupt before anything is allocated.
@@ -219,7 +226,17 @@ def _target_kind(target: Any, handler_id: str) -> str:
 
 
 class ArrayHandler:
-    """Shared machinery of the numpy and jax handlers."""
+    """Base of the leaf handlers that store arrays as zarr v3 arrays (public as
+    :class:`quire.handlers.ArrayHandler`).
+
+    Each leaf becomes one zarr v3 array under its location, one chunk (or zarr shard)
+    per device shard, crc32c on every chunk; loads reshard, cast and verify.  A
+    subclass sets ``id`` (and ``priority``), implements ``handles(value)``, and may
+    override :meth:`to_array` (the array-like to store for a value) and
+    :meth:`extra_record` (JSON fields added to the leaf record).  A handler that
+    converts its leaves itself can instead hold a :class:`NumpyArrayHandler` and call
+    its methods on numpy arrays (as quire-torch does).
+    """
 
     id = "array"
     priority = 0
@@ -236,7 +253,7 @@ class ArrayHandler:
                     e.value.copy_to_host_async()
                 except Exception:  # not all array types support it; the copy below still works
                     pass
-        plans = [_plan(self._to_array(e.value), e.storage, e.path) for e in entries]
+        plans = [_plan(self.to_array(e.value), e.storage, e.path) for e in entries]
         jobs = [(plan, i, f) for plan in plans for i, (_, f) in enumerate(plan.owned)]
         # Copies release the GIL: run them on every core (this is all save_async blocks on).
         copies = list(pool().map(lambda job: np.array(job[2](), copy=True), jobs))
@@ -248,10 +265,25 @@ class ArrayHandler:
             out.append(replace(e, value=plan))
         return out
 
-    def _to_array(self, value: Any) -> Any:
+    def to_array(self, value: Any) -> Any:
+        """The numpy or jax array to store for ``value`` (the value itself by default).
+
+        Parameters
+        ----------
+        value : Any
+            A leaf this handler ``handles``.
+
+        Returns
+        -------
+        numpy.ndarray or jax.Array
+        """
         return value
 
-    def _extra_record(self, value: Any) -> dict[str, Any]:
+    def extra_record(self, value: Any) -> dict[str, Any]:
+        """JSON fields to add to the leaf record of ``value`` (none by default).
+
+        Called after :meth:`snapshot` too, with what it put in the entry.
+        """
         return {}
 
     async def save(self, entries: Sequence[SaveEntry], ctx: SaveContext) -> list[dict[str, Any]]:
@@ -262,7 +294,7 @@ class ArrayHandler:
             plan = (
                 e.value
                 if isinstance(e.value, _Plan)
-                else _plan(self._to_array(e.value), e.storage, e.path)
+                else _plan(self.to_array(e.value), e.storage, e.path)
             )
             layout = _layout(plan, e.storage, ctx.url)
             jobs = []
@@ -311,7 +343,7 @@ class ArrayHandler:
                 rec["sharding"] = plan.sharding
             if plan.source_dtype is not None:
                 rec["source_dtype"] = plan.source_dtype
-            rec.update(self._extra_record(e.value))
+            rec.update(self.extra_record(e.value))
             return rec
 
         async def guarded(e: SaveEntry) -> dict[str, Any]:
@@ -327,6 +359,15 @@ class ArrayHandler:
         return list(await asyncio.gather(*(guarded(e) for e in entries)))
 
     # -- load -----------------------------------------------------------------------
+    async def objects(
+        self, entries: Sequence[LoadEntry], ctx: LoadContext
+    ) -> list[list[StoredObject]]:
+        """Each leaf's ``zarr.json`` and chunks (or zarr shards), with their checks."""
+        return [
+            array_objects(layout_from_record(e.record, ctx.url), e.record["location"])
+            for e in entries
+        ]
+
     def _record_shape(self, rec: Mapping[str, Any]) -> tuple[int, ...]:
         return tuple(rec["shape"])
 
@@ -528,10 +569,10 @@ class PRNGKeyHandler(ArrayHandler):
             value.dtype, jax.dtypes.prng_key
         )
 
-    def _to_array(self, value: Any) -> Any:
+    def to_array(self, value: Any) -> Any:
         return jax.random.key_data(value)
 
-    def _extra_record(self, value: Any) -> dict[str, Any]:
+    def extra_record(self, value: Any) -> dict[str, Any]:
         if isinstance(value, _Plan):
             impl, shape = value.impl, value.key_shape  # type: ignore[attr-defined]
         else:

@@ -11,7 +11,7 @@ import numpy as np
 
 from quire._dtypes import dtype_from_name, dtype_name
 from quire.errors import CorruptCheckpointError, UnsupportedLeafError
-from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry
+from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
 
 _PY = {"bool": bool, "int": int, "float": float, "complex": complex}
 
@@ -66,6 +66,12 @@ class _Inline:
                 ) from err
             out.append(convert(v, e.target, e.path))
         return out
+
+    async def objects(
+        self, entries: Sequence[LoadEntry], ctx: LoadContext
+    ) -> list[list[StoredObject]]:
+        """Inline leaves own no stored objects (their value is in ``quire.json``)."""
+        return [[] for _ in entries]
 
     def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]:
         return [type(self.decode(r)) for r in records]

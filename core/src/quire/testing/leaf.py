@@ -14,6 +14,12 @@ leaves::
 
 Override :meth:`LeafHandlerSuite.assert_leaf_equal` when ``==`` does not compare your
 leaves.  Never override a ``test_*`` method to make it pass.
+
+The suite also checks what ``quire verify`` and ``quire cp`` rely on: the objects a
+handler's ``objects`` names (or, without one, everything under the records'
+locations) are exactly what its save wrote, and its ``verify`` (or the default,
+``quire.handlers.check_objects``) passes a fresh save and reports each owned object
+that goes missing or is cut short - by key.
 """
 
 from __future__ import annotations
@@ -220,3 +226,81 @@ class LeafHandlerSuite(UrlFixture):
         tree = record_of(url)["units"]["pytree"]["tree"]
         kids = tree["children"][0]["children"]
         assert [k["handler"] for k in kids] == [self.handler_id] * len(values)
+
+    # -- what verify and cp rely on -------------------------------------------------------
+    def _load_entries(self, records: Sequence[Any]) -> list[Any]:
+        from quire.handlers import LoadEntry
+
+        return [
+            LoadEntry(("leaves", i), {**r, "handler": self.handler_id})
+            for i, r in enumerate(records)
+        ]
+
+    async def _objects(self, handler: Any, records: Sequence[Any], backend: Any) -> list[Any]:
+        from quire.handlers import LoadContext, default_objects
+
+        entries = self._load_entries(records)
+        ctx = LoadContext(backend.url, backend)
+        fn = getattr(handler, "objects", None)
+        return list(await (fn(entries, ctx) if fn is not None else default_objects(entries, ctx)))
+
+    async def _problems(self, handler: Any, records: Sequence[Any], backend: Any) -> list[Any]:
+        from quire.handlers import LoadContext, check_objects
+
+        entries = self._load_entries(records)
+        ctx = LoadContext(backend.url, backend)
+        fn = getattr(handler, "verify", None)
+        if fn is None:
+            found = check_objects(entries, await self._objects(handler, records, backend), ctx)
+        else:
+            found = fn(entries, ctx)
+        return [p async for p in found]
+
+    def test_owns_exactly_what_it_wrote(self, handler: Any, values: list[Any]) -> None:
+        """``objects`` names one list per leaf; together they cover every object the save
+        wrote (so ``cp`` copies it all), each under its leaf's location, ranges in bounds."""
+        for m in ("objects", "verify"):
+            fn = getattr(handler, m, None)
+            assert fn is None or callable(fn), f"{m} must be a method"
+        backend = self._backend()
+        entries = self._entries(values)
+        records = self._run(self._save_direct(handler, entries, backend))
+        owned = self._run(self._objects(handler, records, backend))
+        assert len(owned) == len(values), "one list of objects per entry"
+        written = set(self._run(backend.list("")))
+        named: set[str] = set()
+        for e, objs in zip(entries, owned):
+            for o in objs:
+                assert o.key == e.location or o.key.startswith(e.location + "/"), (o, e.location)
+                assert o.key in written, f"{o.key} is named but was not written"
+                size = self._run(backend.size(o.key))
+                end = o.offset + (o.length if o.length is not None else 0)
+                assert 0 <= o.offset <= size and end <= size, (o, size)
+                named.add(o.key)
+        assert written == named, f"written but owned by no leaf: {sorted(written - named)}"
+
+    def test_verify_passes_a_fresh_save(self, handler: Any, values: list[Any]) -> None:
+        backend = self._backend()
+        records = self._run(self._save_direct(handler, self._entries(values), backend))
+        assert self._run(self._problems(handler, records, backend)) == []
+
+    def test_verify_reports_missing_and_cut_objects(self, handler: Any, values: list[Any]) -> None:
+        """Each owned object, deleted, is reported by key; each one with a check, cut short
+        (its range's bytes halved), is reported by key too."""
+        backend = self._backend()
+        records = self._run(self._save_direct(handler, self._entries(values), backend))
+        owned = self._run(self._objects(handler, records, backend))
+        for objs in owned:
+            for o in objs:
+                data = self._run(backend.get(o.key))
+                self._run(backend.delete([o.key]))
+                problems = self._run(self._problems(handler, records, backend))
+                assert o.key in {p.key for p in problems}, f"deleted {o.key} not reported"
+                if o.check is not None or o.length is not None:
+                    end = len(data) if o.length is None else o.offset + o.length
+                    cut = data[: o.offset + (end - o.offset) // 2] + data[end:]
+                    self._run(backend.put(o.key, [cut]))
+                    problems = self._run(self._problems(handler, records, backend))
+                    assert o.key in {p.key for p in problems}, f"cut {o.key} not reported"
+                self._run(backend.put(o.key, [data]))
+        assert self._run(self._problems(handler, records, backend)) == []

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from quire.errors import CorruptCheckpointError, UnsupportedLeafError
-from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry
+from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
 
 __all__ = ["TorchTensorHandler"]
 
@@ -92,7 +92,7 @@ class TorchTensorHandler:
     priority = 0
 
     def __init__(self) -> None:
-        from quire._handlers.arrays import NumpyArrayHandler
+        from quire.handlers import NumpyArrayHandler
 
         # Tensors are stored in the numpy handler's array format.
         self._arrays = NumpyArrayHandler()
@@ -230,3 +230,9 @@ class TorchTensorHandler:
 
     def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]:
         return self._arrays.metadata(records)
+
+    async def objects(
+        self, entries: Sequence[LoadEntry], ctx: LoadContext
+    ) -> list[list[StoredObject]]:
+        """The zarr array objects of each tensor, with their checks (for verify and cp)."""
+        return await self._arrays.objects(entries, ctx)

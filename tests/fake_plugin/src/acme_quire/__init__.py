@@ -4,6 +4,8 @@
   namespaces chosen by the ``service`` storage option (a stand-in for a storage service).
 * ``xor_codec`` / ``XorCodec`` — a zarr v3 bytes-to-bytes codec (XOR with a key byte).
 * ``MoneyHandler`` — a leaf handler for the ``Money`` class, stored inline in quire.json.
+* ``TapeHandler`` — a leaf handler for the ``Tape`` class, stored as one data object per
+  leaf with a crc32 trailer; it tells ``quire verify`` and ``quire cp`` how to check it.
 * ``RandomHandler`` — a checkpointable handler for ``random.Random``, a type this package
   does not own: the generator's state is written as a file under the unit's sub-prefix.
 """
@@ -14,6 +16,7 @@ import asyncio
 import itertools
 import random
 import threading
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
@@ -24,9 +27,18 @@ from zarr.abc.codec import BytesBytesCodec
 from zarr.core.buffer import Buffer as ZarrBuffer
 
 from quire.backends import Backend, Buffer, Capabilities, PreconditionFailed
-from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry
+from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
 
-__all__ = ["AcmeBackend", "Money", "MoneyHandler", "RandomHandler", "XorCodec", "xor_codec"]
+__all__ = [
+    "AcmeBackend",
+    "Money",
+    "MoneyHandler",
+    "RandomHandler",
+    "Tape",
+    "TapeHandler",
+    "XorCodec",
+    "xor_codec",
+]
 
 
 # -- backend ------------------------------------------------------------------------------
@@ -185,6 +197,71 @@ class MoneyHandler:
 
     def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]:
         return [Money for _ in records]
+
+
+@dataclass(frozen=True)
+class Tape:
+    data: bytes
+
+
+def _check_tape(blob: bytes) -> None:
+    if len(blob) < 4 or zlib.crc32(blob[:-4]).to_bytes(4, "little") != blob[-4:]:
+        raise ValueError("crc32 mismatch")
+
+
+class TapeHandler:
+    """``Tape`` leaves: ``<location>/tape`` holds the bytes and their crc32 (little endian)."""
+
+    id = "acme-tape"
+    types = (Tape,)
+
+    def handles(self, value: Any) -> bool:
+        return isinstance(value, Tape)
+
+    def handles_abstract(self, abstract: Any) -> bool:
+        return abstract is Tape or isinstance(abstract, Tape)
+
+    def snapshot(self, entries: Sequence[SaveEntry]) -> list[SaveEntry]:
+        return list(entries)  # Tape is immutable
+
+    async def save(self, entries: Sequence[SaveEntry], ctx: SaveContext) -> list[dict[str, Any]]:
+        async def one(e: SaveEntry) -> dict[str, Any]:
+            data = e.value.data
+            await ctx.backend.put(
+                f"{e.location}/tape", [data, zlib.crc32(data).to_bytes(4, "little")]
+            )
+            return {"location": e.location, "nbytes": len(data)}
+
+        return list(await asyncio.gather(*(one(e) for e in entries)))
+
+    def check(self, entry: LoadEntry) -> str | None:
+        return None
+
+    async def load(self, entries: Sequence[LoadEntry], ctx: LoadContext) -> list[Any]:
+        async def one(e: LoadEntry) -> Tape:
+            blob = await ctx.backend.get(f"{e.record['location']}/tape")
+            _check_tape(blob)
+            return Tape(blob[:-4])
+
+        return list(await asyncio.gather(*(one(e) for e in entries)))
+
+    def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]:
+        return [Tape for _ in records]
+
+    async def objects(
+        self, entries: Sequence[LoadEntry], ctx: LoadContext
+    ) -> list[list[StoredObject]]:
+        """One object per leaf: its bytes plus the 4-byte trailer, checked by crc32."""
+        return [
+            [
+                StoredObject(
+                    f"{e.record['location']}/tape",
+                    length=int(e.record["nbytes"]) + 4,
+                    check=_check_tape,
+                )
+            ]
+            for e in entries
+        ]
 
 
 # -- checkpointable handler -----------------------------------------------------------------

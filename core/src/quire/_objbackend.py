@@ -1,0 +1,570 @@
+""":class:`ObjectStoreBackend`: what every HTTP object-store backend shares.
+
+Published as :class:`quire.backends.ObjectStoreBackend`; quire-s3 and quire-gcs are built
+on it, and so can a third-party backend for another store.  A subclass makes single,
+un-retried requests; this base adds the rest (see the class docstring for the hooks).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import builtins
+import errno
+import logging
+import socket
+import warnings
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, ClassVar, TypeVar
+from urllib.parse import urlsplit
+
+from quire import _objstore as objstore
+from quire._budget import ByteBudget
+from quire._config import current
+from quire._objstore import (
+    NO_SUCH_NAME,
+    RESOLVE_DEADLINE,
+    ObjectInfo,
+    RetriesExhausted,
+    RetryPolicy,
+    name_resolution_error,
+    retrying,
+    strip_userinfo,
+)
+from quire.backends import Backend, Buffer, PreconditionFailed
+from quire.errors import (
+    BucketNotFoundError,
+    EndpointUnreachableError,
+    ObjectStoreError,
+    ObjectStorePermissionError,
+)
+
+T = TypeVar("T")
+MiB = 1 << 20
+
+
+class ObjectStoreBackend(Backend):
+    """Base class for backends over an object store: one bucket, keys under a prefix.
+
+    It gives every request one retry policy with a deadline (``retry_*`` storage
+    options), fails at once on a host name that does not resolve, holds uploads in a
+    byte budget, keeps credentials out of messages and logs, shares one client per
+    option set on quire's event loop, and implements :meth:`get`, :meth:`get_into`,
+    :meth:`list`, :meth:`list_dir`, :meth:`put` and :meth:`close` from a few one-request
+    hooks.  The commit methods (``put_if_absent``, ``replace_if_match``) use
+    :meth:`conditional_put`.
+
+    Parameters
+    ----------
+    url : str
+        ``scheme://bucket/prefix``.
+    storage_options : dict, optional
+        Keys read here (and removed before the client sees the rest):
+        ``retry_deadline`` (s, 120), ``retry_backoff`` (s, 0.1), ``retry_max_backoff``
+        (s, 10), ``upload_budget`` (bytes held by uploads in flight; default
+        ``quire.configure``'s ``byte_budget``), ``read_part_size`` (bytes; larger
+        reads are split into concurrent ranged requests; 64 MiB).  An ``endpoint_url``
+        (top level or in ``client_kwargs``) carrying ``user:password@`` is stripped of
+        it, with a warning: credentials go in the store's own options.
+
+    Notes
+    -----
+    Hooks a subclass implements (each makes one request and never retries):
+
+    * :meth:`close_client` (and :meth:`new_client`, unless ``fsspec_class`` names the
+      fsspec file system to build): make and close a client from the options
+      :meth:`configure` returned;
+    * :meth:`stat`: an object's size, version and age, or None (retried);
+    * :meth:`read_range` / :meth:`read_range_into`: one ranged read;
+    * :meth:`list_page`: one page of a listing of names under a name prefix;
+    * :meth:`put_small` / :meth:`put_large`: uploads below / from ``large_threshold``;
+    * :meth:`is_transient`, :meth:`describe`, :meth:`map_error`: error classification;
+    * :meth:`endpoint`: the endpoint named in errors.
+
+    Subclasses set ``scheme``, the error classes (``error``, ``permission_error``,
+    ``bucket_error``, ``endpoint_error``, each a subclass of the ``quire.errors``
+    type of the same role), ``secret_options`` and ``log``.
+    """
+
+    scheme: ClassVar[str] = "objstore"
+    log: ClassVar[logging.Logger] = logging.getLogger("quire.objstore")
+    error: ClassVar[type[ObjectStoreError]] = ObjectStoreError
+    permission_error: ClassVar[type[ObjectStoreError]] = ObjectStorePermissionError
+    bucket_error: ClassVar[type[ObjectStoreError]] = BucketNotFoundError
+    endpoint_error: ClassVar[type[ObjectStoreError]] = EndpointUnreachableError
+    #: Option names (top level or in ``client_kwargs``) whose string values are secrets.
+    secret_options: ClassVar[tuple[str, ...]] = ("key", "secret", "token", "password")
+    #: Values of those options that are modes, not secrets (e.g. ``token="anon"``).
+    not_secret: ClassVar[frozenset[str]] = frozenset()
+    #: ``module.Class`` of the fsspec file system :meth:`new_client` builds.
+    fsspec_class: ClassVar[str] = ""
+    #: Uploads of at least this many bytes go through :meth:`put_large`.
+    large_threshold: int = 64 * MiB
+    _client_cache: ClassVar[objstore.ClientCache]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # One cache (one shared client per option set on quire's loop) per backend class.
+        cls._client_cache = objstore.ClientCache(cls.new_client, cls.close_client)
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__(url, storage_options)
+        self.bucket, self.root = objstore.split_bucket_url(url)
+        opts = dict(self.storage_options)
+        found = self._strip_endpoint_credentials(opts)
+        self.storage_options = dict(opts)  # as callers see it: no credentials in URLs
+        self.retry = RetryPolicy.pop_from(opts)
+        self.upload_budget = int(opts.pop("upload_budget", current().byte_budget))
+        self.read_part_size = max(1, int(opts.pop("read_part_size", 64 * MiB)))
+        self._secret_values = self.secret_values(opts) + found
+        self._options = self.configure(opts)
+        self._token = repr(sorted(self._options.items(), key=lambda kv: kv[0]))
+        self._fs: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._private = False
+        self._budget: ByteBudget | None = None
+
+    def _strip_endpoint_credentials(self, opts: dict[str, Any]) -> list[str]:
+        found: list[str] = []
+        ck = opts.get("client_kwargs")
+        for holder in (opts, ck if isinstance(ck, dict) else None):
+            url = holder.get("endpoint_url") if holder is not None else None
+            if holder is None or not isinstance(url, str):
+                continue
+            clean, parts = strip_userinfo(url)
+            if parts:
+                if holder is ck:
+                    holder = opts["client_kwargs"] = dict(ck)
+                holder["endpoint_url"] = clean
+                found += parts
+                warnings.warn(
+                    f"{self.scheme}://{self.bucket}: endpoint_url {clean} carried user:password@; "
+                    "it was removed (credentials in a URL end up in logs): pass them as "
+                    "storage options instead",
+                    UserWarning,
+                    stacklevel=4,
+                )
+        return found
+
+    # -- hooks: configuration and clients -----------------------------------------------
+    def configure(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Read (pop) this backend's own storage options; return the client's options.
+
+        Parameters
+        ----------
+        options : dict
+            The storage options left after the base class took its own keys.
+
+        Returns
+        -------
+        dict
+            Options handed to :meth:`new_client` (and identifying the shared client).
+        """
+        return options
+
+    def secret_values(self, options: dict[str, Any]) -> builtins.list[str]:
+        """Strings in ``options`` that must never appear in messages or logs."""
+        ck = options.get("client_kwargs") or {}
+        found = [options.get(k) for k in self.secret_options]
+        found += [ck.get(k) for k in self.secret_options] if isinstance(ck, dict) else []
+        return [s for s in found if isinstance(s, str) and len(s) >= 4 and s not in self.not_secret]
+
+    @classmethod
+    def new_client(cls, options: dict[str, Any]) -> Any:
+        """A new client for ``options`` on the running loop.
+
+        The default builds the fsspec ``AsyncFileSystem`` named by ``fsspec_class``
+        (``"s3fs.S3FileSystem"``), asynchronous, on the running loop, outside fsspec's
+        instance cache; its settings (credentials, endpoint, fsspec config files) are
+        then what requests use.
+        """
+        import importlib
+
+        module, _, name = cls.fsspec_class.rpartition(".")
+        fs_class = getattr(importlib.import_module(module), name)
+        return fs_class(
+            asynchronous=True, loop=asyncio.get_running_loop(), skip_instance_cache=True, **options
+        )
+
+    @staticmethod
+    @abc.abstractmethod
+    async def close_client(client: Any) -> None:
+        """Close a client made by :meth:`new_client`."""
+
+    @property
+    def client(self) -> Any:
+        """This backend's client on the running event loop (made on first use)."""
+        self._bind()
+        return self._fs
+
+    @property
+    def budget(self) -> ByteBudget:
+        """The byte budget uploads hold on the running event loop."""
+        self._bind()
+        assert self._budget is not None
+        return self._budget
+
+    def _bind(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._fs, self._private = self._client_cache.get(self._options, self._token)
+            self._loop = loop
+            self._budget = ByteBudget(self.upload_budget)
+
+    async def close(self) -> None:
+        if self._fs is not None:
+            await self._client_cache.release(self._fs, self._private)
+        self._fs = self._loop = None
+
+    # -- hooks: errors --------------------------------------------------------------------
+    def key(self, key: str) -> str:
+        """The object name of ``key`` (relative to the checkpoint root) in the bucket."""
+        return f"{self.root}/{key}" if self.root else key
+
+    def where(self, key: str | None) -> str:
+        """``scheme://bucket/object`` of ``key`` (the bucket alone for None), for messages."""
+        return f"{self.scheme}://{self.bucket}" + (f"/{self.key(key)}" if key is not None else "")
+
+    def endpoint(self) -> str | None:
+        """The endpoint URL requests go to, for messages (None when unknown)."""
+        return None
+
+    def redact(self, text: str) -> str:
+        """``text`` with every credential this backend was given replaced by ``***``."""
+        for s in self._secret_values:
+            text = text.replace(s, "***")
+        return text
+
+    def is_transient(self, e: BaseException) -> bool:
+        """Whether a failed request may succeed when repeated (5xx, throttling, resets)."""
+        return isinstance(e, asyncio.TimeoutError | ConnectionError)
+
+    def describe(self, e: BaseException) -> str:
+        """A one-line account of a failed request (redacted by the caller)."""
+        return f"{type(e).__name__}: {e}"
+
+    def map_error(self, e: Exception, op: str, key: str | None, missing: str) -> Exception | None:
+        """The error to raise for a permanent failure ``e``, or None to keep ``e``.
+
+        Parameters
+        ----------
+        e : Exception
+            What the request raised (not transient, or not retried).
+        op : str
+            The operation, for the message.
+        key : str or None
+            The key it was about (None for bucket-wide calls).
+        missing : str
+            What a "not found" reply means here: ``"object"`` or ``"bucket"``.
+        """
+        return None
+
+    def denied(self, e: BaseException, op: str, key: str | None, fix: str) -> Exception:
+        """The ``permission_error`` for a refused request; ``fix`` says where credentials
+        come from."""
+        return self.permission_error(
+            f"{self.where(key)}: {op} denied: {self.redact(self.describe(e))}. {fix}"
+        )
+
+    def no_bucket(self, op: str, key: str | None) -> Exception:
+        """The ``bucket_error`` for a bucket that does not exist."""
+        return self.bucket_error(
+            f"{self.where(key)}: {op}: bucket {self.bucket!r} does not exist (endpoint "
+            f"{self.endpoint()}); create it or fix the URL"
+        )
+
+    def failed(self, e: BaseException, op: str, key: str | None) -> Exception:
+        """The ``error`` for any other permanent failure."""
+        return self.error(f"{self.where(key)}: {op} failed: {self.redact(self.describe(e))}")
+
+    def _fail(self, e: Exception, op: str, key: str | None, missing: str) -> Exception:
+        where = self.where(key)
+        if isinstance(e, RetriesExhausted):
+            return self.error(
+                f"{where}: {op} kept failing with transient errors; gave up after "
+                f"{e.attempts} attempts in {e.elapsed:.1f}s (storage_options "
+                f"retry_deadline={self.retry.deadline:g}); last: {self.redact(self.describe(e.last))}"
+            )
+        dns = name_resolution_error(e)
+        if dns is not None:
+            return self._unresolved(dns, op, key)
+        mapped = self.map_error(e, op, key, missing)
+        return e if mapped is None else mapped
+
+    def _unresolved(self, dns: socket.gaierror, op: str, key: str | None) -> Exception:
+        endpoint = self.endpoint()
+        host = urlsplit(endpoint).hostname if endpoint else None
+        return self.endpoint_error(
+            f"{self.where(key)}: {op}: cannot resolve host {host or '?'!r} of endpoint "
+            f"{endpoint or '?'} ({dns.strerror or dns}); check the network and "
+            "storage_options endpoint_url"
+        )
+
+    # -- retries -------------------------------------------------------------------------
+    async def run(
+        self,
+        op: str,
+        key: str | None,
+        attempt: Callable[[int], Awaitable[T]],
+        missing: str = "object",
+    ) -> T:
+        """``await attempt(n)`` with retries; permanent failures become typed errors.
+
+        Parameters
+        ----------
+        op : str
+            The operation's name, for log lines and messages.
+        key : str or None
+            The key it is about (None for bucket-wide calls such as listings).
+        attempt : callable
+            ``attempt(n)`` makes one request; ``n`` counts earlier attempts (an earlier
+            one may have reached the server before its reply was lost).
+        missing : str
+            What a "not found" reply means (see :meth:`map_error`).
+
+        Raises
+        ------
+        PreconditionFailed
+            As raised by ``attempt``.
+        ObjectStoreError
+            This backend's subclass of it: transient failures past ``retry_deadline``,
+            a host name that does not resolve (``endpoint_error``), or what
+            :meth:`map_error` says.
+        """
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        def transient(e: BaseException) -> bool:
+            dns = name_resolution_error(e)
+            if dns is not None:
+                # A name that does not exist stays so; "try again" is retried briefly.
+                return dns.errno not in NO_SUCH_NAME and (
+                    dns.errno == getattr(socket, "EAI_AGAIN", errno.EAGAIN)
+                    and loop.time() - start < RESOLVE_DEADLINE
+                )
+            return self.is_transient(e)
+
+        def on_retry(n: int, pause: float, e: BaseException) -> None:
+            self.log.info(
+                "%s: %s failed (%s); retry %d in %.2fs",
+                self.where(key),
+                op,
+                self.redact(self.describe(e)),
+                n,
+                pause,
+            )
+
+        try:
+            return await retrying(attempt, self.retry, transient, on_retry)
+        except PreconditionFailed:
+            raise
+        except Exception as e:
+            err = self._fail(e, op, key, missing)
+            if err is e:
+                raise
+            raise err from (e.last if isinstance(e, RetriesExhausted) else e)
+
+    # -- reads ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def stat(self, key: str) -> ObjectInfo | None:
+        """``key``'s :class:`ObjectInfo`, or None when it does not exist (retried through
+        :meth:`run`)."""
+
+    async def _info(self, key: str) -> ObjectInfo:
+        info = await self.stat(key)
+        if info is None:
+            raise FileNotFoundError(f"{self.where(key)} does not exist")
+        return info
+
+    async def size(self, key: str) -> int:
+        return (await self._info(key)).size
+
+    async def exists(self, key: str) -> bool:
+        return await self.stat(key) is not None
+
+    async def version(self, key: str) -> str | None:
+        info = await self.stat(key)
+        return None if info is None else info.version
+
+    async def modified(self, key: str) -> float | None:
+        return (await self._info(key)).modified
+
+    @abc.abstractmethod
+    async def read_range(self, key: str, start: int, end: int | None) -> bytes:
+        """One request for bytes ``[start, end)`` of ``key`` (to its end for None).
+
+        A range past the end of the object gives ``b""``; a missing object raises what
+        :meth:`map_error` turns into ``FileNotFoundError``.
+        """
+
+    @abc.abstractmethod
+    async def read_range_into(
+        self, key: str, start: int, views: builtins.list[memoryview], length: int
+    ) -> int:
+        """One request for ``length`` bytes of ``key`` from ``start``, streamed into
+        ``views`` (see :func:`quire.backends.read_into`); the byte count."""
+
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        s = start or 0
+        if end is not None and end <= s:
+            await self.size(key)  # FileNotFoundError for a missing key, as for any read
+            return b""
+        return await self.run("read", key, lambda _n: self.read_range(key, s, end))
+
+    async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int = 0) -> int:
+        views = objstore.views(buffers)
+        if not sum(v.nbytes for v in views):
+            await self.size(key)
+            return 0
+
+        async def span(start: int, part: builtins.list[memoryview], length: int) -> int:
+            return await self.run(
+                "read", key, lambda _n: self.read_range_into(key, start, part, length)
+            )
+
+        return await objstore.read_spans(span, views, offset, self.read_part_size)
+
+    # -- listings ------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def list_page(
+        self, prefix: str, token: str | None, limit: int | None, delimiter: str | None
+    ) -> tuple[builtins.list[str], builtins.list[str], str | None]:
+        """One page of a listing (retried through :meth:`run`): object names starting
+        with ``prefix``, common prefixes (with a ``delimiter``) and the next page's token
+        (None on the last page).  ``token`` is None for the first page; ``limit``, when
+        given, caps the page size."""
+
+    async def listing(
+        self, prefix: str, limit: int | None = None, delimiter: str | None = None
+    ) -> tuple[builtins.list[str], builtins.list[str]]:
+        """Object names starting with ``prefix`` (at least ``limit`` of them when given)
+        and, with a ``delimiter``, the common prefixes: every page of :meth:`list_page`."""
+        names: builtins.list[str] = []
+        dirs: builtins.list[str] = []
+        token: str | None = None
+        while True:
+            page, subdirs, token = await self.list_page(prefix, token, limit, delimiter)
+            names += page
+            dirs += subdirs
+            if not token or (limit and len(names) >= limit):
+                return names, dirs
+
+    async def list(self, prefix: str = "") -> builtins.list[str]:
+        async def names(p: str, limit: int | None) -> builtins.list[str]:
+            return (await self.listing(p, limit))[0]
+
+        return await objstore.list_under(names, self.root, prefix)
+
+    async def list_dir(self, prefix: str = "") -> tuple[builtins.list[str], builtins.list[str]]:
+        under = objstore.dir_prefix(self.root, prefix)
+        names, dirs = await self.listing(under, delimiter="/")
+        return objstore.dir_entries(under, names, dirs)
+
+    # -- writes --------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def put_small(self, key: str, views: builtins.list[memoryview], total: int) -> None:
+        """Upload an object below ``large_threshold`` (retrying through :meth:`run`);
+        the bytes are already held in the budget."""
+
+    @abc.abstractmethod
+    async def put_large(self, key: str, views: builtins.list[memoryview], total: int) -> None:
+        """Upload an object of ``large_threshold`` bytes or more in parts (multipart,
+        resumable), each part held in :attr:`budget` while in flight (see
+        :meth:`upload_parts`)."""
+
+    async def put(self, key: str, data: Sequence[Buffer]) -> None:
+        views = objstore.views(data)
+        total = sum(v.nbytes for v in views)
+        if total >= self.large_threshold:
+            await self.put_large(key, views, total)
+            return
+        async with self.budget.hold(total):
+            await self.put_small(key, views, total)
+
+    async def upload_parts(
+        self,
+        views: builtins.list[memoryview],
+        total: int,
+        part_size: int,
+        send: Callable[[int, builtins.list[memoryview]], Awaitable[T]],
+    ) -> builtins.list[T]:
+        """Send ``views`` as concurrent parts of ``part_size`` bytes, each held in the
+        budget while in flight: ``send(number, part_views)`` for numbers 1, 2, ...
+
+        Returns
+        -------
+        list
+            What each ``send`` returned, in part order.  On the first failure the other
+            parts are cancelled and that failure is raised.
+        """
+        budget = self.budget
+
+        async def one(number: int, a: int, b: int) -> T:
+            async with budget.hold(b - a):
+                return await send(number, objstore.byte_slice(views, a, b))
+
+        starts = range(0, total, part_size)
+        return await objstore.gather_all(
+            [one(i + 1, a, min(a + part_size, total)) for i, a in enumerate(starts)]
+        )
+
+    async def holds(self, key: str, data: bytes) -> str | None:
+        """The version of ``key`` if it holds exactly ``data``, else None.
+
+        Used after a conditional write lost: an earlier attempt of the same write (whose
+        reply was lost) may have made it.  The default compares :meth:`get` with
+        ``data`` and reads :meth:`version`; override it where one request gives both.
+        """
+        try:
+            got = await self.get(key)
+        except FileNotFoundError:
+            return None
+        return await self.version(key) if got == data else None
+
+    async def conditional_put(
+        self,
+        op: str,
+        key: str,
+        data: bytes,
+        write: Callable[[bytes], Awaitable[str]],
+        lost: Callable[[BaseException], bool],
+        what: str,
+        missing: str = "object",
+    ) -> str:
+        """A retried conditional write (the commit); the new version.
+
+        Parameters
+        ----------
+        op, key : str
+            The operation's name and the key written.
+        data : bytes
+            The object's bytes.
+        write : callable
+            ``write(data)`` makes one conditional request and returns the new version.
+        lost : callable
+            ``lost(e)``: whether ``e`` says the precondition failed.
+        what : str
+            The message of :class:`PreconditionFailed` after ``where(key)``
+            (``"exists"``, ``"changed or vanished ..."``).
+
+        Raises
+        ------
+        PreconditionFailed
+            The precondition failed and ``key`` does not hold ``data``.
+        """
+        body = bytes(data)
+
+        async def attempt(_n: int) -> str:
+            try:
+                return await write(body)
+            except Exception as e:
+                if not lost(e):
+                    raise
+            # An earlier attempt - ours, or one the HTTP client repeated on its own after
+            # a lost reply - may have written it: then the key holds exactly our bytes.
+            mine = await self.holds(key, body)
+            if mine is not None:
+                return mine
+            raise PreconditionFailed(f"{self.where(key)} {what}")
+
+        return await self.run(op, key, attempt, missing)
