@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from quire import _engine, _format
+from quire import _engine, _format, _schema
 from quire._config import current
 from quire._multihost import Coordinator
 from quire._tree import KeyPath, from_json, keystr
@@ -79,7 +79,7 @@ def _parse(raw: bytes, url: str, n: int) -> dict[str, Any]:
     where = f"{url}/{record_key(n)}"
     try:
         doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(
             f"{where} is not valid JSON ({e}); the journal is damaged"
         ) from e
@@ -91,14 +91,20 @@ def _parse(raw: bytes, url: str, n: int) -> dict[str, Any]:
             f"{VERSION}. Upgrade quire"
         )
     stored = doc.get("checksum")
-    if stored is not None and stored != _format.record_checksum(doc):
-        raise CorruptCheckpointError(f"{where} fails its checksum; the journal is damaged")
+    if _format.verify_record() and (
+        not isinstance(stored, str) or stored != _format.record_checksum(doc)
+    ):
+        raise CorruptCheckpointError(
+            f"{where} fails its checksum or has none; the journal is damaged (load it with "
+            "quire.Context(verify_record=False) only if you trust it)"
+        )
     if doc.get("journal_version") != n:
         raise CorruptCheckpointError(f"{where} claims version {doc.get('journal_version')!r}")
     if not isinstance(doc.get("metadata"), dict) or not isinstance(doc.get("deleted"), list):
         raise CorruptCheckpointError(f"{where} has malformed fields")
     if doc.get("tree") is not None:
         _format._check_tree(url, doc["tree"])
+    _schema.check_journal(doc, where)
     return doc
 
 
