@@ -137,7 +137,7 @@ def parse(raw: bytes, url: str) -> dict[str, Any]:
     stored = doc.get("checksum")
     if not verify_record():
         pass
-    elif not isinstance(stored, str):
+    elif not isinstance(stored, str) or not stored:
         raise CorruptCheckpointError(
             f"{url}/{RECORD} has no valid checksum ({_schema._short(stored)}): a record without one could "
             "be damaged or altered unnoticed; restore it from a copy, or load it with "
