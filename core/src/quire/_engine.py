@@ -32,6 +32,7 @@ from quire._budget import ByteBudget
 from quire._config import current
 from quire._multihost import Coordinator, MultiProcessError, digest
 from quire._paths import assign_locations, escape_component, is_safe_location
+from quire._tasks import gather_cancelling
 from quire._tree import KeyPath, Node, from_json, keystr, to_json, walk
 from quire._url import open_backend
 from quire.backends import Backend, PreconditionFailed
@@ -541,7 +542,7 @@ async def _load_tree(
         for (node, _), v in zip(items, got):
             values[id(node)] = v
 
-    await asyncio.gather(*(run(h, items) for h, items in groups.items()))
+    await gather_cancelling(*(run(h, items) for h, items in groups.items()))
     if abstract is None:
         return _rebuild_saved(saved, values)
     return target_root.rebuild(lambda n: values[id(n)])

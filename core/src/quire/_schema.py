@@ -365,7 +365,12 @@ def _tree(node: Any, where: str, ctx: _Ctx, depth: int = 0) -> None:
     else:
         keys = list(range(len(children)))
     for k, c in zip(keys, children):
-        _tree(c, f"{where}/{k}" if where and not where.endswith(":") else f"{where}{k}", ctx, depth + 1)
+        _tree(
+            c,
+            f"{where}/{k}" if where and not where.endswith(":") else f"{where}{k}",
+            ctx,
+            depth + 1,
+        )
 
 
 def _check_locations(ctx: _Ctx) -> None:
@@ -375,10 +380,12 @@ def _check_locations(ctx: _Ctx) -> None:
         if loc in seen:
             raise Invalid(where, f"location {loc!r} is also the location of {seen[loc]}")
         seen[loc] = where
-    ordered = sorted(seen)
-    for a, b in zip(ordered, ordered[1:]):
-        if b.startswith(a + "/"):
-            raise Invalid(seen[b], f"location {b!r} lies inside {seen[a]}'s directory {a!r}")
+    for b, where in seen.items():
+        parts = b.split("/")
+        for i in range(1, len(parts)):
+            a = "/".join(parts[:i])
+            if a in seen:
+                raise Invalid(where, f"location {b!r} lies inside {seen[a]}'s directory {a!r}")
 
 
 # -------------------------------------------------------------------------- top level
