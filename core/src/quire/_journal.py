@@ -407,12 +407,19 @@ async def load(
     storage_options: dict[str, Any] | None = None,
 ) -> Any:
     backend = open_backend(url, storage_options)
+    if await backend.exists(_format.RECORD):
+        # Once quire.json exists the journal is dead (a finalize may have been killed
+        # before deleting it): read the committed state, never an older replay.
+        fin = _format.parse(await backend.get(_format.RECORD), url)
+        if version is not None and version != fin.get("journal_version"):
+            raise CheckpointNotFoundError(
+                f"{url} is finalized (from journal version {fin.get('journal_version')}); "
+                f"partial-save version {version} is no longer readable: load it without "
+                "version="
+            )
+        return await _engine.load(url, abstract, partial=partial, storage_options=storage_options)
     records = await read_records(backend, url)
     if not records:
-        if version is None and await backend.exists(_format.RECORD):
-            return await _engine.load(
-                url, abstract, partial=partial, storage_options=storage_options
-            )
         raise CheckpointNotFoundError(f"no partial-save journal at {url}")
     if version is not None:
         if not 1 <= version <= len(records):
