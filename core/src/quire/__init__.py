@@ -27,6 +27,7 @@ from quire._registry import (
 )
 from quire.checkpointables import Checkpointable, CheckpointableHandler
 from quire.errors import (
+    CheckpointChangedError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -42,6 +43,7 @@ _register_with_zarr()
 
 __all__ = [
     "AsyncResponse",
+    "CheckpointChangedError",
     "CheckpointExistsError",
     "CheckpointMetadata",
     "CheckpointNotFoundError",
