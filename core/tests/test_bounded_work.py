@@ -122,9 +122,11 @@ def test_symlinked_chunk_is_not_followed(tmp_path: Path) -> None:
     chunk = Path(url, _leaf(doc, "a")["location"], "c", "0")
     chunk.unlink()
     os.symlink(secret, chunk)
-    with quire.Context(verify_record=False):
-        with pytest.raises(CorruptCheckpointError, match="not a chunk object") as ei:
-            quire.load(url)
+    with (
+        quire.Context(verify_record=False),
+        pytest.raises(CorruptCheckpointError, match="not a chunk object") as ei,
+    ):
+        quire.load(url)
     assert url in str(ei.value)
 
 
@@ -139,9 +141,8 @@ def test_symlinked_array_directory_is_not_followed(tmp_path: Path) -> None:
     adir = Path(url, _leaf(doc, "a")["location"])
     shutil.rmtree(adir)
     os.symlink(outside, adir)
-    with quire.Context(verify_record=False):
-        with pytest.raises(CorruptCheckpointError):
-            quire.load(url)
+    with quire.Context(verify_record=False), pytest.raises(CorruptCheckpointError):
+        quire.load(url)
 
 
 def test_save_never_writes_through_a_symlinked_directory(tmp_path: Path) -> None:

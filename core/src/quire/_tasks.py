@@ -11,6 +11,7 @@ first error.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
@@ -21,6 +22,11 @@ async def for_each(items: Iterable[T], fn: Callable[[T], Awaitable[Any]], limit:
     """Await ``fn(item)`` for every item, at most ``limit`` at once; the first error
     cancels the work in flight and is raised once it has stopped."""
     it = iter(items)
+    first = list(itertools.islice(it, max(1, limit)))
+    if len(first) < max(1, limit):  # the usual case: few items, one task each
+        await gather_cancelling(*(fn(x) for x in first))
+        return
+    it = itertools.chain(first, it)
 
     async def worker() -> None:
         for item in it:  # one shared iterator: each item goes to one worker
