@@ -9,7 +9,7 @@ import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Generic, TypeVar
 
-from quire import _engine, _io
+from quire import _engine, _exit, _io
 from quire._url import normalize
 from quire.metadata import CheckpointMetadata
 from quire.options import StorageSpec
@@ -30,16 +30,25 @@ class AsyncResponse(Generic[T]):
     def __init__(self, future: concurrent.futures.Future[T], description: str = "") -> None:
         self._future = future
         self._description = description
+        self._observed = False  # whether the caller asked for the outcome
 
     def result(self, timeout: float | None = None) -> T:
         """Wait for completion; re-raise the operation's error. ``TimeoutError`` on timeout."""
+        self._observed = True
         return self._future.result(timeout)
 
     def done(self) -> bool:
         return self._future.done()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._observed = True
         return self._future.exception(timeout)
+
+    def __del__(self) -> None:
+        try:
+            _exit.report_unobserved(self)
+        except Exception:  # never from a finalizer
+            pass
 
     def add_done_callback(self, fn: Any) -> None:
         self._future.add_done_callback(lambda _f: fn(self))
@@ -102,7 +111,9 @@ def chain(u: str, make: Callable[[], Awaitable[T]], description: str) -> AsyncRe
                 del _inflight[u]
 
     fut.add_done_callback(_done)
-    return AsyncResponse(fut, description)
+    resp = AsyncResponse(fut, description)
+    _exit.track(resp)  # finished at interpreter exit even if never awaited
+    return resp
 
 
 def save(
