@@ -74,6 +74,22 @@ def report_unobserved(response: Any) -> None:
 
 
 def _at_exit() -> None:
+    try:
+        _finish()
+    except KeyboardInterrupt:
+        with _lock:
+            n = sum(1 for w in _running if not w.done())
+        log.warning(
+            "quire: interrupted; abandoning %d unfinished background write(s) and stopping "
+            "quire's threads (every committed checkpoint stays whole)",
+            n,
+        )
+        from quire import _io
+
+        _io.shutdown()
+
+
+def _finish() -> None:
     with _lock:
         closers = list(_closers)
     for fn in closers:
