@@ -132,11 +132,12 @@ def _in_dtype(x: float, dtype: np.dtype[Any], where: str) -> None:
 def _int_range(dtype: np.dtype[Any]) -> tuple[int, int]:
     try:
         info = np.iinfo(dtype)
+        return int(info.min), int(info.max)
     except ValueError:
         import ml_dtypes
 
-        info = ml_dtypes.iinfo(dtype)
-    return int(info.min), int(info.max)
+        ml = ml_dtypes.iinfo(dtype)
+        return int(ml.min), int(ml.max)
 
 
 def _complex(v: Any, where: str) -> tuple[float, float]:
