@@ -133,8 +133,9 @@ async def read_records(backend: Backend, url: str, upto: int | None = None) -> l
         if hit is not None:
             return hit
         doc = _parse(await backend.get(record_key(n)), url, n)
-        with _cache_lock:
-            _cache[(url, n)] = doc
+        if _format.verify_record():  # an unverified record must not serve verified reads
+            with _cache_lock:
+                _cache[(url, n)] = doc
         return doc
 
     return list(await asyncio.gather(*(one(n) for n in versions)))
