@@ -37,6 +37,9 @@ def _leaf(doc: dict[str, Any], key: str) -> dict[str, Any]:
     return leaf
 
 
+READ_DELAY = [0.002]
+
+
 @pytest.fixture
 def counted_reads(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """Times of every chunk read by the local backend (each made slow, so a load that
@@ -47,13 +50,13 @@ def counted_reads(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     def get(self: Any, key: str, *a: Any) -> Any:
         if "/c/" in key:
             times.append(time.monotonic())
-            time.sleep(0.002)
+            time.sleep(READ_DELAY[0])
         return orig_get(self, key, *a)
 
     def get_into(self: Any, key: str, *a: Any) -> Any:
         if "/c/" in key:
             times.append(time.monotonic())
-            time.sleep(0.002)
+            time.sleep(READ_DELAY[0])
         return orig_into(self, key, *a)
 
     monkeypatch.setattr(local.LocalBackend, "_get", get)
@@ -158,13 +161,21 @@ def test_save_never_writes_through_a_symlinked_directory(tmp_path: Path) -> None
     assert not (url / "quire.json").exists()
 
 
-def test_reads_stop_when_one_leaf_fails(tmp_path: Path, counted_reads: list[float]) -> None:
+@pytest.fixture
+def slow_reads(counted_reads: list[float]) -> Any:
+    READ_DELAY[0] = 0.02
+    yield counted_reads
+    READ_DELAY[0] = 0.002
+
+
+def test_reads_stop_when_one_leaf_fails(tmp_path: Path, slow_reads: list[float]) -> None:
     import jax
 
+    counted_reads = slow_reads
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
     sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
     url = str(tmp_path / "ckpt")
-    big = {f"w{i}": jax.device_put(np.arange(64, dtype=np.float32), sh) for i in range(30)}
+    big = {f"w{i}": jax.device_put(np.arange(64, dtype=np.float32), sh) for i in range(60)}
     quire.save(url, {**big, "bad": np.zeros(4, np.float32)})
     doc = json.loads(Path(url, "quire.json").read_text())
     shutil.rmtree(Path(url, _leaf(doc, "bad")["location"], "c"))
