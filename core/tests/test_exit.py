@@ -3,11 +3,16 @@ error, if any, is logged; one exit hook serves every quire write."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
 
 import quire
 
@@ -67,3 +72,25 @@ def test_unawaited_error_is_logged_and_awaited_one_is_not(tmp_path: Path) -> Non
     assert url in r.stderr
     r = _run(url, "awaited")
     assert "CAUGHT" in r.stdout and "nobody awaited" not in r.stderr, r.stderr
+
+
+def test_checkpointer_wait_says_what_it_waits_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import asyncio
+
+    from quire import _engine
+
+    orig = _engine.save_prepared
+
+    async def slow(*a: Any, **k: Any) -> Any:
+        await asyncio.sleep(1.5)
+        return await orig(*a, **k)
+
+    monkeypatch.setattr(_engine, "save_prepared", slow)
+    caplog.set_level(logging.WARNING, logger="quire")
+    with quire.Checkpointer(str(tmp_path / "run")) as ckpt:
+        ckpt.save(1, {"x": np.ones(3)}, force=True)
+    assert any("waiting for 1 background save" in r.getMessage() for r in caplog.records), [
+        r.getMessage() for r in caplog.records
+    ]
