@@ -395,3 +395,23 @@ def test_two_processes_appending_never_lose_a_version(tmp_path: Path) -> None:
     for v in vs[1:]:
         assert ("shared",) in v.added + v.replaced
     json.dumps([v.version for v in vs])
+
+
+def test_partial_load_after_finalize_killed_before_journal_removal_sees_committed_state(
+    tmp_path: Path,
+) -> None:
+    # issue 13: finalize deletes journal records highest first; killed after committing
+    # quire.json and deleting version 2, the journal holds only version 1, which still
+    # has the deleted leaf. Once quire.json exists the journal is dead.
+    url = str(tmp_path / "ckpt")
+    partial.save(url, {"a": np.ones(2), "b": 5})
+    partial.delete(url, [("b",)])
+    stale = Path(url, "journal", "0000000001.json").read_bytes()
+    partial.finalize(url)
+    Path(url, "journal").mkdir(exist_ok=True)
+    Path(url, "journal", "0000000001.json").write_bytes(stale)  # the crash state
+    got = partial.load(url)
+    assert set(got) == {"a"} and np.array_equal(got["a"], np.ones(2))
+    assert set(partial.load(url, version=2)) == {"a"}
+    with pytest.raises(quire.errors.CheckpointNotFoundError, match="finalized"):
+        partial.load(url, version=1)

@@ -27,6 +27,7 @@ from quire._registry import (
 )
 from quire.checkpointables import Checkpointable, CheckpointableHandler
 from quire.errors import (
+    CheckpointChangedError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -43,6 +44,7 @@ _register_with_zarr()
 
 __all__ = [
     "AsyncResponse",
+    "CheckpointChangedError",
     "CheckpointExistsError",
     "CheckpointMetadata",
     "CheckpointNotFoundError",

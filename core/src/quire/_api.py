@@ -9,7 +9,7 @@ import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Generic, TypeVar
 
-from quire import _engine, _io
+from quire import _engine, _exit, _io
 from quire._url import normalize
 from quire.metadata import CheckpointMetadata
 from quire.options import StorageSpec
@@ -30,6 +30,7 @@ class AsyncResponse(Generic[T]):
     def __init__(self, future: concurrent.futures.Future[T], description: str = "") -> None:
         self._future = future
         self._description = description
+        self._observed = False  # whether the caller asked for the outcome
 
     def result(self, timeout: float | None = None) -> T:
         """Wait for completion and return the operation's result.
@@ -50,6 +51,7 @@ class AsyncResponse(Generic[T]):
         Exception
             Whatever the operation raised, re-raised here.
         """
+        self._observed = True
         return self._future.result(timeout)
 
     def done(self) -> bool:
@@ -78,7 +80,14 @@ class AsyncResponse(Generic[T]):
         TimeoutError
             Not done within ``timeout``.
         """
+        self._observed = True
         return self._future.exception(timeout)
+
+    def __del__(self) -> None:
+        try:
+            _exit.report_unobserved(self)
+        except Exception:  # never from a finalizer
+            pass
 
     def add_done_callback(self, fn: Any) -> None:
         """Call ``fn(response)`` once the operation finishes (at once if it has).
@@ -148,7 +157,9 @@ def chain(u: str, make: Callable[[], Awaitable[T]], description: str) -> AsyncRe
                 del _inflight[u]
 
     fut.add_done_callback(_done)
-    return AsyncResponse(fut, description)
+    resp = AsyncResponse(fut, description)
+    _exit.track(resp)  # finished at interpreter exit even if never awaited
+    return resp
 
 
 def save(

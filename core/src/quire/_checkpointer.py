@@ -30,7 +30,7 @@ import weakref
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, overload
 
-from quire import _api, _gc, _io
+from quire import _api, _exit, _gc, _io
 from quire._config import current
 from quire._format import PYTREE
 from quire._url import normalize, open_backend
@@ -58,16 +58,9 @@ def _close_at_exit() -> None:
             log.error("quire.Checkpointer(%r): background work failed at exit: %r", c.root, e)
 
 
-# Threading's exit hooks run (last registered first) before the interpreter stops; the one
-# of concurrent.futures.thread makes thread pools (quire's I/O pool) refuse new work, so
-# ours must be registered after it (hence the import at the top).  A plain atexit hook
-# would run too late to finish a save.
-_register_exit = getattr(threading, "_register_atexit", None)
-if _register_exit is None:  # pragma: no cover - CPython always has it
-    import atexit
-
-    _register_exit = atexit.register
-_register_exit(_close_at_exit)
+# quire's one exit hook (``_exit``) closes every open Checkpointer first, then waits for
+# the other in-flight writes.
+_exit.add_closer(_close_at_exit)
 
 
 def _as_step(step: Any) -> int:
@@ -302,7 +295,15 @@ class Checkpointer:
                 pending = list(self._pending)
             if not pending:
                 return
-            concurrent.futures.wait(pending)
+            _, late = concurrent.futures.wait(pending, timeout=_exit.WAIT_NOTICE_S)
+            if late:  # say what we wait for (a Ctrl-C'd loop otherwise waits in silence)
+                log.warning(
+                    "quire.Checkpointer(%r): waiting for %d background save(s)/deletion(s) "
+                    "to finish; interrupt again to abandon them (committed steps stay whole)",
+                    self.root,
+                    len(late),
+                )
+                concurrent.futures.wait(pending)
             for f in pending:
                 self._collect(f)
 

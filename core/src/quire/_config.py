@@ -63,6 +63,11 @@ class Config:
         Leaf handlers in effect in addition to the installed ones (instances, or classes
         instantiated once); they take part in handler choice (most specific type first)
         and are found by id when loading.  Usually set through ``quire.Context``.
+    verify_record : bool
+        Whether a commit or journal record must carry a valid checksum (default True).
+        A record without one is refused as corrupt; ``quire.Context(verify_record=False)``
+        reads such a record (written by another tool, or repaired by hand) for the calls
+        inside the block.  The record's structure is validated either way.
     """
 
     byte_budget: int = 256 * 1024 * 1024
@@ -74,6 +79,7 @@ class Config:
     codecs: tuple[Any, ...] = ()
     timeout: float | None = 600.0
     leaf_handlers: tuple[Any, ...] = ()
+    verify_record: bool = True
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(Config))
@@ -114,9 +120,9 @@ def _validate(name: str, v: Any) -> Any:
         return _int(name, v, 1)
     if name == "primary_process":
         return _int(name, v, 0)
-    if name == "checksum":
+    if name in ("checksum", "verify_record"):
         if not isinstance(v, bool):
-            raise TypeError(f"quire option checksum must be a bool, got {v!r}")
+            raise TypeError(f"quire option {name} must be a bool, got {v!r}")
         return v
     if name == "timeout":
         if v is None:

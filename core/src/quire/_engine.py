@@ -18,9 +18,9 @@ import asyncio
 import collections
 import logging
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -31,10 +31,12 @@ from quire._config import current
 from quire._format import PYTREE
 from quire._multihost import Coordinator, digest
 from quire._paths import assign_locations, escape_component
+from quire._tasks import gather_cancelling
 from quire._tree import KeyPath, Node, from_json, keystr, to_json, walk
 from quire._url import open_backend
 from quire.backends import Backend
 from quire.errors import (
+    CheckpointChangedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     PluginError,
@@ -410,7 +412,7 @@ async def _load_tree(
         for (node, _), v in zip(items, got):
             values[id(node)] = v
 
-    await asyncio.gather(*(run(h, items) for h, items in groups.items()))
+    await gather_cancelling(*(run(h, items) for h, items in groups.items()))
     if abstract is None:
         return _rebuild_saved(saved, values)
     return target_root.rebuild(lambda n: values[id(n)])
@@ -431,8 +433,47 @@ async def load(
     url: str, abstract: Any, *, partial: bool, storage_options: dict[str, Any] | None = None
 ) -> Any:
     backend = open_backend(url, storage_options)
-    doc = (await _commit.read(backend, url)).doc
-    return await load_doc(url, doc, backend, abstract, partial=partial)
+
+    async def attempt(doc: dict[str, Any]) -> Any:
+        return await load_doc(url, doc, backend, abstract, partial=partial)
+
+    return await _reloading(backend, url, attempt)
+
+
+T = TypeVar("T")
+MAX_RELOADS = 3  # loads retried when the checkpoint was overwritten under them
+
+
+def _same_record(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(a.get(k) == b.get(k) for k in ("checksum", "txids", "created"))
+
+
+async def _reloading(
+    backend: Backend, url: str, attempt: Callable[[dict[str, Any]], Awaitable[T]]
+) -> T:
+    """Run ``attempt`` on the current record; when it finds data missing or damaged and
+    ``quire.json`` has changed meanwhile (an overwrite deleted the old data), re-read the
+    record and retry, at most MAX_RELOADS times, then raise CheckpointChangedError."""
+    for n in range(MAX_RELOADS + 1):
+        doc = (await _commit.read(backend, url)).doc
+        try:
+            return await attempt(doc)
+        except CorruptCheckpointError as e:
+            try:
+                now = (await _commit.read(backend, url)).doc
+            except CheckpointNotFoundError:
+                raise CheckpointNotFoundError(
+                    f"the checkpoint at {url} was deleted while it was being loaded"
+                ) from e
+            if _same_record(doc, now):
+                raise  # the record did not change: the data is really damaged
+            if n == MAX_RELOADS:
+                raise CheckpointChangedError(
+                    f"the checkpoint at {url} was overwritten {n + 1} times while it was being "
+                    "loaded; nothing is damaged: load it again once its writer is done"
+                ) from e
+            log.info("%s was overwritten during the load; reading the new version", url)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -484,7 +525,19 @@ async def load_units(
     """Load the named units (all when ``targets`` is None); each target is an abstract tree
     for pytree units, or the object / None for other units."""
     backend = open_backend(url, storage_options)
-    doc = (await _commit.read(backend, url)).doc
+    return await _reloading(
+        backend, url, lambda doc: _load_units(url, doc, backend, targets, partial=partial)
+    )
+
+
+async def _load_units(
+    url: str,
+    doc: dict[str, Any],
+    backend: Backend,
+    targets: Mapping[str, Any] | None,
+    *,
+    partial: bool,
+) -> dict[str, Any]:
     units = doc["units"]
     names = list(units) if targets is None else list(targets)
     missing = [n for n in names if n not in units]

@@ -19,6 +19,7 @@ import datetime
 import json
 from typing import Any
 
+from quire import _schema
 from quire.errors import CorruptCheckpointError
 
 FORMAT = "quire"
@@ -108,6 +109,13 @@ def record_checksum(doc: dict[str, Any]) -> str:
     return f"crc32c:{crc32c(canon.encode()):08x}"
 
 
+def verify_record() -> bool:
+    """Whether records must carry a valid checksum here (the ``verify_record`` option)."""
+    from quire._config import current
+
+    return current().verify_record
+
+
 def parse(raw: bytes, url: str) -> dict[str, Any]:
     """Parse and validate a commit record; ``CorruptCheckpointError`` on any defect."""
     try:
@@ -116,6 +124,8 @@ def parse(raw: bytes, url: str) -> dict[str, Any]:
         raise _bad(url, f"not JSON ({e}); it may be truncated") from e
     except RecursionError as e:
         raise _bad(url, "nested too deeply") from e
+    except ValueError as e:  # e.g. an integer beyond the parser's digit limit
+        raise _bad(url, f"unreadable JSON value ({e})") from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise _bad(url, "missing 'format': 'quire'")
     v = doc.get("version")
@@ -127,7 +137,15 @@ def parse(raw: bytes, url: str) -> dict[str, Any]:
             "Upgrade quire to read it"
         )
     stored = doc.get("checksum")
-    if stored is not None:  # optional: records may be written by other tools
+    if not verify_record():
+        pass
+    elif not isinstance(stored, str) or not stored:
+        raise CorruptCheckpointError(
+            f"{url}/{RECORD} has no valid checksum ({_schema._short(stored)}): a record without one could "
+            "be damaged or altered unnoticed; restore it from a copy, or load it with "
+            "quire.Context(verify_record=False) if you trust it"
+        )
+    else:
         try:
             actual = record_checksum(doc)
         except (TypeError, ValueError) as e:
@@ -149,6 +167,7 @@ def parse(raw: bytes, url: str) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError) as e:
         raise _bad(url, "'created' is not an ISO timestamp") from e
     doc["_created"] = created
+    _schema.check_commit(doc, f"{url}/{RECORD}")
     units = doc.get("units")
     if not isinstance(units, dict):
         raise _bad(url, "'units' is not an object")

@@ -54,10 +54,42 @@ def loop() -> asyncio.AbstractEventLoop:
                 new.call_soon(ready.set)
                 new.run_forever()
 
-            threading.Thread(target=_run, name="quire-loop", daemon=True).start()
+            global _thread
+            _thread = threading.Thread(target=_run, name="quire-loop", daemon=True)
+            _thread.start()
             ready.wait()
             _loop = new
         return _loop
+
+
+_thread: threading.Thread | None = None
+
+
+def shutdown(timeout: float = 30.0) -> None:
+    """Stop quire's background work in order, for an interrupted exit: cancel the
+    loop's tasks, stop the loop and join its thread, then let the I/O threads finish the
+    call each is in (native code, never killed mid-call) and drop what is queued.  A
+    daemon thread left inside native code while the interpreter finalizes can abort it."""
+    lp, th = _loop, _thread
+    if lp is not None and lp.is_running():
+
+        async def cancel_all() -> None:
+            me = asyncio.current_task()
+            tasks = [t for t in asyncio.all_tasks() if t is not me]
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=timeout)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_all(), lp).result(timeout)
+        except BaseException:  # best effort: we are exiting
+            pass
+        lp.call_soon_threadsafe(lp.stop)
+        if th is not None:
+            th.join(timeout)
+    if _pool is not None:
+        _pool.shutdown(wait=True, cancel_futures=True)
 
 
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from quire import _commit, _engine, _format
+from quire import _commit, _engine, _format, _schema
 from quire._config import current
 from quire._multihost import Coordinator
 from quire._tree import KeyPath, from_json, keystr
@@ -79,7 +79,7 @@ def _parse(raw: bytes, url: str, n: int) -> dict[str, Any]:
     where = f"{url}/{record_key(n)}"
     try:
         doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(
             f"{where} is not valid JSON ({e}); the journal is damaged"
         ) from e
@@ -91,8 +91,13 @@ def _parse(raw: bytes, url: str, n: int) -> dict[str, Any]:
             f"{VERSION}. Upgrade quire"
         )
     stored = doc.get("checksum")
-    if stored is not None and stored != _format.record_checksum(doc):
-        raise CorruptCheckpointError(f"{where} fails its checksum; the journal is damaged")
+    if _format.verify_record() and (
+        not isinstance(stored, str) or stored != _format.record_checksum(doc)
+    ):
+        raise CorruptCheckpointError(
+            f"{where} fails its checksum or has none; the journal is damaged (load it with "
+            "quire.Context(verify_record=False) only if you trust it)"
+        )
     if doc.get("journal_version") != n:
         raise CorruptCheckpointError(f"{where} claims version {doc.get('journal_version')!r}")
     if not isinstance(doc.get("metadata"), dict) or not isinstance(doc.get("deleted"), list):
@@ -100,6 +105,7 @@ def _parse(raw: bytes, url: str, n: int) -> dict[str, Any]:
     if doc.get("tree") is not None:
         _format._check_tree(url, doc["tree"])
         _commit.check_tree_locations(doc["tree"], where)
+    _schema.check_journal(doc, where)
     return doc
 
 
@@ -128,8 +134,9 @@ async def read_records(backend: Backend, url: str, upto: int | None = None) -> l
         if hit is not None:
             return hit
         doc = _parse(await backend.get(record_key(n)), url, n)
-        with _cache_lock:
-            _cache[(url, n)] = doc
+        if _format.verify_record():  # an unverified record must not serve verified reads
+            with _cache_lock:
+                _cache[(url, n)] = doc
         return doc
 
     return list(await asyncio.gather(*(one(n) for n in versions)))
@@ -398,12 +405,19 @@ async def load(
     storage_options: dict[str, Any] | None = None,
 ) -> Any:
     backend = open_backend(url, storage_options)
+    if await backend.exists(_format.RECORD):
+        # Once quire.json exists the journal is dead (a finalize may have been killed
+        # before deleting it): read the committed state, never an older replay.
+        fin = _format.parse(await backend.get(_format.RECORD), url)
+        if version is not None and version != fin.get("journal_version"):
+            raise CheckpointNotFoundError(
+                f"{url} is finalized (from journal version {fin.get('journal_version')}); "
+                f"partial-save version {version} is no longer readable: load it without "
+                "version="
+            )
+        return await _engine.load(url, abstract, partial=partial, storage_options=storage_options)
     records = await read_records(backend, url)
     if not records:
-        if version is None and await backend.exists(_format.RECORD):
-            return await _engine.load(
-                url, abstract, partial=partial, storage_options=storage_options
-            )
         raise CheckpointNotFoundError(f"no partial-save journal at {url}")
     if version is not None:
         if not 1 <= version <= len(records):

@@ -10,6 +10,7 @@ chain inside ``sharding_indexed`` when a device shard is split into inner chunks
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import json
 import math
@@ -21,6 +22,7 @@ import numpy as np
 
 from quire._dtypes import dtype_name
 from quire._io import run_blocking
+from quire._tasks import for_each
 from quire.backends import Backend, Buffer
 from quire.handlers import StoredObject
 
@@ -327,6 +329,9 @@ async def _read_raw_into(
             raise ChunkError("crc32c checksum mismatch")
 
 
+_NOT_DATA = {errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG}
+
+
 async def _read_chunk_region(
     backend: Backend,
     location: str,
@@ -359,6 +364,12 @@ async def _read_chunk_region(
         await _read_sharded(backend, key, layout, corigin, ov, dest)
     except FileNotFoundError as e:
         raise ChunkError("missing chunk object") from e
+    except OSError as e:
+        # A location that names a directory, a file where a directory should be, a
+        # symbolic link (refused by the local backend) or a name too long: not transient.
+        if e.errno in _NOT_DATA:
+            raise ChunkError(f"not a chunk object ({e.strerror})") from e
+        raise
 
 
 def _index_bytes(layout: ArrayLayout) -> int:
@@ -521,4 +532,6 @@ async def read_region(
 
     if math.prod(layout.shape) == 0:
         return
-    await asyncio.gather(*(one(c) for c in layout.chunks_in(region)))
+    # Tasks are made lazily, a bounded number at a time: a record claiming millions of
+    # chunks costs memory for the workers only, and the first failure stops the rest.
+    await for_each(layout.chunks_in(region), one, MAX_OPEN_CHUNKS)

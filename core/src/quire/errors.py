@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "BucketNotFoundError",
+    "CheckpointChangedError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
@@ -37,6 +38,12 @@ class CheckpointExistsError(QuireError, FileExistsError):
 
 class CorruptCheckpointError(QuireError, ValueError):
     """Checksum mismatch, truncated data, or a malformed / unknown-version record."""
+
+
+class CheckpointChangedError(QuireError, RuntimeError):
+    """The checkpoint was overwritten (or deleted) while it was being loaded, again and
+    again: the load re-read ``quire.json`` and retried a few times, then gave up.  Nothing
+    is damaged; load again once the writer is done."""
 
 
 class TreeMismatchError(QuireError, ValueError):

@@ -91,8 +91,26 @@ class LocalBackend(Backend):
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         return await run_blocking(self._get, key, start, end)
 
+    def _open(self, key: str, flags: int, mode: int = 0o644) -> int:
+        """Open ``key`` without following a symbolic link anywhere below the root: each
+        directory is opened relative to its parent with ``O_NOFOLLOW`` (a hostile
+        checkpoint cannot make a read or a write reach a file outside it); a link is
+        ``OSError(ELOOP)`` or ``NotADirectoryError``."""
+        parts = [p for p in key.split("/") if p]
+        if not parts:
+            return os.open(self.root, flags, mode)
+        dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for p in parts[:-1]:
+                nfd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+                os.close(dfd)
+                dfd = nfd
+            return os.open(parts[-1], flags | os.O_NOFOLLOW, mode, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+
     def _get(self, key: str, start: int | None, end: int | None) -> bytes:
-        with open(self._p(key), "rb") as f:
+        with os.fdopen(self._open(key, os.O_RDONLY), "rb") as f:
             if start:
                 f.seek(start)
             return f.read() if end is None else f.read(end - (start or 0))
@@ -101,7 +119,7 @@ class LocalBackend(Backend):
         return await run_blocking(self._get_into, key, buffers, offset)
 
     def _get_into(self, key: str, buffers: Sequence[memoryview], offset: int) -> int:
-        fd = os.open(self._p(key), os.O_RDONLY)
+        fd = self._open(key, os.O_RDONLY)
         try:
             total = 0
             bufs = [memoryview(b).cast("B") for b in buffers]
@@ -183,7 +201,7 @@ class LocalBackend(Backend):
     def _put(self, key: str, data: Sequence[Buffer]) -> None:
         path = self._p(key)
         self._makedirs(path)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = self._open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             _write_all(fd, data)
             if self._fsync and not (self._sync_mode == "syncfs" and _libc is not None):

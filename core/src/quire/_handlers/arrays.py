@@ -17,6 +17,7 @@ from quire._budget import ByteBudget
 from quire._config import current
 from quire._dtypes import dtype_from_name, dtype_name
 from quire._io import pool, run_blocking
+from quire._tasks import gather_cancelling
 from quire._tree import keystr
 from quire._zarr import (
     ArrayLayout,
@@ -394,7 +395,7 @@ class ArrayHandler:
                         "(run `quire verify URL` to list every bad chunk, restore from a copy or re-save)"
                     ) from err
 
-        return list(await asyncio.gather(*(one(e) for e in entries)))
+        return await gather_cancelling(*(one(e) for e in entries))
 
     async def _read_array(self, e: LoadEntry, ctx: LoadContext, target: Any, kind: str) -> Any:
         layout = layout_from_record(e.record, ctx.url)
@@ -486,7 +487,7 @@ class ArrayHandler:
                     arrays[d] = await run_blocking(jax.device_put, host, d)
                 del buf, host
 
-        await asyncio.gather(*(region(k, v) for k, v in regions.items()))
+        await gather_cancelling(*(region(k, v) for k, v in regions.items()))
         return jax.make_array_from_single_device_arrays(
             shape, sharding, [arrays[d] for d in idx_map]
         )

@@ -1,0 +1,498 @@
+"""Validation of commit records (``quire.json``) and journal records before anything acts on them.
+
+A record's checksum only proves that it was not damaged by accident: anyone can write a
+record and sign it.  So every value a record holds is checked here, once, against what
+quire itself writes, before numpy, jax, zarr or the operating system sees it; a defect
+is a :class:`~quire.errors.CorruptCheckpointError` that names the record's URL and the
+key path of the offending value.
+
+Why a hand-written validator rather than pydantic or msgspec: most of the rules are not
+about types but about consistency between values (an int8 scalar within int8's range; a
+mesh that divides the shape it shards; a location under one of the record's own txids
+and inside no other array's directory; a chunk grid no larger than the mesh that made
+it); a schema library would need a custom validator for each of them anyway, would add a
+runtime dependency to the core, and would turn its own error paths into ours.  The rules
+live in small tables, so a new field or leaf kind is one entry:
+
+* :data:`LEAF_RULES` maps a leaf handler id to its checker; leaves of third-party
+  handlers get the common checks only (they validate their own records).
+* :data:`COMMIT_FIELDS` / :data:`JOURNAL_FIELDS` map a top-level field to its checker;
+  fields not listed are tolerated (they are covered by the checksum and nothing acts on
+  them), so a newer writer may add fields a v1 reader ignores.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from quire.errors import CorruptCheckpointError
+
+MAX_DEPTH = 256
+MAX_NDIM = 64
+MAX_LOCATION = 1024  # characters in a location (quire writes at most ~800)
+MAX_COMPONENT = 200  # characters in one component (quire writes at most 120)
+MAX_MESH_DEVICES = 1 << 24
+# A chunk grid larger than this is refused: quire writes one chunk per device shard.
+MAX_CHUNKS = 1 << 24
+MAX_CLAIMED_BYTES = 2**50
+_DIST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_TXID = re.compile(r"^[A-Za-z0-9]{1,64}$")
+
+
+class Invalid(Exception):
+    """Raised by a checker: ``where`` is the key path inside the record."""
+
+    def __init__(self, where: str, why: str) -> None:
+        super().__init__(f"{where}: {why}")
+        self.where, self.why = where, why
+
+
+def _req(obj: dict[str, Any], key: str, where: str) -> Any:
+    if key not in obj:
+        raise Invalid(where, f"required field {key!r} is missing")
+    return obj[key]
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int
+
+
+def _int(v: Any, where: str, low: int = 0, high: int | None = None) -> int:
+    if not _is_int(v) or v < low or (high is not None and v > high):
+        rng = f">= {low}" + ("" if high is None else f" and <= {high}")
+        raise Invalid(where, f"{_short(v)} is not an integer {rng}")
+    return int(v)
+
+
+def _str(v: Any, where: str, maxlen: int = 10_000) -> str:
+    if type(v) is not str or len(v) > maxlen:
+        raise Invalid(where, f"{_short(v)} is not a string of at most {maxlen} characters")
+    return v
+
+
+def _dict(v: Any, where: str) -> dict[str, Any]:
+    if type(v) is not dict:
+        raise Invalid(where, f"{_short(v)} is not an object")
+    return v
+
+
+def _list(v: Any, where: str, maxlen: int | None = None) -> list[Any]:
+    if type(v) is not list or (maxlen is not None and len(v) > maxlen):
+        limit = "" if maxlen is None else f" of at most {maxlen} entries"
+        raise Invalid(where, f"{_short(v)} is not a list{limit}")
+    return v
+
+
+def _short(v: Any) -> str:
+    s = repr(v) if not isinstance(v, int) or abs(v) < 10**30 else f"<{v.bit_length()}-bit integer>"
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def _timestamp(v: Any, where: str) -> None:
+    try:
+        datetime.datetime.fromisoformat(_str(v, where, 64))
+    except ValueError:
+        raise Invalid(where, f"{_short(v)} is not an ISO timestamp") from None
+
+
+# ------------------------------------------------------------------------------ scalars
+def _finite_or_named(v: Any, where: str) -> float:
+    """A JSON float (or int) or one of "nan" / "inf" / "-inf", as a Python float."""
+    if type(v) is str:
+        if v not in ("nan", "inf", "-inf"):
+            raise Invalid(where, f"{_short(v)} is not a number")
+        return float(v)
+    if type(v) not in (int, float):
+        raise Invalid(where, f"{_short(v)} is not a number")
+    try:
+        return float(v)
+    except OverflowError:
+        raise Invalid(where, f"{_short(v)} overflows a float") from None
+
+
+def _in_dtype(x: float, dtype: np.dtype[Any], where: str) -> None:
+    if math.isfinite(x):
+        with np.errstate(over="raise", invalid="raise"):
+            try:
+                y = dtype.type(x)
+            except (FloatingPointError, OverflowError, ValueError):
+                raise Invalid(where, f"{x!r} overflows {dtype}") from None
+        if not np.isfinite(np.float64(y)):
+            raise Invalid(where, f"{x!r} overflows {dtype}")
+
+
+def _int_range(dtype: np.dtype[Any]) -> tuple[int, int]:
+    try:
+        info = np.iinfo(dtype)
+        return int(info.min), int(info.max)
+    except ValueError:
+        import ml_dtypes
+
+        ml = ml_dtypes.iinfo(dtype)
+        return int(ml.min), int(ml.max)
+
+
+def _complex(v: Any, where: str) -> tuple[float, float]:
+    if type(v) is not list or len(v) != 2:
+        raise Invalid(where, f"{_short(v)} is not a [real, imag] pair")
+    return _finite_or_named(v[0], where + "[0]"), _finite_or_named(v[1], where + "[1]")
+
+
+def _scalar_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
+    from quire._dtypes import SUPPORTED
+
+    t = _req(rec, "type", where)
+    v = _req(rec, "value", where)
+    w = where + "/value"
+    if t == "bool":
+        if type(v) is not bool:
+            raise Invalid(w, f"{_short(v)} is not a bool")
+    elif t == "int":
+        if type(v) is not int:
+            raise Invalid(w, f"{_short(v)} is not an integer")
+    elif t == "float":
+        _finite_or_named(v, w)
+    elif t == "complex":
+        _complex(v, w)
+    elif t == "numpy":
+        name = _req(rec, "dtype", where)
+        if type(name) is not str or name not in SUPPORTED:
+            raise Invalid(where + "/dtype", f"{_short(name)} is not a supported dtype")
+        d = SUPPORTED[name]
+        if d.kind == "c":
+            re_, im = _complex(v, w)
+            part = np.dtype(f"float{d.itemsize * 4}")
+            _in_dtype(re_, part, w)
+            _in_dtype(im, part, w)
+        elif d.kind == "b":
+            if type(v) is not bool:
+                raise Invalid(w, f"{_short(v)} is not a bool")
+        elif d.kind in "iu":
+            lo, hi = _int_range(d)
+            if type(v) is not int or not lo <= v <= hi:
+                raise Invalid(w, f"{_short(v)} is not an integer in {name}'s range [{lo}, {hi}]")
+        else:
+            _in_dtype(_finite_or_named(v, w), d, w)
+    else:
+        raise Invalid(where + "/type", f"unknown scalar type {_short(t)}")
+
+
+def _str_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
+    _str(_req(rec, "value", where), where + "/value", 1 << 30)
+
+
+def _bytes_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
+    v = _str(_req(rec, "value", where), where + "/value", 1 << 30)
+    try:
+        base64.b64decode(v, validate=True)
+    except (binascii.Error, ValueError):
+        raise Invalid(where + "/value", "is not base64") from None
+
+
+def _none_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
+    return None
+
+
+# ------------------------------------------------------------------------------- arrays
+def _shape(v: Any, where: str, low: int) -> tuple[int, ...]:
+    items = _list(v, where, MAX_NDIM)
+    return tuple(_int(x, f"{where}[{i}]", low, 1 << 62) for i, x in enumerate(items))
+
+
+def _location(v: Any, where: str, ctx: _Ctx) -> str:
+    from quire._paths import is_safe_location
+
+    loc = _str(v, where, MAX_LOCATION)
+    if not is_safe_location(loc) or any(len(p) > MAX_COMPONENT for p in loc.split("/")):
+        raise Invalid(where, f"{_short(loc)} is not a location inside d/")
+    parts = loc.split("/")
+    if len(parts) < 3 or parts[1] not in ctx.txids:
+        raise Invalid(where, f"{_short(loc)} is not under d/<txid>/ of one of the record's txids")
+    ctx.locations.append((loc, where))
+    return loc
+
+
+def _sharding(v: Any, where: str, shape: tuple[int, ...]) -> int | None:
+    """Check a sharding record; the number of devices of a named mesh (else None)."""
+    s = _dict(v, where)
+    t = _str(_req(s, "type", where), where + "/type", 200)
+    if t != "named":
+        return None
+    mesh = _dict(_req(s, "mesh", where), where + "/mesh")
+    if not mesh or len(mesh) > MAX_NDIM:
+        raise Invalid(where + "/mesh", "a mesh needs 1 to 64 named axes")
+    for k, n in mesh.items():
+        _str(k, where + "/mesh", 200)
+        _int(n, f"{where}/mesh/{k}", 1, MAX_MESH_DEVICES)
+    devices = math.prod(mesh.values())
+    if devices > MAX_MESH_DEVICES:
+        raise Invalid(where + "/mesh", f"claims {devices} devices")
+    spec = _list(_req(s, "spec", where), where + "/spec", len(shape))
+    used: set[str] = set()
+    for d, p in enumerate(spec):
+        w = f"{where}/spec[{d}]"
+        axes = [] if p is None else [p] if type(p) is str else _list(p, w, MAX_NDIM)
+        size = 1
+        for a in axes:
+            if type(a) is not str or a not in mesh:
+                raise Invalid(w, f"{_short(a)} is not an axis of the mesh {sorted(mesh)}")
+            if a in used:
+                raise Invalid(w, f"mesh axis {a!r} is used twice")
+            used.add(a)
+            size *= mesh[a]
+        if shape[d] % size:
+            raise Invalid(w, f"dimension {d} of size {shape[d]} is not divisible by {size} devices")
+    return devices
+
+
+def _array_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
+    from quire._dtypes import SUPPORTED
+
+    shape = _shape(_req(rec, "shape", where), where + "/shape", 0)
+    chunk = _shape(_req(rec, "chunk_shape", where), where + "/chunk_shape", 1)
+    if len(chunk) != len(shape):
+        raise Invalid(where + "/chunk_shape", f"{chunk} does not match shape {shape}")
+    name = _req(rec, "dtype", where)
+    if type(name) is not str or name not in SUPPORTED:
+        raise Invalid(where + "/dtype", f"{_short(name)} is not a supported dtype")
+    itemsize = SUPPORTED[name].itemsize
+    nbytes = math.prod(shape) * itemsize
+    if nbytes > MAX_CLAIMED_BYTES or math.prod(chunk) * itemsize > MAX_CLAIMED_BYTES:
+        raise Invalid(where + "/shape", f"claims {nbytes} bytes, beyond any real checkpoint")
+    if "nbytes" in rec and rec["nbytes"] != nbytes:
+        raise Invalid(where + "/nbytes", f"{_short(rec['nbytes'])} is not {nbytes}")
+    _location(_req(rec, "location", where), where + "/location", ctx)
+    if "inner_shape" in rec and rec["inner_shape"] is not None:
+        inner = _shape(rec["inner_shape"], where + "/inner_shape", 1)
+        if len(inner) != len(chunk) or any(c % i for i, c in zip(inner, chunk)):
+            raise Invalid(where + "/inner_shape", f"{inner} does not divide {chunk}")
+    codecs = _list(rec.get("codecs", []), where + "/codecs", 16)
+    for i, c in enumerate(codecs):
+        w = f"{where}/codecs[{i}]"
+        _str(_req(_dict(c, w), "name", w), w + "/name", 200)
+        if "configuration" in c:
+            _dict(c["configuration"], w + "/configuration")
+    if type(rec.get("checksum", True)) is not bool:
+        raise Invalid(where + "/checksum", "is not a bool")
+    if "source_dtype" in rec and rec["source_dtype"] not in SUPPORTED:
+        raise Invalid(where + "/source_dtype", f"{_short(rec['source_dtype'])} is not a dtype")
+    grid = math.prod(-(-n // c) for n, c in zip(shape, chunk))
+    devices = None
+    if rec.get("sharding") is not None:
+        devices = _sharding(rec["sharding"], where + "/sharding", shape)
+    limit = MAX_CHUNKS if devices is None else devices
+    if grid > limit:
+        raise Invalid(
+            where + "/chunk_shape",
+            f"{chunk} cuts shape {shape} into {grid} chunks, more than the {limit} "
+            "a saved array can have",
+        )
+    if rec.get("handler") == "prng_key":
+        _prng(rec, where, shape, name)
+
+
+def _prng_impls() -> dict[str, tuple[int, ...]]:
+    import jax.extend.random as jr
+
+    impls = (jr.threefry_prng_impl, jr.rbg_prng_impl, jr.unsafe_rbg_prng_impl)
+    return {str(i.name): tuple(i.key_shape) for i in impls}
+
+
+def _prng(rec: dict[str, Any], where: str, shape: tuple[int, ...], dtype: str) -> None:
+    impl = _str(_req(rec, "impl", where), where + "/impl", 200)
+    impls = _prng_impls()
+    if impl not in impls:
+        raise Invalid(where + "/impl", f"{impl!r} is not a PRNG implementation ({sorted(impls)})")
+    key_shape = _shape(rec.get("key_shape", list(shape[: len(shape) - 1])), where + "/key_shape", 0)
+    if dtype != "uint32" or shape != key_shape + impls[impl]:
+        raise Invalid(
+            where + "/shape",
+            f"{shape} {dtype} is not the data of {impl} keys of shape {key_shape}",
+        )
+
+
+LeafRule = Callable[[dict[str, Any], str, "_Ctx"], None]
+
+#: Checker per leaf handler id; leaves of other (third-party) handlers get the common checks.
+LEAF_RULES: dict[str, LeafRule] = {
+    "scalar": _scalar_leaf,
+    "str": _str_leaf,
+    "bytes": _bytes_leaf,
+    "none": _none_leaf,
+    "numpy": _array_leaf,
+    "jax": _array_leaf,
+    "prng_key": _array_leaf,
+}
+
+
+class _Ctx:
+    def __init__(self, txids: set[str]) -> None:
+        self.txids = txids
+        self.locations: list[tuple[str, str]] = []
+
+
+def _tree(node: Any, where: str, ctx: _Ctx, depth: int = 0) -> None:
+    if depth > MAX_DEPTH:
+        raise Invalid(where, f"tree deeper than {MAX_DEPTH}")
+    n = _dict(node, where)
+    kind = _req(n, "kind", where)
+    if kind == "leaf":
+        hid = _str(_req(n, "handler", where), where + "/handler", 200)
+        rule = LEAF_RULES.get(hid)
+        if rule is not None:
+            rule(n, where, ctx)
+        elif "location" in n:
+            _location(n["location"], where + "/location", ctx)
+        return
+    if kind not in ("dict", "list", "tuple"):
+        raise Invalid(where + "/kind", f"unknown node kind {_short(kind)}")
+    if "type" in n and n["type"] is not None:
+        _str(n["type"], where + "/type", 1000)
+    children = _list(_req(n, "children", where), where + "/children")
+    if kind == "dict":
+        keys = _list(_req(n, "keys", where), where + "/keys")
+        if len(keys) != len(children) or not all(type(k) in (str, int) for k in keys):
+            raise Invalid(where + "/keys", "not a list of strings/integers matching children")
+        if len(set(keys)) != len(keys):
+            raise Invalid(where + "/keys", "duplicate keys")
+    else:
+        keys = list(range(len(children)))
+    for k, c in zip(keys, children):
+        _tree(
+            c,
+            f"{where}/{k}" if where and not where.endswith(":") else f"{where}{k}",
+            ctx,
+            depth + 1,
+        )
+
+
+def _check_locations(ctx: _Ctx) -> None:
+    """No two leaves share a location, nor does one lie inside another's directory."""
+    seen: dict[str, str] = {}
+    for loc, where in sorted(ctx.locations):
+        if loc in seen:
+            raise Invalid(where, f"location {loc!r} is also the location of {seen[loc]}")
+        seen[loc] = where
+    for b, where in seen.items():
+        parts = b.split("/")
+        for i in range(1, len(parts)):
+            a = "/".join(parts[:i])
+            if a in seen:
+                raise Invalid(where, f"location {b!r} lies inside {seen[a]}'s directory {a!r}")
+
+
+# -------------------------------------------------------------------------- top level
+def _txids(v: Any, where: str) -> set[str]:
+    items = _list(v, where, 1 << 16)
+    for i, t in enumerate(items):
+        if type(t) is not str or not _TXID.match(t):
+            raise Invalid(f"{where}[{i}]", f"{_short(t)} is not a txid")
+    return set(items)
+
+
+def _plugins(v: Any, where: str) -> None:
+    for k, d in _dict(v, where).items():
+        group, sep, name = k.partition(":")
+        if not sep or not group or not name or len(k) > 400:
+            raise Invalid(f"{where}/{k!r}", "is not '<group>:<name>'")
+        if type(d) is not str or not _DIST.match(d):
+            raise Invalid(f"{where}/{k}", f"{_short(d)} is not a distribution name")
+
+
+def _units(v: Any, where: str, ctx: _Ctx) -> None:
+    for name, unit in _dict(v, where).items():
+        w = f"{where}/{name}"
+        kind = _req(_dict(unit, w), "kind", w)
+        if kind == "pytree":
+            _tree(_req(unit, "tree", w), "" if name == "pytree" else f"{name}:", ctx)
+        elif kind == "handler":
+            _str(_req(unit, "handler", w), w + "/handler", 200)
+            _location(_req(unit, "location", w), w + "/location", ctx)
+        elif kind != "json":
+            raise Invalid(w + "/kind", f"unknown unit kind {_short(kind)}")
+
+
+FieldRule = Callable[[Any, str], Any]
+
+#: Checker per top-level field of ``quire.json`` (version 1); unlisted fields are tolerated.
+COMMIT_FIELDS: dict[str, tuple[bool, FieldRule]] = {
+    "created": (True, _timestamp),
+    "library_version": (False, lambda v, w: _str(v, w, 200)),
+    "process_count": (True, lambda v, w: _int(v, w, 1, 1 << 24)),
+    "metadata": (True, _dict),
+    "plugins": (False, _plugins),
+    "journal_version": (False, lambda v, w: _int(v, w, 0)),
+}
+
+#: Checker per top-level field of a journal record; unlisted fields are tolerated.
+JOURNAL_FIELDS: dict[str, tuple[bool, FieldRule]] = {
+    "created": (True, _timestamp),
+    "process_count": (False, lambda v, w: _int(v, w, 1, 1 << 24)),
+    "metadata": (True, _dict),
+    "base_version": (False, lambda v, w: _int(v, w, 0)),
+    "deleted": (True, lambda v, w: _paths(v, w)),
+    "added": (True, lambda v, w: _paths(v, w)),
+    "replaced": (True, lambda v, w: _paths(v, w)),
+}
+
+
+def _paths(v: Any, where: str) -> None:
+    for i, p in enumerate(_list(v, where)):
+        w = f"{where}[{i}]"
+        if not all(type(k) in (str, int) for k in _list(p, w, MAX_DEPTH)):
+            raise Invalid(w, "is not a key path (strings and integers)")
+
+
+def _fields(doc: dict[str, Any], rules: dict[str, tuple[bool, FieldRule]]) -> None:
+    for key, (required, rule) in rules.items():
+        if key in doc:
+            rule(doc[key], key)
+        elif required:
+            raise Invalid(key, "required field is missing")
+
+
+def _raise(where_url: str, e: Invalid, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{where_url} is not a valid {what}: at {e.where or '<root>'}: {e.why}. The checkpoint "
+        "is damaged or was not written by quire; restore it from a copy"
+    )
+
+
+def check_commit(doc: dict[str, Any], record_url: str) -> None:
+    """Validate a parsed ``quire.json`` (format and version already checked).
+
+    Raises
+    ------
+    CorruptCheckpointError
+        Naming ``record_url`` and the key path of the first bad value.
+    """
+    try:
+        _fields(doc, COMMIT_FIELDS)
+        ctx = _Ctx(_txids(_req(doc, "txids", ""), "txids"))
+        _units(_req(doc, "units", ""), "units", ctx)
+        _check_locations(ctx)
+    except Invalid as e:
+        raise _raise(record_url, e, "quire commit record") from None
+
+
+def check_journal(doc: dict[str, Any], record_url: str) -> None:
+    """Validate a parsed journal record (format, version and number already checked)."""
+    try:
+        _fields(doc, JOURNAL_FIELDS)
+        txid = doc.get("txid")
+        if txid is not None and (type(txid) is not str or not _TXID.match(txid)):
+            raise Invalid("txid", f"{_short(txid)} is not a txid")
+        ctx = _Ctx({txid} if txid else set())
+        if doc.get("tree") is not None:
+            _tree(doc["tree"], "", ctx)
+        _check_locations(ctx)
+    except Invalid as e:
+        raise _raise(record_url, e, "quire journal record") from None

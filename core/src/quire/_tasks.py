@@ -1,0 +1,48 @@
+"""Bounded, cancelling fan-out of async work.
+
+``asyncio.gather(*(f(x) for x in items))`` creates every task up front (a record claiming
+millions of chunks makes millions of tasks) and lets the others run on after one fails
+(a failed load kept reading chunk files for seconds after it raised).  :func:`for_each`
+runs at most ``limit`` workers that pull items from an iterator, and cancels the others
+when one fails; :func:`gather_cancelling` is ``gather`` that cancels its siblings on the
+first error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+async def for_each(items: Iterable[T], fn: Callable[[T], Awaitable[Any]], limit: int) -> None:
+    """Await ``fn(item)`` for every item, at most ``limit`` at once; the first error
+    cancels the work in flight and is raised once it has stopped."""
+    it = iter(items)
+    first = list(itertools.islice(it, max(1, limit)))
+    if len(first) < max(1, limit):  # the usual case: few items, one task each
+        await gather_cancelling(*(fn(x) for x in first))
+        return
+    it = itertools.chain(first, it)
+
+    async def worker() -> None:
+        for item in it:  # one shared iterator: each item goes to one worker
+            await fn(item)
+
+    await gather_cancelling(*(worker() for _ in range(max(1, limit))))
+
+
+async def gather_cancelling(*aws: Awaitable[T]) -> list[T]:
+    """Like ``asyncio.gather``, but the first error cancels the other awaitables and is
+    raised (not wrapped) once they have stopped."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
