@@ -9,7 +9,7 @@ import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Generic, TypeVar
 
-from quire import _engine, _io
+from quire import _engine, _io, _progress
 from quire._url import normalize
 from quire.metadata import CheckpointMetadata
 from quire.options import StorageSpec
@@ -59,22 +59,40 @@ def _start_save(
     copy: bool,
     storage_options: dict[str, Any] | None = None,
     stats: dict[str, Any] | None = None,
+    progress: Any = None,
 ) -> AsyncResponse[None]:
     u = normalize(url)
+    rep = _progress.make(progress, "save", u, bytes_total=_tree_nbytes(units))
     prep = _engine.prepare_save(units, storage, copy=copy, url=u)
 
     return chain(
         u,
-        lambda: _engine.save_prepared(
-            u,
-            prep,
-            metadata=metadata,
-            overwrite=overwrite,
-            storage_options=storage_options,
-            stats=stats,
+        lambda: _progress.tracked(
+            rep,
+            lambda: _engine.save_prepared(
+                u,
+                prep,
+                metadata=metadata,
+                overwrite=overwrite,
+                storage_options=storage_options,
+                stats=stats,
+            ),
+            close=rep is not progress,
         ),
         f"save {u}",
     )
+
+
+def _tree_nbytes(units: Mapping[str, Any]) -> int:
+    """Array bytes in the units' pytrees (the total a save's progress counts towards)."""
+    import jax
+
+    total = 0
+    for unit in units.values():
+        for leaf in jax.tree_util.tree_leaves(unit):
+            if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+                total += int(getattr(leaf, "nbytes", 0) or 0)
+    return total
 
 
 def chain(u: str, make: Callable[[], Awaitable[T]], description: str) -> AsyncResponse[T]:
@@ -113,6 +131,7 @@ def save(
     overwrite: bool = False,
     storage: StorageSpec = None,
     storage_options: dict[str, Any] | None = None,
+    progress: Any = None,
 ) -> None:
     """Save ``tree`` to ``url`` and commit it atomically.
 
@@ -133,6 +152,10 @@ def save(
         ``(key_path, leaf)`` and returns ``StorageOptions`` or None.
     storage_options : dict, optional
         fsspec options for the backend.
+    progress : bool or callable, optional
+        Show a progress bar (True), call ``progress(event)`` with a
+        :class:`quire.progress.ProgressEvent`, or pass a :class:`quire.progress.Progress`.
+        Default: the ``progress`` option of :class:`quire.Config` (off).
 
     Raises
     ------
@@ -151,6 +174,7 @@ def save(
         storage=storage,
         copy=False,
         storage_options=storage_options,
+        progress=progress,
     ).result()
 
 
@@ -162,6 +186,7 @@ def save_async(
     overwrite: bool = False,
     storage: StorageSpec = None,
     storage_options: dict[str, Any] | None = None,
+    progress: Any = None,
 ) -> AsyncResponse[None]:
     """Like :func:`save`, but return once every owned shard is copied to host memory.
 
@@ -176,6 +201,7 @@ def save_async(
         storage=storage,
         copy=True,
         storage_options=storage_options,
+        progress=progress,
     )
 
 
@@ -187,6 +213,7 @@ def save_checkpointables(
     overwrite: bool = False,
     storage: StorageSpec = None,
     storage_options: dict[str, Any] | None = None,
+    progress: Any = None,
 ) -> None:
     """Save several named units (pytrees, JSON configs, checkpointable objects) in one commit.
 
@@ -203,6 +230,7 @@ def save_checkpointables(
         storage=storage,
         copy=False,
         storage_options=storage_options,
+        progress=progress,
     ).result()
 
 
@@ -214,6 +242,7 @@ def save_checkpointables_async(
     overwrite: bool = False,
     storage: StorageSpec = None,
     storage_options: dict[str, Any] | None = None,
+    progress: Any = None,
 ) -> AsyncResponse[None]:
     """:func:`save_checkpointables` in the background (blocks only for host copies)."""
     from quire.checkpointables import as_mapping
@@ -226,6 +255,7 @@ def save_checkpointables_async(
         storage=storage,
         copy=True,
         storage_options=storage_options,
+        progress=progress,
     )
 
 
@@ -253,11 +283,25 @@ def load_async(
     *,
     partial: bool = False,
     storage_options: dict[str, Any] | None = None,
+    progress: Any = None,
 ) -> AsyncResponse[Any]:
     """Start :func:`load` in the background."""
     u = normalize(url)
+    rep = _progress.make(progress, "load", u)
+
+    async def run() -> Any:
+        if rep is not None and rep.bytes_total is None:
+            try:
+                from quire import _describe
+
+                m = await _engine.metadata(u, storage_options)
+                rep.add_total(_describe.array_bytes(m.tree))
+            except Exception:
+                pass  # the load itself reports what is wrong
+        return await _engine.load(u, abstract, partial=partial, storage_options=storage_options)
+
     return AsyncResponse(
-        _io.submit(_engine.load(u, abstract, partial=partial, storage_options=storage_options)),
+        _io.submit(_progress.tracked(rep, run, close=rep is not progress)),
         f"load {u}",
     )
 
@@ -268,6 +312,7 @@ def load(
     *,
     partial: bool = False,
     storage_options: dict[str, Any] | None = None,
+    progress: Any = None,
 ) -> Any:
     """Load the checkpoint at ``url``.
 
@@ -281,6 +326,8 @@ def load(
         and arrays as they were saved.
     partial : bool
         Load only the keys present in ``abstract`` (default: strict, every key must match).
+    progress : bool or callable, optional
+        As for :func:`save`: a bar (True), a callback, or a :class:`quire.progress.Progress`.
 
     Raises
     ------
@@ -292,7 +339,9 @@ def load(
     CorruptCheckpointError
         A chunk fails its checksum or the commit record is malformed.
     """
-    return load_async(url, abstract, partial=partial, storage_options=storage_options).result()
+    return load_async(
+        url, abstract, partial=partial, storage_options=storage_options, progress=progress
+    ).result()
 
 
 def metadata(

@@ -59,6 +59,10 @@ class Config:
         Leaf handlers in effect in addition to the installed ones (instances, or classes
         instantiated once); they take part in handler choice (most specific type first)
         and are found by id when loading.  Usually set through ``quire.Context``.
+    progress : bool or callable
+        Default of the ``progress=`` argument of save/load: False (silent, the default),
+        True (a progress bar on stderr), or a callable receiving
+        :class:`quire.progress.ProgressEvent` (e.g. to log to a training logger).
     """
 
     byte_budget: int = 256 * 1024 * 1024
@@ -70,6 +74,7 @@ class Config:
     codecs: tuple[Any, ...] = ()
     timeout: float | None = 600.0
     leaf_handlers: tuple[Any, ...] = ()
+    progress: Any = False
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(Config))
@@ -146,6 +151,13 @@ def _validate(name: str, v: Any) -> Any:
         if isinstance(v, str | dict) or not isinstance(v, Sequence):
             v = (v,)
         return tuple(v)
+    if name == "progress":
+        if not (isinstance(v, bool) or callable(v)):
+            raise TypeError(
+                f"quire option progress must be a bool or a callable taking a "
+                f"quire.progress.ProgressEvent, got {v!r}"
+            )
+        return v
     if name == "leaf_handlers":
         if not isinstance(v, Sequence) or isinstance(v, str):
             v = (v,)

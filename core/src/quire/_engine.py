@@ -148,6 +148,9 @@ async def _read_record(backend: Backend, url: str) -> tuple[dict[str, Any], str 
                 )
         except Exception:  # listing is only for the hint
             pass
+        from quire._scan import root_hint
+
+        hint = hint or await root_hint(backend)
         raise CheckpointNotFoundError(
             f"no checkpoint at {url} (no {_format.RECORD}).{hint}"
         ) from None
@@ -242,8 +245,12 @@ async def save_prepared(
 async def _drop(backend: Backend, url: str, txid: str) -> None:
     try:
         await backend.delete_prefix(f"d/{txid}")
-    except Exception:
-        log.warning("could not remove partial data d/%s under %s", txid, url)
+    except Exception as e:
+        log.warning(
+            "could not remove partial data d/%s under %s (%s: %s); `quire gc %s --yes` "
+            "removes it once it is older than the grace period",
+            txid, url, type(e).__name__, e, url,
+        )  # fmt: skip
 
 
 def plugin_sources(units: Mapping[str, dict[str, Any]]) -> dict[str, str]:
@@ -483,8 +490,10 @@ async def load_tree(
         # Name the package that wrote the missing plugin's data, when the record says.
         for ident, dist in (plugins or {}).items():
             if f"named {ident.split(':', 1)[1]!r}" in str(e):
+                from quire._install import install_hint
+
                 raise PluginError(
-                    f"{e}. This checkpoint was written with {dist}: pip install {dist}"
+                    f"{e}. This checkpoint was written with {dist}: {install_hint(dist)}"
                 ) from e
         raise
 

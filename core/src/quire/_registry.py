@@ -157,7 +157,9 @@ class Registry:
     def _missing(self, name: str, where: str) -> PluginError:
         hint = INSTALL_HINTS.get((self.group, name))
         if hint:
-            fix = f"install {hint} (pip install {hint})"
+            from quire._install import install_hint
+
+            fix = f"install {hint} ({install_hint(hint)})"
         else:
             have = ", ".join(self.names()) or "none"
             fix = f"install the package that provides it (installed: {have})"

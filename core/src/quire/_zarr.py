@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from quire import _progress
 from quire._dtypes import dtype_name
 from quire._io import run_blocking
 from quire.backends import Backend, Buffer
@@ -289,6 +290,7 @@ async def write_chunk(
 
     bufs = await run_blocking(enc)
     await backend.put(f"{location}/{layout.chunk_key(coords)}", bufs)
+    _progress.advance(data.nbytes)
     return sum(memoryview(b).nbytes for b in bufs)
 
 
@@ -435,4 +437,6 @@ async def read_region(
 
     if math.prod(layout.shape) == 0:
         return
-    await asyncio.gather(*(one(c) for c in layout.chunks_in(region)))
+    chunks = list(layout.chunks_in(region))
+    await asyncio.gather(*(one(c) for c in chunks))
+    _progress.advance(out.nbytes, len(chunks))
