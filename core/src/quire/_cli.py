@@ -192,12 +192,12 @@ def cmd_cp(args: argparse.Namespace) -> int:
         sides.append({**(so or {}), **value})
     c = _describe.counts(quire.metadata(args.src, storage_options=sides[0]).tree)
     on = _progress_on(args) and not args.quiet
-    with _progress.reporting(on, "cp", args.src, bytes_total=c.nbytes) as rep:
+    with _progress.reporting(on, "cp", args.src) as rep:
         last = [0]
 
         def step(done: int, total: int, nbytes: int, est: int) -> None:
             if rep is not None:
-                rep.objects_total = total
+                rep.set_total(est, total)
                 rep.advance(nbytes - last[0])
                 last[0] = nbytes
 

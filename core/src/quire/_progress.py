@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import os
 import sys
 import threading
 import time
@@ -126,6 +127,10 @@ class Progress:
             from tqdm import tqdm
 
             stream = sys.stderr if bar is True else bar
+            try:  # a terminal that reports no size (a fresh pty) gets 80x24
+                cols, rows = os.get_terminal_size(stream.fileno())
+            except (OSError, ValueError, AttributeError):
+                cols, rows = 0, 0
             self._bar = tqdm(
                 total=bytes_total,
                 desc=f"{operation}",
@@ -134,7 +139,8 @@ class Progress:
                 unit_divisor=1024,
                 file=stream,
                 mininterval=0.1,
-                dynamic_ncols=True,
+                ncols=cols if cols >= 40 else 80,
+                nrows=rows if rows >= 2 else 24,
                 leave=True,
             )
             self._update_postfix()
@@ -149,6 +155,16 @@ class Progress:
             if self._bar is not None:
                 self._bar.total = self.bytes_total
                 self._bar.refresh()
+
+    def set_total(self, nbytes: int | None = None, objects: int | None = None) -> None:
+        """Set the expected totals (when a better estimate is known)."""
+        with self._lock:
+            if nbytes is not None:
+                self.bytes_total = nbytes
+                if self._bar is not None:
+                    self._bar.total = nbytes
+            if objects is not None:
+                self.objects_total = objects
 
     def advance(self, nbytes: int = 0, objects: int = 1) -> None:
         """Count ``nbytes`` bytes and ``objects`` objects as done."""
