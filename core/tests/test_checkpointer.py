@@ -610,5 +610,5 @@ def test_cli_gc(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert not young.exists()
 
     (root / "checkpointer.json").write_text("not json")
-    assert cli(["gc", str(root)]) == 2
+    assert cli(["gc", str(root)]) == 1  # damage found (docs/cli.md: exit status)
     assert "CorruptCheckpointError" in capsys.readouterr().err

@@ -312,6 +312,7 @@ def test_config_fields_are_all_known() -> None:
         "codecs",
         "timeout",
         "leaf_handlers",
+        "progress",
     }
 
 

@@ -1,7 +1,7 @@
 """The ``quire`` command line: info, verify, ls, gc, cp, diff, plugins.
 
 Exit status (every command): 0 success (checkpoint good, command done); 1 damage found
-(``verify`` / ``cp`` met a chunk that fails its checks, ``diff`` found differences);
+(a chunk or a record fails its checks: ``CorruptCheckpointError``; ``diff`` found differences);
 2 usage error, or nothing found at the URL; 141 when the reader of the output went away
 (``quire info --json | head``), like other Unix tools.
 """
