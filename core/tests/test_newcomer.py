@@ -334,3 +334,13 @@ def test_tests_use_tmp_path_not_tempfile() -> None:
                 offenders.append(str(f.relative_to(REPO)))
     assert offenders == [], offenders
     assert not pathlib.Path(REPO / "core/tests/test_partial.py").read_text().count("quire-model-")
+
+
+def test_save_progress_total_with_mixed_keys_and_pytree_nodes(tmp_path: Path) -> None:
+    import collections
+
+    Pair = collections.namedtuple("Pair", "a b")
+    events: list[ProgressEvent] = []
+    tree = {1: np.ones(3), "x": Pair(np.ones(2, np.float32), 7)}
+    quire.save(tmp_path / "m", tree, progress=events.append)
+    assert events[-1].bytes_total == events[-1].bytes_done == 24 + 8

@@ -62,7 +62,9 @@ def _start_save(
     progress: Any = None,
 ) -> AsyncResponse[None]:
     u = normalize(url)
-    rep = _progress.make(progress, "save", u, bytes_total=_tree_nbytes(units))
+    rep = _progress.make(progress, "save", u)
+    if rep is not None:
+        rep.add_total(_tree_nbytes(units))
     prep = _engine.prepare_save(units, storage, copy=copy, url=u)
 
     return chain(
@@ -83,16 +85,21 @@ def _start_save(
     )
 
 
-def _tree_nbytes(units: Mapping[str, Any]) -> int:
-    """Array bytes in the units' pytrees (the total a save's progress counts towards)."""
-    import jax
+def _tree_nbytes(node: Any) -> int:
+    """Array bytes in a tree (the total a save's progress counts towards)."""
+    if isinstance(node, Mapping):
+        return sum(_tree_nbytes(v) for v in node.values())
+    if isinstance(node, list | tuple):
+        return sum(_tree_nbytes(v) for v in node)
+    if hasattr(node, "shape") and hasattr(node, "dtype"):
+        return int(getattr(node, "nbytes", 0) or 0)
+    try:  # other pytree nodes (dataclasses, flax structs): their children
+        import jax
 
-    total = 0
-    for unit in units.values():
-        for leaf in jax.tree_util.tree_leaves(unit):
-            if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-                total += int(getattr(leaf, "nbytes", 0) or 0)
-    return total
+        children = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)[0]
+    except Exception:
+        return 0
+    return 0 if children == [node] else sum(_tree_nbytes(c) for c in children)
 
 
 def chain(u: str, make: Callable[[], Awaitable[T]], description: str) -> AsyncResponse[T]:
