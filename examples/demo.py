@@ -1,12 +1,18 @@
-"""quire demo: save a small JAX model's state locally, list it, load it back.
+"""quire demo: save a small JAX model's state locally, inspect and verify it with the
+``quire`` command, load it back onto another sharding.
 
 Run:  python examples/demo.py [DIR]
+
+With DIR the checkpoint stays in DIR/step_100 (look at it with ``quire info``); without,
+it goes to a temporary directory that is removed at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -30,10 +36,22 @@ def init_mlp(key: jax.Array, sizes: list[int]) -> dict[str, dict[str, jax.Array]
     return params
 
 
-def main() -> None:
-    root = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="quire-demo-")
-    url = os.path.join(root, "step_100")
+def quire_cli(*args: str) -> None:
+    """Run the ``quire`` command as a user would (the installed console script)."""
+    print("\n$ quire", " ".join(args), flush=True)
+    subprocess.run([sys.executable, "-m", "quire", *args], check=True)
 
+
+def main() -> None:
+    with contextlib.ExitStack() as stack:
+        if len(sys.argv) > 1:
+            root = sys.argv[1]
+        else:
+            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="quire-demo-"))
+        demo(os.path.join(root, "step_100"))
+
+
+def demo(url: str) -> None:
     # Shard the first layer's weights over the 8 CPU devices, as a real run would over GPUs.
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
@@ -44,12 +62,8 @@ def main() -> None:
     quire.save(url, state, metadata={"loss": 0.125}, overwrite=True)
     print(f"saved the model state to {url}")
 
-    print("\n$ quire info", url)
-    from quire._cli import main as cli
-
-    cli(["info", url])
-    print("\n$ quire verify", url)
-    cli(["verify", url])
+    quire_cli("info", url)
+    quire_cli("verify", url)
 
     # Load it back onto a different sharding: a single device.
     abstract = jax.tree.map(

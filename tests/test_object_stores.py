@@ -609,7 +609,7 @@ def test_cp_verifies_checksums_and_commits_nothing_on_damage(
     raw[100] ^= 0xFF
     chunk.write_bytes(bytes(raw))
     dst, opts = s3_store.url(), json.dumps(s3_store.options(direct=True))
-    assert cli("cp", str(src), dst, "--dst-options", opts) == 2
+    assert cli("cp", str(src), dst, "--dst-options", opts) == 1  # damaged source (exit 1)
     err = capsys.readouterr().err
     assert "CorruptCheckpointError" in err and "params/w" in err and "checksum" in err
     assert not run(s3_store.backend(dst).exists("quire.json"))
@@ -634,3 +634,17 @@ def test_cp_progress_bar_on_a_terminal(tmp_path: Path) -> None:
     quiet = ProgressBar(io.StringIO())  # not a terminal: silent
     quiet(1, 2, 3, 4)
     assert not quiet.enabled
+
+
+def test_every_command_takes_storage_options(s3_store: Store, tmp_path: Path) -> None:
+    """Issue 14: info / verify / ls / gc / diff on S3 with `-o key=value` or JSON, no env."""
+    url = s3_store.url()
+    quire.save(url, build_tree(3), storage_options=s3_store.options())
+    as_o = [a for k, v in s3_store.options().items() for a in ("-o", f"{k}={json.dumps(v)}")]
+    as_json = ["--storage-options", json.dumps(s3_store.options())]
+    for opts in (as_o, as_json):
+        assert cli("info", url, *opts) == 0
+        assert cli("verify", url, *opts) == 0
+        assert cli("ls", url, *opts) == 0
+        assert cli("gc", url, *opts) == 0
+        assert cli("diff", url, url, "--values", *opts) == 0

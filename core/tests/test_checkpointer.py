@@ -578,8 +578,8 @@ def test_cli_ls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ]
     assert rows[1]["metrics"] == {"val_loss": 0.25, "acc": 0.75} and rows[0]["bytes"] > 0
 
-    assert cli(["ls", str(tmp_path / "empty")]) == 0
-    assert "no steps" in capsys.readouterr().out
+    assert cli(["ls", str(tmp_path / "empty")]) == 2  # nothing there: not found
+    assert "not found" in capsys.readouterr().err
     assert cli(["ls", str(root), "--step-format", "bad"]) == 2
     assert "step_format" in capsys.readouterr().err
 
@@ -610,5 +610,5 @@ def test_cli_gc(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert not young.exists()
 
     (root / "checkpointer.json").write_text("not json")
-    assert cli(["gc", str(root)]) == 2
+    assert cli(["gc", str(root)]) == 1  # damage found (docs/cli.md: exit status)
     assert "CorruptCheckpointError" in capsys.readouterr().err

@@ -11,8 +11,8 @@ local disk here, and on S3 (moto) and GCS (gcp-storage-emulator) in
 
 from __future__ import annotations
 
+import os
 import secrets
-import tempfile
 import uuid
 from typing import Any
 
@@ -109,8 +109,10 @@ class CommitMachine(RuleBasedStateMachine):
 
 
 class LocalCommitMachine(CommitMachine):
+    tmp_base = ""  # set per session from pytest's tmp_path_factory (no stray temp dirs)
+
     def make_root(self) -> str:
-        return tempfile.mkdtemp(prefix="quire-commit-model-")
+        return os.path.join(self.tmp_base, uuid.uuid4().hex)
 
     def teardown(self) -> None:
         import shutil
@@ -128,4 +130,11 @@ _settings = settings(
 TestCommitModelMemory = CommitMachine.TestCase
 TestCommitModelMemory.settings = _settings
 TestCommitModelLocal = LocalCommitMachine.TestCase
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _commit_tmp_base(tmp_path_factory: pytest.TempPathFactory) -> None:
+    LocalCommitMachine.tmp_base = str(tmp_path_factory.mktemp("commit-model"))
+
+
 TestCommitModelLocal.settings = _settings

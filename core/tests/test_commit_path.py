@@ -129,5 +129,5 @@ def test_read_refuses_locations_outside_d(quire_url: str) -> None:
     _run(b.delete([_format.RECORD]))
     _run(b.put(_format.RECORD, [json.dumps(doc).encode()]))
     for fn in (quire.load, quire.metadata):
-        with pytest.raises(quire.CorruptCheckpointError, match="(outside|inside) d/"):
+        with pytest.raises(quire.CorruptCheckpointError, match=r"(outside|inside) d/"):
             fn(quire_url)

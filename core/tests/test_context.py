@@ -313,6 +313,7 @@ def test_config_fields_are_all_known() -> None:
         "timeout",
         "leaf_handlers",
         "verify_record",
+        "progress",
     }
 
 

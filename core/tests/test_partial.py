@@ -184,9 +184,7 @@ class JournalMachine(RuleBasedStateMachine):
     def make_url(self) -> str:
         if self.backend_kind == "memory":
             return f"memory://journal-model/{uuid.uuid4().hex}"
-        import tempfile
-
-        return os.path.join(tempfile.mkdtemp(prefix="quire-model-"), "c")
+        return os.path.join(self.tmp_base, uuid.uuid4().hex, "c")
 
     @initialize()
     def setup(self) -> None:
@@ -265,6 +263,13 @@ class JournalMachine(RuleBasedStateMachine):
 
 class LocalJournalMachine(JournalMachine):
     backend_kind = "local"
+    tmp_base = ""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _journal_tmp_base(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The local model's checkpoints go under pytest's temporary directory."""
+    LocalJournalMachine.tmp_base = str(tmp_path_factory.mktemp("journal-model"))
 
 
 _settings = settings(max_examples=15, stateful_step_count=10, deadline=None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from quire import errors, partial, policies
+from quire import errors, partial, policies, progress
 from quire._api import (
     AsyncResponse,
     load,
@@ -70,6 +70,7 @@ __all__ = [
     "metadata",
     "partial",
     "policies",
+    "progress",
     "register_checkpointable_handler",
     "register_leaf_handler",
     "save",

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Generic, TypeVar
 
-from quire import _engine, _exit, _io
+from quire import _engine, _exit, _io, _progress
 from quire._url import normalize
 from quire.metadata import CheckpointMetadata
 from quire.options import StorageSpec
@@ -114,22 +114,47 @@ def _start_save(
     copy: bool,
     storage_options: dict[str, Any] | None = None,
     stats: dict[str, Any] | None = None,
+    progress: Any = None,
 ) -> AsyncResponse[None]:
     u = normalize(url)
+    rep = _progress.make(progress, "save", u)
+    if rep is not None:
+        rep.add_total(_tree_nbytes(units))
     prep = _engine.prepare_save(units, storage, copy=copy, url=u)
 
     return chain(
         u,
-        lambda: _engine.save_prepared(
-            u,
-            prep,
-            metadata=metadata,
-            overwrite=overwrite,
-            storage_options=storage_options,
-            stats=stats,
+        lambda: _progress.tracked(
+            rep,
+            lambda: _engine.save_prepared(
+                u,
+                prep,
+                metadata=metadata,
+                overwrite=overwrite,
+                storage_options=storage_options,
+                stats=stats,
+            ),
+            close=rep is not progress,
         ),
         f"save {u}",
     )
+
+
+def _tree_nbytes(node: Any) -> int:
+    """Array bytes in a tree (the total a save's progress counts towards)."""
+    if isinstance(node, Mapping):
+        return sum(_tree_nbytes(v) for v in node.values())
+    if isinstance(node, list | tuple):
+        return sum(_tree_nbytes(v) for v in node)
+    if hasattr(node, "shape") and hasattr(node, "dtype"):
+        return int(getattr(node, "nbytes", 0) or 0)
+    try:  # other pytree nodes (dataclasses, flax structs): their children
+        import jax
+
+        children = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)[0]
+    except Exception:
+        return 0
+    return 0 if children == [node] else sum(_tree_nbytes(c) for c in children)
 
 
 def chain(u: str, make: Callable[[], Awaitable[T]], description: str) -> AsyncResponse[T]:
@@ -170,6 +195,7 @@ def save(
     overwrite: bool = False,
     storage: StorageSpec = None,
     storage_options: dict[str, Any] | None = None,
+    progress: Any = None,
 ) -> None:
     """Save ``tree`` to ``url`` and commit it atomically.
 
@@ -190,6 +216,10 @@ def save(
         ``(key_path, leaf)`` and returns ``StorageOptions`` or None.
     storage_options : dict, optional
         fsspec options for the backend.
+    progress : bool or callable, optional
+        Show a progress bar (True), call ``progress(event)`` with a
+        :class:`quire.progress.ProgressEvent`, or pass a :class:`quire.progress.Progress`.
+        Default: the ``progress`` option of :class:`quire.Config` (off).
 
     Raises
     ------
@@ -208,6 +238,7 @@ def save(
         storage=storage,
         copy=False,
         storage_options=storage_options,
+        progress=progress,
     ).result()
 
 
@@ -219,6 +250,7 @@ def save_async(
     overwrite: bool = False,
     storage: StorageSpec = None,
     storage_options: dict[str, Any] | None = None,
+    progress: Any = None,
 ) -> AsyncResponse[None]:
     """Like :func:`save`, but return once every owned shard is copied to host memory.
 
@@ -259,6 +291,7 @@ def save_async(
         storage=storage,
         copy=True,
         storage_options=storage_options,
+        progress=progress,
     )
 
 
@@ -270,6 +303,7 @@ def save_checkpointables(
     overwrite: bool = False,
     storage: StorageSpec = None,
     storage_options: dict[str, Any] | None = None,
+    progress: Any = None,
 ) -> None:
     """Save several named units (pytrees, JSON configs, checkpointable objects) in one commit.
 
@@ -313,6 +347,7 @@ def save_checkpointables(
         storage=storage,
         copy=False,
         storage_options=storage_options,
+        progress=progress,
     ).result()
 
 
@@ -324,6 +359,7 @@ def save_checkpointables_async(
     overwrite: bool = False,
     storage: StorageSpec = None,
     storage_options: dict[str, Any] | None = None,
+    progress: Any = None,
 ) -> AsyncResponse[None]:
     """:func:`save_checkpointables` in the background (blocks only for host copies).
 
@@ -359,6 +395,7 @@ def save_checkpointables_async(
         storage=storage,
         copy=True,
         storage_options=storage_options,
+        progress=progress,
     )
 
 
@@ -409,6 +446,7 @@ def load_async(
     *,
     partial: bool = False,
     storage_options: dict[str, Any] | None = None,
+    progress: Any = None,
 ) -> AsyncResponse[Any]:
     """Start :func:`load` in the background.
 
@@ -429,8 +467,21 @@ def load_async(
         ``.result()`` returns the tree and raises what :func:`load` would.
     """
     u = normalize(url)
+    rep = _progress.make(progress, "load", u)
+
+    async def run() -> Any:
+        if rep is not None and rep.bytes_total is None:
+            try:
+                from quire import _describe
+
+                m = await _engine.metadata(u, storage_options)
+                rep.add_total(_describe.array_bytes(m.tree))
+            except Exception:
+                pass  # the load itself reports what is wrong
+        return await _engine.load(u, abstract, partial=partial, storage_options=storage_options)
+
     return AsyncResponse(
-        _io.submit(_engine.load(u, abstract, partial=partial, storage_options=storage_options)),
+        _io.submit(_progress.tracked(rep, run, close=rep is not progress)),
         f"load {u}",
     )
 
@@ -441,6 +492,7 @@ def load(
     *,
     partial: bool = False,
     storage_options: dict[str, Any] | None = None,
+    progress: Any = None,
 ) -> Any:
     """Load the checkpoint at ``url``.
 
@@ -454,6 +506,8 @@ def load(
         and arrays as they were saved.
     partial : bool
         Load only the keys present in ``abstract`` (default: strict, every key must match).
+    progress : bool or callable, optional
+        As for :func:`save`: a bar (True), a callback, or a :class:`quire.progress.Progress`.
 
     Raises
     ------
@@ -465,7 +519,9 @@ def load(
     CorruptCheckpointError
         A chunk fails its checksum or the commit record is malformed.
     """
-    return load_async(url, abstract, partial=partial, storage_options=storage_options).result()
+    return load_async(
+        url, abstract, partial=partial, storage_options=storage_options, progress=progress
+    ).result()
 
 
 def metadata(

@@ -1,13 +1,79 @@
-"""The ``quire`` command line: info, verify, plugins, ls, gc, cp."""
+"""The ``quire`` command line: info, verify, ls, gc, cp, diff, plugins.
+
+Exit status (every command): 0 success (checkpoint good, command done); 1 damage found
+(a chunk or a record fails its checks: ``CorruptCheckpointError``; ``diff`` found differences);
+2 usage error, or nothing found at the URL; 141 when the reader of the output went away
+(``quire info --json | head``), like other Unix tools.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
 from quire._text import human_bytes as _human
+
+EXIT_OK, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A bad command line (exit 2)."""
+
+
+# ----------------------------------------------------------------------------- options
+def _value(text: str) -> Any:
+    """``-o key=value`` values: JSON when they parse (true, 3, {"a": 1}), else the string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """fsspec storage options from ``--storage-options JSON`` and ``-o key=value``."""
+    opts: dict[str, Any] = {}
+    if getattr(args, "storage_options", None):
+        try:
+            doc = json.loads(args.storage_options)
+        except ValueError as e:
+            raise UsageError(f"--storage-options takes a JSON object: {e}") from None
+        if not isinstance(doc, dict):
+            raise UsageError("--storage-options takes a JSON object, e.g. '{\"anon\": true}'")
+        opts.update(doc)
+    for item in getattr(args, "option", None) or []:
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"-o takes KEY=VALUE (e.g. -o anon=true), got {item!r}")
+        opts[key] = _value(val)
+    return opts or None
+
+
+def _progress_on(args: argparse.Namespace) -> bool:
+    if args.progress is not None:
+        return bool(args.progress)
+    return bool(getattr(sys.stderr, "isatty", lambda: False)())
+
+
+# ----------------------------------------------------------------------------- info
+def _layout(v: Any) -> list[str]:
+    """Codecs, chunk grid and layout of one array leaf (issue 10: what ``info`` shows)."""
+    extras = []
+    if v.handler == "prng_key":
+        return ["prng key"] + ([] if v.checksum else ["no checksum"])
+    shape, chunk = tuple(v.shape), tuple(v.chunk_shape or v.shape)
+    grid = [-(-s // max(1, c)) for s, c in zip(shape, chunk)]
+    extras.append(f"chunks={list(chunk)} grid={grid}" if chunk != shape else "1 chunk")
+    extras.append("codecs=" + ("+".join(v.codecs) if v.codecs else "raw"))
+    if not v.checksum:
+        extras.append("no checksum")
+    if v.sharding and v.sharding.get("type") == "named":
+        extras.append(f"mesh={v.sharding.get('mesh')} spec={v.sharding.get('spec')}")
+    elif v.sharding and v.sharding.get("type"):
+        extras.append(f"sharding={v.sharding.get('type')}")
+    return extras
 
 
 def _print_tree(node: Any, indent: str, out: list[str], totals: dict[str, int]) -> None:
@@ -24,47 +90,31 @@ def _print_tree(node: Any, indent: str, out: list[str], totals: dict[str, int]) 
         if isinstance(v, LeafMetadata):
             totals["bytes"] += v.nbytes
             totals["arrays"] += 1
-            extras = []
-            dtype = v.dtype.name
-            if v.handler == "prng_key":
-                dtype = "prng_key"
-            if v.codecs:
-                extras.append("codecs=" + "+".join(v.codecs))
-            if not v.checksum:
-                extras.append("no checksum")
-            if v.handler != "prng_key" and v.chunk_shape and tuple(v.chunk_shape) != tuple(v.shape):
-                extras.append(f"chunks={list(v.chunk_shape)}")
-            if v.sharding and v.sharding.get("type") == "named":
-                extras.append(f"mesh={v.sharding.get('mesh')} spec={v.sharding.get('spec')}")
+            dtype = "prng_key" if v.handler == "prng_key" else v.dtype.name
             out.append(
-                f"{indent}{name}: {dtype}{list(v.shape)} {_human(v.nbytes)}"
-                + (f"  ({', '.join(extras)})" if extras else "")
+                f"{indent}{name}: {dtype}{list(v.shape)} {_human(v.nbytes)}  "
+                f"({', '.join(_layout(v))})"
             )
         elif isinstance(v, dict | list | tuple):
             out.append(f"{indent}{name}/")
             _print_tree(v, indent + "  ", out, totals)
         else:
-            tname = getattr(v, "__name__", str(v))
-            out.append(f"{indent}{name}: {tname}")
+            out.append(f"{indent}{name}: {getattr(v, '__name__', str(v))}")
             totals["inline"] += 1
 
 
 def cmd_info(args: argparse.Namespace) -> int:
     import quire
 
-    m = quire.metadata(args.url)
+    m = quire.metadata(args.url, storage_options=storage_options(args))
     if args.json:
         doc = {k: v for k, v in m.record.items() if not k.startswith("_")}
         print(json.dumps(doc, indent=2))
-        return 0
+        return EXIT_OK
     lines: list[str] = []
     totals = {"bytes": 0, "arrays": 0, "inline": 0}
-    _print_tree(
-        m.tree if isinstance(m.tree, dict | list | tuple) else {"<root>": m.tree},
-        "  ",
-        lines,
-        totals,
-    )
+    tree = m.tree if isinstance(m.tree, dict | list | tuple) else {"<root>": m.tree}
+    _print_tree(tree, "  ", lines, totals)
     print(f"checkpoint {m.url}")
     print(
         f"  format v{m.format_version}, written by quire {m.library_version}, "
@@ -73,53 +123,207 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(
         f"  {totals['arrays']} arrays ({_human(totals['bytes'])}), {totals['inline']} inline leaves"
     )
+    others = {n: k for n, k in m.units.items() if k != "pytree"}
+    if others:
+        print("  units: " + ", ".join(f"{n} ({k})" for n, k in others.items()))
     if m.custom:
         print("  metadata: " + json.dumps(m.custom, sort_keys=True))
     print("tree:")
     print("\n".join(lines))
-    return 0
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------- verify
+def _summary(c: Any) -> str:
+    return f"{c.arrays} arrays, {c.chunks} chunks, {_human(c.nbytes)}"
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from quire import _engine, _io
+    import quire
+    from quire import _describe, _engine, _io, _progress
     from quire._url import normalize
 
     url = normalize(args.url)
-    checked, problems = _io.submit(_engine.verify(url)).result()
+    so = storage_options(args)
+    c = _describe.counts(quire.metadata(url, storage_options=so).tree)
+    with _progress.reporting(
+        _progress_on(args), "verify", url, bytes_total=c.nbytes, objects_total=c.chunks
+    ):
+        _, problems = _io.submit(_engine.verify(url, so)).result()
     for p in problems:
-        print(f"BAD  {p.path}: {p.object}: {p.error}")
+        err = str(p.error)
+        prefix = f"chunk {p.object}: "
+        err = err[len(prefix) :] if err.startswith(prefix) else err
+        print(f"BAD  {p.path}: {p.object}: {err}")
     if problems:
-        print(f"{url}: {len(problems)} of {checked} chunks failed verification", file=sys.stderr)
-        return 1
-    print(f"{url}: OK, {checked} chunks verified")
-    return 0
+        print(
+            f"{url}: DAMAGED, {len(problems)} of {c.chunks} chunks failed ({_summary(c)})",
+            file=sys.stderr,
+        )
+        return EXIT_DAMAGED
+    print(f"{url}: OK, {_summary(c)} verified")
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------- cp
+def cmd_cp(args: argparse.Namespace) -> int:
+    import quire
+    from quire import _describe, _io, _progress
+    from quire._copy import copy_checkpoint
+
+    so = storage_options(args)
+    sides = []
+    for what, text in (("--src-options", args.src_options), ("--dst-options", args.dst_options)):
+        if not text:
+            sides.append(so)
+            continue
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise UsageError(f"{what} takes a JSON object, e.g. '{{\"anon\": true}}'")
+        sides.append({**(so or {}), **value})
+    c = _describe.counts(quire.metadata(args.src, storage_options=sides[0]).tree)
+    on = _progress_on(args) and not args.quiet
+    with _progress.reporting(on, "cp", args.src) as rep:
+        last = [0]
+
+        def step(done: int, total: int, nbytes: int, est: int) -> None:
+            if rep is not None:
+                rep.set_total(est, total)
+                rep.advance(nbytes - last[0])
+                last[0] = nbytes
+
+        res = _io.submit(
+            copy_checkpoint(args.src, args.dst, overwrite=args.overwrite,
+                            src_options=sides[0], dst_options=sides[1], progress=step)
+        ).result()  # fmt: skip
+    if not args.quiet:
+        print(
+            f"copied {res.src} -> {res.dst}: {_summary(c)} verified "
+            f"({res.objects} objects, {_human(res.bytes)} written) in {res.seconds:.1f}s"
+        )
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------- ls / gc
+def _open(url: str, so: dict[str, Any] | None) -> tuple[Any, str, Any]:
+    from quire._url import normalize, open_backend
+
+    u = normalize(url)
+    return open_backend(u, so), u, (lambda rel: open_backend(f"{u}/{rel}", so))
+
+
+def _is_root(backend: Any) -> bool:
+    from quire import _gc, _io
+
+    return bool(_io.submit(backend.exists(_gc.ROOT_RECORD)).result())
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from quire._gc import cli_ls
+    from quire import _describe, _engine, _gc, _io, _scan
 
-    return cli_ls(args.root, step_format=args.step_format, as_json=args.json)
+    so = storage_options(args)
+    backend, u, opener = _open(args.root, so)
+    if _is_root(backend):
+        return _gc.cli_ls(
+            u, step_format=args.step_format, as_json=args.json, storage_options=so
+        )  # fmt: skip
+    s = _io.submit(_scan.scan(backend, opener)).result()
+    if not s.checkpoints:
+        files, dirs = _io.submit(backend.list_dir("")).result()
+        if not files and not dirs:
+            print(f"quire ls: {u}: not found (nothing is stored there)", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"{u}: no checkpoints (searched {_scan.MAX_DEPTH} levels deep)")
+        return EXIT_OK
+    rows = []
+    for f in s.checkpoints:
+        row: dict[str, Any] = {"path": f.path or ".", "state": f.state, "bytes": None}
+        row["checkpointer_root"] = None if f.root is None else (f.root or ".")
+        row["step"] = f.step
+        if f.state == "committed":
+            try:
+                m = _io.submit(_engine.metadata(f"{u}/{f.path}" if f.path else u, so)).result()
+                row["bytes"] = _describe.array_bytes(m.tree)
+                row["created"] = m.created.isoformat(timespec="seconds")
+            except Exception as e:  # a damaged record: shown, not fatal
+                row["error"] = str(e).splitlines()[0]
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return EXIT_OK
+    table = [("PATH", "STATE", "SIZE", "CREATED", "MANAGED BY")]
+    for r in rows:
+        managed = "-"
+        if r["checkpointer_root"] is not None:
+            managed = f"Checkpointer {r['checkpointer_root']} (step {r['step']})"
+        table.append(
+            (
+                r["path"],
+                r["state"],
+                "?" if r["bytes"] is None else _human(r["bytes"]),
+                r.get("created", "error: " + r["error"] if "error" in r else "-"),
+                managed,
+            )
+        )
+    widths = [max(len(t[i]) for t in table) for i in range(4)]
+    print(u)
+    for t in table:
+        print("  ".join(c.ljust(w) for c, w in zip(t, widths)) + "  " + t[4])
+    n = {st: sum(r["state"] == st for r in rows) for st in ("committed", "partial", "incomplete")}
+    print(f"{len(rows)} checkpoint(s): " + ", ".join(f"{v} {k}" for k, v in n.items() if v))
+    return EXIT_OK
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from quire._gc import cli_gc
+    from quire import _gc, _io, _progress, _scan
 
-    return cli_gc(args.root, yes=args.yes, grace_period=args.grace, step_format=args.step_format)
+    so = storage_options(args)
+    backend, u, opener = _open(args.root, so)
+    if args.step_format is not None or _is_root(backend):
+        return _gc.cli_gc(
+            u, yes=args.yes, grace_period=args.grace, step_format=args.step_format,
+            storage_options=so,
+        )  # fmt: skip
+    with _progress.reporting(_progress_on(args) and args.yes, "gc", u):
+        report = _io.submit(
+            _scan.collect_any(backend, u, opener, grace_period=args.grace, dry_run=not args.yes)
+        ).result()
+    verb = "removed" if args.yes else "would remove"
+    kinds = {"incomplete": "uncommitted step", "superseded": "superseded data",
+             "uncommitted": "data of a save that never committed"}  # fmt: skip
+    for g in report.removable:
+        print(f"{verb} {g.prefix}/  ({kinds.get(g.kind, g.kind)}, {_human(g.nbytes)}, "
+              f"{_gc._age(g.age)} old)")  # fmt: skip
+    for g in report.kept:
+        why = "age unknown" if g.age is None else f"{_gc._age(g.age)} old"
+        print(f"kept {g.prefix}/  ({g.kind}, {why}; grace period {_gc._age(args.grace)})")
+    total = _human(sum(g.nbytes for g in report.removable))
+    if not report.removable:
+        print(f"{u}: no garbage to remove")
+    elif args.yes:
+        print(f"{u}: removed {len(report.removable)} item(s), {total}")
+    else:
+        print(f"{u}: {len(report.removable)} item(s), {total}; run with --yes to delete")
+    return EXIT_OK
 
 
-def cmd_cp(args: argparse.Namespace) -> int:
-    from quire._copy import cli_cp
+# ----------------------------------------------------------------------------- diff
+def cmd_diff(args: argparse.Namespace) -> int:
+    from quire import _describe, _diff
 
-    return cli_cp(
-        args.src,
-        args.dst,
-        overwrite=args.overwrite,
-        src_options=args.src_options,
-        dst_options=args.dst_options,
-        quiet=args.quiet,
-    )
+    so = storage_options(args)
+    a = _describe.from_checkpoint(args.a, so)
+    b = _describe.from_checkpoint(args.b, so)
+    values = args.values or args.atol is not None or args.rtol is not None
+    r = _diff.compare(a, b, values=values, atol=args.atol or 0.0, rtol=args.rtol or 0.0)
+    print("\n".join(_diff.render(r, a, b)))
+    return EXIT_OK if r.same else EXIT_DAMAGED
 
 
+# ----------------------------------------------------------------------------- plugins
 def cmd_plugins(args: argparse.Namespace) -> int:
     from quire._registry import registries
 
@@ -134,40 +338,67 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             print("  (none)")
         for i in infos:
             print(f"  {i.name:<{wn}}  {i.distribution:<{wd}}  {i.version or '-':<{wv}}  {i.status}")
-    return 0
+    return EXIT_OK
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="quire", description="Inspect and check quire checkpoints."
+# ----------------------------------------------------------------------------- parser
+def parser() -> argparse.ArgumentParser:
+    from quire import __version__
+
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("storage and display")
+    g.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an fsspec storage option (repeatable; VALUE is JSON when it parses, e.g. "
+        "-o anon=true -o endpoint_url=http://127.0.0.1:9000)",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser(
-        "info", help="show a checkpoint's tree (shapes, dtypes, sizes, codecs) and metadata"
+    g.add_argument("--storage-options", metavar="JSON", help="fsspec storage options as JSON")
+    g.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="show a progress bar on stderr (default: when stderr is a terminal)",
     )
+    p0 = argparse.ArgumentParser(
+        prog="quire",
+        description="Inspect, check, copy and clean up quire checkpoints.",
+        epilog="exit status: 0 ok; 1 damaged (verify, cp) or different (diff); "
+        "2 usage error or nothing found at the URL",
+    )
+    p0.add_argument("--version", action="version", version=f"quire {__version__}")
+    sub = p0.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, parents=[common])
+
+    p = add("info", "show a checkpoint's tree (shapes, dtypes, sizes, chunk grid, codecs, layout)")
     p.add_argument("url")
     p.add_argument("--json", action="store_true", help="print the raw commit record")
     p.set_defaults(fn=cmd_info)
-    p = sub.add_parser(
-        "verify", help="read every chunk and check its checksum (exit 1 on any failure)"
-    )
+    p = add("verify", "read every chunk and check its checksum (exit 1 on any failure)")
     p.add_argument("url")
     p.set_defaults(fn=cmd_verify)
-    p = sub.add_parser(
-        "plugins", help="list installed plugins per entry-point group, with their status"
-    )
+    p = add("plugins", "list installed plugins per entry-point group, with their status")
     p.set_defaults(fn=cmd_plugins)
-    p = sub.add_parser("ls", help="list a Checkpointer root's steps: state, size, age and metrics")
-    p.add_argument("root")
+    p = add(
+        "ls",
+        "list every checkpoint under a prefix (whatever its name), marking those a "
+        "quire.Checkpointer manages; on a Checkpointer root: its steps with state, size, "
+        "age and metrics",
+    )
+    p.add_argument("root", metavar="URL")
     p.add_argument("--step-format", help="step directory pattern (default: the root's own)")
     p.add_argument("--json", action="store_true", help="print a JSON list")
     p.set_defaults(fn=cmd_ls)
-    p = sub.add_parser(
+    p = add(
         "gc",
-        help="remove uncommitted steps and superseded data of a Checkpointer root "
-        "(dry run unless --yes)",
+        "remove data no commit record references, under a checkpoint, a Checkpointer root "
+        "or any prefix holding them: killed saves, superseded data (dry run unless --yes)",
     )
-    p.add_argument("root")
+    p.add_argument("root", metavar="URL")
     p.add_argument("--yes", action="store_true", help="delete (default: only report)")
     p.add_argument(
         "--grace",
@@ -178,29 +409,57 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--step-format", help="step directory pattern (default: the root's own)")
     p.set_defaults(fn=cmd_gc)
-    p = sub.add_parser(
+    p = add(
         "cp",
-        help="copy a committed checkpoint between any two URLs (local, s3://, gs://, ...): "
+        "copy a committed checkpoint between any two URLs (local, s3://, gs://, ...): "
         "data first, checksums verified, commit record last",
     )
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
-    p.add_argument("--src-options", metavar="JSON", help="storage_options for SRC")
-    p.add_argument("--dst-options", metavar="JSON", help="storage_options for DST")
+    p.add_argument("--src-options", metavar="JSON", help="storage options for SRC only")
+    p.add_argument("--dst-options", metavar="JSON", help="storage options for DST only")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     p.set_defaults(fn=cmd_cp)
-    args = parser.parse_args(argv)
-    from quire.errors import QuireError
+    p = add(
+        "diff",
+        "compare two checkpoints: structure, shapes, dtypes, metadata, and with --values "
+        "(or a tolerance) every value (exit 1 when they differ)",
+    )
+    p.add_argument("a", metavar="A")
+    p.add_argument("b", metavar="B")
+    p.add_argument("--values", action="store_true", help="also compare values exactly")
+    p.add_argument("--atol", type=float, help="compare values with this absolute tolerance")
+    p.add_argument("--rtol", type=float, help="compare values with this relative tolerance")
+    p.set_defaults(fn=cmd_diff)
+    return p0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from quire.errors import CorruptCheckpointError, QuireError
 
     try:
-        return int(args.fn(args))
+        code = int(args.fn(args))
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader went away (`quire info --json | head`): no traceback, like cat(1).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    except UsageError as e:
+        print(f"quire {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except CorruptCheckpointError as e:
+        print(f"quire {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_DAMAGED
     except QuireError as e:
         print(f"quire {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except FileNotFoundError as e:
         print(f"quire {args.command}: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -122,6 +122,10 @@ async def _read(backend: Backend, url: str, *, under: str, missing_ok: bool) -> 
                 )
         except Exception:  # listing is only for the hint
             pass
+        if not hint and not under:
+            from quire._scan import root_hint
+
+            hint = await root_hint(backend)
         raise CheckpointNotFoundError(f"no checkpoint at {where} (no {RECORD}).{hint}") from None
     doc = _format.parse(raw, where)
     check_locations(doc["units"], where)
@@ -224,7 +228,11 @@ async def drop_txids(backend: Backend, url: str, txids: Collection[str]) -> None
         try:
             await backend.delete_prefix(f"d/{t}")
         except Exception as e:
-            log.warning("%s: could not delete unreferenced data d/%s: %s", url, t, e)
+            log.warning(
+                "could not remove unreferenced data d/%s under %s (%s: %s); `quire gc %s --yes` "
+                "removes it once it is older than the grace period",
+                t, url, type(e).__name__, e, url,
+            )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- processes

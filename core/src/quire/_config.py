@@ -68,6 +68,10 @@ class Config:
         A record without one is refused as corrupt; ``quire.Context(verify_record=False)``
         reads such a record (written by another tool, or repaired by hand) for the calls
         inside the block.  The record's structure is validated either way.
+    progress : bool or callable
+        Default of the ``progress=`` argument of save/load: False (silent, the default),
+        True (a progress bar on stderr), or a callable receiving
+        :class:`quire.progress.ProgressEvent` (e.g. to log to a training logger).
     """
 
     byte_budget: int = 256 * 1024 * 1024
@@ -80,6 +84,7 @@ class Config:
     timeout: float | None = 600.0
     leaf_handlers: tuple[Any, ...] = ()
     verify_record: bool = True
+    progress: Any = False
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(Config))
@@ -154,6 +159,13 @@ def _validate(name: str, v: Any) -> Any:
         if isinstance(v, str | dict) or not isinstance(v, Sequence):
             v = (v,)
         return tuple(v)
+    if name == "progress":
+        if not (isinstance(v, bool) or callable(v)):
+            raise TypeError(
+                f"quire option progress must be a bool or a callable taking a "
+                f"quire.progress.ProgressEvent, got {v!r}"
+            )
+        return v
     if name == "leaf_handlers":
         if not isinstance(v, Sequence) or isinstance(v, str):
             v = (v,)

@@ -438,12 +438,14 @@ def _metrics(m: dict[str, Any]) -> str:
     return " ".join(out)
 
 
-def _open(url: str, step_format: str | None) -> tuple[Backend, str, StepFormat]:
+def _open(
+    url: str, step_format: str | None, storage_options: dict[str, Any] | None = None
+) -> tuple[Backend, str, StepFormat]:
     from quire import _io
     from quire._url import normalize, open_backend
 
     u = normalize(url)
-    backend = open_backend(u)
+    backend = open_backend(u, storage_options)
     try:
         fmt = _io.submit(root_step_format(backend, u, step_format)).result()
     except ValueError as e:
@@ -453,11 +455,17 @@ def _open(url: str, step_format: str | None) -> tuple[Backend, str, StepFormat]:
     return backend, u, fmt
 
 
-def cli_ls(url: str, *, step_format: str | None = None, as_json: bool = False) -> int:
+def cli_ls(
+    url: str,
+    *,
+    step_format: str | None = None,
+    as_json: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> int:
     """``quire ls ROOT``: one line per step directory; exit 0 (2 on errors)."""
     from quire import _io
 
-    backend, u, fmt = _open(url, step_format)
+    backend, u, fmt = _open(url, step_format, storage_options)
     reports = _io.submit(describe(backend, u, fmt)).result()
     if as_json:
         print(
@@ -492,7 +500,7 @@ def cli_ls(url: str, *, step_format: str | None = None, as_json: bool = False) -
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    print(f"{u} (step format {fmt.pattern!r})")
+    print(f"{u}: a quire.Checkpointer root (step format {fmt.pattern!r})")
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[4])
     committed = [r.step for r in reports if r.state == "committed"]
@@ -509,11 +517,12 @@ def cli_gc(
     yes: bool = False,
     grace_period: float = DEFAULT_GRACE_PERIOD,
     step_format: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> int:
     """``quire gc ROOT``: report (or with ``yes``, remove) garbage; exit 0 (2 on errors)."""
     from quire import _io
 
-    backend, u, fmt = _open(url, step_format)
+    backend, u, fmt = _open(url, step_format, storage_options)
     report = _io.submit(
         collect(backend, u, fmt, grace_period=grace_period, dry_run=not yes)
     ).result()

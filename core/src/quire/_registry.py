@@ -178,7 +178,9 @@ class Registry:
     def _missing(self, name: str, where: str) -> PluginError:
         hint = INSTALL_HINTS.get((self.group, name))
         if hint:
-            fix = f"install {hint} (pip install {hint})"
+            from quire._install import install_hint
+
+            fix = f"install {hint} ({install_hint(hint)})"
         else:
             have = ", ".join(self.names()) or "none"
             fix = f"install the package that provides it (installed: {have})"
@@ -291,7 +293,9 @@ def record_hint(err: PluginError, plugins: object) -> PluginError:
     if reg is not None:
         known |= {canonical(_dist(ep)[0]) for ep in reg.entry_points(err.name)}
     if canonical(claimed) in known and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", claimed):
-        hint = f"This checkpoint was written with {claimed}: pip install {claimed}"
+        from quire._install import install_hint
+
+        hint = f"This checkpoint was written with {claimed}: {install_hint(claimed)}"
     else:
         hint = (
             f"The checkpoint says it was written with plugin distribution {claimed[:100]!r}; "

@@ -41,8 +41,10 @@ def open_backend(url: str, storage_options: dict[str, Any] | None = None) -> Bac
         return cls(url, opts)  # type: ignore[no-any-return]
     hint = INSTALL_HINTS.get(("quire.backends", proto))
     if hint:
+        from quire._install import install_hint
+
         raise PluginError(
-            f"no quire backend for {proto}:// URLs ({url}); install {hint} (pip install {hint})"
+            f"no quire backend for {proto}:// URLs ({url}); install {hint} ({install_hint(hint)})"
         )
     import fsspec
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from quire import _progress
 from quire._dtypes import dtype_name
 from quire._io import run_blocking
 from quire._tasks import for_each
@@ -293,6 +294,7 @@ async def write_chunk(
 
     bufs = await run_blocking(enc)
     await backend.put(f"{location}/{layout.chunk_key(coords)}", bufs)
+    _progress.advance(data.nbytes)
     return sum(memoryview(b).nbytes for b in bufs)
 
 
@@ -534,4 +536,13 @@ async def read_region(
         return
     # Tasks are made lazily, a bounded number at a time: a record claiming millions of
     # chunks costs memory for the workers only, and the first failure stops the rest.
-    await for_each(layout.chunks_in(region), one, MAX_OPEN_CHUNKS)
+    counted = 0
+
+    def counting() -> Iterator[tuple[int, ...]]:
+        nonlocal counted
+        for c in layout.chunks_in(region):
+            counted += 1
+            yield c
+
+    await for_each(counting(), one, MAX_OPEN_CHUNKS)
+    _progress.advance(out.nbytes, counted)

@@ -240,6 +240,9 @@ async def check_objects(
                 raise ValueError(f"{len(data)} bytes at {obj.offset}, expected {obj.length}")
             if obj.check is not None:
                 await asyncio.to_thread(obj.check, data)
+            from quire import _progress
+
+            _progress.advance(len(data), 1)
             return data
 
     async def one(path: KeyPath, obj: StoredObject) -> ObjectProblem | None:

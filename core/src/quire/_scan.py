@@ -1,0 +1,202 @@
+"""Checkpoints anywhere under a prefix: ``quire ls`` / ``quire gc`` on any URL.
+
+A prefix may hold plain checkpoints (a folder with ``quire.json``, whatever its name),
+quire.Checkpointer roots (a folder with ``checkpointer.json``, whose steps are
+checkpoints), partial saves (``journal/``) and the debris of killed saves: ``d/<txid>/``
+prefixes no commit record references.  The scan lists one level at a time and never
+descends into a checkpoint's data.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from quire import _format, _gc
+from quire.backends import Backend
+from quire.errors import QuireError
+
+TXID = re.compile(r"^[0-9a-f]{16}$")
+MAX_DEPTH = 8
+
+
+@dataclass(frozen=True)
+class Found:
+    """One checkpoint (or the debris of one) under the scanned prefix."""
+
+    path: str  # relative to the scanned prefix ("" for the prefix itself)
+    state: str  # "committed", "partial" (journal) or "incomplete" (only d/<txid>/ data)
+    root: str | None = None  # the Checkpointer root managing it (relative path)
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class Scan:
+    checkpoints: list[Found]
+    roots: list[str]  # Checkpointer roots (relative paths)
+
+
+def _join(a: str, b: str) -> str:
+    if not b:
+        return a
+    return f"{a}/{b}" if a else b
+
+
+Opener = Callable[[str], Backend]  # a relative path -> the backend rooted there
+
+
+async def scan(backend: Backend, opener: Opener) -> Scan:
+    """Every checkpoint and Checkpointer root under the backend's root."""
+    found: list[Found] = []
+    roots: list[str] = []
+    todo: list[tuple[str, int, str | None, Any]] = [("", 0, None, None)]
+    while todo:
+        prefix, depth, root, fmt = todo.pop()
+        files, dirs = await backend.list_dir(prefix)
+        step = None
+        if root is not None and fmt is not None:
+            step = fmt.parse(prefix.rsplit("/", 1)[-1])
+        if _format.RECORD in files:
+            found.append(Found(prefix, "committed", root, step))
+            continue
+        if _gc.JOURNAL_DIR in dirs:
+            found.append(Found(prefix, "partial", root, step))
+            continue
+        if "d" in dirs and (root is None or step is not None):
+            _, txids = await backend.list_dir(_join(prefix, "d"))
+            if txids and all(TXID.match(t) for t in txids):
+                found.append(Found(prefix, "incomplete", root, step))
+                continue
+        sub_root, sub_fmt = root, fmt
+        if _gc.ROOT_RECORD in files:
+            roots.append(prefix)
+            sub_root = prefix
+            try:
+                doc = await _gc.read_root_record(opener(prefix) if prefix else backend, "")
+            except QuireError:
+                doc = None
+            sub_fmt = _gc.StepFormat(doc["step_format"] if doc else _gc.DEFAULT_STEP_FORMAT)
+        elif root is not None:
+            sub_root, sub_fmt = None, None  # a folder inside a root that is not a step
+        if depth < MAX_DEPTH:
+            for d in reversed(dirs):
+                todo.append((_join(prefix, d), depth + 1, sub_root, sub_fmt))
+    found.sort(key=lambda f: f.path)
+    return Scan(found, sorted(roots))
+
+
+async def root_hint(backend: Backend) -> str:
+    """For a 'no checkpoint here' error: what the URL is instead (a Checkpointer root,
+    a folder of checkpoints), naming the steps or checkpoints; "" when nothing is known."""
+    try:
+        doc = await _gc.read_root_record(backend, "")
+        _, dirs = await backend.list_dir("")
+    except Exception:  # only for the hint
+        return ""
+    if doc is not None:
+        fmt = _gc.StepFormat(doc["step_format"])
+        steps = await _gc.committed_steps(backend, fmt)
+        if not steps:
+            return " It is a quire.Checkpointer root with no committed step yet"
+        shown = ", ".join(map(str, steps[-10:]))
+        more = f" ({len(steps)} in all)" if len(steps) > 10 else ""
+        return (
+            f" It is a quire.Checkpointer root; its committed steps are {shown}{more}. Load "
+            f"one with quire.Checkpointer(url).load({steps[-1]}) or from "
+            f"<url>/{fmt.name(steps[-1])}; `quire ls <url>` lists them"
+        )
+    try:
+        have = [d for d in dirs if await backend.exists(f"{d}/{_format.RECORD}")]
+    except Exception:
+        return ""
+    if have:
+        shown = ", ".join(have[:10]) + (" ..." if len(have) > 10 else "")
+        return f" It holds checkpoints in sub-folders: {shown} (`quire ls <url>` lists them)"
+    return ""
+
+
+# ----------------------------------------------------------------------------- gc
+async def _txid_garbage(
+    backend: Backend, path: str, live: set[str], now: float, grace: float
+) -> tuple[list[_gc.Garbage], list[_gc.Garbage]]:
+    """``<path>/d/<txid>/`` prefixes not in ``live``: (old enough, too young)."""
+    removable: list[_gc.Garbage] = []
+    kept: list[_gc.Garbage] = []
+    by_txid: dict[str, list[str]] = defaultdict(list)
+    base = _join(path, "d")
+    for k in await backend.list(base):
+        parts = k[len(base) + 1 :].split("/")
+        if len(parts) >= 2 and TXID.match(parts[0]):
+            by_txid[parts[0]].append(k)
+    for txid, keys in sorted(by_txid.items()):
+        if txid in live:
+            continue
+        t = await _gc.newest(backend, keys)
+        age = None if t is None else max(0.0, now - t)
+        g = _gc.Garbage(f"{base}/{txid}", -1, "superseded" if live else "uncommitted",
+                        await _gc.sizes(backend, keys), age)  # fmt: skip
+        old = grace <= 0 or (age is not None and age >= grace)
+        (removable if old else kept).append(g)
+    return removable, kept
+
+
+async def _live(backend: Backend, url: str, path: str) -> set[str] | None:
+    """The txids ``<path>/quire.json`` references; empty if none; None if unreadable."""
+    try:
+        raw = await backend.get(_join(path, _format.RECORD))
+    except FileNotFoundError:
+        return set()
+    try:
+        return set(_format.parse(raw, _join(url, path))["txids"])
+    except QuireError:
+        return None  # a damaged record is for a human to look at, not for GC
+
+
+async def collect_any(
+    backend: Backend, url: str, opener: Opener, *, grace_period: float, dry_run: bool
+) -> _gc.GcReport:
+    """Garbage under any prefix: every Checkpointer root's (as ``collect``), plus each
+    plain checkpoint's unreferenced ``d/<txid>/`` data and killed first saves'."""
+    s = await scan(backend, opener)
+    removable: list[_gc.Garbage] = []
+    kept: list[_gc.Garbage] = []
+    for r in s.roots:
+        sub = opener(r) if r else backend
+        fmt = await _gc.root_step_format(sub, _join(url, r))
+        rep = await _gc.collect(sub, _join(url, r), fmt, grace_period=grace_period,
+                                dry_run=dry_run)  # fmt: skip
+        for lst, into in ((rep.removable, removable), (rep.kept, kept)):
+            into += [_gc.Garbage(_join(r, g.prefix), g.step, g.kind, g.nbytes, g.age) for g in lst]
+    now = time.time()
+    for f in s.checkpoints:
+        if (f.root is not None and f.step is not None) or f.state == "partial":
+            continue  # a root's step (done above) or a partial save (never touched)
+        live = await _live(backend, url, f.path)
+        if live is None:
+            continue
+        rem, kp = await _txid_garbage(backend, f.path, live, now, grace_period)
+        removable += rem
+        kept += kp
+    if not dry_run:
+        plain = [g for g in removable if g.step < 0]
+        gone = {g.prefix for g in plain if await _remove(backend, url, g)}
+        removable = [g for g in removable if g.step >= 0 or g.prefix in gone]
+    return _gc.GcReport(removable, kept, not dry_run, grace_period)
+
+
+async def _remove(backend: Backend, url: str, g: _gc.Garbage) -> bool:
+    """Remove one piece of garbage after checking again that no record references it."""
+    path, _, txid = ("/" + g.prefix).rpartition("/d/")
+    path = path.lstrip("/")
+    live = await _live(backend, url, path)
+    if live is None or txid in live:
+        return False
+    from quire._progress import advance
+
+    await backend.delete_prefix(g.prefix)
+    advance(g.nbytes)
+    return True

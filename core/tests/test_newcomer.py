@@ -1,0 +1,346 @@
+"""Issue 14: the CLI (version, storage options, ls/info/gc on any prefix, diff, exit codes,
+progress in a real terminal), library progress, install hints, no leaked temp dirs."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import select
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import quire
+from quire._cli import main as cli
+from quire.progress import Progress, ProgressEvent
+
+REPO = Path(__file__).resolve().parents[2]
+QUIRE = [sys.executable, "-m", "quire._cli"]
+
+
+def _tree(scale: float = 1.0) -> dict:
+    return {
+        "w": np.full((64, 32), scale, np.float32),
+        "b": np.arange(8, dtype=np.int32),
+        "step": 3,
+        "rng": jax.random.key(0),
+    }
+
+
+# ----------------------------------------------------------------------------- basics
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"quire {quire.__version__}"
+
+
+def test_broken_pipe_is_quiet(tmp_path: Path) -> None:
+    url = tmp_path / "big"
+    quire.save(url, {f"k{i:05d}": i for i in range(4000)})  # a record larger than a pipe
+    p = subprocess.run(
+        f"{' '.join(QUIRE)} info --json {url} | head -n 2",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.stdout.splitlines()[0] == "{"
+    assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+
+
+def test_storage_options_forms(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from quire._cli import parser, storage_options
+
+    args = parser().parse_args(
+        ["info", "x", "-o", "anon=true", "-o", "endpoint_url=http://h:1",
+         "--storage-options", '{"retries": 3, "anon": false}']
+    )
+    assert storage_options(args) == {"retries": 3, "anon": True, "endpoint_url": "http://h:1"}
+    for cmd in ("info", "verify", "ls", "gc", "cp", "diff"):
+        extra = ["y"] if cmd in ("cp", "diff") else []
+        assert cli([cmd, str(tmp_path), *extra, "-o", "novalue"]) == 2
+        assert "KEY=VALUE" in capsys.readouterr().err
+    assert cli(["info", str(tmp_path), "--storage-options", "[1]"]) == 2
+    assert "JSON object" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- ls / info
+def test_ls_lists_any_checkpoint_and_marks_checkpointer_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    quire.save(tmp_path / "ckpt" / "step_100", _tree())
+    with quire.Checkpointer(tmp_path / "ckpt" / "run") as c:
+        c.save(7, _tree())
+    assert cli(["ls", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    rows = {ln.split()[0]: ln for ln in out.splitlines()[2:] if ln.strip()}
+    assert "committed" in rows["step_100"] and "Checkpointer" not in rows["step_100"]
+    assert "Checkpointer run (step 7)" in rows["run/step_00000007"]
+    assert cli(["ls", str(tmp_path / "ckpt"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {(r["path"], r["checkpointer_root"]) for r in doc} == {
+        ("step_100", None),
+        ("run/step_00000007", "run"),
+    }
+
+    assert cli(["ls", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert "not found" in err and "missing" in err
+
+
+def test_info_and_load_of_a_checkpointer_root_name_the_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "run"
+    with quire.Checkpointer(root) as c:
+        c.save(1, _tree())
+        c.save(2, _tree())
+    with pytest.raises(quire.CheckpointNotFoundError, match=r"Checkpointer root.*steps are 1, 2"):
+        quire.load(root)
+    assert cli(["info", str(root)]) == 2
+    assert "steps are 1, 2" in capsys.readouterr().err
+
+
+def test_info_shows_chunk_grid_codecs_and_layout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("d",))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    x = jax.device_put(np.zeros((64, 8), np.float32), sh)
+    quire.save(tmp_path / "c", {"x": x, "y": np.ones(4)},
+               storage=quire.StorageOptions(codecs=["zstd"]))  # fmt: skip
+    assert cli(["info", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("x:"))
+    assert "chunks=[16, 8] grid=[4, 1]" in line and "codecs=zstd" in line and "mesh=" in line
+    assert "1 chunk" in next(ln for ln in out.splitlines() if ln.strip().startswith("y:"))
+
+
+# ----------------------------------------------------------------------------- verify / cp
+def test_verify_and_cp_count_alike_and_exit_codes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "src"
+    quire.save(src, _tree())
+    assert cli(["verify", str(src)]) == 0
+    v = capsys.readouterr().out
+    assert cli(["cp", str(src), str(tmp_path / "dst")]) == 0
+    c = capsys.readouterr().out
+    counted = re.compile(r"(\d+ arrays, \d+ chunks, [\d.]+ \w+) verified")
+    assert counted.search(v)[1] == counted.search(c)[1] == "3 arrays, 3 chunks, 8.0 KiB"
+
+    # damage one chunk: verify prints its path once and exits 1; cp refuses with 1
+    chunks = [p for p in (src / "d").rglob("c/*") if p.is_file()] or [
+        p for p in (src / "d").rglob("*") if p.is_file() and p.name != "zarr.json"
+    ]
+    chunk = max(chunks, key=lambda p: p.stat().st_size)
+    data = bytearray(chunk.read_bytes())
+    data[10] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    assert cli(["verify", str(src)]) == 1
+    out, err = capsys.readouterr()
+    bad = [ln for ln in out.splitlines() if ln.startswith("BAD")]
+    rel = str(chunk.relative_to(src))
+    assert len(bad) == 1 and bad[0].count(rel) == 1, bad
+    assert "DAMAGED, 1 of 3 chunks failed" in err
+    assert cli(["cp", str(src), str(tmp_path / "dst2")]) == 1
+    assert "CorruptCheckpointError" in capsys.readouterr().err
+    assert cli(["verify", str(tmp_path / "nothing")]) == 2
+
+
+# ----------------------------------------------------------------------------- diff
+def test_diff(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b, c, d = (str(tmp_path / n) for n in "abcd")
+    quire.save(a, _tree(), metadata={"loss": 1.0})
+    quire.save(b, _tree(), metadata={"loss": 1.0})
+    quire.save(c, _tree(1.0 + 1e-6), metadata={"loss": 1.0})
+    other = _tree()
+    other["w"] = np.zeros((64, 16), np.float32)
+    other["extra"] = np.zeros(2, np.float16)
+    del other["b"]
+    quire.save(d, other, metadata={"loss": 0.5})
+
+    assert cli(["diff", a, b, "--values"]) == 0
+    assert "same structure" in capsys.readouterr().out
+    assert cli(["diff", a, c]) == 0  # structure only: same
+    capsys.readouterr()
+    assert cli(["diff", a, c, "--values"]) == 1
+    assert "~ w: 2048 of 2048 values differ" in capsys.readouterr().out
+    assert cli(["diff", a, c, "--atol", "1e-5"]) == 0
+    capsys.readouterr()
+    assert cli(["diff", a, d]) == 1
+    out = capsys.readouterr().out
+    assert "- b  (only in A)" in out and "+ extra  (only in B)" in out
+    assert "~ w: float32[64, 32] vs float32[64, 16]" in out
+    assert "~ metadata loss: 1.0 vs 0.5" in out
+
+
+# ----------------------------------------------------------------------------- gc
+KILLED_SAVE = textwrap.dedent(
+    """
+    import os, sys, numpy as np, quire, quire._commit as c
+
+    async def die(*a, **k):
+        os._exit(9)  # killed after the data, before the commit record
+
+    c.publish = die
+    quire.save(sys.argv[1], {"w": np.full(1000, 7.0)}, overwrite=sys.argv[2] == "1")
+    """
+)
+
+
+def _killed_save(url: Path, overwrite: bool) -> None:
+    p = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(url), str(int(overwrite))],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 9, p.stderr
+
+
+def test_gc_reclaims_killed_saves_under_plain_urls(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    live = tmp_path / "ckpt" / "step_100"
+    quire.save(live, _tree())
+    referenced = {p for p in live.rglob("*") if p.is_file()}
+    _killed_save(live, overwrite=True)  # an overwrite killed: unreferenced d/<txid>/
+    fresh = tmp_path / "ckpt" / "step_200"
+    _killed_save(fresh, overwrite=False)  # a first save killed: no quire.json at all
+    debris = [p for p in (live / "d").iterdir() if p not in {q.parent for q in referenced}]
+    txids = set(quire.metadata(live).txids)
+    stale = [p for p in (live / "d").iterdir() if p.name not in txids]
+    assert len(stale) == 1 and list((fresh / "d").iterdir()), debris
+
+    # young: kept, by the single-URL form and by the prefix form
+    for url in (live, tmp_path / "ckpt"):
+        assert cli(["gc", str(url), "--yes"]) == 0
+        assert "kept" in capsys.readouterr().out and stale[0].exists()
+    old = time.time() - 7200
+    for p in [*stale[0].rglob("*"), *(fresh / "d").rglob("*")]:
+        os.utime(p, (old, old))
+    assert cli(["gc", str(live)]) == 0  # dry run
+    assert f"would remove d/{stale[0].name}/" in capsys.readouterr().out
+    assert cli(["gc", str(live), "--yes"]) == 0
+    assert "removed 1 item" in capsys.readouterr().out and not stale[0].exists()
+    assert cli(["gc", str(tmp_path / "ckpt"), "--yes"]) == 0
+    out = capsys.readouterr().out
+    assert "step_200/d/" in out and "never committed" in out
+    assert not any(p.is_file() for p in fresh.rglob("*"))
+    assert {p for p in live.rglob("*") if p.is_file()} == referenced
+    np.testing.assert_array_equal(quire.load(live)["w"], _tree()["w"])
+
+
+def test_drop_warning_says_why_and_names_gc(caplog: pytest.LogCaptureFixture) -> None:
+    import asyncio
+
+    from quire import _commit
+
+    class Failing:
+        async def delete_prefix(self, prefix: str) -> None:
+            raise PermissionError("read-only bucket")
+
+    with caplog.at_level("WARNING", logger="quire"):
+        asyncio.run(_commit.drop_txids(Failing(), "s3://b/c", ["0123456789abcdef"]))  # type: ignore[arg-type]
+    msg = caplog.records[-1].getMessage()
+    assert "PermissionError: read-only bucket" in msg and "quire gc s3://b/c --yes" in msg
+
+
+# ----------------------------------------------------------------------------- progress
+def test_library_progress_callback_and_context(tmp_path: Path) -> None:
+    events: list[ProgressEvent] = []
+    x = np.ones((256, 256), np.float32)
+    quire.save(tmp_path / "a", {"x": x, "n": 1}, progress=events.append)
+    assert events[-1].finished and events[-1].operation == "save"
+    assert events[-1].bytes_done == events[-1].bytes_total == x.nbytes
+    events.clear()
+    with quire.Context(progress=events.append):
+        quire.load(tmp_path / "a")
+    assert events[-1].operation == "load" and events[-1].bytes_done == x.nbytes
+    assert events[-1].objects_done >= 1 and events[-1].eta == 0.0
+    events.clear()
+    quire.load(tmp_path / "a")  # off by default
+    assert events == []
+    with Progress("export", "x", callback=events.append, bytes_total=10) as p, \
+            quire.progress.reporting(p, "export", "x"):  # fmt: skip
+        quire.progress.advance(10)
+    assert events[-1].bytes_done == 10 and events[-1].finished
+    with pytest.raises(TypeError, match="progress"):
+        quire.Context(progress="yes")
+
+
+def test_cli_progress_bar_in_a_real_terminal(tmp_path: Path) -> None:
+    import pty
+
+    src = tmp_path / "src"
+    quire.save(src, {"x": np.ones((512, 512), np.float32)})
+    for args, label in ((["verify", str(src)], "verify"),
+                        (["cp", str(src), str(tmp_path / "dst")], "cp")):  # fmt: skip
+        master, slave = pty.openpty()
+        p = subprocess.Popen([*QUIRE, *args], stdin=slave, stdout=slave, stderr=slave)
+        os.close(slave)
+        buf = b""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([master], [], [], 1.0)
+            if r:
+                try:
+                    chunk = os.read(master, 4096)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                buf += chunk
+            elif p.poll() is not None:
+                break
+        p.wait(timeout=60)
+        os.close(master)
+        text = buf.decode(errors="replace")
+        assert p.returncode == 0, text
+        assert f"{label}: 100%" in text and "1.00M/1.00M" in text and "B/s" in text, text
+        assert "objects" in text
+
+    # not a terminal: no bar
+    out = subprocess.run([*QUIRE, "verify", str(src)], capture_output=True, text=True)
+    assert out.returncode == 0 and "%|" not in out.stderr
+
+
+# ----------------------------------------------------------------------------- install
+def test_install_hints_name_the_distribution_and_the_checkout_path() -> None:
+    from quire._install import install_hint
+
+    hint = install_hint("quire-s3")
+    assert hint.startswith("pip install quire-s3")
+    assert f"pip install -e {REPO / 'backends' / 's3'}" in hint
+    from quire._registry import registries
+
+    err = registries["quire.backends"]._missing("s3", "")
+    assert "pip install -e" in str(err) or "quire-s3" not in str(err)
+
+
+def test_tests_use_tmp_path_not_tempfile() -> None:
+    """The suite must not leave temporary directories behind: tests use ``tmp_path``."""
+    offenders = []
+    for d in ("core/tests", "tests", "plugins", "backends"):
+        for f in (REPO / d).rglob("test*.py"):
+            text = f.read_text()
+            if re.search(r"tempfile\.(mkdtemp|mkstemp|TemporaryDirectory)\(", text):
+                offenders.append(str(f.relative_to(REPO)))
+    assert offenders == [], offenders
+    assert not pathlib.Path(REPO / "core/tests/test_partial.py").read_text().count("quire-model-")
+
+
+def test_save_progress_total_with_mixed_keys_and_pytree_nodes(tmp_path: Path) -> None:
+    import collections
+
+    Pair = collections.namedtuple("Pair", "a b")
+    events: list[ProgressEvent] = []
+    tree = {1: np.ones(3), "x": Pair(np.ones(2, np.float32), 7)}
+    quire.save(tmp_path / "m", tree, progress=events.append)
+    assert events[-1].bytes_total == events[-1].bytes_done == 24 + 8
