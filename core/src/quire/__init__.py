@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from quire import errors, partial, policies
+from quire import errors, partial, policies, sources, surgery
 from quire._api import (
     AsyncResponse,
     load,
@@ -37,6 +37,7 @@ from quire.errors import (
 )
 from quire.metadata import CheckpointMetadata, LeafMetadata
 from quire.options import StorageOptions
+from quire.sources import LazyArray, Source, open
 
 _register_with_zarr()
 
@@ -51,9 +52,11 @@ __all__ = [
     "Config",
     "Context",
     "CorruptCheckpointError",
+    "LazyArray",
     "LeafMetadata",
     "PluginError",
     "QuireError",
+    "Source",
     "StorageOptions",
     "TreeMismatchError",
     "UnsupportedLeafError",
@@ -64,6 +67,7 @@ __all__ = [
     "load_async",
     "load_checkpointables",
     "metadata",
+    "open",
     "partial",
     "policies",
     "register_checkpointable_handler",
@@ -72,6 +76,8 @@ __all__ = [
     "save_async",
     "save_checkpointables",
     "save_checkpointables_async",
+    "sources",
+    "surgery",
     "unregister_checkpointable_handler",
     "unregister_leaf_handler",
 ]

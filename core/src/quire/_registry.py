@@ -32,7 +32,13 @@ __all__ = [
     "unregister_leaf_handler",
 ]
 
-GROUPS = ("quire.backends", "quire.codecs", "quire.leaf_handlers", "quire.checkpointables")
+GROUPS = (
+    "quire.backends",
+    "quire.codecs",
+    "quire.leaf_handlers",
+    "quire.checkpointables",
+    "quire.sources",
+)
 
 # Where to get first-party plugins that are not installed.
 INSTALL_HINTS = {
@@ -41,6 +47,7 @@ INSTALL_HINTS = {
     ("quire.backends", "gs"): "quire-gcs",
     ("quire.backends", "gcs"): "quire-gcs",
     ("quire.leaf_handlers", "torch"): "quire-torch",
+    ("quire.sources", "orbax"): "quire-orbax",
 }
 
 # Bumped on every change of any registry; selection caches (_handlers) key on it.
@@ -253,6 +260,7 @@ backends = registries["quire.backends"]
 codecs = registries["quire.codecs"]
 leaf_handlers = registries["quire.leaf_handlers"]
 checkpointables = registries["quire.checkpointables"]
+sources = registries["quire.sources"]
 
 
 def clear_caches() -> None:
