@@ -19,6 +19,9 @@ from quire._api import (
 from quire._checkpointer import Checkpointer
 from quire._config import Config, Context, configure
 from quire._dtypes import register_with_zarr as _register_with_zarr
+from quire._export import export
+from quire._materialize import load_and_transform
+from quire._partition import PartitionRules, partition_rules
 from quire._registry import (
     register_checkpointable_handler,
     register_leaf_handler,
@@ -54,6 +57,7 @@ __all__ = [
     "CorruptCheckpointError",
     "LazyArray",
     "LeafMetadata",
+    "PartitionRules",
     "PluginError",
     "QuireError",
     "Source",
@@ -63,12 +67,15 @@ __all__ = [
     "__version__",
     "configure",
     "errors",
+    "export",
     "load",
+    "load_and_transform",
     "load_async",
     "load_checkpointables",
     "metadata",
     "open",
     "partial",
+    "partition_rules",
     "policies",
     "register_checkpointable_handler",
     "register_leaf_handler",

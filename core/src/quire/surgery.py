@@ -50,7 +50,7 @@ class _Const(LazyValue):
         self.dtype = self.value.dtype
 
     async def _read(self, region: Region) -> np.ndarray:
-        return np.ascontiguousarray(self.value[region or ...])
+        return np.array(self.value[region or ...], order="C")
 
 
 def as_lazy(x: Any) -> LazyValue:
@@ -188,7 +188,7 @@ class _Transpose(LazyValue):
         for out_ax, in_ax in enumerate(self.axes):
             src[in_ax] = region[out_ax]
         a = await self.x.read_region(tuple(src))
-        return np.ascontiguousarray(np.transpose(a, self.axes))
+        return np.array(np.transpose(a, self.axes), order="C")
 
 
 class _Reshape(LazyValue):
@@ -212,7 +212,7 @@ class _Reshape(LazyValue):
         rows = await self.x.read_region((slice(i0, i1), *full_region(self.x.shape[1:])))
         flat = rows.reshape(-1)[f - i0 * ii : g - i0 * ii]
         block = flat.reshape((r1 - r0, *self.shape[1:]))
-        return np.ascontiguousarray(block[(slice(None), *region[1:])])
+        return np.array(block[(slice(None), *region[1:])], order="C")
 
 
 class _AsType(LazyValue):
