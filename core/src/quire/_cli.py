@@ -114,7 +114,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
+    from quire._convert import cp_from_source
     from quire._copy import cli_cp
+
+    rc = cp_from_source(args)  # SRC in another format (safetensors, Orbax...): convert it
+    if rc is not None:
+        return rc
 
     return cli_cp(
         args.src,
@@ -196,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dst-options", metavar="JSON", help="storage_options for DST")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     p.set_defaults(fn=cmd_cp)
+    from quire._convert import add_export_parser
+
+    add_export_parser(sub)
     args = parser.parse_args(argv)
     from quire.errors import QuireError
 
