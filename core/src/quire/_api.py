@@ -310,7 +310,7 @@ def load(
             return load_async(
                 url, abstract, partial=partial, storage_options=storage_options
             ).result()
-        except CheckpointNotFoundError:
+        except (CheckpointNotFoundError, NotADirectoryError):
             from quire.sources import available
 
             if available() == ["quire"] or not _other_source(url, storage_options):

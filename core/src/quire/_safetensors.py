@@ -194,7 +194,7 @@ class _Reader:
         return out
 
     async def _get(self, offset: int, dest: np.ndarray) -> None:
-        mv = memoryview(dest).cast("B")
+        mv = memoryview(dest.data).cast("B")
         n = await self.backend.get_into(self.key, [mv], self.start + offset)
         self.src.bytes_read += n
         self.src.requests += 1
