@@ -48,6 +48,8 @@ def array_spec(item: PytreeItem, param: str) -> dict[str, Any]:
         "kvstore": kvstore,
         "recheck_cached_data": False,
         "recheck_cached_metadata": False,
+        # Orbax writes every chunk (even all-fill ones): a missing chunk is damage, never zeros.
+        "fill_missing_data_reads": False,
     }
 
 
@@ -67,7 +69,8 @@ class TensorstoreReader:
                 f"{self.url}: reading {self.key}{list(region)} from the Orbax checkpoint failed "
                 f"({type(e).__name__}: {e}); the checkpoint is damaged or incomplete"
             ) from e
-        return np.ascontiguousarray(out)
+        # Not np.ascontiguousarray: it turns a 0-d array into a 1-d one.
+        return np.require(out, requirements="C")
 
 
 def _keystr(key_path: tuple[str | int, ...]) -> str:
