@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -412,3 +413,27 @@ def test_convert_to_quire(tmp_path: Path, written: Any) -> None:
     dst = str(tmp_path / "converted")
     quire.save(dst, quire.load(path))
     same(to_numpy(quire.load(dst)), expected)
+
+
+def _quire_cli(*argv: str) -> int:
+    """The installed ``quire`` command (its console-script entry point), in this process."""
+    (ep,) = entry_points(group="console_scripts", name="quire")
+    return int(ep.load()(list(argv)))
+
+
+@pytest.mark.parametrize("layout", ["v0-standard-ocdbt", "v1-no-ocdbt"])
+def test_quire_cp_converts(tmp_path: Path, written: Any, layout: str) -> None:
+    """``quire cp ./orbax_ckpt dst`` writes a verified quire checkpoint equal to orbax's restore."""
+    path = written[(layout, 8)]
+    expected = to_numpy(LAYOUTS[layout][1](path))
+    dst = str(tmp_path / "converted")
+    assert _quire_cli("cp", path, dst, "-q") == 0
+    assert _quire_cli("verify", dst) == 0
+    same(to_numpy(quire.load(dst)), expected)
+    assert quire.metadata(dst).custom["source_format"] == "orbax"
+
+
+def test_quire_plugins_lists_the_source(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _quire_cli("plugins") == 0
+    out = capsys.readouterr().out
+    assert "orbax" in out and "quire-orbax" in out
