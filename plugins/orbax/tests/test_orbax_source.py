@@ -437,3 +437,20 @@ def test_quire_plugins_lists_the_source(capsys: pytest.CaptureFixture[str]) -> N
     assert _quire_cli("plugins") == 0
     out = capsys.readouterr().out
     assert "orbax" in out and "quire-orbax" in out
+
+
+def test_load_with_partition_rules_and_transform(written: Any) -> None:
+    """Orbax arrays land on a mesh by regex rules; a transform reads only what it uses."""
+    path = written[("v1-ocdbt", 8)]
+    expected = to_numpy(ocp1.load_pytree(path))
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
+    rules = quire.partition_rules([(r"kernel$", P("x", "y")), (r".*", P())], mesh)
+    got = quire.load(
+        path,
+        transform=lambda t: {"kernel": t["params"]["dense"]["kernel"][:, :4], "step": t["step"]},
+        shardings=rules,
+    )
+    assert got["step"] == 42
+    kernel = got["kernel"]
+    assert isinstance(kernel, jax.Array) and kernel.sharding.spec == P("x", "y")
+    np.testing.assert_array_equal(np.asarray(kernel), expected["params"]["dense"]["kernel"][:, :4])
