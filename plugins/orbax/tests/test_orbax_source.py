@@ -338,6 +338,11 @@ def test_detect(tmp_path: Path, written: Any) -> None:
     assert not OrbaxSource.detect(str(tmp_path / "q"), {})
     assert type(quire.open(str(tmp_path / "q"))).__name__ != "OrbaxSource"
     assert not OrbaxSource.detect("s3://bucket/ckpt", {})
+    (tmp_path / "w.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    assert not OrbaxSource.detect(str(tmp_path / "w.safetensors"), {})
+    # file:// URLs are local paths too.
+    with quire.open("file://" + written[("v0-pytree-ocdbt", 1)]) as src:
+        assert src.format == "orbax" and src.tree["step"] == 42
 
 
 def _copy(written: Any, tmp_path: Path, layout: str = "v0-pytree-no-ocdbt") -> Path:
