@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from quire import errors, partial, policies, progress
+from quire import errors, partial, policies, progress, sources, surgery
 from quire._api import (
     AsyncResponse,
     load,
@@ -19,6 +19,9 @@ from quire._api import (
 from quire._checkpointer import Checkpointer
 from quire._config import Config, Context, configure
 from quire._dtypes import register_with_zarr as _register_with_zarr
+from quire._export import export
+from quire._materialize import load_and_transform
+from quire._partition import PartitionRules, partition_rules
 from quire._registry import (
     register_checkpointable_handler,
     register_leaf_handler,
@@ -39,6 +42,7 @@ from quire.errors import (
 )
 from quire.metadata import CheckpointMetadata, LeafMetadata
 from quire.options import StorageOptions
+from quire.sources import LazyArray, Source, open
 
 _register_with_zarr()
 
@@ -54,21 +58,28 @@ __all__ = [
     "Config",
     "Context",
     "CorruptCheckpointError",
+    "LazyArray",
     "LeafMetadata",
     "MultiProcessError",
+    "PartitionRules",
     "PluginError",
     "QuireError",
+    "Source",
     "StorageOptions",
     "TreeMismatchError",
     "UnsupportedLeafError",
     "__version__",
     "configure",
     "errors",
+    "export",
     "load",
+    "load_and_transform",
     "load_async",
     "load_checkpointables",
     "metadata",
+    "open",
     "partial",
+    "partition_rules",
     "policies",
     "progress",
     "register_checkpointable_handler",
@@ -77,6 +88,8 @@ __all__ = [
     "save_async",
     "save_checkpointables",
     "save_checkpointables_async",
+    "sources",
+    "surgery",
     "unregister_checkpointable_handler",
     "unregister_leaf_handler",
 ]

@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar
 
 from quire import _engine, _exit, _io, _progress
 from quire._url import normalize
+from quire.errors import CheckpointNotFoundError
 from quire.metadata import CheckpointMetadata
 from quire.options import StorageSpec
 
@@ -487,17 +488,27 @@ def load_async(
 
 
 def load(
-    url: str | os.PathLike[str],
+    url: Any,
     abstract: Any = None,
     *,
     partial: bool = False,
     storage_options: dict[str, Any] | None = None,
     progress: Any = None,
+    transform: Callable[..., Any] | None = None,
+    shardings: Any = None,
 ) -> Any:
     """Load the checkpoint at ``url``.
 
     Parameters
     ----------
+    url : str, path or quire.Source
+        A quire checkpoint, or any checkpoint an installed source reads (safetensors, an HF
+        directory, Orbax with quire-orbax): see :func:`quire.open`.
+    transform : callable, optional
+        Model surgery: gets the source's lazy tree and returns the tree to load (see
+        :func:`quire.load_and_transform`).
+    shardings : tree of shardings or quire.partition_rules(...), optional
+        Shardings for leaves whose abstract leaf carries none (or with no ``abstract``).
     abstract : pytree, optional
         The target: its structure is used for the result and its leaves say what each
         leaf becomes — ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` a ``jax.Array``
@@ -519,9 +530,44 @@ def load(
     CorruptCheckpointError
         A chunk fails its checksum or the commit record is malformed.
     """
-    return load_async(
-        url, abstract, partial=partial, storage_options=storage_options, progress=progress
-    ).result()
+    from quire.sources import Source
+
+    if transform is None and shardings is None and not isinstance(url, Source):
+        try:
+            return load_async(
+                url, abstract, partial=partial, storage_options=storage_options, progress=progress
+            ).result()
+        except (CheckpointNotFoundError, NotADirectoryError):
+            from quire.sources import available
+
+            if available() == ["quire"] or not _other_source(url, storage_options):
+                raise
+    from quire._materialize import load_and_transform
+
+    return load_and_transform(
+        url,
+        abstract,
+        transform,
+        shardings=shardings,
+        partial=partial,
+        storage_options=storage_options,
+    )
+
+
+def _other_source(url: Any, storage_options: dict[str, Any] | None) -> bool:
+    """Whether a source other than quire's own recognises ``url`` (after a failed load)."""
+    from quire._registry import sources
+
+    u = normalize(url)
+    for name in sources.names():
+        if name == "quire":
+            continue
+        try:
+            if sources.get(name).detect(u, dict(storage_options or {})):
+                return True
+        except Exception:
+            continue
+    return False
 
 
 def metadata(

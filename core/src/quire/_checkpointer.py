@@ -660,7 +660,15 @@ class Checkpointer:
                 if retry:
                     self._schedule(self._retain)
 
-    def load(self, step: int | None = None, abstract: Any = None, *, partial: bool = False) -> Any:
+    def load(
+        self,
+        step: int | None = None,
+        abstract: Any = None,
+        *,
+        partial: bool = False,
+        transform: Any = None,
+        shardings: Any = None,
+    ) -> Any:
         """Load ``step`` (default: the latest committed one), as ``quire.load`` does.
 
         Waits for a save in flight first.  Every process checks that all processes
@@ -675,6 +683,8 @@ class Checkpointer:
         partial : bool
             Load only the keys in ``abstract``, ignoring the others (e.g. only the params
             of another run's checkpoint).
+        transform, shardings
+            Model surgery and shardings / partition rules, as for ``quire.load``.
 
         Raises
         ------
@@ -688,7 +698,12 @@ class Checkpointer:
         return self._load(
             step,
             lambda url: _api.load(
-                url, abstract, partial=partial, storage_options=self._storage_options
+                url,
+                abstract,
+                partial=partial,
+                storage_options=self._storage_options,
+                transform=transform,
+                shardings=shardings,
             ),
         )
 

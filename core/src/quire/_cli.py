@@ -169,8 +169,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_cp(args: argparse.Namespace) -> int:
     import quire
     from quire import _describe, _io, _progress
+    from quire._convert import cp_from_source
     from quire._copy import copy_checkpoint
 
+    rc = cp_from_source(args)  # SRC in another format (safetensors, Orbax...): convert it
+    if rc is not None:
+        return rc
     so = storage_options(args)
     sides = []
     for what, text in (("--src-options", args.src_options), ("--dst-options", args.dst_options)):
@@ -432,6 +436,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--atol", type=float, help="compare values with this absolute tolerance")
     p.add_argument("--rtol", type=float, help="compare values with this relative tolerance")
     p.set_defaults(fn=cmd_diff)
+    from quire._convert import add_export_parser
+
+    add_export_parser(sub)
     return p0
 
 

@@ -24,7 +24,13 @@ __all__ = ["GROUPS", "Config", "Context", "configure", "current"]
 
 # The plugin entry-point groups (quire._registry has one registry per group); here because
 # the ``plugins=`` option names them, and configuration sits below the registries.
-GROUPS = ("quire.backends", "quire.codecs", "quire.leaf_handlers", "quire.checkpointables")
+GROUPS = (
+    "quire.backends",
+    "quire.codecs",
+    "quire.leaf_handlers",
+    "quire.checkpointables",
+    "quire.sources",
+)
 
 
 @dataclass(frozen=True)

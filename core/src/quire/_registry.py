@@ -42,6 +42,7 @@ INSTALL_HINTS = {
     ("quire.backends", "gs"): "quire-gcs",
     ("quire.backends", "gcs"): "quire-gcs",
     ("quire.leaf_handlers", "torch"): "quire-torch",
+    ("quire.sources", "orbax"): "quire-orbax",
 }
 # Distributions quire itself vouches for in an install hint.  A record's ``plugins`` map
 # is untrusted input: a name outside this set (and not installed here providing that very
@@ -278,6 +279,7 @@ backends = registries["quire.backends"]
 codecs = registries["quire.codecs"]
 leaf_handlers = registries["quire.leaf_handlers"]
 checkpointables = registries["quire.checkpointables"]
+sources = registries["quire.sources"]
 
 
 def record_hint(err: PluginError, plugins: object) -> PluginError:

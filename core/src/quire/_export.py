@@ -1,0 +1,306 @@
+"""Export any source to safetensors (one file, or HF-style shards + index), streaming.
+
+Tensors are read in file order through a sliding window bounded by the byte budget and
+written sequentially with one streaming upload per file (``fsspec`` ``open("wb")``: file
+writes, S3 multipart, GCS resumable), so host memory stays within ``Config.byte_budget``
+plus one tensor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import re
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from quire._config import current
+from quire._io import run_blocking, submit
+from quire._lazy import LazyValue, full_region
+from quire._safetensors import INDEX, dtype_code
+from quire.sources import Source
+
+__all__ = ["export", "export_async"]
+
+# Keys of quire backends' storage options that fsspec file systems do not take.
+_QUIRE_KEYS = (
+    "retry_deadline",
+    "retry_backoff",
+    "retry_max_backoff",
+    "upload_budget",
+    "multipart_threshold",
+    "multipart_chunksize",
+    "read_part_size",
+)
+DEFAULT_SHARD = 5 * 1024**3
+
+
+@dataclass
+class _Tensor:
+    name: str
+    value: LazyValue
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _selector(select: Any) -> Callable[[str], bool]:
+    if select is None:
+        return lambda _n: True
+    if callable(select):
+        return lambda n: bool(select(n))
+    if isinstance(select, str):
+        pat = re.compile(select)
+        return lambda n: bool(pat.search(n))
+    names = set(select)
+    return lambda n: n in names
+
+
+def _renamer(rename: Any) -> Callable[[str], str | None]:
+    if rename is None:
+        return lambda n: n
+    if callable(rename):
+        return rename  # type: ignore[no-any-return]
+    if isinstance(rename, Mapping):
+        return lambda n: rename.get(n, n)
+
+    rules = [(re.compile(p), r) for p, r in rename]
+
+    def by_rules(n: str) -> str:
+        for pat, rep in rules:
+            if pat.fullmatch(n):
+                return pat.sub(rep, n)
+        return n
+
+    return by_rules
+
+
+def _plan(src: Source, select: Any, rename: Any, dtype: Any) -> list[_Tensor]:
+    from quire._dtypes import dtype_from_name
+    from quire.surgery import as_lazy, astype
+
+    keep, new_name = _selector(select), _renamer(rename)
+    out: list[_Tensor] = []
+    seen: dict[str, str] = {}
+    for path, leaf in src.leaves():
+        name = path.replace("/", ".")
+        if not keep(name):
+            continue
+        if isinstance(leaf, LazyValue):
+            v = leaf
+        elif isinstance(leaf, bool | int | float | np.ndarray | np.generic):
+            v = as_lazy(leaf)
+        else:
+            continue  # strings, None: not tensors
+        target = new_name(name)
+        if target is None:
+            continue
+        if target in seen:
+            raise ValueError(
+                f"export: {seen[target]!r} and {name!r} are both renamed to {target!r}"
+            )
+        seen[target] = name
+        want = dtype(name, v.dtype) if callable(dtype) else dtype
+        if (want is not None and np.issubdtype(v.dtype, np.inexact)) or (
+            want is not None and v.dtype.kind == "V"
+        ):
+            dt = dtype_from_name(want) if isinstance(want, str) else np.dtype(want)
+            if dt != v.dtype:
+                v = astype(v, dt)
+        dtype_code(v.dtype)  # fail early on dtypes safetensors lacks
+        out.append(_Tensor(target, v, v.dtype, v.shape))
+    return out
+
+
+def _header(tensors: Sequence[_Tensor], metadata: Mapping[str, str] | None) -> bytes:
+    doc: dict[str, Any] = {}
+    if metadata:
+        doc["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    off = 0
+    for t in tensors:
+        doc[t.name] = {
+            "dtype": dtype_code(t.dtype),
+            "shape": list(t.shape),
+            "data_offsets": [off, off + t.nbytes],
+        }
+        off += t.nbytes
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    return len(raw).to_bytes(8, "little") + raw
+
+
+async def _write_file(
+    fs: Any,
+    path: str,
+    tensors: Sequence[_Tensor],
+    metadata: Mapping[str, str] | None,
+    progress: Callable[[int], None] | None,
+) -> None:
+    budget = current().byte_budget
+    window: deque[tuple[_Tensor, asyncio.Task[np.ndarray]]] = deque()
+    held = 0
+    todo = deque(tensors)
+    f = await run_blocking(fs.open, path, "wb")
+    try:
+        await run_blocking(f.write, _header(tensors, metadata))
+        while todo or window:
+            while todo and (not window or held + todo[0].nbytes <= budget):
+                t = todo.popleft()
+                window.append((t, asyncio.ensure_future(t.value.read_region(full_region(t.shape)))))
+                held += t.nbytes
+            t, task = window.popleft()
+            arr = await task
+            await run_blocking(f.write, np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
+            held -= t.nbytes
+            del arr
+            if progress is not None:
+                progress(t.nbytes)
+        await run_blocking(f.close)
+    except BaseException:
+        for _, task in window:
+            task.cancel()
+        await run_blocking(_discard, fs, f, path)
+        raise
+
+
+def _discard(fs: Any, f: Any, path: str) -> None:
+    try:
+        f.close()
+    finally:
+        try:
+            fs.rm(path)
+        except Exception:
+            pass
+
+
+async def export_async(
+    src: Source,
+    dst: str,
+    *,
+    select: Any = None,
+    rename: Any = None,
+    dtype: Any = None,
+    max_shard_bytes: int | None = None,
+    metadata: Mapping[str, str] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[str]:
+    import fsspec
+
+    tensors = _plan(src, select, rename, dtype)
+    limit = DEFAULT_SHARD if max_shard_bytes is None else int(max_shard_bytes)
+    shards: list[list[_Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    opts = {k: v for k, v in (storage_options or {}).items() if k not in _QUIRE_KEYS}
+    meta = dict(metadata if metadata is not None else _source_meta(src))
+    if dst.endswith(".safetensors"):
+        if len(shards) > 1:
+            raise ValueError(
+                f"export to {dst}: {sum(t.nbytes for t in tensors)} bytes need {len(shards)} "
+                f"shards of at most {limit}; give a directory as the destination"
+            )
+        fs, path = fsspec.core.url_to_fs(dst, **opts)
+        parent = path.rsplit("/", 1)[0]
+        if parent:
+            await run_blocking(fs.makedirs, parent, exist_ok=True)
+        await _write_file(fs, path, shards[0], meta, progress)
+        return [dst]
+    fs, root = fsspec.core.url_to_fs(dst, **opts)
+    root = root.rstrip("/")
+    await run_blocking(fs.makedirs, root, exist_ok=True)
+    base = dst.rstrip("/")
+    if len(shards) == 1:
+        await _write_file(fs, f"{root}/model.safetensors", shards[0], meta, progress)
+        return [f"{base}/model.safetensors"]
+    n = len(shards)
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for name, part in zip(names, shards):
+        await _write_file(fs, f"{root}/{name}", part, meta, progress)
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+        "weight_map": {t.name: name for name, part in zip(names, shards) for t in part},
+    }
+    await run_blocking(fs.pipe_file, f"{root}/{INDEX}", json.dumps(index, indent=2).encode())
+    return [f"{base}/{name}" for name in names] + [f"{base}/{INDEX}"]
+
+
+def _source_meta(src: Source) -> dict[str, str]:
+    m = src.metadata.get("__metadata__") if isinstance(src.metadata, dict) else None
+    return {str(k): str(v) for k, v in (m or {}).items()}
+
+
+def export(
+    src: str | os.PathLike[str] | Source,
+    dst: str | os.PathLike[str],
+    *,
+    format: str = "safetensors",
+    select: Any = None,
+    rename: Any = None,
+    dtype: Any = None,
+    max_shard_bytes: int | None = None,
+    metadata: Mapping[str, str] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Write any source (a quire checkpoint, safetensors, Orbax...) as safetensors.
+
+    Parameters
+    ----------
+    src : URL or quire.Source
+    dst : URL
+        A ``.safetensors`` object (one file), or a directory / prefix: ``model.safetensors``,
+        or, beyond ``max_shard_bytes``, ``model-0000i-of-0000n.safetensors`` shards plus
+        ``model.safetensors.index.json``.
+    select : regex str, list of names, or callable(name) -> bool, optional
+        Which tensors (dotted names, ``model.layers.0.w``) to write.
+    rename : dict, list of (regex, replacement), or callable(name) -> str | None
+        New dotted names (None drops the tensor).
+    dtype : dtype, name or callable(name, dtype) -> dtype, optional
+        Cast floating-point tensors (e.g. ``"bfloat16"``).
+    max_shard_bytes : int, optional
+        Largest shard (default 5 GiB, as HF writes).
+    metadata : dict of str, optional
+        The ``__metadata__`` (default: the source's, when it has one).
+    progress : callable(nbytes), optional
+        Called after each tensor is written.
+
+    Returns
+    -------
+    list of str
+        The URLs written (the index last).
+    """
+    from quire._url import normalize
+    from quire.sources import open as open_source
+
+    if format != "safetensors":
+        raise ValueError(f"export: unknown format {format!r}; quire exports 'safetensors'")
+    source = src if isinstance(src, Source) else open_source(src, **(storage_options or {}))
+    d = normalize(dst)
+    return submit(
+        export_async(
+            source,
+            d,
+            select=select,
+            rename=rename,
+            dtype=dtype,
+            max_shard_bytes=max_shard_bytes,
+            metadata=metadata,
+            storage_options=storage_options,
+            progress=progress,
+        )
+    ).result()

@@ -1,0 +1,189 @@
+"""Lazy arrays: a shape, a dtype and a reader of regions; nothing is read until asked.
+
+Every lazy value (a source's :class:`LazyArray`, a view of one, or an operation from
+:mod:`quire.surgery`) answers :meth:`LazyValue.read_region` for any step-1 region of its own
+coordinates by reading only the parts of its inputs that region needs.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
+Region = tuple[slice, ...]
+
+__all__ = ["LazyArray", "LazyValue", "Region", "RegionReader", "full_region", "region_shape"]
+
+
+@runtime_checkable
+class RegionReader(Protocol):
+    """What a source gives a :class:`LazyArray` to read its bytes.
+
+    ``read_region(region)`` returns a C-contiguous numpy array of exactly the region's shape
+    and the LazyArray's (stored) dtype.  ``region`` has one ``slice(start, stop)`` per axis
+    (step 1, ``0 <= start <= stop <= shape[axis]``, in the array's own coordinates; ``()``
+    for a 0-d array).  It is awaited on quire's event loop, possibly many times at once for
+    disjoint regions: do blocking work in a thread (``await asyncio.to_thread(...)``) or
+    through an async client.  Read only what the region needs — quire's laziness promise
+    (a slice reads only the bytes it covers) rests on it.  Raise
+    :class:`quire.CorruptCheckpointError` for damaged data, naming the URL and key path.
+
+    Optionally a reader may define ``nbytes_hint(region) -> int`` (host bytes one read
+    holds; default ``prod(region) * itemsize``), which quire charges to its byte budget.
+    """
+
+    async def read_region(self, region: Region) -> np.ndarray: ...
+
+
+def region_shape(region: Region) -> tuple[int, ...]:
+    return tuple(s.stop - s.start for s in region)
+
+
+def full_region(shape: Sequence[int]) -> Region:
+    return tuple(slice(0, int(n)) for n in shape)
+
+
+class LazyValue:
+    """Base of every lazy node: ``shape``, ``dtype`` and an async region reader.
+
+    Subclasses implement ``_read(region)``; :meth:`read_region` checks the region.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def sources(self) -> list[LazyArray]:
+        """The source arrays this value reads from (for error messages and accounting)."""
+        return []
+
+    async def _read(self, region: Region) -> np.ndarray:
+        raise NotImplementedError
+
+    async def read_region(self, region: Region) -> np.ndarray:
+        if len(region) != len(self.shape) or any(
+            not (0 <= s.start <= s.stop <= n) for s, n in zip(region, self.shape)
+        ):
+            raise IndexError(f"region {region} is outside shape {self.shape}")
+        out = await self._read(region)
+        if out.shape != region_shape(region):
+            raise AssertionError(f"reader returned shape {out.shape} for region {region}")
+        return out
+
+    def read(self, dtype: Any = None, sharding: Any = None) -> Any:
+        """Read the whole value: a numpy array, or a ``jax.Array`` placed with ``sharding``.
+
+        Each device shard reads only its own region.
+        """
+        from quire import _io
+        from quire._materialize import materialize_leaf
+
+        return _io.submit(materialize_leaf(self, dtype, sharding)).result()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out: np.ndarray = self.read(dtype)
+        return out
+
+    def __getitem__(self, index: Any) -> LazyValue:
+        from quire.surgery import _index
+
+        return _index(self, index)
+
+    @property
+    def T(self) -> LazyValue:
+        from quire.surgery import transpose
+
+        return transpose(self)
+
+    def astype(self, dtype: Any) -> LazyValue:
+        from quire.surgery import astype
+
+        return astype(self, dtype)
+
+    def reshape(self, *shape: Any) -> LazyValue:
+        from quire.surgery import reshape
+
+        if len(shape) == 1 and not isinstance(shape[0], int):
+            shape = tuple(shape[0])
+        return reshape(self, shape)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d lazy array")
+        return self.shape[0]
+
+
+class LazyArray(LazyValue):
+    """One array of a :class:`quire.Source`, not yet read.
+
+    Parameters
+    ----------
+    shape, dtype
+        As stored.
+    key_path : tuple of str/int
+        Where the leaf sits in the source's tree (``key`` is it "/"-joined).
+    reader : RegionReader
+        Reads regions of the stored array (see :class:`RegionReader`).
+    url : str
+        The source's URL (error messages name it).
+
+    Slicing (``x[a:b, :, i]``, ``x[..., 0]``; ints, step-1 slices, Ellipsis, None) gives a
+    lazy view reading only what it covers; :meth:`read` reads it.
+    """
+
+    def __init__(
+        self,
+        shape: Sequence[int],
+        dtype: Any,
+        key_path: Sequence[str | int],
+        reader: RegionReader,
+        url: str,
+    ) -> None:
+        self.shape = tuple(operator.index(n) for n in shape)
+        self.dtype = np.dtype(dtype)
+        self.key_path = tuple(key_path)
+        self.reader = reader
+        self.url = url
+
+    @property
+    def key(self) -> str:
+        return "/".join(str(k) for k in self.key_path)
+
+    def sources(self) -> list[LazyArray]:
+        return [self]
+
+    def nbytes_hint(self, region: Region) -> int:
+        hint = getattr(self.reader, "nbytes_hint", None)
+        if hint is not None:
+            return int(hint(region))
+        return math.prod(region_shape(region)) * self.dtype.itemsize
+
+    def _read(self, region: Region) -> Coroutine[Any, Any, np.ndarray]:
+        return self.reader.read_region(region)
+
+    async def read_region(self, region: Region) -> np.ndarray:
+        out = await super().read_region(region)
+        if out.dtype != self.dtype:
+            out = out.view(self.dtype) if out.dtype.itemsize == self.dtype.itemsize else out
+        return out
+
+    def __repr__(self) -> str:
+        return f"LazyArray({self.key!r}, shape={self.shape}, dtype={self.dtype}, url={self.url!r})"

@@ -1,0 +1,298 @@
+"""Materialise lazy trees: ``quire.load_and_transform`` and ``LazyValue.read``.
+
+Each leaf of the transformed tree is placed into its target (numpy array, or ``jax.Array``
+with a sharding); each device shard reads only its own region of the lazy inputs, regions
+shared by several devices are read once, and every host buffer is held under one
+:class:`ByteBudget` so that all leaves load in parallel within ``Config.byte_budget``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from quire._budget import ByteBudget
+from quire._config import current
+from quire._io import run_blocking
+from quire._lazy import LazyValue, Region, full_region
+from quire._partition import sharding_for, sharding_table
+from quire._tree import Node, keystr, walk
+from quire.errors import QuireError, TreeMismatchError
+from quire.sources import Source
+
+__all__ = ["load_and_transform", "materialize_leaf"]
+
+
+def _norm(idx: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
+    out = []
+    for s, n in zip(idx, shape):
+        a, b, _ = s.indices(n)
+        out.append(slice(a, b))
+    return tuple(out)
+
+
+async def _read_cast(
+    v: LazyValue, region: Region, dtype: np.dtype[Any], budget: ByteBudget
+) -> tuple[np.ndarray, int]:
+    n = math.prod(r.stop - r.start for r in region) * v.dtype.itemsize
+    need = (
+        n if dtype == v.dtype else n + math.prod(r.stop - r.start for r in region) * dtype.itemsize
+    )
+    await budget.acquire(need)
+    try:
+        a = await v.read_region(region)
+        if a.dtype != dtype:
+            a = await run_blocking(a.astype, dtype)
+    except BaseException:
+        await budget.release(need)
+        raise
+    return a, need
+
+
+async def materialize_leaf(
+    v: LazyValue, dtype: Any = None, sharding: Any = None, budget: ByteBudget | None = None
+) -> Any:
+    """Read ``v`` into a numpy array (``sharding`` None) or a ``jax.Array`` with ``sharding``."""
+    out_dtype = np.dtype(dtype) if dtype is not None else v.dtype
+    budget = budget or ByteBudget(current().byte_budget)
+    shape = v.shape
+    if sharding is None:
+        a, need = await _read_cast(v, full_region(shape), out_dtype, budget)
+        await budget.release(need)  # handed to the caller
+        return a
+    idx_map = sharding.addressable_devices_indices_map(shape)
+    # Keys are (start, stop) pairs: slices are unhashable before Python 3.12.
+    by_key: dict[tuple[tuple[int, int], ...], list[Any]] = {}
+    for dev, idx in idx_map.items():
+        reg = _norm(idx, shape) if shape else ()
+        by_key.setdefault(tuple((r.start, r.stop) for r in reg), []).append(dev)
+    regions = [(tuple(slice(a, b) for a, b in k), devs) for k, devs in by_key.items()]
+    keys = list(by_key)
+    arrays: dict[Any, Any] = {}
+    box: Region | None = None
+    if shape and len(regions) > 1:
+        box = tuple(
+            slice(min(k[d][0] for k in keys), max(k[d][1] for k in keys)) for d in range(len(shape))
+        )
+        area = sum(math.prod(b - a for a, b in k) for k in keys)
+        box_size = math.prod(s.stop - s.start for s in box)
+        # One read of the box when the regions tile it and it fits the budget: a stored chunk
+        # or byte range that feeds several device shards is then read once.
+        if box_size != area or box_size * v.dtype.itemsize > budget.limit:
+            box = None
+
+    async def put(host: np.ndarray, devs: list[Any]) -> None:
+        for d in devs:
+            arrays[d] = await run_blocking(jax.device_put, host, d)
+
+    if box is not None:
+        whole, need = await _read_cast(v, box, out_dtype, budget)
+        try:
+            parts = []
+            for reg, devs in regions:
+                cut = tuple(slice(r.start - b.start, r.stop - b.start) for r, b in zip(reg, box))
+                parts.append(put(np.ascontiguousarray(whole[cut]), devs))
+            await asyncio.gather(*parts)
+        finally:
+            await budget.release(need)
+    else:
+
+        async def one(reg: Region, devs: list[Any]) -> None:
+            host, need = await _read_cast(v, reg, out_dtype, budget)
+            try:
+                await put(host, devs)
+            finally:
+                await budget.release(need)
+
+        await asyncio.gather(*(one(r, d) for r, d in regions))
+    return jax.make_array_from_single_device_arrays(shape, sharding, [arrays[d] for d in idx_map])
+
+
+# ----------------------------------------------------------------------------- transform
+def _is_value_leaf(x: Any) -> bool:
+    return isinstance(x, LazyValue) or not isinstance(x, dict | list | tuple)
+
+
+def open_sources(sources: Any, storage_options: dict[str, Any] | None) -> tuple[Any, list[Source]]:
+    """URLs → Sources, keeping the shape (one, a sequence, a mapping) of ``sources``."""
+    from quire.sources import open as open_source
+
+    opened: list[Source] = []
+
+    def one(s: Any) -> Source:
+        src = s if isinstance(s, Source) else open_source(s, **(storage_options or {}))
+        opened.append(src)
+        return src
+
+    if isinstance(sources, Source | str | os.PathLike):
+        return one(sources), opened
+    if isinstance(sources, Mapping):
+        return {k: one(v) for k, v in sources.items()}, opened
+    if isinstance(sources, Sequence):
+        return [one(s) for s in sources], opened
+    raise TypeError(
+        f"sources must be a URL, a Source, a sequence or a dict of them, not {sources!r}"
+    )
+
+
+def call_transform(fn: Callable[..., Any], shaped: Any, opened: list[Source]) -> Any:
+    try:
+        if isinstance(shaped, Source):
+            return fn(shaped.tree)
+        if isinstance(shaped, Mapping):
+            return fn(**{k: s.tree for k, s in shaped.items()})
+        return fn(*(s.tree for s in shaped))
+    except Exception as e:
+        urls = ", ".join(s.url for s in opened)
+        e.add_note(f"quire: raised by the transform function over source(s) {urls}")
+        raise
+
+
+def _target_of(t: Any) -> tuple[Any, Any, str]:
+    """(dtype, sharding, kind) asked for by an abstract leaf."""
+    if isinstance(t, type):
+        return None, None, "python" if t in (bool, int, float, complex, str, bytes) else "numpy"
+    if isinstance(t, np.ndarray | np.generic):
+        return t.dtype, None, "numpy"
+    if isinstance(t, jax.ShapeDtypeStruct | jax.Array):
+        return t.dtype, getattr(t, "sharding", None), "jax"
+    if t is None or isinstance(t, bool | int | float | complex | str | bytes):
+        return None, None, "python"
+    return getattr(t, "dtype", None), getattr(t, "sharding", None), "jax"
+
+
+async def materialize_tree(
+    value_tree: Any,
+    abstract: Any,
+    *,
+    shardings: Any = None,
+    partial: bool = False,
+    what: str = "transform result",
+) -> Any:
+    """Place each leaf of ``value_tree`` into ``abstract`` (or its own structure when None)."""
+    from quire._engine import _diff_message, _is_abstract_leaf
+
+    vroot = walk(value_tree, _is_value_leaf, what=what)
+    vleaves = {n.path: n.value for n in vroot.leaves()}
+    table = sharding_table(shardings)
+    if abstract is None:
+        troot = vroot
+        pairs = [(n, n.value, None) for n in vroot.leaves()]
+    else:
+        troot = walk(abstract, _is_abstract_leaf, what="abstract tree")
+        tleaves = list(troot.leaves())
+        tpaths = {t.path for t in tleaves}
+        missing = [] if partial else [keystr(p) for p in vleaves if p not in tpaths]
+        extra = [keystr(t.path) for t in tleaves if t.path not in vleaves]
+        bad = []
+        for t in tleaves:
+            if t.path in vleaves:
+                v, want = vleaves[t.path], getattr(t.value, "shape", None)
+                got = getattr(v, "shape", None)
+                if v is None and want is not None:
+                    bad.append(f"{keystr(t.path)!r}: the transform gave None, target shape {want}")
+                elif (
+                    want is not None
+                    and not isinstance(t.value, type)
+                    and got is not None
+                    and tuple(got) != tuple(want)
+                ):
+                    bad.append(
+                        f"{keystr(t.path)!r}: {what} shape {tuple(got)}, target shape {tuple(want)}"
+                    )
+        if missing or extra or bad:
+            msg = _diff_message(what, missing, extra, bad).replace(
+                f"checkpoint {what}", f"the {what}"
+            )
+            raise TreeMismatchError(msg, missing=missing, extra=extra, mismatched=bad)
+        pairs = [(t, vleaves[t.path], t.value) for t in tleaves]
+    budget = ByteBudget(current().byte_budget)
+    results: dict[int, Any] = {}
+
+    async def one(node: Node, v: Any, target: Any) -> None:
+        dtype, sharding, kind = _target_of(target) if abstract is not None else (None, None, "")
+        shape = getattr(v, "shape", None)
+        if sharding is None and shape is not None and kind != "numpy":
+            sharding = sharding_for(table, node.path, tuple(shape))
+            if sharding is not None:
+                kind = "jax"
+        try:
+            if isinstance(v, LazyValue):
+                out = await materialize_leaf(v, dtype, sharding, budget)
+                if kind == "python" and target is not None:
+                    t = target if isinstance(target, type) else type(target)
+                    out = t(np.asarray(out)[()])
+            elif kind == "jax" and shape is not None:
+                host = np.asarray(v, dtype=dtype)
+                out = (
+                    jax.device_put(host, sharding) if sharding is not None else jax.device_put(host)
+                )
+            elif kind == "numpy" and v is not None:
+                out = np.asarray(v, dtype=dtype)
+            elif kind == "python" and target is not None and v is not None:
+                t = target if isinstance(target, type) else type(target)
+                out = t(np.asarray(v)[()]) if shape is not None else t(v)
+            else:
+                out = v
+        except QuireError:
+            raise
+        except Exception as e:
+            srcs = ", ".join(sorted({f"{s.url}:{s.key}" for s in getattr(v, "sources", list)()}))
+            e.add_note(
+                f"quire: loading leaf {keystr(node.path)!r} from {srcs or 'a concrete value'}"
+            )
+            raise
+        results[id(node)] = out
+
+    await asyncio.gather(*(one(n, v, t) for n, v, t in pairs))
+    return troot.rebuild(lambda n: results[id(n)])
+
+
+def load_and_transform(
+    sources: Any,
+    abstract: Any = None,
+    transform_fn: Callable[..., Any] | None = None,
+    *,
+    shardings: Any = None,
+    partial: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> Any:
+    """Open ``sources`` lazily, apply ``transform_fn`` and load the result into ``abstract``.
+
+    Parameters
+    ----------
+    sources : URL, Source, sequence of them, or dict name → URL/Source
+        ``transform_fn`` gets one lazy tree (``Source.tree``) per source: positionally for a
+        sequence, as keywords for a dict.
+    abstract : pytree, optional
+        The target (as for :func:`quire.load`); None: the transform's structure.
+    transform_fn : callable, optional
+        Returns a tree whose leaves are LazyArrays (or slices), :mod:`quire.surgery` lazy
+        operations, concrete arrays or values, or None.  Identity when omitted.
+    shardings : tree of shardings, :func:`quire.partition_rules`, or a Sharding
+        For leaves whose abstract leaf carries no sharding.
+    partial : bool
+        Allow the transform's result to have leaves the abstract tree lacks (they are not read).
+
+    Raises
+    ------
+    TreeMismatchError
+        The result does not match ``abstract`` (missing / extra / mis-shaped key paths).
+    Exception
+        Whatever ``transform_fn`` raised, with a note naming the source URLs.
+    """
+    from quire import _io
+
+    shaped, opened = open_sources(sources, storage_options)
+    fn = transform_fn or (lambda *a, **k: a[0] if a else k)
+    result = call_transform(fn, shaped, opened)
+    what = "transform result of " + ", ".join(s.url for s in opened)
+    return _io.submit(
+        materialize_tree(result, abstract, shardings=shardings, partial=partial, what=what)
+    ).result()

@@ -1,0 +1,142 @@
+"""quire's own checkpoints as a source: array leaves lazy, inline leaves as values.
+
+Array regions are read through the engine's region reader (``_zarr.read_region`` over the
+checkpoint's backend and the leaf record's layout), the path ``quire.load`` itself uses, so
+every layout the engine reads is read here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+
+from quire import _handlers
+from quire._budget import ByteBudget
+from quire._config import current
+from quire._io import submit
+from quire._lazy import LazyArray, Region, region_shape
+from quire._tree import Node, from_json, keystr
+from quire._url import open_backend
+from quire._zarr import ChunkError, read_region
+from quire.backends import Backend
+from quire.errors import CorruptCheckpointError
+from quire.handlers import LoadContext, LoadEntry
+from quire.sources import Source
+
+__all__ = ["QuireSource"]
+
+# Leaves whose records describe a plain zarr array (shape, dtype, location).
+LAZY_HANDLERS = ("numpy", "jax")
+
+
+class _Reader:
+    def __init__(self, src: QuireSource, backend: Backend, rec: dict[str, Any], path: Any) -> None:
+        from quire._handlers.arrays import layout_from_record
+
+        self.src, self.backend, self.rec, self.path = src, backend, rec, path
+        self.layout = layout_from_record(rec, src.url)
+
+    async def read_region(self, region: Region) -> np.ndarray:
+        out = np.empty(region_shape(region), self.layout.dtype)
+        try:
+            await read_region(
+                self.backend, self.rec["location"], self.layout, region, out, sem=self.src.limit
+            )
+        except ChunkError as e:
+            raise CorruptCheckpointError(
+                f"{self.src.url}: leaf {keystr(self.path)!r}: {e}; the checkpoint is damaged "
+                "(run `quire verify URL`)"
+            ) from e
+        self.src.bytes_read += out.nbytes
+        return out
+
+
+class QuireSource(Source):
+    """A committed quire checkpoint (its ``pytree`` unit) as a lazy tree.
+
+    ``metadata`` holds the user metadata (``custom``), ``format_version`` and ``created``.
+    """
+
+    format: ClassVar[str] = "quire"
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.tree: Any = None
+        self.metadata: dict[str, Any] = {}
+        self.bytes_read = 0
+        self.limit = asyncio.Semaphore(max(1, current().max_concurrency))
+
+    @classmethod
+    def detect(cls, url: str, storage_options: dict[str, Any]) -> bool:
+        from quire._format import RECORD
+
+        async def probe() -> bool:
+            return await open_backend(url, storage_options).exists(RECORD)
+
+        try:
+            return submit(probe()).result()
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    @classmethod
+    def open(cls, url: str, storage_options: dict[str, Any]) -> QuireSource:
+        return submit(cls._open(url, storage_options)).result()
+
+    @classmethod
+    async def _open(cls, url: str, storage_options: dict[str, Any]) -> QuireSource:
+        from quire import _commit
+        from quire._engine import pytree_unit
+
+        src = cls(url)
+        # The semaphore must belong to quire's loop: make it here, on that loop.
+        src.limit = asyncio.Semaphore(max(1, current().max_concurrency))
+        backend = open_backend(url, storage_options)
+        doc = (await _commit.read(backend, url)).doc  # locations checked there
+        saved = from_json(pytree_unit(doc, url))
+        values: dict[int, Any] = {}
+        eager: dict[str, list[Node]] = collections.defaultdict(list)
+        for leaf in saved.leaves():
+            rec = leaf.value
+            if rec.get("handler") in LAZY_HANDLERS:
+                values[id(leaf)] = LazyArray(
+                    rec["shape"],
+                    _Reader(src, backend, rec, leaf.path).layout.dtype,
+                    leaf.path,
+                    _Reader(src, backend, rec, leaf.path),
+                    url,
+                )
+            else:
+                eager[rec["handler"]].append(leaf)
+        ctx = LoadContext(url, backend, jax.process_index(), jax.process_count())
+        ctx.limit = src.limit
+        ctx.budget = ByteBudget(current().byte_budget)
+
+        async def run(hid: str, leaves: list[Node]) -> None:
+            h = _handlers.get(hid, url=url)
+            got = await h.load([LoadEntry(n.path, n.value, None) for n in leaves], ctx)
+            for n, v in zip(leaves, got):
+                values[id(n)] = v
+
+        await asyncio.gather(*(run(h, ls) for h, ls in eager.items()))
+        src.tree = _rebuild(saved, values)
+        src.metadata = {
+            "custom": doc.get("metadata", {}),
+            "format_version": doc.get("version"),
+            "created": doc.get("_created"),
+        }
+        return src
+
+
+def _rebuild(node: Node, values: dict[int, Any]) -> Any:
+    if node.kind == "leaf":
+        return values[id(node)]
+    kids = [_rebuild(c, values) for c in node.children]
+    if node.kind == "dict":
+        return dict(zip(node.keys, kids))
+    if node.kind == "tuple" and node.typename is None:
+        return tuple(kids)
+    return kids
