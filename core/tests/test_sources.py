@@ -286,7 +286,7 @@ def test_bad_headers_are_corrupt_naming_the_url(tmp_path: Path, blob: bytes, why
 def test_index_naming_a_missing_shard(tmp_path: Path) -> None:
     d = _hf_dir(tmp_path / "hf", _tensors(), 2)
     (d / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(quire.CheckpointNotFoundError, match="model-00002-of-00002.safetensors"):
+    with pytest.raises(quire.CheckpointNotFoundError, match=r"model-00002-of-00002\.safetensors"):
         quire.open(d)
 
 
