@@ -233,7 +233,7 @@ def test_import_quire_with_a_broken_plugin_in_a_fresh_process(
         [sys.executable, "-m", "quire._cli", "plugins"], capture_output=True, text=True, env=env
     )
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("failed: RuntimeError: boom") == 4
+    assert r.stdout.count("failed: RuntimeError: boom") == len(registries)  # one per group
     assert "memory" in r.stdout
 
 

@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 import quire
 from quire import surgery
 from quire._backends.local import LocalBackend
+from quire.testing import SourceSuite
 
 P = jax.sharding.PartitionSpec
 
@@ -389,3 +390,21 @@ def test_tree_helpers() -> None:
     np.testing.assert_array_equal(back[2]["w"].read(), np.full((2, 3), 2))
     with pytest.raises(ValueError, match="itself a tensor"):
         surgery.unflatten({"a.b": 1, "a.b.c": 2})
+
+
+# -- the conformance suite, run against both first-party sources -------------------------------
+class TestQuireSourceSuite(SourceSuite):
+    source_format = "quire"
+
+    def write(self, directory: Path, arrays: dict[str, np.ndarray]) -> str:
+        quire.save(directory, surgery.unflatten(arrays, "/"))
+        return str(directory)
+
+
+class TestSafetensorsSourceSuite(SourceSuite):
+    source_format = "safetensors"
+
+    def write(self, directory: Path, arrays: dict[str, np.ndarray]) -> str:
+        flat = {k.replace("/", "."): v for k, v in arrays.items()}
+        _hf_dir(directory, flat, 2)
+        return str(directory)

@@ -20,7 +20,8 @@ __all__ = ["add_export_parser", "convert", "cp_from_source"]
 class _Progress:
     """A minimal byte-count progress line on a terminal (silent otherwise)."""
 
-    def __init__(self, total: int, stream: TextIO = sys.stderr, enabled: bool = True) -> None:
+    def __init__(self, total: int, stream: TextIO | None = None, enabled: bool = True) -> None:
+        stream = stream if stream is not None else sys.stderr  # the current one, not import's
         self.total, self.done, self.stream = total, 0, stream
         self.enabled = enabled and bool(getattr(stream, "isatty", lambda: False)())
         self.t0 = self.last = time.perf_counter()

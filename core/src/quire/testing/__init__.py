@@ -7,6 +7,7 @@ suite                          entry-point group                 names the plugi
 ``CodecSuite``                 ``quire.codecs``                  ``codec_id``
 ``LeafHandlerSuite``           ``quire.leaf_handlers``           ``handler_id``
 ``CheckpointableHandlerSuite`` ``quire.checkpointables``         ``handler_id``
+``SourceSuite``                ``quire.sources``                 ``source_format``
 =============================  ================================  ==========================
 
 The suites are plain pytest classes; quire registers a pytest plugin (entry point
@@ -21,5 +22,12 @@ from quire.testing.backend import BackendSuite
 from quire.testing.checkpointable import CheckpointableHandlerSuite
 from quire.testing.codec import CodecSuite
 from quire.testing.leaf import LeafHandlerSuite
+from quire.testing.source import SourceSuite
 
-__all__ = ["BackendSuite", "CheckpointableHandlerSuite", "CodecSuite", "LeafHandlerSuite"]
+__all__ = [
+    "BackendSuite",
+    "CheckpointableHandlerSuite",
+    "CodecSuite",
+    "LeafHandlerSuite",
+    "SourceSuite",
+]

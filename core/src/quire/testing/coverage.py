@@ -26,6 +26,7 @@ SUITES = {
     "CodecSuite": ("quire.codecs", "codec_id"),
     "LeafHandlerSuite": ("quire.leaf_handlers", "handler_id"),
     "CheckpointableHandlerSuite": ("quire.checkpointables", "handler_id"),
+    "SourceSuite": ("quire.sources", "source_format"),
 }
 
 
@@ -70,7 +71,7 @@ def suites(*, collected_only: bool = True) -> list[type]:
     With ``collected_only``, only classes pytest collects (named ``Test*``).
     """
     bases: list[type] = []
-    for modname in ("backend", "codec", "leaf", "checkpointable"):
+    for modname in ("backend", "codec", "leaf", "checkpointable", "source"):
         mod = sys.modules.get(f"quire.testing.{modname}")
         for name in SUITES:
             b = getattr(mod, name, None) if mod is not None else None
