@@ -55,6 +55,16 @@ class Config:
     timeout : float or None
         Seconds a multi-process barrier waits before the save is aborted (default 600;
         None waits forever).
+    layout : str
+        How array chunks are stored: ``"packed"`` (format version 2, the default: each
+        process streams its chunks into a few pack objects plus one chunk index) or
+        ``"chunks"`` (format version 1: one object per zarr chunk, for tensorstore).
+    pack_bytes : int
+        Largest pack object (format version 2).  Default 1 GiB: far below S3's limits (5 GiB
+        per PUT, 10,000 multipart parts of 16 MiB = 156 GiB), few objects per host, and
+        a local file of that size costs nothing extra.  Packs are uploaded with the
+        backend's ``put`` (multipart on S3/GCS), so a pack is also sealed when the chunks
+        waiting for it reach a quarter of ``byte_budget``: host memory stays bounded.
     leaf_handlers : tuple
         Leaf handlers in effect in addition to the installed ones (instances, or classes
         instantiated once); they take part in handler choice (most specific type first)
@@ -70,6 +80,8 @@ class Config:
     codecs: tuple[Any, ...] = ()
     timeout: float | None = 600.0
     leaf_handlers: tuple[Any, ...] = ()
+    layout: str = "packed"
+    pack_bytes: int = 1 << 30
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(Config))
@@ -110,6 +122,12 @@ def _validate(name: str, v: Any) -> Any:
         return _int(name, v, 1)
     if name == "max_concurrency":
         return _int(name, v, 1)
+    if name == "pack_bytes":
+        return _int(name, v, 1)
+    if name == "layout":
+        if v not in ("packed", "chunks"):
+            raise ValueError(f'quire option layout must be "packed" or "chunks", got {v!r}')
+        return v
     if name == "primary_process":
         return _int(name, v, 0)
     if name == "checksum":
