@@ -110,9 +110,10 @@ class PackWriter(Backend):
     async def _wait_one(self) -> None:
         task = self._uploads[0]
         try:
-            await task
+            await asyncio.shield(task)
         finally:
-            self._uploads.remove(task)
+            if task.done() and task in self._uploads:
+                self._uploads.remove(task)
 
     async def finish(self) -> tuple[dict[str, Any], bytes]:
         """Upload what is pending, then this process's chunk index; returns the commit
