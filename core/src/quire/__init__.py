@@ -25,6 +25,7 @@ from quire._registry import (
     unregister_checkpointable_handler,
     unregister_leaf_handler,
 )
+from quire._zarrstore import zarr_store
 from quire.checkpointables import Checkpointable, CheckpointableHandler
 from quire.errors import (
     CheckpointExistsError,
@@ -74,4 +75,5 @@ __all__ = [
     "save_checkpointables_async",
     "unregister_checkpointable_handler",
     "unregister_leaf_handler",
+    "zarr_store",
 ]

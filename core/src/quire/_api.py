@@ -59,9 +59,10 @@ def _start_save(
     copy: bool,
     storage_options: dict[str, Any] | None = None,
     stats: dict[str, Any] | None = None,
+    layout: str | None = None,
 ) -> AsyncResponse[None]:
     u = normalize(url)
-    prep = _engine.prepare_save(units, storage, copy=copy, url=u)
+    prep = _engine.prepare_save(units, storage, copy=copy, url=u, layout=layout)
 
     return chain(
         u,
@@ -113,6 +114,7 @@ def save(
     overwrite: bool = False,
     storage: StorageSpec = None,
     storage_options: dict[str, Any] | None = None,
+    layout: str | None = None,
 ) -> None:
     """Save ``tree`` to ``url`` and commit it atomically.
 
@@ -133,6 +135,10 @@ def save(
         ``(key_path, leaf)`` and returns ``StorageOptions`` or None.
     storage_options : dict, optional
         fsspec options for the backend.
+    layout : {"packed", "chunks"}, optional
+        ``"packed"`` (format v2: a few pack objects per process plus a chunk index) or
+        ``"chunks"`` (format v1: one object per zarr chunk, for tensorstore); default the
+        ``layout`` option of :class:`quire.Context` (``"packed"``).
 
     Raises
     ------
@@ -151,6 +157,7 @@ def save(
         storage=storage,
         copy=False,
         storage_options=storage_options,
+        layout=layout,
     ).result()
 
 
@@ -162,6 +169,7 @@ def save_async(
     overwrite: bool = False,
     storage: StorageSpec = None,
     storage_options: dict[str, Any] | None = None,
+    layout: str | None = None,
 ) -> AsyncResponse[None]:
     """Like :func:`save`, but return once every owned shard is copied to host memory.
 
@@ -176,6 +184,7 @@ def save_async(
         storage=storage,
         copy=True,
         storage_options=storage_options,
+        layout=layout,
     )
 
 

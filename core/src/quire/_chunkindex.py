@@ -7,16 +7,18 @@ Each process that saves writes, next to its pack objects, one **chunk index** ob
      "refs": {"<zarr key>": ["d/<txid>/%packs/p<process>-<seq>", offset, length]
                             | "<inline UTF-8 text>"},
      "quire": {"format": 2, "txid": "<txid>", "process": <int>,
-               "crc32c": {"<zarr key>": "<8 hex digits>"}}}
+               "crc32": {"<zarr key>": "<8 hex digits>"}}}
 
 Zarr keys are relative to the checkpoint root (``d/<txid>/pytree/params/w/c/0/1``,
 ``.../zarr.json``); targets are relative too, so a copied checkpoint needs no rewrite and
 ``fsspec.filesystem("reference", fo=index, remote_protocol="dir",
 remote_options={"path": <checkpoint root>, ...})`` serves it to zarr with no quire code.
 
-``quire.crc32c`` binds every chunk to its identity: the crc32c of the exact stored
-bytes (the chunk's own crc32c suffix included) under its key, in an index whose size and
-crc32c are in the commit record.  A chunk swapped with another (of the same array or of
+``quire.crc32`` binds every chunk to its identity: the CRC-32 (zlib's polynomial) of the
+exact stored bytes under its key, in an index whose size and crc32c are in the commit
+record.  It is deliberately not crc32c: a chunk ends with its own crc32c, and a crc32c
+over a message followed by its crc32c is the same constant for every message (the CRC
+residue), which would make every valid chunk match every index entry.  A chunk swapped with another (of the same array or of
 another array), moved to another offset, or copied in from another checkpoint fails it.
 
 The commit record names the index objects (``"indexes"``: txid, process, object, size,
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import json
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -118,7 +121,7 @@ def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Re
     try:
         doc = json.loads(data)
         refs, meta = doc["refs"], doc["quire"]
-        crcs = meta["crc32c"]
+        crcs = meta["crc32"]
         if doc.get("version") != 1 or meta.get("format") != INDEX_FORMAT:
             raise ValueError("unknown index version")
         if meta.get("txid") != entry["txid"] or meta.get("process") != entry["process"]:
@@ -212,26 +215,26 @@ class ChunkIndex:
         return out
 
 
-def _check(ref: Ref, key: str, views: Sequence[memoryview], n: int) -> None:
+def chunk_crc(views: Sequence[memoryview], n: int | None = None) -> int:
+    """CRC-32 (zlib) of the first ``n`` bytes of ``views`` (all when None)."""
     crc = 0
-    left = n
+    left = sum(v.nbytes for v in views) if n is None else n
     for v in views:
         if left <= 0:
             break
         part = v.cast("B")[: min(left, v.nbytes)]
-        crc = int(crc32c_continue(part, crc))
+        crc = zlib.crc32(part, crc)
         left -= part.nbytes
+    return crc
+
+
+def _check(ref: Ref, key: str, views: Sequence[memoryview], n: int) -> None:
+    crc = chunk_crc(views, n)
     if crc_hex(crc) != ref.crc:
         raise ChunkError(
             f"{key}: bytes at {ref.target}[{ref.offset}:{ref.offset + ref.length}] do not match "
             "the chunk index (a moved, swapped or foreign chunk)"
         )
-
-
-def crc32c_continue(data: Any, value: int) -> int:
-    from quire import _zarr
-
-    return int(_zarr._crc32c(memoryview(data).cast("B"), value))
 
 
 class PackedReader(Backend):

@@ -74,6 +74,7 @@ class PreparedSave:
     order: list[str]  # unit names, in the caller's order
     coord: Coordinator
     index: dict[str, Any] | None = None  # format v2: this process's chunk-index entry
+    layout: str = "packed"  # "packed" (format v2) or "chunks" (format v1)
 
 
 def _is_leaf_value(x: Any) -> bool:
@@ -98,7 +99,12 @@ def _storage_for(storage: StorageSpec, path: KeyPath, leaf: Any) -> StorageOptio
 
 
 def prepare_save(
-    units: Mapping[str, Any], storage: StorageSpec, *, copy: bool, url: str
+    units: Mapping[str, Any],
+    storage: StorageSpec,
+    *,
+    copy: bool,
+    url: str,
+    layout: str | None = None,
 ) -> PreparedSave:
     """Walk every unit, choose handlers, assign locations; copy to host when ``copy``.
 
@@ -133,7 +139,11 @@ def prepare_save(
         for hid, items in groups.items():
             snap = _handlers.get(hid).snapshot([e for _, e in items])
             groups[hid] = [(n, e) for (n, _), e in zip(items, snap)]
-    return PreparedSave(txid, roots, dict(groups), objects, list(units), coord)
+    if layout not in (None, "packed", "chunks"):
+        raise ValueError(f'layout must be "packed" or "chunks", got {layout!r}')
+    return PreparedSave(
+        txid, roots, dict(groups), objects, list(units), coord, layout=layout or cfg.layout
+    )
 
 
 async def _read_record(backend: Backend, url: str) -> tuple[dict[str, Any], str | None]:
@@ -171,7 +181,7 @@ async def write_units(
     records: dict[int, dict[str, Any]] = {}
     unit_records: dict[str, dict[str, Any]] = {}
     sink = None
-    if cfg.layout == "packed":  # format v2: chunks go into this process's packs
+    if prep.layout == "packed":  # format v2: chunks go into this process's packs
         from quire._pack import PackWriter
 
         sink = PackWriter(backend, prep.txid, pidx, cfg.pack_bytes, cfg.byte_budget)

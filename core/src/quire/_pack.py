@@ -23,7 +23,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from quire._chunkindex import INDEX_FORMAT, crc32c_continue, crc_hex, index_entry, index_key
+from quire._chunkindex import INDEX_FORMAT, chunk_crc, crc_hex, index_entry, index_key
 from quire._chunkindex import pack_key as _pack_key
 from quire._io import run_blocking
 from quire.backends import Backend, Buffer
@@ -31,13 +31,6 @@ from quire.backends import Backend, Buffer
 INLINE_SUFFIX = "/zarr.json"
 INLINE_MAX = 64 << 10
 MAX_UPLOADS = 2
-
-
-def _crc(views: Sequence[memoryview]) -> int:
-    c = 0
-    for v in views:
-        c = crc32c_continue(v, c)
-    return c
 
 
 class PackWriter(Backend):
@@ -75,7 +68,7 @@ class PackWriter(Backend):
             return
         views = [memoryview(b).cast("B") for b in data]
         n = sum(v.nbytes for v in views)
-        crc = crc_hex(await run_blocking(_crc, views) if n > (1 << 16) else _crc(views))
+        crc = crc_hex(await run_blocking(chunk_crc, views) if n > (1 << 16) else chunk_crc(views))
         if key.endswith(INLINE_SUFFIX) and n <= INLINE_MAX:
             try:
                 self.refs[key] = b"".join(views).decode()
@@ -128,7 +121,7 @@ class PackWriter(Backend):
                 "format": INDEX_FORMAT,
                 "txid": self.txid,
                 "process": self.process,
-                "crc32c": self.crcs,
+                "crc32": self.crcs,
             },
         }
         data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
