@@ -312,6 +312,8 @@ def test_config_fields_are_all_known() -> None:
         "codecs",
         "timeout",
         "leaf_handlers",
+        "layout",
+        "pack_bytes",
     }
 
 

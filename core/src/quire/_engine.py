@@ -199,7 +199,7 @@ async def write_units(
                 hid, obj, backend, f"d/{prep.txid}/{escape_component(name)}", url, ctx
             )
         if sink is not None:
-            prep.index, _ = await sink.finish()
+            prep.index = await sink.finish()
             ctx.stats["objects"] = sink.packs + 1
         await backend.sync()
     except BaseException:
@@ -266,11 +266,11 @@ async def index_entries(
     backend: Backend, prep: PreparedSave, count: int
 ) -> list[dict[str, Any]] | None:
     """Format v2: the commit record's ``indexes`` (every process's chunk index)."""
-    if prep.index is None:
+    if prep.layout != "packed":
         return None
     from quire._pack import gather_entries
 
-    return await gather_entries(backend, prep.txid, count, prep.index, prep.index["process"])
+    return await gather_entries(backend, prep.txid, count, prep.index, jax.process_index())
 
 
 def packed_view(backend: Backend, url: str, doc: Mapping[str, Any]) -> Backend:

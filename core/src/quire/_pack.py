@@ -108,12 +108,14 @@ class PackWriter(Backend):
             if task.done() and task in self._uploads:
                 self._uploads.remove(task)
 
-    async def finish(self) -> tuple[dict[str, Any], bytes]:
+    async def finish(self) -> dict[str, Any] | None:
         """Upload what is pending, then this process's chunk index; returns the commit
-        record's entry for it and the index bytes."""
+        record's entry for it (None when this process wrote nothing: no index object)."""
         self._seal()
         while self._uploads:
             await self._wait_one()
+        if not self.refs:
+            return None
         doc = {
             "version": 1,
             "refs": self.refs,
@@ -127,7 +129,7 @@ class PackWriter(Backend):
         data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
         key = index_key(self.txid, self.process)
         await self.base.put(key, [data])
-        return index_entry(self.txid, self.process, key, data), data
+        return index_entry(self.txid, self.process, key, data)
 
     async def abort(self) -> None:
         """Stop uploads in flight (the caller removes the txid's data)."""
@@ -167,16 +169,15 @@ class PackWriter(Backend):
 
 
 async def gather_entries(
-    backend: Backend, txid: str, count: int, own: dict[str, Any], own_process: int
-) -> list[dict[str, Any]]:
-    """The commit record's ``indexes`` for a save by ``count`` processes: the primary reads
-    the other processes' index objects (written before they reported success) to record
-    their size and crc32c."""
-    from quire.errors import QuireError
-
+    backend: Backend, txid: str, count: int, own: dict[str, Any] | None, own_process: int
+) -> list[dict[str, Any]] | None:
+    """The commit record's ``indexes`` for a save by ``count`` processes (None: no process
+    wrote array data).  The primary reads the other processes' index objects, written before
+    they reported success, to record their size and crc32c; a process that owned no chunk
+    wrote none."""
     sem = asyncio.Semaphore(32)
 
-    async def one(p: int) -> dict[str, Any]:
+    async def one(p: int) -> dict[str, Any] | None:
         if p == own_process:
             return own
         key = index_key(txid, p)
@@ -184,10 +185,8 @@ async def gather_entries(
             try:
                 data = await backend.get(key)
             except FileNotFoundError:
-                raise QuireError(
-                    f"{backend.url}: process {p} reported success but its chunk index {key} "
-                    "is missing; nothing was committed"
-                ) from None
+                return None
         return index_entry(txid, p, key, data)
 
-    return list(await asyncio.gather(*(one(p) for p in range(count))))
+    got = [e for e in await asyncio.gather(*(one(p) for p in range(count))) if e is not None]
+    return got or None
