@@ -228,6 +228,15 @@ def chunk_crc(views: Sequence[memoryview], n: int | None = None) -> int:
     return crc
 
 
+async def _check_async(ref: Ref, key: str, views: Sequence[memoryview], n: int) -> None:
+    if n < (1 << 16):
+        _check(ref, key, views, n)
+    else:  # zlib releases the GIL: checks of big chunks run in parallel, off the loop
+        from quire._io import run_blocking
+
+        await run_blocking(_check, ref, key, views, n)
+
+
 def _check(ref: Ref, key: str, views: Sequence[memoryview], n: int) -> None:
     crc = chunk_crc(views, n)
     if crc_hex(crc) != ref.crc:
@@ -337,7 +346,7 @@ class PackedReader(Backend):
             if a > 0 or b < ref.length:
                 return data
         if a == 0 and b == ref.length:
-            _check(ref, key, [memoryview(data)], len(data))
+            await _check_async(ref, key, [memoryview(data)], len(data))
         return bytes(data[a:b]) if ref.inline is not None else data
 
     async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int = 0) -> int:
@@ -358,7 +367,7 @@ class PackedReader(Backend):
         if n < want:
             raise ChunkError(f"{key}: pack {ref.target} is truncated")
         if offset == 0 and n == ref.length:
-            _check(ref, key, views, n)
+            await _check_async(ref, key, views, n)
         return n
 
     async def size(self, key: str) -> int:
