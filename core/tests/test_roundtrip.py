@@ -219,25 +219,25 @@ def test_jax_shardings_and_resharding(url: str) -> None:
 
 
 def test_resharded_load_reads_only_needed_chunks(tmp_path: Any) -> None:
-    from quire._backends.local import LocalBackend
+    from quire._chunkindex import PackedReader
 
     url = str(tmp_path / "c")
     x = jnp.arange(8 * 1024, dtype=jnp.float32).reshape(8, 1024)
     quire.save(url, {"x": jax.device_put(x, NS(mesh((8,), ("d",)), P("d")))})
     reads: list[str] = []
-    orig = LocalBackend._get_into
+    orig = PackedReader.get_into
 
-    def spy(self: Any, key: str, *a: Any) -> Any:
-        reads.append(f"{key}@{a[1]}")  # format v2: chunks are ranges of one pack
-        return orig(self, key, *a)
+    async def spy(self: Any, key: str, *a: Any) -> Any:
+        reads.append(key)  # format v2: the zarr key (reads of one pack are coalesced)
+        return await orig(self, key, *a)
 
-    LocalBackend._get_into = spy  # type: ignore[method-assign]
+    PackedReader.get_into = spy  # type: ignore[method-assign]
     try:
         # A target on the first device only, holding rows 0..1 of a (4,)-row split.
         target = NS(mesh((4,), ("d",)), P("d"))
         y = quire.load(url, {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target)})
     finally:
-        LocalBackend._get_into = orig  # type: ignore[method-assign]
+        PackedReader.get_into = orig  # type: ignore[method-assign]
     assert np.array_equal(np.asarray(y["x"]), np.asarray(x))
     assert len(reads) == 8 and len(set(reads)) == 8  # each chunk read once, not once per device
 

@@ -159,9 +159,9 @@ def parse(raw: bytes, url: str) -> dict[str, Any]:
     if v == PACKED_VERSION:
         from quire._chunkindex import check_entries
 
-        for e in check_entries(doc.get("indexes"), url):
-            if e["txid"] not in txids:
-                raise _bad(url, f"chunk index of txid {e['txid']!r}, which is not in 'txids'")
+        for entry in check_entries(doc.get("indexes"), url):
+            if entry["txid"] not in txids:
+                raise _bad(url, f"chunk index of txid {entry['txid']!r}, which is not in 'txids'")
     elif "indexes" in doc:
         raise _bad(url, "'indexes' in a version-1 record")
     units = doc.get("units")

@@ -60,6 +60,12 @@ class PackWriter(Backend):
         self._uploads: list[asyncio.Task[None]] = []
         self.packs = 0
         self.bytes = 0
+        # Backends that can write an object in place at offsets (local files) stream every
+        # chunk straight into its pack: nothing is held, packs reach pack_bytes.
+        self._streaming = hasattr(base, "stream_writer")
+        self._writers: list[Any] = []
+        self._opening: asyncio.Future[Any] | None = None
+        self._size = 0
 
     # -- writes ------------------------------------------------------------------
     async def put(self, key: str, data: Sequence[Buffer]) -> None:
@@ -76,6 +82,9 @@ class PackWriter(Backend):
                 return
             except UnicodeDecodeError:
                 pass
+        if self._streaming:
+            await self._stream(key, views, n, crc)
+            return
         while len(self._uploads) >= MAX_UPLOADS:
             await self._wait_one()
         if self._pending and (
@@ -89,6 +98,28 @@ class PackWriter(Backend):
         self.bytes += n
         if self._pending_bytes >= self.flush_at:
             self._seal()
+
+    async def _stream(self, key: str, views: list[memoryview], n: int, crc: str) -> None:
+        while self._opening is not None and not self._opening.done():
+            await asyncio.shield(self._opening)
+        if not self._writers or (self._size and self._size + n > self.pack_bytes):
+            loop = asyncio.get_running_loop()
+            self._opening = loop.create_future()
+            try:
+                if self._writers:
+                    self._seq += 1
+                w = await self.base.stream_writer(_pack_key(self.txid, self.process, self._seq))  # type: ignore[attr-defined]
+                self._writers.append(w)
+                self._size = 0
+                self.packs += 1
+            finally:
+                self._opening.set_result(None)
+        w, offset = self._writers[-1], self._size
+        self._size += n  # reserved before the write: concurrent puts get distinct ranges
+        self.refs[key] = [_pack_key(self.txid, self.process, self._seq), offset, n]
+        self.crcs[key] = crc
+        self.bytes += n
+        await w.write(views, offset)
 
     def _seal(self) -> None:
         if not self._pending:
@@ -114,6 +145,8 @@ class PackWriter(Backend):
         self._seal()
         while self._uploads:
             await self._wait_one()
+        writers, self._writers = self._writers, []
+        await asyncio.gather(*(w.close() for w in writers))
         if not self.refs:
             return None
         doc = {
@@ -138,6 +171,8 @@ class PackWriter(Backend):
             t.cancel()
         await asyncio.gather(*self._uploads, return_exceptions=True)
         self._uploads = []
+        writers, self._writers = self._writers, []
+        await asyncio.gather(*(w.close() for w in writers), return_exceptions=True)
 
     # -- reads and the rest go to the backend ----------------------------------------
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
