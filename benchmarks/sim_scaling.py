@@ -9,8 +9,9 @@ Every simulated process runs quire's real pack writer (``quire._pack.PackWriter`
 backend that counts objects and bytes but keeps only the chunk indexes (in ``memory://``):
 each process appends the chunks it owns (the zarr keys quire would write, one per device
 shard with ``replica_id == 0``), packs are sealed as in a real save on an object store
-(``pack_bytes``, a quarter of ``byte_budget``) or on a local disk (``--local``: packs of
-``pack_bytes``), and its chunk index is serialized for real.  The primary's commit record is
+on a backend that streams writes (local disks, S3 multipart: packs of ``pack_bytes``) or,
+with ``--buffered``, on one that does not (GCS today: packs sealed at a quarter of
+``byte_budget``), and its chunk index is serialized for real.  The primary's commit record is
 then built with quire's own ``_format.build`` from synthetic leaf records of the measured
 shape.  Chunk payloads are not materialized (one shared zero buffer; the per-chunk CRC is
 not computed — it does not change any size).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -64,9 +66,16 @@ class _Stream:
     async def close(self) -> None:
         pass
 
+    async def abort(self) -> None:
+        pass
+
 
 class StreamingBackend(CountingBackend):
-    """A local disk: packs are written in place (``stream_writer``), up to ``pack_bytes``."""
+    """A streaming store (local disk, S3 multipart): packs grow to ``pack_bytes``."""
+
+    def __init__(self, store: Any) -> None:
+        super().__init__(store)
+        self.capabilities = dataclasses.replace(store.capabilities, stream_writes=True)
 
     async def stream_writer(self, key: str) -> _Stream:
         self.objects += 1
@@ -169,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="32 hosts")
     ap.add_argument("--layouts", default="A,B,C")
-    ap.add_argument("--local", action="store_true", help="packs of pack_bytes (local disks)")
+    ap.add_argument(
+        "--buffered",
+        action="store_true",
+        help="a backend without streamed writes (packs sealed at byte_budget / 4)",
+    )
     args = ap.parse_args(argv)
     hosts = 32 if args.quick else args.hosts
     print(f"1 TB from {hosts} hosts x {args.devices} devices, format v2")
@@ -187,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     print("  ".join(cols))
     for name in args.layouts.split(","):
         t0 = time.perf_counter()
-        r = asyncio.run(simulate(name.strip(), hosts, args.devices, args.local))
+        r = asyncio.run(simulate(name.strip(), hosts, args.devices, not args.buffered))
         row = [f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
         print("  ".join(row), f"({time.perf_counter() - t0:.1f}s)")
     return 0

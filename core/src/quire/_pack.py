@@ -62,7 +62,7 @@ class PackWriter(Backend):
         self.bytes = 0
         # Backends that can write an object in place at offsets (local files) stream every
         # chunk straight into its pack: nothing is held, packs reach pack_bytes.
-        self._streaming = hasattr(base, "stream_writer")
+        self._streaming = base.capabilities.stream_writes
         self._writers: list[Any] = []
         self._opening: asyncio.Future[Any] | None = None
         self._size = 0
@@ -108,7 +108,7 @@ class PackWriter(Backend):
             try:
                 if self._writers:
                     self._seq += 1
-                w = await self.base.stream_writer(_pack_key(self.txid, self.process, self._seq))  # type: ignore[attr-defined]
+                w = await self.base.stream_writer(_pack_key(self.txid, self.process, self._seq))
                 self._writers.append(w)
                 self._size = 0
                 self.packs += 1
@@ -172,7 +172,7 @@ class PackWriter(Backend):
         await asyncio.gather(*self._uploads, return_exceptions=True)
         self._uploads = []
         writers, self._writers = self._writers, []
-        await asyncio.gather(*(w.close() for w in writers), return_exceptions=True)
+        await asyncio.gather(*(w.abort() for w in writers), return_exceptions=True)
 
     # -- reads and the rest go to the backend ----------------------------------------
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:

@@ -229,7 +229,12 @@ class S3Backend(Backend):
     """
 
     capabilities = Capabilities(
-        atomic_create=True, atomic_replace=True, durable=True, rename=False, readinto=True
+        atomic_create=True,
+        atomic_replace=True,
+        durable=True,
+        rename=False,
+        readinto=True,
+        stream_writes=True,
     )
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
@@ -484,6 +489,14 @@ class S3Backend(Backend):
         assert self._budget is not None
         async with self._budget.hold(total):
             await self._call("PutObject", "put_object", key, Body=_join(views))
+
+    async def stream_writer(self, key: str) -> Any:
+        """A multipart upload fed by concurrent writes at offsets (``quire_s3._stream``)."""
+        from quire_s3._stream import MultipartStream
+
+        self._bind()
+        mpu = await self._call("CreateMultipartUpload", "create_multipart_upload", key)
+        return MultipartStream(self, key, mpu["UploadId"], self.part_size)
 
     async def _put_multipart(self, key: str, views: builtins.list[memoryview], total: int) -> None:
         self._bind()

@@ -81,6 +81,9 @@ class _StreamWriter:
     async def close(self) -> None:
         await run_blocking(self._close)
 
+    async def abort(self) -> None:
+        await run_blocking(os.close, self.fd)
+
 
 class LocalBackend(Backend):
     """A checkpoint root on a local (POSIX) file system.
@@ -94,7 +97,12 @@ class LocalBackend(Backend):
     """
 
     capabilities = Capabilities(
-        atomic_create=True, atomic_replace=True, durable=True, rename=True, readinto=True
+        atomic_create=True,
+        atomic_replace=True,
+        durable=True,
+        rename=True,
+        readinto=True,
+        stream_writes=True,
     )
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
