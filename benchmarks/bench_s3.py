@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket", default="quire-bench")
     ap.add_argument("--no-verify", action="store_true")
     ap.add_argument("--latency-ms", type=float, default=20.0, help="added per request (0: none)")
+    ap.add_argument("--pack-mib", type=int, default=None, help="quire's pack_bytes, in MiB")
     args = ap.parse_args(argv)
 
     import quire
@@ -214,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
             for qname, layout in (("quire", "packed"), ("quire-v1", "chunks")):
                 url = f"{root}/{qname}"
                 t0 = time.perf_counter()
-                quire.save(url, tree, storage_options=options, layout=layout)
+                with quire.Context(
+                    **({"pack_bytes": args.pack_mib << 20} if args.pack_mib else {})
+                ):
+                    quire.save(url, tree, storage_options=options, layout=layout)
                 times.setdefault((qname, "save"), []).append(time.perf_counter() - t0)
                 backend = open_backend(url, options)
                 objects[qname] = len(_io.submit(backend.list()).result())

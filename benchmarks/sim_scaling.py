@@ -95,6 +95,7 @@ async def simulate(name: str, hosts: int, devices: int, local: bool) -> dict[str
     from quire import _format, _pack
     from quire._backends.memory import MemoryBackend
     from quire._chunkindex import index_entry
+    from quire._config import current
 
     lay = layout(name, hosts, devices)
     large_bytes = TB // lay["large"]
@@ -114,7 +115,7 @@ async def simulate(name: str, hosts: int, devices: int, local: bool) -> dict[str
     budget = 256 << 20
     for p in range(lay["writers"]):
         be = StreamingBackend(store) if local else CountingBackend(store)
-        w = _pack.PackWriter(be, txid, p, 1 << 30, budget)  # type: ignore[arg-type]
+        w = _pack.PackWriter(be, txid, p, current().pack_bytes, budget)  # type: ignore[arg-type]
         # the chunk's bytes + its crc32c, as views of one shared buffer (nothing allocated)
         whole, rest = divmod(chunk + 4, zero.nbytes)
         views = [zero] * whole + ([zero[:rest]] if rest else [])

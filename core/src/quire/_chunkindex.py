@@ -246,7 +246,7 @@ def _check(ref: Ref, key: str, views: Sequence[memoryview], n: int) -> None:
         )
 
 
-MAX_COALESCED = 64 << 20  # bytes per coalesced range request
+MAX_COALESCED = 8 << 20  # bytes per coalesced range request (larger ones lose parallelism)
 
 
 @dataclass

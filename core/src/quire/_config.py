@@ -60,11 +60,12 @@ class Config:
         process streams its chunks into a few pack objects plus one chunk index) or
         ``"chunks"`` (format version 1: one object per zarr chunk, for tensorstore).
     pack_bytes : int
-        Largest pack object (format version 2).  Default 1 GiB: far below S3's limits (5 GiB
-        per PUT, 10,000 multipart parts of 16 MiB = 156 GiB), few objects per host, and
-        a local file of that size costs nothing extra.  Packs are uploaded with the
-        backend's ``put`` (multipart on S3/GCS), so a pack is also sealed when the chunks
-        waiting for it reach a quarter of ``byte_budget``: host memory stays bounded.
+        Largest pack object (format version 2).  Default 256 MiB: a host's 1 GB is 4 packs,
+        far below S3's limits (5 GiB per PUT; 10,000 multipart parts), and a ranged GET
+        stays cheap on stores that serve ranges in O(object size) (moto, some gateways).
+        Backends with streamed writes (local disks, S3 multipart) stream chunks into the
+        pack; others upload it with one ``put``, so there a pack is also sealed when the
+        chunks waiting for it reach a quarter of ``byte_budget``: host memory stays bounded.
     leaf_handlers : tuple
         Leaf handlers in effect in addition to the installed ones (instances, or classes
         instantiated once); they take part in handler choice (most specific type first)
@@ -81,7 +82,7 @@ class Config:
     timeout: float | None = 600.0
     leaf_handlers: tuple[Any, ...] = ()
     layout: str = "packed"
-    pack_bytes: int = 1 << 30
+    pack_bytes: int = 256 << 20
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(Config))

@@ -7,8 +7,10 @@ an object of its own; small text objects (``zarr.json``) go inline into the chun
 ``finish`` uploads the last pack and writes the process's chunk index (see
 ``quire._chunkindex``), returning its description for the commit record.
 
-Memory: the encoded chunks of a pack are held (by reference: raw chunks are views of
-the host arrays) until the pack is uploaded.  A pack is sealed and uploaded when it would
+Backends that declare ``stream_writes`` (local files, S3 multipart) get every chunk
+written straight into its pack at an offset reserved for it: nothing is held, and packs
+reach ``pack_bytes``.  On other backends the encoded chunks of a pack are held (by
+reference: raw chunks are views of the host arrays) until the pack is uploaded.  A pack is sealed and uploaded when it would
 exceed ``pack_bytes`` or when the bytes waiting reach a quarter of the byte budget; at
 most two packs upload at once and a ``put`` waits for an upload when more are pending,
 so a save holds at most its byte budget plus three quarters of it in pack buffers.

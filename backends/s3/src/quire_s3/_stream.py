@@ -17,7 +17,7 @@ from typing import Any
 
 from quire.backends import Buffer
 
-MAX_INFLIGHT = 8
+MAX_INFLIGHT = 16
 
 
 class MultipartStream:
@@ -64,7 +64,7 @@ class MultipartStream:
             try:
                 r = await self.b._call(
                     "UploadPart", "upload_part", self.key,
-                    UploadId=self.upload_id, PartNumber=i + 1, Body=bytes(body),
+                    UploadId=self.upload_id, PartNumber=i + 1, Body=body,
                 )  # fmt: skip
                 self.etags[i + 1] = r["ETag"]
             except BaseException as e:
