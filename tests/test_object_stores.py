@@ -211,6 +211,27 @@ def txids(store: Store, url: str) -> set[str]:
 
 
 # ----------------------------------------------------------------------------- round trips
+def test_packs_stream_in_multipart_parts_and_roll_over(store: Store) -> None:
+    """Format v2 on an object store: 40 MiB of chunks stream into packs of at most 24 MiB
+    (on S3 a multipart upload whose 16 MiB parts go up as they fill; on GCS one upload per
+    pack), with one chunk index; everything loads and verifies."""
+    from quire import _engine, _io
+
+    rng = np.random.default_rng(7)
+    tree = {f"a{i}": rng.standard_normal((1 << 20) // 2).astype(np.float32) for i in range(20)}
+    url, opts = store.url(), store.options()
+    with quire.Context(pack_bytes=24 << 20):
+        quire.save(url, tree, storage_options=opts)
+    keys = run(store.backend(url).list(""))
+    packs = sorted(k for k in keys if "%packs/p00000-" in k)
+    assert len(packs) == 2 and sum(k.endswith(".index.json") for k in keys) == 1, keys
+    sizes = [run(store.backend(url).size(k)) for k in packs]
+    assert all(n <= 24 << 20 for n in sizes) and sum(sizes) == 20 * ((1 << 21) + 4), sizes
+    got = quire.load(url, storage_options=opts)
+    assert all(np.array_equal(got[k], v) for k, v in tree.items())
+    assert _io.submit(_engine.verify(url, opts)).result() == (20, [])
+
+
 def test_roundtrip_sharded_jax_and_ranged_shard_reads(store: Store) -> None:
     """jax arrays sharded over the devices, zarr shards with inner chunks read by range."""
     import jax
