@@ -15,8 +15,11 @@ The tree (1.26 GiB of array payload; the issue calls it "~2 GiB" but lists these
 
 Peers, all in this one process:
 
-* ``quire``       - ``quire.save`` / ``quire.load`` (plus a ``save_async`` row: the time the
-  caller is blocked until ``save_async`` returns, and the total until ``.result()``);
+* ``quire``       - ``quire.save`` / ``quire.load`` (format v2, packed; plus a ``save_async``
+  row: the time the caller is blocked until ``save_async`` returns, and the total until
+  ``.result()``);
+* ``quire-v1``    - the same with ``layout="chunks"`` (format v1, one object per chunk): the
+  ``files`` column compares objects per checkpoint (``--peers quire,quire-v1`` for only those);
 * ``orbax``       - ``orbax.checkpoint.StandardCheckpointer`` save + ``wait_until_finished`` /
   restore against an abstract tree (OCDBT, the 0.12 default; tensorstore's file driver fsyncs);
 * ``safetensors`` - ``safetensors.numpy.save_file`` + ``os.fsync`` of the file / ``load_file``
@@ -264,6 +267,17 @@ class QuirePeer(Peer):
         return self.q.load(path, abstract)
 
 
+class QuireV1Peer(QuirePeer):
+    """quire with format v1 (``layout="chunks"``: one object per zarr chunk), for the
+    v1-vs-v2 comparison in the same run."""
+
+    name = "quire v1"
+
+    def save(self, path: str, tree: dict[str, Any]) -> float | None:
+        self.q.save(path, tree, layout="chunks")
+        return None
+
+
 class QuireAsyncPeer(QuirePeer):
     name = "quire async"
 
@@ -370,6 +384,7 @@ class RawNumpyPeer(Peer):
 
 PEERS: dict[str, Callable[[], Peer]] = {
     "quire": QuirePeer,
+    "quire-v1": QuireV1Peer,
     "quire-async": QuireAsyncPeer,
     "orbax": OrbaxPeer,
     "safetensors": SafetensorsPeer,
@@ -492,6 +507,7 @@ def fmt_table(all_res: dict[str, tuple[int, dict[tuple[str, str], Result]]], rep
 
 _DISPLAY = {
     "quire": "quire",
+    "quire-v1": "quire v1",
     "quire-async": "quire async",
     "orbax": "orbax",
     "safetensors": "safetensors",

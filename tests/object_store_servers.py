@@ -154,7 +154,8 @@ class FaultProxy:
     """An HTTP/1.1 proxy on 127.0.0.1 in front of ``upstream`` (host, port).
 
     ``flavor`` ("s3" or "gcs") picks the error body format.  ``log`` holds one
-    ``(method, target, action)`` per request.
+    ``(method, target, action)`` per request.  Action ``"delay"`` forwards after ``delay``
+    seconds (added latency, e.g. for benchmarks).
     """
 
     def __init__(self, upstream: tuple[str, int], flavor: str = "s3") -> None:
@@ -354,6 +355,8 @@ class FaultProxy:
                     writer.write(self._error(int(action), rule.code if rule else None))
                     await writer.drain()
                     continue
+                if action == "delay" and rule is not None:
+                    await asyncio.sleep(rule.delay)
                 if action == "hold" and rule is not None and rule._gate is not None:
                     await rule._gate.wait()
                     await asyncio.sleep(0.05)

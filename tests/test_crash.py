@@ -47,7 +47,17 @@ pytestmark = [
 OLD_SEED, NEW_SEED = 1, 2
 # LocalBackend methods the deterministic variant counts and kills at: the backend contract's
 # write side, plus the private temp-file step of the commit when the backend has one.
-HOOKED = ("put", "sync", "put_if_absent", "replace_if_match", "delete", "_write_tmp")
+HOOKED = (
+    "put",
+    "sync",
+    "put_if_absent",
+    "replace_if_match",
+    "delete",
+    "_write_tmp",
+    "stream_writer",  # format v2: a pack created ...
+)
+STREAM_HOOKED = ("write", "close")  # ... written in place (pack_write) and fsynced (pack_close)
+DATA_WRITES = ("put", "pack_write")
 COMMITS = ("put_if_absent", "replace_if_match")
 
 
@@ -205,8 +215,12 @@ def _install_hooks(kill_at: int | None, when: str, calls: list[str]) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(60)  # never reached
 
-    for name in HOOKED:
-        orig = getattr(LocalBackend, name, None)
+    from quire._backends.local import _StreamWriter
+
+    targets = [(LocalBackend, n, n) for n in HOOKED]
+    targets += [(_StreamWriter, n, f"pack_{n}") for n in STREAM_HOOKED]
+    for cls, attr, name in targets:
+        orig = getattr(cls, attr, None)
         if orig is None:
             continue
         if asyncio.iscoroutinefunction(orig):
@@ -229,7 +243,7 @@ def _install_hooks(kill_at: int | None, when: str, calls: list[str]) -> None:
                 maybe_die(i, "after")
                 return r
 
-        setattr(LocalBackend, name, wrapper)
+        setattr(cls, attr, wrapper)
 
 
 def _child_save(cmd: dict[str, Any]) -> None:
@@ -609,7 +623,7 @@ def test_sigkill_at_every_backend_call(
     assert ("replace_if_match" if case == "overwrite" else "put_if_absent") in calls, calls
     if case == "overwrite":
         assert "delete" in calls[calls.index("replace_if_match") :], calls  # old data removed
-    puts = [i for i, name in enumerate(calls) if name == "put"]
+    puts = [i for i, name in enumerate(calls) if name in DATA_WRITES]
     # Every call; for the third case, whose data writes are those of the second, only the
     # first and last data write. After the call too for all but the data writes.
     points = [
@@ -617,7 +631,7 @@ def test_sigkill_at_every_backend_call(
         for i in range(len(calls))
         if case != "new-url-overwrite" or i not in puts[1:-1]
     ]
-    points += [(i, "after") for i, name in enumerate(calls) if name != "put"]
+    points += [(i, "after") for i, name in enumerate(calls) if name not in DATA_WRITES]
     # Re-saving over the debris of every kill is slow (old-data removal); the data writes
     # all leave the same kind of debris, so re-save after the first and last only.
     recover = [i not in puts[1:-1] for i, _ in points]

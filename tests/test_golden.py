@@ -1,4 +1,5 @@
-"""Checkpoints written by format version 1 must load forever (golden files, never regenerated)."""
+"""Checkpoints written by format versions 1 and 2 must load forever (golden files, never
+regenerated)."""
 
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ def same(a: Any, b: Any) -> None:
         assert type(a) is type(b) and a == b
 
 
+@pytest.mark.parametrize("version", ["v1", "v2"])
 @pytest.mark.parametrize("name", ["plain", "compressed"])
-def test_golden_v1_loads(name: str) -> None:
-    path = os.path.join(V1, name)
+def test_golden_loads(name: str, version: str) -> None:
+    path = os.path.join(HERE, version, name)
     assert os.path.isfile(os.path.join(path, "quire.json")), (
         f"golden checkpoint {path} is missing; it is committed with the repository and must "
         "never be regenerated silently (tests/golden/make_golden.py writes it once per format)"
@@ -58,6 +60,7 @@ def test_golden_v1_loads(name: str) -> None:
         from quire._cli import main
 
         assert main(["verify", path]) == 0
+        assert quire.metadata(path).format_version == int(version[1])
 
 
 def unsigned_ok(path: str) -> Any:
@@ -76,13 +79,18 @@ def unsigned_ok(path: str) -> Any:
     return contextlib.nullcontext()
 
 
-def test_golden_v1_journal() -> None:
-    path = os.path.join(V1, "journal")
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_golden_journal(version: str) -> None:
+    path = os.path.join(HERE, version, "journal")
     assert os.path.isdir(os.path.join(path, "journal")), f"golden journal {path} is missing"
-    # Its records predate the record checksum: refused unless the caller opts out.
-    with pytest.raises(quire.CorruptCheckpointError, match="verify_record=False"):
-        quire.partial.load(path)
-    with quire.Context(verify_record=False):
+    import json
+
+    with open(os.path.join(path, "journal", "0000000001.json")) as f:
+        signed = "checksum" in json.load(f)
+    if not signed:  # v1's records predate the record checksum: refused unless opted out
+        with pytest.raises(quire.CorruptCheckpointError, match="verify_record=False"):
+            quire.partial.load(path)
+    with quire.Context(verify_record=signed):
         got = quire.partial.load(path)
         assert sorted(got) == ["part0", "part1"]
         assert np.array_equal(got["part1"], np.full(3, 1, np.int32))

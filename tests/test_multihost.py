@@ -160,6 +160,13 @@ def check_ownership(run: Run, nproc: int) -> None:
             have = {k for k in everything if k.startswith(loc + "/")}
             assert len(have) == n, (url, loc, n, sorted(have))
         assert len(everything) == sum(chunks.values())
+        # format v2: each process wrote only its own packs and index, and the primary's
+        # record names the index of every process that owns chunks
+        for pid, r in per.items():
+            assert all(f"/%packs/p{pid:05d}" in k for k in r["packs"]), (pid, r["packs"])
+            assert bool(r["packs"]) == bool(r["expected"]), (pid, r["packs"])
+        owners = sorted(pid for pid, r in per.items() if r["expected"])
+        assert per[0]["indexes"] == owners, (per[0]["indexes"], owners)
         meta = [k for k in per[0]["wrote"] if not is_chunk(k)]
         assert "quire.json" in meta
         assert sum(k.endswith("zarr.json") for k in meta) == len(chunks)

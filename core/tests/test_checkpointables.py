@@ -48,7 +48,9 @@ def test_units_round_trip(url: str) -> None:
     assert list(out) == ["data", "config"]  # only the named units
     assert out["data"] is fresh and (fresh.seed, fresh.pos) == (7, 5)
     assert out["config"] == config
-    all_units = quire.load_checkpointables(url, {"state": None, "config": None, "data": Iterator(1)})
+    all_units = quire.load_checkpointables(
+        url, {"state": None, "config": None, "data": Iterator(1)}
+    )
     assert np.array_equal(all_units["state"]["w"], np.arange(6.0))
     with pytest.raises(quire.CheckpointNotFoundError, match="load_checkpointables"):
         quire.load(url)

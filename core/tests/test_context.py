@@ -314,6 +314,8 @@ def test_config_fields_are_all_known() -> None:
         "leaf_handlers",
         "verify_record",
         "progress",
+        "layout",
+        "pack_bytes",
     }
 
 

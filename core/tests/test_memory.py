@@ -22,8 +22,11 @@ def test_sync_save_streams_within_the_byte_budget(tmp_path: Path) -> None:
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
         # A cast and a compressor: every chunk needs new host memory.
-        quire.save(str(tmp_path / "c"), tree,
-                   storage=quire.StorageOptions(dtype=ml_dtypes.bfloat16, codecs=["zstd"]))
+        quire.save(
+            str(tmp_path / "c"),
+            tree,
+            storage=quire.StorageOptions(dtype=ml_dtypes.bfloat16, codecs=["zstd"]),
+        )
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()

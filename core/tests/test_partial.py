@@ -23,8 +23,20 @@ from quire import partial
 
 
 def test_versions_add_replace_delete_and_metadata(url: str) -> None:
-    assert partial.save(url, {"params": {"w": np.ones(3), "b": np.zeros(2)}, "step": 1}, metadata={"a": 1, "x": 0}) == 1
-    assert partial.save(url, {"params": {"w": np.full(3, 2.0)}, "opt": [np.ones(1)]}, metadata={"x": 9}) == 2
+    assert (
+        partial.save(
+            url,
+            {"params": {"w": np.ones(3), "b": np.zeros(2)}, "step": 1},
+            metadata={"a": 1, "x": 0},
+        )
+        == 1
+    )
+    assert (
+        partial.save(
+            url, {"params": {"w": np.full(3, 2.0)}, "opt": [np.ones(1)]}, metadata={"x": 9}
+        )
+        == 2
+    )
     assert partial.delete(url, [("params", "b")]) == 3
     vs = partial.versions(url)
     assert [v.version for v in vs] == [1, 2, 3]
@@ -82,7 +94,9 @@ def test_finalized_checkpoint_is_ordinary(tmp_path: Path) -> None:
     files = [p for p in (tmp_path / "c" / "d").rglob("*") if p.is_file()]
     assert len(files) == 6, files
     m = quire.metadata(url)
-    assert {k: v.shape for k, v in ((k, m.tree[k]["w"]) for k in m.tree)} == {f"layer{i}": (4, 4) for i in range(3)}
+    assert {k: v.shape for k, v in ((k, m.tree[k]["w"]) for k in m.tree)} == {
+        f"layer{i}": (4, 4) for i in range(3)
+    }
 
 
 def test_async_saves_apply_in_call_order(url: str) -> None:
@@ -100,7 +114,9 @@ def test_writes_only_new_data(tmp_path: Path) -> None:
     assert after - before < 4096  # the new leaf and a small record, not a copy of "big"
 
 
-def test_conflicting_concurrent_writer_fails_clearly(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_conflicting_concurrent_writer_fails_clearly(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A writer whose base is stale and who touches the same key loses with a clear error;
     one touching other keys lands on top."""
     from quire import _journal
@@ -144,12 +160,16 @@ def test_conflicting_concurrent_writer_fails_clearly(url: str, monkeypatch: pyte
     go.set()
     ta.join(60)
     assert len(errors) == 1 and isinstance(errors[0], partial.JournalConflictError)
-    assert (isinstance(errors[0], quire.CheckpointExistsError) and "'w'" in str(errors[0])) or "w" in str(errors[0])
+    assert (
+        isinstance(errors[0], quire.CheckpointExistsError) and "'w'" in str(errors[0])
+    ) or "w" in str(errors[0])
     assert np.array_equal(partial.load(url)["w"], np.full(2, 5.0))
     assert [v.version for v in partial.versions(url)] == [1, 2]
 
 
-def test_non_conflicting_concurrent_writer_lands_on_top(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_non_conflicting_concurrent_writer_lands_on_top(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from quire import _engine, _io, _journal
 
     partial.save(url, {"a": np.zeros(1)})
@@ -272,8 +292,12 @@ def _journal_tmp_base(tmp_path_factory: pytest.TempPathFactory) -> None:
     LocalJournalMachine.tmp_base = str(tmp_path_factory.mktemp("journal-model"))
 
 
-_settings = settings(max_examples=15, stateful_step_count=10, deadline=None,
-                     suppress_health_check=[HealthCheck.too_slow])
+_settings = settings(
+    max_examples=15,
+    stateful_step_count=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestJournalModelMemory = JournalMachine.TestCase
 TestJournalModelMemory.settings = _settings
 TestJournalModelLocal = LocalJournalMachine.TestCase
@@ -317,8 +341,12 @@ CHILD = textwrap.dedent(
 
 
 def _run_child(url: str, op: str, kill_at: int) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", CHILD, url, op, str(kill_at)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", CHILD, url, op, str(kill_at)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _base(url: str) -> None:
@@ -355,7 +383,9 @@ def test_kill_during_partial_save_and_finalize(tmp_path: Path) -> None:
             got = partial.load(url)
             partial.finalize(url)
             assert quire.load(url).keys() == got.keys()
-        assert np.array_equal(got["p"]["w"], np.full(1000, 1.0)) and np.array_equal(got["q"], np.ones(2))
+        assert np.array_equal(got["p"]["w"], np.full(1000, 1.0)) and np.array_equal(
+            got["q"], np.ones(2)
+        )
 
 
 WRITER = textwrap.dedent(
@@ -381,8 +411,15 @@ def test_two_processes_appending_never_lose_a_version(tmp_path: Path) -> None:
     url = str(tmp_path / "c")
     partial.save(url, {"init": np.zeros(1)})
     n = 12
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, url, who, str(n)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for who in ("A", "B")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, url, who, str(n)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for who in ("A", "B")
+    ]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=180)

@@ -36,7 +36,10 @@ def assert_same(a: Any, b: Any) -> None:
         for x, y in zip(a, b):
             assert_same(x, y)
     elif isinstance(a, jax.Array | np.ndarray):
-        assert type(b) is type(a) or (isinstance(a, jax.Array) and isinstance(b, jax.Array)), (type(a), type(b))
+        assert type(b) is type(a) or (isinstance(a, jax.Array) and isinstance(b, jax.Array)), (
+            type(a),
+            type(b),
+        )
         if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
             assert jax.random.key_impl(a) == jax.random.key_impl(b)
             a, b = jax.random.key_data(a), jax.random.key_data(b)
@@ -49,10 +52,26 @@ def assert_same(a: Any, b: Any) -> None:
 
 
 ALL_DTYPES = [
-    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-    np.float16, np.float32, np.float64, np.complex64, np.complex128,
-    ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fnuz,
-    ml_dtypes.float8_e5m2fnuz, ml_dtypes.float8_e4m3b11fnuz,
+    np.bool_,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.complex128,
+    ml_dtypes.bfloat16,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+    ml_dtypes.float8_e4m3fnuz,
+    ml_dtypes.float8_e5m2fnuz,
+    ml_dtypes.float8_e4m3b11fnuz,
 ]
 
 
@@ -82,10 +101,20 @@ def test_every_numpy_dtype_round_trips(url: str) -> None:
 
 def test_scalars_strings_bytes_none(url: str) -> None:
     tree = {
-        "b": True, "i": -(2**70), "f": 0.1, "nan": float("nan"), "inf": float("-inf"), "c": 1 + 2j,
-        "np_f32": np.float32(1.25), "np_bf16": ml_dtypes.bfloat16(3.5), "np_u64": np.uint64(2**64 - 1),
-        "np_c64": np.complex64(1 - 1j), "np_bool": np.bool_(True),
-        "s": "héllo\u2603", "bytes": bytes(range(256)), "none": None,
+        "b": True,
+        "i": -(2**70),
+        "f": 0.1,
+        "nan": float("nan"),
+        "inf": float("-inf"),
+        "c": 1 + 2j,
+        "np_f32": np.float32(1.25),
+        "np_bf16": ml_dtypes.bfloat16(3.5),
+        "np_u64": np.uint64(2**64 - 1),
+        "np_c64": np.complex64(1 - 1j),
+        "np_bool": np.bool_(True),
+        "s": "héllo\u2603",
+        "bytes": bytes(range(256)),
+        "none": None,
     }
     quire.save(url, tree)
     assert_same(tree, quire.load(url))
@@ -137,8 +166,12 @@ def test_containers(url: str) -> None:
 
 
 def test_prng_keys(url: str) -> None:
-    tree = {"k": jax.random.key(42), "ks": jax.random.split(jax.random.key(1), 4),
-            "rbg": jax.random.key(3, impl="rbg"), "raw": jax.random.PRNGKey(0)}
+    tree = {
+        "k": jax.random.key(42),
+        "ks": jax.random.split(jax.random.key(1), 4),
+        "rbg": jax.random.key(3, impl="rbg"),
+        "raw": jax.random.PRNGKey(0),
+    }
     quire.save(url, tree)
     out = quire.load(url)
     assert_same(tree, out)
@@ -154,7 +187,9 @@ def test_jax_shardings_and_resharding(url: str) -> None:
         "repl": jax.device_put(x, NS(mesh((8,), ("d",)), P())),
         "partial_repl": jax.device_put(x, NS(mesh((4, 2), ("a", "b")), P(None, "b"))),
         "single": jax.device_put(x, jax.devices()[3]),
-        "uneven": jax.device_put(jnp.arange(10.0), NS(mesh((4,), ("d",)), P("d"))) if False else jnp.arange(10.0),
+        "uneven": jax.device_put(jnp.arange(10.0), NS(mesh((4,), ("d",)), P("d")))
+        if False
+        else jnp.arange(10.0),
     }
     quire.save(url, tree)
     out = quire.load(url)
@@ -164,9 +199,17 @@ def test_jax_shardings_and_resharding(url: str) -> None:
     assert out["grid"].sharding.spec == P("a", "b")
     # Reshard: 8 devices -> (4, 2) mesh -> 1 device -> numpy.
     m42 = mesh((4, 2), ("x", "y"))
-    for target_sharding in [NS(m42, P("x", "y")), NS(m42, P("y", "x")), NS(m42, P(None, "x")),
-                            jax.sharding.SingleDeviceSharding(jax.devices()[5])]:
-        abstract = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target_sharding) for k in tree if k != "uneven"}
+    for target_sharding in [
+        NS(m42, P("x", "y")),
+        NS(m42, P("y", "x")),
+        NS(m42, P(None, "x")),
+        jax.sharding.SingleDeviceSharding(jax.devices()[5]),
+    ]:
+        abstract = {
+            k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target_sharding)
+            for k in tree
+            if k != "uneven"
+        }
         got = quire.load(url, abstract, partial=True)
         for k, v in got.items():
             assert v.sharding == target_sharding
@@ -176,35 +219,44 @@ def test_jax_shardings_and_resharding(url: str) -> None:
 
 
 def test_resharded_load_reads_only_needed_chunks(tmp_path: Any) -> None:
-    from quire._backends.local import LocalBackend
+    from quire._chunkindex import PackedReader
 
     url = str(tmp_path / "c")
     x = jnp.arange(8 * 1024, dtype=jnp.float32).reshape(8, 1024)
     quire.save(url, {"x": jax.device_put(x, NS(mesh((8,), ("d",)), P("d")))})
     reads: list[str] = []
-    orig = LocalBackend._get_into
+    orig = PackedReader.get_into
 
-    def spy(self: Any, key: str, *a: Any) -> Any:
-        reads.append(key)
-        return orig(self, key, *a)
+    async def spy(self: Any, key: str, *a: Any) -> Any:
+        reads.append(key)  # format v2: the zarr key (reads of one pack are coalesced)
+        return await orig(self, key, *a)
 
-    LocalBackend._get_into = spy  # type: ignore[method-assign]
+    PackedReader.get_into = spy  # type: ignore[method-assign]
     try:
         # A target on the first device only, holding rows 0..1 of a (4,)-row split.
         target = NS(mesh((4,), ("d",)), P("d"))
         y = quire.load(url, {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target)})
     finally:
-        LocalBackend._get_into = orig  # type: ignore[method-assign]
+        PackedReader.get_into = orig  # type: ignore[method-assign]
     assert np.array_equal(np.asarray(y["x"]), np.asarray(x))
     assert len(reads) == 8 and len(set(reads)) == 8  # each chunk read once, not once per device
 
 
 def test_casting_on_save_and_load(url: str) -> None:
-    tree = {"w": np.linspace(0, 1, 12, dtype=np.float32).reshape(3, 4), "i": np.arange(4, dtype=np.int64)}
-    quire.save(url, tree, storage=lambda p, leaf: StorageOptions(dtype=ml_dtypes.bfloat16) if p == ("w",) else None)
+    tree = {
+        "w": np.linspace(0, 1, 12, dtype=np.float32).reshape(3, 4),
+        "i": np.arange(4, dtype=np.int64),
+    }
+    quire.save(
+        url,
+        tree,
+        storage=lambda p, leaf: StorageOptions(dtype=ml_dtypes.bfloat16) if p == ("w",) else None,
+    )
     m = quire.metadata(url)
     assert m.tree["w"].dtype == np.dtype(ml_dtypes.bfloat16)
-    out = quire.load(url, {"w": np.zeros((3, 4), np.float32), "i": jax.ShapeDtypeStruct((4,), jnp.int32)})
+    out = quire.load(
+        url, {"w": np.zeros((3, 4), np.float32), "i": jax.ShapeDtypeStruct((4,), jnp.int32)}
+    )
     assert out["w"].dtype == np.float32 and np.allclose(out["w"], tree["w"], atol=1e-2)
     assert out["i"].dtype == jnp.int32 and isinstance(out["i"], jax.Array)
     assert np.array_equal(np.asarray(out["i"]), [0, 1, 2, 3])
@@ -215,21 +267,34 @@ def test_casting_on_save_and_load(url: str) -> None:
 
 def test_compression_and_chunking(url: str) -> None:
     x = np.tile(np.arange(1000, dtype=np.float32), 300).reshape(300, 1000)
-    for opts in [StorageOptions(codecs=["zstd"]), StorageOptions(codecs=[{"name": "gzip", "configuration": {"level": 1}}]),
-                 StorageOptions(codecs=["blosc"], chunk_bytes=100_000), StorageOptions(chunk_bytes=64_000),
-                 StorageOptions(checksum=False)]:
+    for opts in [
+        StorageOptions(codecs=["zstd"]),
+        StorageOptions(codecs=[{"name": "gzip", "configuration": {"level": 1}}]),
+        StorageOptions(codecs=["blosc"], chunk_bytes=100_000),
+        StorageOptions(chunk_bytes=64_000),
+        StorageOptions(checksum=False),
+    ]:
         quire.save(url, {"x": x}, storage=opts, overwrite=True)
         m = quire.metadata(url)
         assert m.tree["x"].checksum == opts.checksum
         assert_same({"x": x}, quire.load(url))
         # A sub-region restore of a chunked array.
-        part = quire.load(url, {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NS(mesh((4,), ("d",)), P("d")))})
+        part = quire.load(
+            url,
+            {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NS(mesh((4,), ("d",)), P("d")))},
+        )
         assert np.array_equal(np.asarray(part["x"]), x)
 
 
 def test_strict_load_lists_every_difference(url: str) -> None:
-    quire.save(url, {"params": {"w": np.ones((3, 4)), "b": np.ones(4)}, "step": 1, "opt": [np.ones(2)]})
-    abstract = {"params": {"w": np.ones((4, 3)), "extra": np.ones(1)}, "step": int, "opt": [np.ones(2)]}
+    quire.save(
+        url, {"params": {"w": np.ones((3, 4)), "b": np.ones(4)}, "step": 1, "opt": [np.ones(2)]}
+    )
+    abstract = {
+        "params": {"w": np.ones((4, 3)), "extra": np.ones(1)},
+        "step": int,
+        "opt": [np.ones(2)],
+    }
     with pytest.raises(quire.TreeMismatchError) as ei:
         quire.load(url, abstract)
     msg = str(ei.value)
@@ -251,16 +316,25 @@ def test_strict_load_lists_every_difference(url: str) -> None:
 def test_metadata_reads_only_the_record(url: str) -> None:
     from quire.backends import Backend
 
-    quire.save(url, {"w": np.ones((2, 3), np.float32), "s": "x", "n": 3}, metadata={"epoch": 4, "tags": ["a"]})
+    quire.save(
+        url,
+        {"w": np.ones((2, 3), np.float32), "s": "x", "n": 3},
+        metadata={"epoch": 4, "tags": ["a"]},
+    )
     calls: list[str] = []
     orig = Backend.get_into
 
     m = quire.metadata(url)
     assert m.custom == {"epoch": 4, "tags": ["a"]}
-    assert m.format_version == 1
+    assert m.format_version == 2  # packed data (format v2) is the default
     assert (time_ok := abs((m.created.timestamp()) - time.time())) < 60, time_ok
     w = m.tree["w"]
-    assert isinstance(w, quire.LeafMetadata) and w.shape == (2, 3) and w.dtype == np.float32 and w.nbytes == 24
+    assert (
+        isinstance(w, quire.LeafMetadata)
+        and w.shape == (2, 3)
+        and w.dtype == np.float32
+        and w.nbytes == 24
+    )
     assert m.tree["s"] is str and m.tree["n"] is int
     assert not calls and orig is Backend.get_into
 

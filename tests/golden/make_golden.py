@@ -1,6 +1,7 @@
-"""Write the golden checkpoints of on-disk format version 1 (run once per format version).
+"""Write the golden checkpoints of an on-disk format version (run once per format version).
 
-    .venv/bin/python tests/golden/make_golden.py
+    .venv/bin/python tests/golden/make_golden.py            # format v1 (layout="chunks")
+    .venv/bin/python tests/golden/make_golden.py --v2       # format v2 (packed)
 
 The files are committed; tests/test_golden.py loads them and fails if any is missing —
 it never regenerates them.  Values are deterministic so the test can rebuild them.
@@ -42,9 +43,13 @@ def main() -> None:
 
     import quire
 
-    out = os.path.join(HERE, "v1")
+    version = "v2" if "--v2" in sys.argv else "v1"
+    layout = "packed" if version == "v2" else "chunks"
+    out = os.path.join(HERE, version)
     if os.path.exists(out) and "--force" not in sys.argv:
-        sys.exit(f"{out} exists; pass --force to rewrite the golden files of format v1")
+        sys.exit(f"{out} exists; pass --force to rewrite the golden files of format {version}")
+    ctx = quire.Context(layout=layout)
+    ctx.__enter__()
     shutil.rmtree(out, ignore_errors=True)
     tree = expected()
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))

@@ -100,9 +100,14 @@ class IO:
     fail_root: str | None = None  # raise OSError at the second chunk written under it
     fail_count = 0
 
+    packs: dict[str, list[str]] = defaultdict(list)  # root -> pack / index objects written
+
     @classmethod
     def wrote(cls, root: str, key: str) -> None:
         with cls.lock:
+            if "/%packs/" in key:  # format v2: the zarr keys are recorded by _install_packed
+                cls.packs[root].append(key)
+                return
             cls.writes[root].append(key)
             if root == cls.fail_root and "/c/" in key:
                 cls.fail_count += 1
@@ -198,7 +203,42 @@ def _install_s3() -> None:
     S3Backend.get, S3Backend.get_into = _get, _get_into  # type: ignore[method-assign]
 
 
+def _root_of(b: Any) -> str:
+    if str(b.url).startswith("s3://"):
+        return str(b.url).rstrip("/")  # as _install_s3 records it
+    return str(getattr(b, "root", None) or str(b.url).rstrip("/"))
+
+
+def _install_packed() -> None:
+    """Format v2: record the zarr keys written into packs and read out of them, so the
+    ownership and byte-count checks stay per chunk."""
+    from quire._chunkindex import PackedReader
+    from quire._pack import PackWriter
+
+    put, get, get_into = PackWriter.put, PackedReader.get, PackedReader.get_into
+
+    async def _put(self: Any, key: str, data: Any) -> None:
+        IO.wrote(_root_of(self.base), key)
+        await put(self, key, data)
+
+    async def _get(self: Any, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        out: bytes = await get(self, key, start, end)
+        if self.index.owns(key):
+            IO.read(_root_of(self.base), key, len(out))
+        return out
+
+    async def _get_into(self: Any, key: str, buffers: Any, offset: int = 0) -> int:
+        n: int = await get_into(self, key, buffers, offset)
+        if self.index.owns(key):
+            IO.read(_root_of(self.base), key, n)
+        return n
+
+    PackWriter.put = _put  # type: ignore[method-assign]
+    PackedReader.get, PackedReader.get_into = _get, _get_into  # type: ignore[method-assign]
+
+
 _install_local()
+_install_packed()
 
 
 # ============================================================== deterministic trees
@@ -382,6 +422,8 @@ def ownership(url: str, tree: dict[str, Any]) -> None:
         "ownership",
         url=url,
         wrote=IO.writes.get(local_root(url), []),
+        packs=IO.packs.get(local_root(url), []),
+        indexes=sorted(e["process"] for e in quire.metadata(url).record.get("indexes", [])),
         expected=sorted(expected),
         chunks=chunks,
     )

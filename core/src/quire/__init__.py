@@ -28,6 +28,7 @@ from quire._registry import (
     unregister_checkpointable_handler,
     unregister_leaf_handler,
 )
+from quire._zarrstore import zarr_store
 from quire.checkpointables import Checkpointable, CheckpointableHandler
 from quire.errors import (
     CheckpointChangedError,
@@ -92,4 +93,5 @@ __all__ = [
     "surgery",
     "unregister_checkpointable_handler",
     "unregister_leaf_handler",
+    "zarr_store",
 ]

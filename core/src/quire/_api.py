@@ -116,12 +116,13 @@ def _start_save(
     storage_options: dict[str, Any] | None = None,
     stats: dict[str, Any] | None = None,
     progress: Any = None,
+    layout: str | None = None,
 ) -> AsyncResponse[None]:
     u = normalize(url)
     rep = _progress.make(progress, "save", u)
     if rep is not None:
         rep.add_total(_tree_nbytes(units))
-    prep = _engine.prepare_save(units, storage, copy=copy, url=u)
+    prep = _engine.prepare_save(units, storage, copy=copy, url=u, layout=layout)
 
     return chain(
         u,
@@ -197,6 +198,7 @@ def save(
     storage: StorageSpec = None,
     storage_options: dict[str, Any] | None = None,
     progress: Any = None,
+    layout: str | None = None,
 ) -> None:
     """Save ``tree`` to ``url`` and commit it atomically.
 
@@ -221,6 +223,10 @@ def save(
         Show a progress bar (True), call ``progress(event)`` with a
         :class:`quire.progress.ProgressEvent`, or pass a :class:`quire.progress.Progress`.
         Default: the ``progress`` option of :class:`quire.Config` (off).
+    layout : {"packed", "chunks"}, optional
+        ``"packed"`` (format v2: a few pack objects per process plus a chunk index) or
+        ``"chunks"`` (format v1: one object per zarr chunk, for tensorstore); default the
+        ``layout`` option of :class:`quire.Context` (``"packed"``).
 
     Raises
     ------
@@ -240,6 +246,7 @@ def save(
         copy=False,
         storage_options=storage_options,
         progress=progress,
+        layout=layout,
     ).result()
 
 
@@ -252,6 +259,7 @@ def save_async(
     storage: StorageSpec = None,
     storage_options: dict[str, Any] | None = None,
     progress: Any = None,
+    layout: str | None = None,
 ) -> AsyncResponse[None]:
     """Like :func:`save`, but return once every owned shard is copied to host memory.
 
@@ -293,6 +301,7 @@ def save_async(
         copy=True,
         storage_options=storage_options,
         progress=progress,
+        layout=layout,
     )
 
 

@@ -65,6 +65,17 @@ class Config:
     timeout : float or None
         Seconds a multi-process barrier waits before the save is aborted (default 600;
         None waits forever).
+    layout : str
+        How array chunks are stored: ``"packed"`` (format version 2, the default: each
+        process streams its chunks into a few pack objects plus one chunk index) or
+        ``"chunks"`` (format version 1: one object per zarr chunk, for tensorstore).
+    pack_bytes : int
+        Largest pack object (format version 2).  Default 256 MiB: a host's 1 GB is 4 packs,
+        far below S3's limits (5 GiB per PUT; 10,000 multipart parts), and a ranged GET
+        stays cheap on stores that serve ranges in O(object size) (moto, some gateways).
+        Backends with streamed writes (local disks, S3 multipart) stream chunks into the
+        pack; others upload it with one ``put``, so there a pack is also sealed when the
+        chunks waiting for it reach a quarter of ``byte_budget``: host memory stays bounded.
     leaf_handlers : tuple
         Leaf handlers in effect in addition to the installed ones (instances, or classes
         instantiated once); they take part in handler choice (most specific type first)
@@ -91,6 +102,8 @@ class Config:
     leaf_handlers: tuple[Any, ...] = ()
     verify_record: bool = True
     progress: Any = False
+    layout: str = "packed"
+    pack_bytes: int = 256 << 20
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(Config))
@@ -129,6 +142,12 @@ def _validate(name: str, v: Any) -> Any:
         return _int(name, v, 1)
     if name == "max_concurrency":
         return _int(name, v, 1)
+    if name == "pack_bytes":
+        return _int(name, v, 1)
+    if name == "layout":
+        if v not in ("packed", "chunks"):
+            raise ValueError(f'quire option layout must be "packed" or "chunks", got {v!r}')
+        return v
     if name == "primary_process":
         return _int(name, v, 0)
     if name in ("checksum", "verify_record"):

@@ -71,6 +71,8 @@ class PreparedSave:
     objects: dict[str, tuple[str, Any]]  # other units: name -> (checkpointable handler id, obj)
     order: list[str]  # unit names, in the caller's order
     coord: Coordinator
+    index: dict[str, Any] | None = None  # format v2: this process's chunk-index entry
+    layout: str = "packed"  # "packed" (format v2) or "chunks" (format v1)
 
 
 def _is_leaf_value(x: Any) -> bool:
@@ -95,7 +97,12 @@ def _storage_for(storage: StorageSpec, path: KeyPath, leaf: Any) -> StorageOptio
 
 
 def prepare_save(
-    units: Mapping[str, Any], storage: StorageSpec, *, copy: bool, url: str
+    units: Mapping[str, Any],
+    storage: StorageSpec,
+    *,
+    copy: bool,
+    url: str,
+    layout: str | None = None,
 ) -> PreparedSave:
     """Walk every unit, choose handlers, assign locations; copy to host when ``copy``.
 
@@ -130,7 +137,11 @@ def prepare_save(
         for hid, items in groups.items():
             snap = _handlers.get(hid).snapshot([e for _, e in items])
             groups[hid] = [(n, e) for (n, _), e in zip(items, snap)]
-    return PreparedSave(txid, roots, dict(groups), objects, list(units), coord)
+    if layout not in (None, "packed", "chunks"):
+        raise ValueError(f'layout must be "packed" or "chunks", got {layout!r}')
+    return PreparedSave(
+        txid, roots, dict(groups), objects, list(units), coord, layout=layout or cfg.layout
+    )
 
 
 async def write_units(
@@ -148,6 +159,12 @@ async def write_units(
     ctx.limit = asyncio.Semaphore(max(1, cfg.max_concurrency))
     records: dict[int, dict[str, Any]] = {}
     unit_records: dict[str, dict[str, Any]] = {}
+    sink = None
+    if prep.layout == "packed":  # format v2: chunks go into this process's packs
+        from quire._pack import PackWriter
+
+        sink = PackWriter(backend, prep.txid, pidx, cfg.pack_bytes, cfg.byte_budget)
+        ctx.backend = sink
     try:
         for hid, items in prep.groups.items():
             h = _handlers.get(hid, url=url)
@@ -168,8 +185,13 @@ async def write_units(
             unit_records[name] = await _checkpointables.save_unit(
                 hid, obj, backend, f"d/{prep.txid}/{escape_component(name)}", url, ctx
             )
+        if sink is not None:
+            prep.index = await sink.finish()
+            ctx.stats["objects"] = sink.packs + 1
         await backend.sync()
     except BaseException:
+        if sink is not None:
+            await sink.abort()
         # Nothing references this txid; remove what we wrote (GC would, later).  With
         # several processes the primary cleans up once every process has stopped.
         if not prep.coord.active:
@@ -216,6 +238,7 @@ async def save_prepared(
             metadata=dict(metadata or {}),
             process_count=coord.count,
             extra={"plugins": plugin_sources(units)},
+            indexes=await index_entries(backend, prep, coord.count),
         )
         await _commit.publish(backend, url, data, [prep.txid], overwrite=overwrite, coord=coord)
 
@@ -227,6 +250,24 @@ async def save_prepared(
         lambda: _commit.drop_txids(backend, url, [prep.txid]),
         unit_digests,
     )
+
+
+async def index_entries(
+    backend: Backend, prep: PreparedSave, count: int
+) -> list[dict[str, Any]] | None:
+    """Format v2: the commit record's ``indexes`` (every process's chunk index)."""
+    if prep.layout != "packed":
+        return None
+    from quire._pack import gather_entries
+
+    return await gather_entries(backend, prep.txid, count, prep.index, jax.process_index())
+
+
+def packed_view(backend: Backend, url: str, doc: Mapping[str, Any]) -> Backend:
+    """A backend that reads format-v2 chunks out of packs (``backend`` itself for v1)."""
+    from quire._chunkindex import reader
+
+    return reader(backend, url, doc.get("indexes"), jax.process_index())
 
 
 def plugin_sources(units: Mapping[str, dict[str, Any]]) -> dict[str, str]:
@@ -327,7 +368,7 @@ async def load_doc(
     return await load_tree(
         url,
         pytree_unit(doc, url, unit),
-        backend,
+        packed_view(backend, url, doc),
         abstract,
         partial=partial,
         plugins=doc.get("plugins"),
@@ -538,6 +579,7 @@ async def _load_units(
     *,
     partial: bool,
 ) -> dict[str, Any]:
+    backend = packed_view(backend, url, doc)
     units = doc["units"]
     names = list(units) if targets is None else list(targets)
     missing = [n for n in names if n not in units]
@@ -593,6 +635,7 @@ async def verify(
 
     backend = open_backend(url, storage_options)
     doc = (await _commit.read(backend, url)).doc
+    backend = packed_view(backend, url, doc)
     all_leaves = []
     for unit in doc["units"].values():
         if unit["kind"] == "pytree":

@@ -1,4 +1,4 @@
-"""The commit record ``quire.json`` (format version 1): building and strict parsing.
+"""The commit record ``quire.json`` (format versions 1 and 2): building and strict parsing.
 
 Layout::
 
@@ -10,7 +10,9 @@ Layout::
         "data":   {"kind": "handler", "handler": id, "location": "d/<txid>/data",
                    "record": <handler JSON>}}}
 
-``<node>`` is described in ``quire._tree``.
+``<node>`` is described in ``quire._tree``.  Version 2 (packed data) adds
+``"indexes": [{"txid", "process", "object", "size", "crc32c"}]``, one per process and
+txid, naming the chunk-index objects (``quire._chunkindex``); everything else is as in 1.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from quire.errors import CorruptCheckpointError
 
 FORMAT = "quire"
 VERSION = 1
+PACKED_VERSION = 2
+READABLE = (VERSION, PACKED_VERSION)
 RECORD = "quire.json"
 PYTREE = "pytree"  # the unit name of quire.save's tree
 JOURNAL_DIR = "journal"  # <ckpt>/journal/: the partial-save journal
@@ -37,6 +41,7 @@ def build(
     metadata: dict[str, Any] | None,
     process_count: int,
     extra: dict[str, Any] | None = None,
+    indexes: list[dict[str, Any]] | None = None,
 ) -> bytes:
     from quire import __version__
 
@@ -51,6 +56,9 @@ def build(
         "units": units,
         **(extra or {}),
     }
+    if indexes is not None:  # format version 2: chunks live in packs
+        doc["version"] = PACKED_VERSION
+        doc["indexes"] = indexes
     try:
         doc["checksum"] = record_checksum(doc)
         return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
@@ -131,9 +139,10 @@ def parse(raw: bytes, url: str) -> dict[str, Any]:
     v = doc.get("version")
     if type(v) is not int:
         raise _bad(url, f"version {v!r} is not an integer")
-    if v != VERSION:
+    if v not in READABLE:
         raise CorruptCheckpointError(
-            f"{url}/{RECORD} has format version {v}; this quire reads version {VERSION}. "
+            f"{url}/{RECORD} has format version {v}; this quire reads versions "
+            f"{', '.join(map(str, READABLE))}. "
             "Upgrade quire to read it"
         )
     stored = doc.get("checksum")
@@ -167,6 +176,14 @@ def parse(raw: bytes, url: str) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError) as e:
         raise _bad(url, "'created' is not an ISO timestamp") from e
     doc["_created"] = created
+    if v == PACKED_VERSION:
+        from quire._chunkindex import check_entries
+
+        for entry in check_entries(doc.get("indexes"), url):
+            if entry["txid"] not in txids:
+                raise _bad(url, f"chunk index of txid {entry['txid']!r}, which is not in 'txids'")
+    elif "indexes" in doc:
+        raise _bad(url, "'indexes' in a version-1 record")
     _schema.check_commit(doc, f"{url}/{RECORD}")
     units = doc.get("units")
     if not isinstance(units, dict):

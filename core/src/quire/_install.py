@@ -12,6 +12,7 @@ MEMBERS = {
     "quire-s3": "backends/s3",
     "quire-gcs": "backends/gcs",
     "quire-torch": "plugins/torch",
+    "quire-orbax": "plugins/orbax",
 }
 
 

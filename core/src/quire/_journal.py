@@ -106,6 +106,11 @@ def _parse(raw: bytes, url: str, n: int) -> dict[str, Any]:
         _format._check_tree(url, doc["tree"])
         _commit.check_tree_locations(doc["tree"], where)
     _schema.check_journal(doc, where)
+    if "indexes" in doc:  # format v2: this version's chunk indexes
+        from quire._chunkindex import check_entries
+
+        if any(e["txid"] != doc.get("txid") for e in check_entries(doc["indexes"], where)):
+            raise CorruptCheckpointError(f"{where} names chunk indexes of another save")
     return doc
 
 
@@ -299,7 +304,12 @@ async def append(
 
     async def create(frag: dict[str, Any] | None) -> int:
         try:
-            return await _create_record(backend, url, frag, txid, base_box[0], deleted, metadata)
+            indexes = (
+                None if prep is None else await _engine.index_entries(backend, prep, coord.count)
+            )
+            return await _create_record(
+                backend, url, frag, txid, base_box[0], deleted, metadata, indexes
+            )
         except BaseException:
             if txid is not None:
                 await backend.delete_prefix(f"d/{txid}")
@@ -325,6 +335,7 @@ async def _create_record(
     base: int,
     deleted: Sequence[KeyPath],
     metadata: dict[str, Any] | None,
+    indexes: list[dict[str, Any]] | None = None,
 ) -> int:
     mine = _leaf_paths(frag) + [tuple(p) for p in deleted]
     for _ in range(MAX_RETRIES):
@@ -361,6 +372,8 @@ async def _create_record(
             "replaced": replaced,
             "process_count": _engine.process_layout()[1],
         }
+        if indexes is not None:
+            doc["indexes"] = indexes
         doc["checksum"] = _format.record_checksum(doc)
         data = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
         if await _commit.create(backend, record_key(n), data, url):  # COMMIT of version n
@@ -427,7 +440,15 @@ async def load(
         records = records[:version]
     state, _ = replay(records)
     tree = state if state is not None else {"kind": "dict", "keys": [], "children": []}
-    return await _engine.load_tree(url, tree, backend, abstract, partial=partial)
+    view = _engine.packed_view(backend, url, {"indexes": _indexes(records, _txids_of(state))})
+    return await _engine.load_tree(url, tree, view, abstract, partial=partial)
+
+
+def _indexes(records: list[dict[str, Any]], live: set[str]) -> list[dict[str, Any]]:
+    """The chunk indexes (format v2) of the versions whose data is still live.  Their packs
+    are kept whole: a pack holding a replaced leaf keeps those dead bytes until the
+    checkpoint is rewritten (see docs/format.md)."""
+    return [e for r in records if r.get("txid") in live for e in r.get("indexes", [])]
 
 
 async def finalize(
@@ -467,6 +488,7 @@ async def _finalize(url: str, storage_options: dict[str, Any] | None = None) -> 
         metadata=meta,
         process_count=_engine.process_layout()[1],
         extra={"journal_version": len(records)},
+        indexes=_indexes(records, live) or None,
     )
     await _commit.publish(
         backend, url, data, live, overwrite=False, fix="it was finalized concurrently", owned=False

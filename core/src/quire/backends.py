@@ -70,6 +70,9 @@ class Capabilities:
         The store can rename objects cheaply (local file systems).
     readinto : bool
         ``get_into`` reads straight into caller memory without an intermediate copy.
+    stream_writes : bool
+        ``stream_writer`` writes one object from concurrent writes at given offsets
+        (format-v2 packs stream into it: local files written in place, S3 multipart).
     """
 
     atomic_create: bool = False
@@ -77,6 +80,7 @@ class Capabilities:
     durable: bool = False
     rename: bool = False
     readinto: bool = False
+    stream_writes: bool = False
 
 
 class Backend(abc.ABC):
@@ -193,6 +197,16 @@ class Backend(abc.ABC):
     async def delete_prefix(self, prefix: str) -> None:
         """Delete every key under ``prefix`` (directory-like, as in :meth:`list`)."""
         await self.delete(await self.list(prefix))
+
+    async def stream_writer(self, key: str) -> Any:
+        """Open ``key`` for streaming (only when ``capabilities.stream_writes``).
+
+        Returns an object with ``async write(data, offset)`` (concurrent calls, each at an
+        offset the caller reserved; together they cover ``[0, size)`` without holes),
+        ``async close()`` (the object appears whole, as after ``put``) and ``async abort()``
+        (nothing, or garbage under the caller's prefix, remains).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not stream writes")
 
     async def sync(self) -> None:  # noqa: B027 - optional hook
         """Make every completed ``put`` durable (no-op where puts are durable already)."""

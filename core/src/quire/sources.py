@@ -159,9 +159,16 @@ def open(
     raise CheckpointNotFoundError(
         f"{u}: no installed quire source recognises it (installed formats: {have})"
         + (f"; problems: {extra}" if extra else "")
-        + ". Check the URL; for Orbax checkpoints pip install quire-orbax; pass format=... "
-        "to name a format"
+        + ". Check the URL"
+        + ("" if "orbax" in available() else f"; for Orbax checkpoints {_orbax_hint()}")
+        + "; pass format=... to name a format"
     )
+
+
+def _orbax_hint() -> str:
+    from quire._install import install_hint
+
+    return install_hint("quire-orbax")
 
 
 def _open_with(cls: Any, url: str, storage_options: dict[str, Any]) -> Source:

@@ -152,7 +152,15 @@ class CodecSuite(UrlFixture):
         url = str(tmp_path / "ckpt")
         spec = {"name": self.codec_id, "configuration": dict(self.configurations[0])}
         a = np.arange(300, dtype=np.float32).reshape(3, 100)
-        quire.save(url, {"a": a}, storage=quire.StorageOptions(codecs=[spec]))
+        quire.save(url, {"a": a}, storage=quire.StorageOptions(codecs=[spec]), layout="chunks")
         loc = record_of(url)["units"]["pytree"]["tree"]["children"][0]["location"]
-        z = zarr.open_array(str(tmp_path / "ckpt" / loc), mode="r")
-        np.testing.assert_array_equal(z[...], a)
+        for layout in ("chunks", "packed"):  # format v1 and v2
+            if layout == "chunks":
+                z = zarr.open_array(str(tmp_path / "ckpt" / loc), mode="r")
+            else:
+                z = zarr.open_array(quire.zarr_store(url), path=loc, mode="r")
+            np.testing.assert_array_equal(z[...], a)
+            if layout == "chunks":
+                url = str(tmp_path / "ckpt2")
+                quire.save(url, {"a": a}, storage=quire.StorageOptions(codecs=[spec]))
+                loc = record_of(url)["units"]["pytree"]["tree"]["children"][0]["location"]

@@ -1,0 +1,211 @@
+"""Simulate format v2 (packed data) for 1 TB written by 1024 hosts x 8 devices.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/sim_scaling.py              # 1024 hosts (a few minutes)
+    .venv/bin/python benchmarks/sim_scaling.py --quick      # 32 hosts, seconds
+
+Every simulated process runs quire's real pack writer (``quire._pack.PackWriter``) over a
+backend that counts objects and bytes but keeps only the chunk indexes (in ``memory://``):
+each process appends the chunks it owns (the zarr keys quire would write, one per device
+shard with ``replica_id == 0``), packs are sealed as in a real save on an object store
+on a backend that streams writes (local disks, S3 multipart: packs of ``pack_bytes``) or,
+with ``--buffered``, on one that does not (GCS today: packs sealed at a quarter of
+``byte_budget``), and its chunk index is serialized for real.  The primary's commit record is
+then built with quire's own ``_format.build`` from synthetic leaf records of the measured
+shape.  Chunk payloads are not materialized (one shared zero buffer; the per-chunk CRC is
+not computed — it does not change any size).
+
+Layouts (as in docs/scaling.md): A = 1,155 large arrays fully sharded over all devices +
+580 small ones (primary); B = the same sharded 256 ways and replicated over 32 groups
+(only replica-0 hosts write); C = 27 large + 16 small (stacked layers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+TB = 10**12
+
+
+class CountingBackend:
+    """Counts puts; stores index objects (``.index.json``) in a memory:// backend."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.url = store.url
+        self.storage_options: dict[str, Any] = {}
+        self.capabilities = store.capabilities
+        self.objects = 0
+        self.bytes = 0
+        self.index_bytes = 0
+
+    async def put(self, key: str, data: Sequence[Any]) -> None:
+        n = sum(memoryview(b).nbytes for b in data)
+        self.objects += 1
+        self.bytes += n
+        if key.endswith(".index.json"):
+            self.index_bytes += n
+            await self.store.put(key, data)
+
+
+class _Stream:
+    def __init__(self, be: CountingBackend) -> None:
+        self.be = be
+
+    async def write(self, data: Sequence[Any], offset: int) -> None:
+        self.be.bytes += sum(memoryview(b).nbytes for b in data)
+
+    async def close(self) -> None:
+        pass
+
+    async def abort(self) -> None:
+        pass
+
+
+class StreamingBackend(CountingBackend):
+    """A streaming store (local disk, S3 multipart): packs grow to ``pack_bytes``."""
+
+    def __init__(self, store: Any) -> None:
+        super().__init__(store)
+        self.capabilities = dataclasses.replace(store.capabilities, stream_writes=True)
+
+    async def stream_writer(self, key: str) -> _Stream:
+        self.objects += 1
+        return _Stream(self)
+
+
+def layout(name: str, hosts: int, devices: int) -> dict[str, Any]:
+    total_dev = hosts * devices
+    if name == "A":
+        return dict(large=1155, small=580, ways=total_dev, writers=hosts)
+    if name == "B":
+        return dict(large=1155, small=580, ways=256, writers=max(1, 256 // devices))
+    return dict(large=27, small=16, ways=total_dev, writers=hosts)
+
+
+async def simulate(name: str, hosts: int, devices: int, local: bool) -> dict[str, Any]:
+    from quire import _format, _pack
+    from quire._backends.memory import MemoryBackend
+    from quire._chunkindex import index_entry
+    from quire._config import current
+
+    lay = layout(name, hosts, devices)
+    large_bytes = TB // lay["large"]
+    chunk = large_bytes // lay["ways"]
+    zero = memoryview(bytearray(min(chunk, 64 << 20)))
+    shards_per_writer = lay["ways"] * 1 // lay["writers"]  # shards of one array per writer
+    _pack.chunk_crc = lambda views, n=None: 0  # type: ignore[assignment]
+
+    async def direct(fn: Any, *a: Any) -> Any:
+        return fn(*a)
+
+    _pack.run_blocking = direct  # type: ignore[assignment]
+    store = MemoryBackend(f"memory://quire-sim-{name}-{time.time_ns()}")
+    totals = {"objects": 0, "bytes": 0, "index": 0, "index_max": 0}
+    entries = []
+    txid = "0123456789abcdef"
+    budget = 256 << 20
+    for p in range(lay["writers"]):
+        be = StreamingBackend(store) if local else CountingBackend(store)
+        w = _pack.PackWriter(be, txid, p, current().pack_bytes, budget)  # type: ignore[arg-type]
+        # the chunk's bytes + its crc32c, as views of one shared buffer (nothing allocated)
+        whole, rest = divmod(chunk + 4, zero.nbytes)
+        views = [zero] * whole + ([zero[:rest]] if rest else [])
+        for a in range(lay["large"]):
+            for s in range(shards_per_writer):
+                c = p * shards_per_writer + s
+                await w.put(f"d/{txid}/pytree/layers/w{a:04d}/c/{c}/0", views)
+        if p == 0:
+            for a in range(lay["large"] + lay["small"]):
+                meta = json.dumps({"zarr_format": 3, "node_type": "array", "pad": "x" * 300})
+                await w.put(f"d/{txid}/pytree/layers/w{a:04d}/zarr.json", [meta.encode()])
+            for a in range(lay["small"]):
+                await w.put(f"d/{txid}/pytree/small/s{a:04d}/c/0", [memoryview(bytearray(4096))])
+        entry = await w.finish()
+        assert entry is not None
+        data = await store.get(entry["object"])
+        entries.append(index_entry(txid, p, entry["object"], data))
+        totals["objects"] += be.objects
+        totals["bytes"] += be.bytes
+        totals["index"] += len(data)
+        totals["index_max"] = max(totals["index_max"], len(data))
+    leaf = {
+        "kind": "leaf",
+        "handler": "jax",
+        "shape": [65536, 4096],
+        "dtype": "bfloat16",
+        "location": f"d/{txid}/pytree/layers/w0000",
+        "chunk_shape": [8, 4096],
+        "codecs": [],
+        "checksum": True,
+        "nbytes": large_bytes,
+        "sharding": {"type": "named", "mesh": {"fsdp": lay["ways"]}, "spec": ["fsdp"]},
+    }
+    n = lay["large"] + lay["small"]
+    tree = {"kind": "dict", "keys": [f"w{i:04d}" for i in range(n)], "children": [leaf] * n}
+    record = _format.build(
+        units={"pytree": {"kind": "pytree", "tree": tree}},
+        txids=[txid],
+        metadata={},
+        process_count=hosts,
+        indexes=entries,
+    )
+    totals["objects"] += 1  # quire.json
+    return {
+        "layout": name,
+        "hosts": hosts,
+        "writers": lay["writers"],
+        "objects": totals["objects"],
+        "TB_written": round(totals["bytes"] / TB, 3),
+        "objects_per_writer": totals["objects"] / lay["writers"],
+        "index_bytes_per_writer": totals["index"] / lay["writers"],
+        "index_bytes_max": totals["index_max"],
+        "record_bytes": len(record),
+        "record_bytes_for_indexes": len(json.dumps(entries, separators=(",", ":"))),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hosts", type=int, default=1024)
+    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="32 hosts")
+    ap.add_argument("--layouts", default="A,B,C")
+    ap.add_argument(
+        "--buffered",
+        action="store_true",
+        help="a backend without streamed writes (packs sealed at byte_budget / 4)",
+    )
+    args = ap.parse_args(argv)
+    hosts = 32 if args.quick else args.hosts
+    print(f"1 TB from {hosts} hosts x {args.devices} devices, format v2")
+    cols = [
+        "layout",
+        "writers",
+        "objects",
+        "TB_written",
+        "objects_per_writer",
+        "index_bytes_per_writer",
+        "index_bytes_max",
+        "record_bytes",
+        "record_bytes_for_indexes",
+    ]
+    print("  ".join(cols))
+    for name in args.layouts.split(","):
+        t0 = time.perf_counter()
+        r = asyncio.run(simulate(name.strip(), hosts, args.devices, not args.buffered))
+        row = [f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
+        print("  ".join(row), f"({time.perf_counter() - t0:.1f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,412 @@
+"""Format version 2: the chunk index and the backend view that reads chunks out of packs.
+
+Each process that saves writes, next to its pack objects, one **chunk index** object
+``d/<txid>/%packs/p<process>.index.json`` in fsspec's reference-filesystem form::
+
+    {"version": 1,
+     "refs": {"<zarr key>": ["d/<txid>/%packs/p<process>-<seq>", offset, length]
+                            | "<inline UTF-8 text>"},
+     "quire": {"format": 2, "txid": "<txid>", "process": <int>,
+               "crc32": {"<zarr key>": "<8 hex digits>"}}}
+
+Zarr keys are relative to the checkpoint root (``d/<txid>/pytree/params/w/c/0/1``,
+``.../zarr.json``); targets are relative too, so a copied checkpoint needs no rewrite and
+``fsspec.filesystem("reference", fo=index, remote_protocol="dir",
+remote_options={"path": <checkpoint root>, ...})`` serves it to zarr with no quire code.
+
+``quire.crc32`` binds every chunk to its identity: the CRC-32 (zlib's polynomial) of the
+exact stored bytes under its key, in an index whose size and crc32c are in the commit
+record.  It is deliberately not crc32c: a chunk ends with its own crc32c, and a crc32c
+over a message followed by its crc32c is the same constant for every message (the CRC
+residue), which would make every valid chunk match every index entry.  A chunk swapped with another (of the same array or of
+another array), moved to another offset, or copied in from another checkpoint fails it.
+
+The commit record names the index objects (``"indexes"``: txid, process, object, size,
+crc32c), never the chunks: a loader reads the index of its own process first and the
+others only for chunks it did not find there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import json
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from quire._paths import is_safe_location
+from quire._zarr import ChunkError, crc32c
+from quire.backends import Backend, Buffer
+from quire.errors import CorruptCheckpointError
+
+PACK_DIR = "%packs"  # never produced by key escaping ('%' is always followed by two hex digits)
+INDEX_FORMAT = 2
+MAX_INDEX_BYTES = 1 << 31
+
+
+def pack_dir(txid: str) -> str:
+    return f"d/{txid}/{PACK_DIR}"
+
+
+def pack_key(txid: str, process: int, seq: int) -> str:
+    return f"{pack_dir(txid)}/p{process:05d}-{seq:05d}"
+
+
+def index_key(txid: str, process: int) -> str:
+    return f"{pack_dir(txid)}/p{process:05d}.index.json"
+
+
+def crc_hex(value: int) -> str:
+    return f"{value:08x}"
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Where one zarr key's bytes are: a range of a pack, or inline bytes."""
+
+    target: str | None
+    offset: int
+    length: int
+    crc: str
+    inline: bytes | None = None
+
+
+def index_entry(txid: str, process: int, key: str, data: bytes) -> dict[str, Any]:
+    """The commit record's description of one index object."""
+    return {
+        "txid": txid,
+        "process": process,
+        "object": key,
+        "size": len(data),
+        "crc32c": crc_hex(crc32c(data)),
+    }
+
+
+def check_entries(entries: Any, url: str) -> list[dict[str, Any]]:
+    """Validate a record's ``indexes`` list; ``CorruptCheckpointError`` naming the defect."""
+    if not isinstance(entries, list):
+        raise CorruptCheckpointError(
+            f"{url}/quire.json: 'indexes' is not a list; the commit record is damaged"
+        )
+    for e in entries:
+        ok = (
+            isinstance(e, dict)
+            and isinstance(e.get("txid"), str)
+            and e["txid"].isalnum()
+            and type(e.get("process")) is int
+            and e["process"] >= 0
+            and type(e.get("size")) is int
+            and 0 <= e["size"] <= MAX_INDEX_BYTES
+            and isinstance(e.get("crc32c"), str)
+            and e.get("object") == index_key(e["txid"], e["process"])
+        )
+        if not ok:
+            raise CorruptCheckpointError(
+                f"{url}/quire.json: malformed chunk-index entry {str(e)[:200]!r}; "
+                "the commit record is damaged (restore it from a copy)"
+            )
+    return list(entries)
+
+
+def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Ref]:
+    """The refs of one index object, checked against its record entry."""
+    where = f"{url}/{entry['object']}"
+    if len(data) != entry["size"] or crc_hex(crc32c(data)) != entry["crc32c"]:
+        raise ChunkError(
+            f"chunk index {entry['object']} has {len(data)} bytes / crc32c "
+            f"{crc_hex(crc32c(data))}, the commit record says {entry['size']} / {entry['crc32c']}"
+        )
+    try:
+        doc = json.loads(data)
+        refs, meta = doc["refs"], doc["quire"]
+        crcs = meta["crc32"]
+        if doc.get("version") != 1 or meta.get("format") != INDEX_FORMAT:
+            raise ValueError("unknown index version")
+        if meta.get("txid") != entry["txid"] or meta.get("process") != entry["process"]:
+            raise ValueError("index of another save or process")
+        if not isinstance(refs, dict) or not isinstance(crcs, dict):
+            raise TypeError("refs")
+    except (ValueError, TypeError, KeyError) as e:
+        raise ChunkError(f"chunk index {where} is malformed ({e!r})") from e
+    prefix = f"d/{entry['txid']}/"
+    packs = pack_dir(entry["txid"]) + "/"
+    out: dict[str, Ref] = {}
+    for key, v in refs.items():
+        crc = crcs.get(key)
+        if not key.startswith(prefix) or not is_safe_location(key) or not isinstance(crc, str):
+            raise ChunkError(f"chunk index {where}: bad entry for key {key[:200]!r}")
+        if isinstance(v, str):
+            out[key] = Ref(None, 0, len(v.encode()), crc, v.encode())
+            continue
+        if (
+            not isinstance(v, list)
+            or len(v) != 3
+            or not isinstance(v[0], str)
+            or not v[0].startswith(packs)
+            or not is_safe_location(v[0])
+            or any(type(x) is not int or x < 0 for x in v[1:])
+        ):
+            raise ChunkError(f"chunk index {where}: bad reference {str(v)[:200]!r} for {key!r}")
+        out[key] = Ref(v[0], v[1], v[2], crc)
+    return out
+
+
+class ChunkIndex:
+    """The refs of a checkpoint's index objects, loaded lazily: own process first."""
+
+    def __init__(
+        self, base: Backend, url: str, entries: Sequence[Mapping[str, Any]], process: int = 0
+    ) -> None:
+        self.base = base
+        self.url = url
+        self.process = process
+        self.by_txid: dict[str, list[Mapping[str, Any]]] = {}
+        for e in entries:
+            self.by_txid.setdefault(e["txid"], []).append(e)
+        self._loads: dict[str, asyncio.Future[dict[str, Ref]]] = {}
+        self.loaded: list[str] = []  # index objects read (tests count them)
+
+    async def _load(self, entry: Mapping[str, Any]) -> dict[str, Ref]:
+        key = entry["object"]
+        fut = self._loads.get(key)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._loads[key] = fut
+            try:
+                data = await self.base.get(key)
+                fut.set_result(parse_index(data, entry, self.url))
+                self.loaded.append(key)
+            except FileNotFoundError as e:
+                fut.set_exception(ChunkError(f"chunk index {key} is missing"))
+                fut.exception()
+                raise ChunkError(f"chunk index {key} is missing") from e
+            except BaseException as e:
+                fut.set_exception(e)
+                fut.exception()
+                raise
+        return await fut
+
+    def owns(self, key: str) -> bool:
+        parts = key.split("/", 2)
+        return len(parts) > 2 and parts[0] == "d" and parts[1] in self.by_txid
+
+    async def lookup(self, key: str) -> Ref | None:
+        parts = key.split("/", 2)
+        entries = self.by_txid.get(parts[1]) if len(parts) > 2 and parts[0] == "d" else None
+        if not entries:
+            return None
+        own = [e for e in entries if e["process"] == self.process]
+        rest = [e for e in entries if e["process"] != self.process]
+        for group in (own, rest):
+            maps = await asyncio.gather(*(self._load(e) for e in group))
+            for m in maps:
+                ref = m.get(key)
+                if ref is not None:
+                    return ref
+        return None
+
+    async def all_refs(self) -> dict[str, Ref]:
+        out: dict[str, Ref] = {}
+        entries = [e for es in self.by_txid.values() for e in es]
+        for m in await asyncio.gather(*(self._load(e) for e in entries)):
+            out.update(m)
+        return out
+
+
+def chunk_crc(views: Sequence[memoryview], n: int | None = None) -> int:
+    """CRC-32 (zlib) of the first ``n`` bytes of ``views`` (all when None)."""
+    crc = 0
+    left = sum(v.nbytes for v in views) if n is None else n
+    for v in views:
+        if left <= 0:
+            break
+        part = v.cast("B")[: min(left, v.nbytes)]
+        crc = zlib.crc32(part, crc)
+        left -= part.nbytes
+    return crc
+
+
+async def _check_async(ref: Ref, key: str, views: Sequence[memoryview], n: int) -> None:
+    if n < (1 << 16):
+        _check(ref, key, views, n)
+    else:  # zlib releases the GIL: checks of big chunks run in parallel, off the loop
+        from quire._io import run_blocking
+
+        await run_blocking(_check, ref, key, views, n)
+
+
+def _check(ref: Ref, key: str, views: Sequence[memoryview], n: int) -> None:
+    crc = chunk_crc(views, n)
+    if crc_hex(crc) != ref.crc:
+        raise ChunkError(
+            f"{key}: bytes at {ref.target}[{ref.offset}:{ref.offset + ref.length}] do not match "
+            "the chunk index (a moved, swapped or foreign chunk)"
+        )
+
+
+MAX_COALESCED = 8 << 20  # bytes per coalesced range request (larger ones lose parallelism)
+
+
+@dataclass
+class _Read:
+    offset: int
+    length: int
+    views: builtins.list[memoryview]
+    fut: asyncio.Future[int]
+
+
+class PackedReader(Backend):
+    """A read view of a checkpoint root in which indexed zarr keys resolve into packs.
+
+    Whole-chunk reads are checked against the index's crc32c; keys the index does not
+    know are read from the underlying backend unchanged (version-1 data, other units).
+    """
+
+    def __init__(self, base: Backend, index: ChunkIndex) -> None:
+        super().__init__(base.url, base.storage_options)
+        self.base = base
+        self.index = index
+        self.capabilities = base.capabilities  # type: ignore[misc]
+        self._queue: dict[str, list[_Read]] = {}
+        self._scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.requests = 0  # range requests sent to the backend (tests count them)
+
+    async def _read(self, target: str, offset: int, views: builtins.list[memoryview]) -> int:
+        """Read into ``views`` from ``target`` at ``offset``, coalesced with the reads
+        other tasks issue in the same event-loop turn (the caller holds its share of the
+        byte budget and of ``max_concurrency``): adjacent ranges of a pack become one
+        request, filled straight into every caller's buffers."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[int] = loop.create_future()
+        self._queue.setdefault(target, []).append(
+            _Read(offset, sum(v.nbytes for v in views), views, fut)
+        )
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._dispatch)
+        return await fut
+
+    def _dispatch(self) -> None:
+        self._scheduled = False
+        queue, self._queue = self._queue, {}
+        for target, reads in queue.items():
+            reads.sort(key=lambda r: r.offset)
+            run: builtins.list[_Read] = []
+            for r in reads:
+                if run and (
+                    r.offset != run[-1].offset + run[-1].length
+                    or sum(x.length for x in run) + r.length > MAX_COALESCED
+                ):
+                    self._spawn(target, run)
+                    run = []
+                run.append(r)
+            if run:
+                self._spawn(target, run)
+
+    def _spawn(self, target: str, run: builtins.list[_Read]) -> None:
+        task = asyncio.ensure_future(self._send(target, run))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, target: str, run: builtins.list[_Read]) -> None:
+        self.requests += 1
+        try:
+            n = await self.base.get_into(target, [v for r in run for v in r.views], run[0].offset)
+        except BaseException as e:
+            for r in run:
+                if not r.fut.done():
+                    r.fut.set_exception(e)
+            return
+        for r in run:
+            got = max(0, min(r.length, n - (r.offset - run[0].offset)))
+            if not r.fut.done():
+                r.fut.set_result(got)
+
+    async def _ref(self, key: str) -> Ref | None:
+        if not self.index.owns(key):
+            return None
+        return await self.index.lookup(key)
+
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        ref = await self._ref(key)
+        if ref is None:
+            return await self.base.get(key, start, end)
+        a = 0 if start is None else max(0, min(start, ref.length))
+        b = ref.length if end is None else max(a, min(end, ref.length))
+        if ref.inline is not None:
+            data = ref.inline
+        else:
+            assert ref.target is not None
+            data = await self.base.get(ref.target, ref.offset + a, ref.offset + b)
+            if len(data) != b - a:
+                raise ChunkError(f"{key}: pack {ref.target} is truncated")
+            if a > 0 or b < ref.length:
+                return data
+        if a == 0 and b == ref.length:
+            await _check_async(ref, key, [memoryview(data)], len(data))
+        return bytes(data[a:b]) if ref.inline is not None else data
+
+    async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int = 0) -> int:
+        ref = await self._ref(key)
+        if ref is None:
+            return await self.base.get_into(key, buffers, offset)
+        if ref.inline is not None or ref.target is None:
+            return await super().get_into(key, buffers, offset)
+        want = max(0, min(sum(b.nbytes for b in buffers), ref.length - offset))
+        views, left = [], want
+        for b in buffers:
+            if left <= 0:
+                break
+            v = b.cast("B")[: min(left, b.nbytes)]
+            views.append(v)
+            left -= v.nbytes
+        n = await self._read(ref.target, ref.offset + offset, views) if want else 0
+        if n < want:
+            raise ChunkError(f"{key}: pack {ref.target} is truncated")
+        if offset == 0 and n == ref.length:
+            await _check_async(ref, key, views, n)
+        return n
+
+    async def size(self, key: str) -> int:
+        ref = await self._ref(key)
+        return ref.length if ref is not None else await self.base.size(key)
+
+    async def exists(self, key: str) -> bool:
+        ref = await self._ref(key)
+        return True if ref is not None else await self.base.exists(key)
+
+    async def modified(self, key: str) -> float | None:
+        return await self.base.modified(key)
+
+    async def version(self, key: str) -> str | None:
+        return await self.base.version(key)
+
+    async def list(self, prefix: str = "") -> builtins.list[str]:
+        return await self.base.list(prefix)
+
+    async def put(self, key: str, data: Sequence[Buffer]) -> None:
+        await self.base.put(key, data)
+
+    async def put_if_absent(self, key: str, data: bytes) -> str:
+        return await self.base.put_if_absent(key, data)
+
+    async def replace_if_match(self, key: str, data: bytes, version: str) -> str:
+        return await self.base.replace_if_match(key, data, version)
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        await self.base.delete(keys)
+
+    async def sync(self) -> None:
+        await self.base.sync()
+
+
+def reader(
+    base: Backend, url: str, entries: Sequence[Mapping[str, Any]] | None, process: int = 0
+) -> Backend:
+    """``base`` itself for version-1 data, else a :class:`PackedReader` over the entries."""
+    if not entries:
+        return base
+    return PackedReader(base, ChunkIndex(base, url, entries, process))

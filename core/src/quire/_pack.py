@@ -1,0 +1,229 @@
+"""Format version 2: the pack writer.
+
+A :class:`PackWriter` is a write view of a checkpoint root handed to leaf handlers in
+place of the backend.  Every ``put`` of a zarr key under ``d/<txid>/`` is appended to the
+process's current pack object ``d/<txid>/%packs/p<process>-<seq>`` instead of becoming
+an object of its own; small text objects (``zarr.json``) go inline into the chunk index.
+``finish`` uploads the last pack and writes the process's chunk index (see
+``quire._chunkindex``), returning its description for the commit record.
+
+Backends that declare ``stream_writes`` (local files, S3 multipart) get every chunk
+written straight into its pack at an offset reserved for it: nothing is held, and packs
+reach ``pack_bytes``.  On other backends the encoded chunks of a pack are held (by
+reference: raw chunks are views of the host arrays) until the pack is uploaded.  A pack is sealed and uploaded when it would
+exceed ``pack_bytes`` or when the bytes waiting reach a quarter of the byte budget; at
+most two packs upload at once and a ``put`` waits for an upload when more are pending,
+so a save holds at most its byte budget plus three quarters of it in pack buffers.
+A pack lost with a crashed process is garbage under an uncommitted txid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from quire._chunkindex import INDEX_FORMAT, chunk_crc, crc_hex, index_entry, index_key
+from quire._chunkindex import pack_key as _pack_key
+from quire._io import run_blocking
+from quire.backends import Backend, Buffer
+
+INLINE_SUFFIX = "/zarr.json"
+INLINE_MAX = 64 << 10
+MAX_UPLOADS = 2
+
+
+class PackWriter(Backend):
+    """Appends the zarr objects one process writes under ``d/<txid>/`` to pack objects."""
+
+    def __init__(
+        self,
+        base: Backend,
+        txid: str,
+        process: int,
+        pack_bytes: int,
+        budget_bytes: int,
+    ) -> None:
+        super().__init__(base.url, base.storage_options)
+        self.base = base
+        self.capabilities = base.capabilities  # type: ignore[misc]
+        self.txid = txid
+        self.process = process
+        self.prefix = f"d/{txid}/"
+        self.pack_bytes = max(1, pack_bytes)
+        self.flush_at = max(1 << 20, min(self.pack_bytes, budget_bytes // 4))
+        self.refs: dict[str, Any] = {}
+        self.crcs: dict[str, str] = {}
+        self._seq = 0
+        self._pending: list[memoryview] = []
+        self._pending_bytes = 0
+        self._uploads: list[asyncio.Task[None]] = []
+        self.packs = 0
+        self.bytes = 0
+        # Backends that can write an object in place at offsets (local files) stream every
+        # chunk straight into its pack: nothing is held, packs reach pack_bytes.
+        self._streaming = base.capabilities.stream_writes
+        self._writers: list[Any] = []
+        self._opening: asyncio.Future[Any] | None = None
+        self._size = 0
+
+    # -- writes ------------------------------------------------------------------
+    async def put(self, key: str, data: Sequence[Buffer]) -> None:
+        if not key.startswith(self.prefix):
+            await self.base.put(key, data)
+            return
+        views = [memoryview(b).cast("B") for b in data]
+        n = sum(v.nbytes for v in views)
+        crc = crc_hex(await run_blocking(chunk_crc, views) if n > (1 << 16) else chunk_crc(views))
+        if key.endswith(INLINE_SUFFIX) and n <= INLINE_MAX:
+            try:
+                self.refs[key] = b"".join(views).decode()
+                self.crcs[key] = crc
+                return
+            except UnicodeDecodeError:
+                pass
+        if self._streaming:
+            await self._stream(key, views, n, crc)
+            return
+        while len(self._uploads) >= MAX_UPLOADS:
+            await self._wait_one()
+        if self._pending and (
+            self._pending_bytes + n > self.pack_bytes or self._pending_bytes >= self.flush_at
+        ):
+            self._seal()
+        self.refs[key] = [_pack_key(self.txid, self.process, self._seq), self._pending_bytes, n]
+        self.crcs[key] = crc
+        self._pending += views
+        self._pending_bytes += n
+        self.bytes += n
+        if self._pending_bytes >= self.flush_at:
+            self._seal()
+
+    async def _stream(self, key: str, views: list[memoryview], n: int, crc: str) -> None:
+        while self._opening is not None and not self._opening.done():
+            await asyncio.shield(self._opening)
+        if not self._writers or (self._size and self._size + n > self.pack_bytes):
+            loop = asyncio.get_running_loop()
+            self._opening = loop.create_future()
+            try:
+                if self._writers:
+                    self._seq += 1
+                w = await self.base.stream_writer(_pack_key(self.txid, self.process, self._seq))
+                self._writers.append(w)
+                self._size = 0
+                self.packs += 1
+            finally:
+                self._opening.set_result(None)
+        w, offset = self._writers[-1], self._size
+        self._size += n  # reserved before the write: concurrent puts get distinct ranges
+        self.refs[key] = [_pack_key(self.txid, self.process, self._seq), offset, n]
+        self.crcs[key] = crc
+        self.bytes += n
+        await w.write(views, offset)
+
+    def _seal(self) -> None:
+        if not self._pending:
+            return
+        key = _pack_key(self.txid, self.process, self._seq)
+        bufs = self._pending
+        self._pending, self._pending_bytes = [], 0
+        self._seq += 1
+        self.packs += 1
+        self._uploads.append(asyncio.ensure_future(self.base.put(key, bufs)))
+
+    async def _wait_one(self) -> None:
+        task = self._uploads[0]
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done() and task in self._uploads:
+                self._uploads.remove(task)
+
+    async def finish(self) -> dict[str, Any] | None:
+        """Upload what is pending, then this process's chunk index; returns the commit
+        record's entry for it (None when this process wrote nothing: no index object)."""
+        self._seal()
+        while self._uploads:
+            await self._wait_one()
+        writers, self._writers = self._writers, []
+        await asyncio.gather(*(w.close() for w in writers))
+        if not self.refs:
+            return None
+        doc = {
+            "version": 1,
+            "refs": self.refs,
+            "quire": {
+                "format": INDEX_FORMAT,
+                "txid": self.txid,
+                "process": self.process,
+                "crc32": self.crcs,
+            },
+        }
+        data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        key = index_key(self.txid, self.process)
+        await self.base.put(key, [data])
+        return index_entry(self.txid, self.process, key, data)
+
+    async def abort(self) -> None:
+        """Stop uploads in flight (the caller removes the txid's data)."""
+        self._pending = []
+        for t in self._uploads:
+            t.cancel()
+        await asyncio.gather(*self._uploads, return_exceptions=True)
+        self._uploads = []
+        writers, self._writers = self._writers, []
+        await asyncio.gather(*(w.abort() for w in writers), return_exceptions=True)
+
+    # -- reads and the rest go to the backend ----------------------------------------
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        return await self.base.get(key, start, end)
+
+    async def size(self, key: str) -> int:
+        return await self.base.size(key)
+
+    async def exists(self, key: str) -> bool:
+        return key in self.refs or await self.base.exists(key)
+
+    async def version(self, key: str) -> str | None:
+        return await self.base.version(key)
+
+    async def list(self, prefix: str = "") -> builtins.list[str]:
+        return await self.base.list(prefix)
+
+    async def put_if_absent(self, key: str, data: bytes) -> str:
+        return await self.base.put_if_absent(key, data)
+
+    async def replace_if_match(self, key: str, data: bytes, version: str) -> str:
+        return await self.base.replace_if_match(key, data, version)
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        await self.base.delete(keys)
+
+    async def sync(self) -> None:
+        await self.base.sync()
+
+
+async def gather_entries(
+    backend: Backend, txid: str, count: int, own: dict[str, Any] | None, own_process: int
+) -> list[dict[str, Any]] | None:
+    """The commit record's ``indexes`` for a save by ``count`` processes (None: no process
+    wrote array data).  The primary reads the other processes' index objects, written before
+    they reported success, to record their size and crc32c; a process that owned no chunk
+    wrote none."""
+    sem = asyncio.Semaphore(32)
+
+    async def one(p: int) -> dict[str, Any] | None:
+        if p == own_process:
+            return own
+        key = index_key(txid, p)
+        async with sem:
+            try:
+                data = await backend.get(key)
+            except FileNotFoundError:
+                return None
+        return index_entry(txid, p, key, data)
+
+    got = [e for e in await asyncio.gather(*(one(p) for p in range(count))) if e is not None]
+    return got or None

@@ -1,0 +1,75 @@
+"""``quire cp`` of format-v2 data: index objects and packs are copied as objects, and each is
+verified as it is read: an index against the commit record (size, crc32c), a pack chunk by
+chunk against its index (CRC-32 bound to the key) and the chunk's own codec chain."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from quire._chunkindex import ChunkError, crc_hex, parse_index
+from quire.backends import Backend
+from quire.errors import CorruptCheckpointError
+
+
+def _index_check(entry: Mapping[str, Any], url: str) -> Callable[[bytes], None]:
+    def check(data: bytes) -> None:
+        parse_index(data, entry, url)
+
+    return check
+
+
+def _pack_check(
+    refs: list[tuple[str, int, int, str]], checkers: Mapping[str, Callable[[bytes], None]]
+) -> Callable[[bytes], None]:
+    def check(data: bytes) -> None:
+        mv = memoryview(data)
+        for key, off, n, crc in refs:
+            if off + n > len(mv):
+                raise ValueError(f"{key}: the pack is truncated")
+            part = mv[off : off + n]
+            if crc_hex(zlib.crc32(part)) != crc:
+                raise ValueError(f"{key}: checksum mismatch (CRC-32 in the chunk index)")
+            loc = key.rsplit("/c/", 1)[0]
+            if loc in checkers and "/c/" in key:
+                checkers[loc](bytes(part))
+
+    return check
+
+
+async def plan_packed(
+    backend: Backend,
+    url: str,
+    entries: Sequence[Mapping[str, Any]],
+    checkers: Mapping[str, Callable[[bytes], None]],
+    item: Callable[..., Any],
+) -> list[Any]:
+    """``_copy._Item`` s for every index object and pack the record's indexes name."""
+    items = []
+    for e in entries:
+        try:
+            refs = parse_index(await backend.get(e["object"]), e, url)
+        except (FileNotFoundError, ChunkError) as err:
+            raise CorruptCheckpointError(
+                f"{url}: chunk index {e['object']}: {err or 'missing'}; the checkpoint is "
+                "damaged (run `quire verify`); nothing was committed at the destination"
+            ) from err
+        items.append(
+            item(
+                e["object"],
+                f"chunk index of process {e['process']}",
+                _index_check(e, url),
+                e["size"],
+            )
+        )
+        by_pack: dict[str, list[tuple[str, int, int, str]]] = {}
+        for key, ref in refs.items():
+            if ref.target is not None:
+                by_pack.setdefault(ref.target, []).append((key, ref.offset, ref.length, ref.crc))
+        for pack, rs in sorted(by_pack.items()):
+            size = max(off + n for _, off, n, _ in rs)
+            items.append(
+                item(pack, f"pack of process {e['process']}", _pack_check(rs, checkers), size)
+            )
+    return items
