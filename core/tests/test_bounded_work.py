@@ -20,6 +20,14 @@ from quire._format import record_checksum
 from quire.errors import CorruptCheckpointError, QuireError
 
 
+@pytest.fixture(autouse=True)
+def _v1_layout() -> Any:
+    """These tests damage and inspect format-v1 chunk objects (one object per chunk);
+    format v2's equivalents are in test_packed.py."""
+    with quire.Context(layout="chunks"):
+        yield
+
+
 def _rewrite(url: str, edit: Any, *, sign: bool = True) -> dict[str, Any]:
     p = Path(url, "quire.json")
     doc = json.loads(p.read_text())

@@ -20,6 +20,15 @@ import quire
 from quire._backends import local
 from quire.errors import CheckpointChangedError, CheckpointNotFoundError, CorruptCheckpointError
 
+
+@pytest.fixture(autouse=True)
+def _v1_layout() -> Any:
+    """These tests damage and inspect format-v1 chunk objects (one object per chunk);
+    format v2's equivalents are in test_packed.py."""
+    with quire.Context(layout="chunks"):
+        yield
+
+
 WRITER = textwrap.dedent(
     """
     import os, sys, time

@@ -302,8 +302,16 @@ def test_unknown_format_lists_installed_and_the_pip_hint(tmp_path: Path) -> None
     assert ("pip install quire-orbax" in msg) == ("orbax" not in quire.sources.available())
 
 
+@pytest.fixture
+def v1_layout() -> Any:
+    """Counts reads per chunk object: format v1 (in v2 chunks are ranges of packs, whose
+    own-process-only reads test_packed.py counts)."""
+    with quire.Context(layout="chunks"):
+        yield
+
+
 def test_quire_source_and_merging_two_checkpoints(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, v1_layout: None
 ) -> None:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
     body = jax.device_put(

@@ -5,12 +5,22 @@ a built-in array leaf (plain, sharded, compressed) is reported by key; a corrupt
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import quire
 from quire import _engine, _io
+
+
+@pytest.fixture(autouse=True)
+def _v1_layout() -> Any:
+    """These tests damage and inspect format-v1 chunk objects (one object per chunk);
+    format v2's equivalents are in test_packed.py."""
+    with quire.Context(layout="chunks"):
+        yield
+
 
 STORAGE = {
     "plain": quire.StorageOptions(),

@@ -172,10 +172,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
     from quire._convert import cp_from_source
     from quire._copy import copy_checkpoint
 
-    rc = cp_from_source(args)  # SRC in another format (safetensors, Orbax...): convert it
-    if rc is not None:
-        return rc
-    so = storage_options(args)
+    so = storage_options(args)  # a bad -o / --storage-options is a usage error first
     sides = []
     for what, text in (("--src-options", args.src_options), ("--dst-options", args.dst_options)):
         if not text:
@@ -188,6 +185,9 @@ def cmd_cp(args: argparse.Namespace) -> int:
         if not isinstance(value, dict):
             raise UsageError(f"{what} takes a JSON object, e.g. '{{\"anon\": true}}'")
         sides.append({**(so or {}), **value})
+    rc = cp_from_source(args)  # SRC in another format (safetensors, Orbax...): convert it
+    if rc is not None:
+        return rc
     c = _describe.counts(quire.metadata(args.src, storage_options=sides[0]).tree)
     on = _progress_on(args) and not args.quiet
     with _progress.reporting(on, "cp", args.src) as rep:

@@ -101,10 +101,13 @@ def cp_from_source(args: argparse.Namespace) -> int | None:
     """``quire cp SRC DST`` when SRC is not a quire checkpoint; None when it is one."""
     from quire.sources import open as open_source
 
+    from quire._quire_source import QuireSource
+    from quire._url import normalize
+
     src_opts = _options(args.src_options, "--src-options")
+    if QuireSource.detect(normalize(args.src), dict(src_opts or {})):
+        return None  # a quire checkpoint: copied object by object, verified
     src = open_source(args.src, **(src_opts or {}))
-    if src.format == "quire":
-        return None
     bar = _Progress(_total(src), enabled=not args.quiet)
     t0 = time.perf_counter()
     try:

@@ -96,6 +96,9 @@ class QuireSource(Source):
         src.limit = asyncio.Semaphore(max(1, current().max_concurrency))
         backend = open_backend(url, storage_options)
         doc = (await _commit.read(backend, url)).doc  # locations checked there
+        from quire._engine import packed_view
+
+        backend = packed_view(backend, url, doc)  # format v2: chunks come out of packs
         saved = from_json(pytree_unit(doc, url))
         values: dict[int, Any] = {}
         eager: dict[str, list[Node]] = collections.defaultdict(list)
