@@ -459,3 +459,17 @@ def test_load_with_partition_rules_and_transform(written: Any) -> None:
     kernel = got["kernel"]
     assert isinstance(kernel, jax.Array) and kernel.sharding.spec == P("x", "y")
     np.testing.assert_array_equal(np.asarray(kernel), expected["params"]["dense"]["kernel"][:, :4])
+
+
+# -- the conformance suite every quire source passes -------------------------------------------
+from quire.testing import SourceSuite  # noqa: E402
+
+
+class TestOrbaxSourceSuite(SourceSuite):
+    source_format = "orbax"
+
+    def write(self, directory: Path, arrays: dict[str, np.ndarray]) -> str:
+        from quire import surgery
+
+        _save_standard(str(directory), surgery.unflatten(arrays, "/"))
+        return str(directory)
