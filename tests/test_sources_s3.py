@@ -81,5 +81,5 @@ def test_single_file_on_s3_and_quire_cp_to_s3(moto: MotoS3, tmp_path: Path) -> N
 
     dst = moto.fresh_url()
     nbytes, checked = convert(src, dst, dst_options=opts)
-    assert nbytes == 56 and checked == 2
+    assert nbytes == 56 and checked == 4  # two chunks and two zarr.json, verified
     np.testing.assert_array_equal(quire.load(dst, storage_options=opts)["a"]["w"], t["a.w"])

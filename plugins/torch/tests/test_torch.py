@@ -204,7 +204,8 @@ def test_zarr_reads_tensors_as_arrays(tmp_path: Path) -> None:
     quire.save(url, {"t": t})
     leaf = quire.metadata(url).record["units"]["pytree"]["tree"]["children"][0]
     assert leaf["handler"] == "torch" and leaf["torch_dtype"] == "bfloat16"
-    z = zarr.open_array(str(tmp_path / "ckpt" / leaf["location"]), mode="r")
+    # Either layout: quire.zarr_store(url) is a plain zarr store over the checkpoint.
+    z = zarr.open_array(quire.zarr_store(url), path=leaf["location"], mode="r")
     np.testing.assert_array_equal(z[...].astype(np.float32), t.float().numpy())
     assert quire.metadata(url).tree["t"].dtype == ml_dtypes.bfloat16
 
