@@ -99,10 +99,9 @@ def _options(text: str | None, what: str) -> dict[str, Any] | None:
 
 def cp_from_source(args: argparse.Namespace) -> int | None:
     """``quire cp SRC DST`` when SRC is not a quire checkpoint; None when it is one."""
-    from quire.sources import open as open_source
-
     from quire._quire_source import QuireSource
     from quire._url import normalize
+    from quire.sources import open as open_source
 
     src_opts = _options(args.src_options, "--src-options")
     if QuireSource.detect(normalize(args.src), dict(src_opts or {})):
