@@ -18,34 +18,34 @@ import asyncio
 import collections
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
-import numpy as np
 
-from quire import _checkpointables, _commit, _format, _handlers, _registry
+from quire import _checkpointables, _commit, _format, _handlers, _load, _registry
 from quire._budget import ByteBudget
 from quire._config import current
 from quire._format import PYTREE
+from quire._load import (  # noqa: F401  (re-exported: imported from here)
+    VerifyProblem,
+    _diff_message,
+    _is_abstract_leaf,
+    load,
+    load_tree,
+    load_units,
+    packed_view,
+    pytree_unit,
+    verify,
+)
 from quire._multihost import Coordinator, digest
 from quire._paths import assign_locations, escape_component
-from quire._tasks import gather_cancelling
 from quire._tree import KeyPath, Node, from_json, keystr, to_json, walk
 from quire._url import open_backend
 from quire.backends import Backend
-from quire.errors import (
-    CheckpointChangedError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    PluginError,
-    QuireError,
-    TreeMismatchError,
-    UnsupportedLeafError,
-)
-from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry
-from quire.metadata import CheckpointMetadata
+from quire.errors import UnsupportedLeafError
+from quire.handlers import SaveContext, SaveEntry
 from quire.options import StorageOptions, StorageSpec
 
 log = logging.getLogger("quire")
@@ -263,13 +263,6 @@ async def index_entries(
     return await gather_entries(backend, prep.txid, count, prep.index, jax.process_index())
 
 
-def packed_view(backend: Backend, url: str, doc: Mapping[str, Any]) -> Backend:
-    """A backend that reads format-v2 chunks out of packs (``backend`` itself for v1)."""
-    from quire._chunkindex import reader
-
-    return reader(backend, url, doc.get("indexes"), jax.process_index())
-
-
 def plugin_sources(units: Mapping[str, dict[str, Any]]) -> dict[str, str]:
     """``{"group:id": distribution}`` for every third-party plugin the units need, so that
     a reader lacking one is told which package to install."""
@@ -313,333 +306,5 @@ def _structure(node: dict[str, Any]) -> Any:
     return [node["kind"], node.get("keys"), [_structure(c) for c in node["children"]]]
 
 
-# ----------------------------------------------------------------------------- loading
-def _is_abstract_leaf(x: Any) -> bool:
-    if x is None or isinstance(x, type):
-        return True
-    if isinstance(x, jax.ShapeDtypeStruct | jax.Array | np.ndarray | np.generic):
-        return True
-    if type(x) in (bool, int, float, complex, str, bytes):
-        return True
-    return _handlers.for_value(x) is not None
-
-
-def _diff_message(url: str, missing: list[str], extra: list[str], bad: list[str]) -> str:
-    lines = [f"checkpoint {url} does not match the target tree:"]
-    if missing:
-        lines.append(
-            f"  in the checkpoint, missing from the target ({len(missing)}): " + ", ".join(missing)
-        )
-    if extra:
-        lines.append(
-            f"  in the target, missing from the checkpoint ({len(extra)}): " + ", ".join(extra)
-        )
-    if bad:
-        lines.append(f"  mismatched ({len(bad)}): " + "; ".join(bad))
-    fix = "fix the abstract tree"
-    if missing and not extra and not bad:
-        fix = "pass partial=True to load only the keys in the target, or " + fix
-    lines.append(f"  To fix: {fix}.")
-    return "\n".join(lines)
-
-
-def pytree_unit(doc: dict[str, Any], url: str, name: str = PYTREE) -> dict[str, Any]:
-    """The JSON tree of pytree unit ``name``; a clear error when it is not there."""
-    unit = doc["units"].get(name)
-    if unit is None or unit.get("kind") != "pytree":
-        have = ", ".join(f"{k!r} ({v.get('kind')})" for k, v in doc["units"].items()) or "none"
-        raise CheckpointNotFoundError(
-            f"checkpoint {url} has no pytree unit {name!r} (units: {have}); "
-            "use quire.load_checkpointables(url) to load its units"
-        )
-    tree: dict[str, Any] = unit["tree"]
-    return tree
-
-
-async def load_doc(
-    url: str,
-    doc: dict[str, Any],
-    backend: Backend,
-    abstract: Any,
-    *,
-    partial: bool,
-    unit: str = PYTREE,
-) -> Any:
-    return await load_tree(
-        url,
-        pytree_unit(doc, url, unit),
-        packed_view(backend, url, doc),
-        abstract,
-        partial=partial,
-        plugins=doc.get("plugins"),
-    )
-
-
-async def load_tree(
-    url: str,
-    tree_json: dict[str, Any],
-    backend: Backend,
-    abstract: Any,
-    *,
-    partial: bool,
-    plugins: Mapping[str, str] | None = None,
-) -> Any:
-    try:
-        return await _load_tree(url, tree_json, backend, abstract, partial=partial)
-    except PluginError as e:
-        # Name the package that wrote the missing plugin's data, when the record says.
-        hinted = _registry.record_hint(e, plugins)
-        if hinted is e:
-            raise
-        raise hinted from e
-
-
-async def _load_tree(
-    url: str,
-    tree_json: dict[str, Any],
-    backend: Backend,
-    abstract: Any,
-    *,
-    partial: bool,
-) -> Any:
-    saved = from_json(tree_json)
-    saved_leaves = {leaf.path: leaf for leaf in saved.leaves()}
-    if abstract is None:
-        target_root = saved
-        pairs = [(leaf, leaf.value, None) for leaf in saved.leaves()]
-    else:
-        target_root = walk(abstract, _is_abstract_leaf, what="abstract tree")
-        tleaves = list(target_root.leaves())
-        tpaths = {t.path for t in tleaves}
-        missing = [] if partial else [keystr(p) for p in saved_leaves if p not in tpaths]
-        extra = [keystr(t.path) for t in tleaves if t.path not in saved_leaves]
-        pairs = [
-            (t, saved_leaves[t.path].value, t.value) for t in tleaves if t.path in saved_leaves
-        ]
-        handler_cache: dict[str, Any] = {}
-        bad = []
-        for t, rec, target in pairs:
-            h = handler_cache.get(rec["handler"]) or _handlers.get(rec["handler"], url=url)
-            handler_cache[rec["handler"]] = h
-            why = h.check(LoadEntry(t.path, rec, target))
-            if why:
-                bad.append(f"{keystr(t.path)!r}: {why}")
-        if missing or extra or bad:
-            raise TreeMismatchError(
-                _diff_message(url, missing, extra, bad),
-                missing=missing,
-                extra=extra,
-                mismatched=bad,
-            )
-    ctx = LoadContext(url, backend, jax.process_index(), jax.process_count())
-    ctx.limit = asyncio.Semaphore(max(1, current().max_concurrency))
-    ctx.budget = ByteBudget(current().byte_budget)
-    groups: dict[str, list[tuple[Node, LoadEntry]]] = collections.defaultdict(list)
-    for node, rec, target in pairs:
-        groups[rec["handler"]].append((node, LoadEntry(node.path, rec, target)))
-    values: dict[int, Any] = {}
-
-    async def run(hid: str, items: list[tuple[Node, LoadEntry]]) -> None:
-        h = _handlers.get(hid, url=url)
-        try:
-            got = await h.load([e for _, e in items], ctx)
-        except Exception as e:
-            wrapped = _handlers.wrap_failure(
-                h, e, [keystr(x.path) for _, x in items], url, "loading"
-            )
-            if wrapped is e:
-                raise
-            raise wrapped from e
-        for (node, _), v in zip(items, got):
-            values[id(node)] = v
-
-    await gather_cancelling(*(run(h, items) for h, items in groups.items()))
-    if abstract is None:
-        return _rebuild_saved(saved, values)
-    return target_root.rebuild(lambda n: values[id(n)])
-
-
-def _rebuild_saved(node: Node, values: dict[int, Any]) -> Any:
-    if node.kind == "leaf":
-        return values[id(node)]
-    kids = [_rebuild_saved(c, values) for c in node.children]
-    if node.kind == "dict":
-        return dict(zip(node.keys, kids))
-    if node.kind == "tuple" and node.typename is None:
-        return tuple(kids)
-    return kids
-
-
-async def load(
-    url: str, abstract: Any, *, partial: bool, storage_options: dict[str, Any] | None = None
-) -> Any:
-    backend = open_backend(url, storage_options)
-
-    async def attempt(doc: dict[str, Any]) -> Any:
-        return await load_doc(url, doc, backend, abstract, partial=partial)
-
-    return await _reloading(backend, url, attempt)
-
-
-T = TypeVar("T")
-MAX_RELOADS = 3  # loads retried when the checkpoint was overwritten under them
-
-
-def _same_record(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(a.get(k) == b.get(k) for k in ("checksum", "txids", "created"))
-
-
-async def _reloading(
-    backend: Backend, url: str, attempt: Callable[[dict[str, Any]], Awaitable[T]]
-) -> T:
-    """Run ``attempt`` on the current record; when it finds data missing or damaged and
-    ``quire.json`` has changed meanwhile (an overwrite deleted the old data), re-read the
-    record and retry, at most MAX_RELOADS times, then raise CheckpointChangedError."""
-    for n in range(MAX_RELOADS + 1):
-        doc = (await _commit.read(backend, url)).doc
-        try:
-            return await attempt(doc)
-        except CorruptCheckpointError as e:
-            try:
-                now = (await _commit.read(backend, url)).doc
-            except CheckpointNotFoundError:
-                raise CheckpointNotFoundError(
-                    f"the checkpoint at {url} was deleted while it was being loaded"
-                ) from e
-            if _same_record(doc, now):
-                raise  # the record did not change: the data is really damaged
-            if n == MAX_RELOADS:
-                raise CheckpointChangedError(
-                    f"the checkpoint at {url} was overwritten {n + 1} times while it was being "
-                    "loaded; nothing is damaged: load it again once its writer is done"
-                ) from e
-            log.info("%s was overwritten during the load; reading the new version", url)
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-# ----------------------------------------------------------------------------- metadata
-def metadata_from_doc(url: str, doc: dict[str, Any]) -> CheckpointMetadata:
-    unit = doc["units"].get(PYTREE)
-    tree = metadata_tree(url, unit["tree"]) if unit and unit.get("kind") == "pytree" else None
-    return CheckpointMetadata(
-        tree=tree,
-        custom=doc["metadata"],
-        created=doc["_created"],
-        format_version=doc["version"],
-        url=url,
-        library_version=str(doc.get("library_version", "")),
-        process_count=doc["process_count"],
-        txids=tuple(doc["txids"]),
-        units={k: v.get("handler", v["kind"]) for k, v in doc["units"].items()},
-        record=doc,
-    )
-
-
-def metadata_tree(url: str, tree_json: dict[str, Any]) -> Any:
-    saved = from_json(tree_json)
-    by_handler: dict[str, list[Node]] = collections.defaultdict(list)
-    for leaf in saved.leaves():
-        by_handler[leaf.value["handler"]].append(leaf)
-    metas: dict[int, Any] = {}
-    for hid, leaves in by_handler.items():
-        try:
-            h = _handlers.get(hid, url=url)
-            ms = h.metadata([leaf.value for leaf in leaves])
-        except QuireError:
-            raise
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(
-                f"{url}/quire.json: malformed {hid!r} leaf record: {e!r}"
-            ) from e
-        for leaf, m in zip(leaves, ms):
-            metas[id(leaf)] = m
-    return _rebuild_saved(saved, metas)
-
-
-async def load_units(
-    url: str,
-    targets: Mapping[str, Any] | None,
-    *,
-    partial: bool = False,
-    storage_options: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Load the named units (all when ``targets`` is None); each target is an abstract tree
-    for pytree units, or the object / None for other units."""
-    backend = open_backend(url, storage_options)
-    return await _reloading(
-        backend, url, lambda doc: _load_units(url, doc, backend, targets, partial=partial)
-    )
-
-
-async def _load_units(
-    url: str,
-    doc: dict[str, Any],
-    backend: Backend,
-    targets: Mapping[str, Any] | None,
-    *,
-    partial: bool,
-) -> dict[str, Any]:
-    backend = packed_view(backend, url, doc)
-    units = doc["units"]
-    names = list(units) if targets is None else list(targets)
-    missing = [n for n in names if n not in units]
-    if missing:
-        raise TreeMismatchError(
-            f"checkpoint {url} has no unit(s) {', '.join(map(repr, missing))} "
-            f"(it has {', '.join(map(repr, units)) or 'none'}); fix the names you ask for",
-            extra=missing,
-        )
-    out: dict[str, Any] = {}
-
-    async def one(name: str) -> None:
-        unit = units[name]
-        target = None if targets is None else targets[name]
-        if unit["kind"] == "pytree":
-            out[name] = await load_tree(
-                url, unit["tree"], backend, target, partial=partial, plugins=doc.get("plugins")
-            )
-        else:
-            try:
-                out[name] = await _checkpointables.load_unit(unit, backend, url, target)
-            except PluginError as e:
-                hinted = _registry.record_hint(e, doc.get("plugins"))
-                if hinted is e:
-                    raise
-                raise hinted from e
-
-    await asyncio.gather(*(one(n) for n in names))
-    return {n: out[n] for n in names}
-
-
-async def metadata(url: str, storage_options: dict[str, Any] | None = None) -> CheckpointMetadata:
-    backend = open_backend(url, storage_options)
-    doc = (await _commit.read(backend, url)).doc
-    return metadata_from_doc(url, doc)
-
-
-# ----------------------------------------------------------------------------- verify
-@dataclass(frozen=True)
-class VerifyProblem:
-    path: str
-    object: str
-    error: str
-
-
-async def verify(
-    url: str,
-    storage_options: dict[str, Any] | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> tuple[int, list[VerifyProblem]]:
-    """Have every leaf's handler check every object it owns; (objects checked, problems)."""
-    from quire._owned import verify_leaves
-
-    backend = open_backend(url, storage_options)
-    doc = (await _commit.read(backend, url)).doc
-    backend = packed_view(backend, url, doc)
-    all_leaves = []
-    for unit in doc["units"].values():
-        if unit["kind"] == "pytree":
-            saved = from_json(unit["tree"])
-            all_leaves += list(saved.leaves())
-    checked, found = await verify_leaves(url, backend, all_leaves, progress)
-    return checked, [VerifyProblem(keystr(p.path), p.key, p.error) for p in found]
+# The read side lives in quire._load; callers use it from here too.
+metadata = _load.metadata

@@ -11,277 +11,29 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import itertools
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from quire import _progress
-from quire._dtypes import dtype_name
 from quire._io import run_blocking
 from quire._tasks import for_each
+from quire._zarr_layout import (
+    _U64_MAX,
+    MAX_OPEN_CHUNKS,
+    ArrayLayout,
+    ChunkError,
+    _bytes_view,
+    crc32c,  # noqa: F401
+    crc_bytes,
+    inner_chunks_for,  # noqa: F401
+    pad_to,
+)
 from quire.backends import Backend, Buffer
 from quire.handlers import StoredObject
-
-_crc32c: Any
-try:
-    from crc32c import crc32c as _crc32c
-except ImportError:  # pragma: no cover - crc32c is a dependency; google-crc32c comes with zarr
-    import google_crc32c
-
-    _crc32c = google_crc32c.value
-
-
-_U64_MAX = 2**64 - 1
-MAX_OPEN_CHUNKS = 64  # concurrent chunk reads/writes per array operation
-
-
-class ChunkError(ValueError):
-    """A chunk failed verification (bad checksum, wrong size, missing, undecodable)."""
-
-
-def _bytes_view(arr: np.ndarray) -> memoryview:
-    """A flat byte view of a C-contiguous array (no copy)."""
-    if not arr.size:
-        return memoryview(bytearray())
-    return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-
-
-def crc32c(data: Any) -> int:
-    return int(_crc32c(memoryview(data).cast("B")))
-
-
-def crc_bytes(data: Any) -> bytes:
-    return crc32c(data).to_bytes(4, "little")
-
-
-def _le(arr: np.ndarray) -> np.ndarray:
-    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and np.little_endian is False):
-        return arr.astype(arr.dtype.newbyteorder("<"))
-    return arr
-
-
-def fill_json(dtype: np.dtype[Any]) -> Any:
-    if dtype.kind == "b":
-        return False
-    if dtype.kind == "c":
-        return [0.0, 0.0]
-    if dtype.kind in "iu":
-        return 0
-    return 0.0
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass(frozen=True)
-class ArrayLayout:
-    """Shape, dtype, chunk grid and codec chain of one stored array."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype[Any]
-    chunk_shape: tuple[int, ...]
-    inner_shape: tuple[int, ...] | None = None
-    compressors: tuple[Any, ...] = ()  # zarr BytesBytesCodec instances
-    checksum: bool = True
-
-    # -- geometry ------------------------------------------------------------------
-    @property
-    def grid(self) -> tuple[int, ...]:
-        return tuple(_ceil_div(s, c) if s else 0 for s, c in zip(self.shape, self.chunk_shape))
-
-    @property
-    def inner_grid(self) -> tuple[int, ...]:
-        assert self.inner_shape is not None
-        return tuple(c // i for c, i in zip(self.chunk_shape, self.inner_shape))
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    def all_chunks(self) -> Iterator[tuple[int, ...]]:
-        return itertools.product(*(range(g) for g in self.grid))
-
-    def chunk_key(self, coords: Sequence[int]) -> str:
-        return "/".join(("c", *map(str, coords)))
-
-    def chunk_region(self, coords: Sequence[int]) -> tuple[slice, ...]:
-        return tuple(
-            slice(i * c, min((i + 1) * c, s))
-            for i, c, s in zip(coords, self.chunk_shape, self.shape)
-        )
-
-    def chunks_in(self, region: Sequence[slice]) -> Iterator[tuple[int, ...]]:
-        ranges = []
-        for r, c in zip(region, self.chunk_shape):
-            if r.stop <= r.start:
-                return iter(())
-            ranges.append(range(r.start // c, _ceil_div(r.stop, c)))
-        return itertools.product(*ranges)
-
-    @property
-    def fast(self) -> bool:
-        """Raw bytes (+ crc): chunks can be read straight into their destination."""
-        return not self.compressors
-
-    def encoded_size(self, shape: tuple[int, ...]) -> int:
-        return math.prod(shape) * self.dtype.itemsize + (4 if self.checksum else 0)
-
-    # -- metadata ------------------------------------------------------------------
-    def _chain(self) -> list[dict[str, Any]]:
-        chain: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
-        chain += [c.to_dict() for c in self.compressors]
-        if self.checksum:
-            chain.append({"name": "crc32c"})
-        return chain
-
-    def codecs_json(self) -> list[dict[str, Any]]:
-        if self.inner_shape is None:
-            return self._chain()
-        index = [{"name": "bytes", "configuration": {"endian": "little"}}]
-        if self.checksum:
-            index.append({"name": "crc32c"})
-        return [
-            {
-                "name": "sharding_indexed",
-                "configuration": {
-                    "chunk_shape": list(self.inner_shape),
-                    "codecs": self._chain(),
-                    "index_codecs": index,
-                    "index_location": "end",
-                },
-            }
-        ]
-
-    def zarr_json(self, attributes: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {
-            "zarr_format": 3,
-            "node_type": "array",
-            "shape": list(self.shape),
-            "data_type": dtype_name(self.dtype),
-            "chunk_grid": {
-                "name": "regular",
-                "configuration": {"chunk_shape": list(self.chunk_shape)},
-            },
-            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-            "fill_value": fill_json(self.dtype),
-            "codecs": self.codecs_json(),
-            "attributes": attributes or {},
-        }
-
-    # -- encoding ------------------------------------------------------------------
-    def _spec(self, shape: tuple[int, ...]) -> Any:
-        from zarr.core.array_spec import ArrayConfig, ArraySpec
-        from zarr.core.buffer import default_buffer_prototype
-        from zarr.core.dtype import get_data_type_from_native_dtype
-
-        return ArraySpec(
-            shape=shape,
-            dtype=get_data_type_from_native_dtype(self.dtype),
-            fill_value=np.zeros((), self.dtype)[()],
-            config=ArrayConfig(order="C", write_empty_chunks=True),
-            prototype=default_buffer_prototype(),
-        )
-
-    def _encode_one(self, arr: np.ndarray) -> list[Buffer]:
-        """Encode one (inner) chunk of exactly its chunk shape; returns buffers."""
-        arr = np.ascontiguousarray(_le(arr))
-        raw = _bytes_view(arr)
-        if not self.compressors:
-            return [raw, crc_bytes(raw)] if self.checksum else [raw]
-        from zarr.core.buffer.cpu import Buffer as ZBuffer
-
-        spec = self._spec(arr.shape)
-        buf = ZBuffer.from_bytes(raw.tobytes())
-        for c in self.compressors:
-            buf = c._encode_sync(buf, spec)
-        data = buf.to_bytes()
-        return [data, crc_bytes(data)] if self.checksum else [data]
-
-    def encode_chunk(self, arr: np.ndarray) -> list[Buffer]:
-        """Encode a full chunk (already padded to ``chunk_shape``) into buffers to write."""
-        assert arr.shape == self.chunk_shape, (arr.shape, self.chunk_shape)
-        if self.inner_shape is None:
-            return self._encode_one(arr)
-        out: list[Buffer] = []
-        index = np.empty((*self.inner_grid, 2), dtype="<u8")
-        offset = 0
-        for coords in itertools.product(*(range(g) for g in self.inner_grid)):
-            sl = tuple(slice(i * s, (i + 1) * s) for i, s in zip(coords, self.inner_shape or ()))
-            bufs = self._encode_one(arr[sl])
-            n = sum(memoryview(b).nbytes for b in bufs)
-            index[coords] = (offset, n)
-            offset += n
-            out += bufs
-        ib = index.tobytes()
-        out.append(ib)
-        if self.checksum:
-            out.append(crc_bytes(ib))
-        return out
-
-    def _decode_one(self, data: bytes | memoryview, shape: tuple[int, ...]) -> np.ndarray:
-        mv = memoryview(data).cast("B")
-        if self.checksum:
-            if mv.nbytes < 4:
-                raise ChunkError(f"truncated: {mv.nbytes} bytes")
-            body, stored = mv[:-4], bytes(mv[-4:])
-            if crc_bytes(body) != stored:
-                raise ChunkError("crc32c checksum mismatch")
-            mv = body
-        if self.compressors:
-            from zarr.core.buffer.cpu import Buffer as ZBuffer
-
-            spec = self._spec(shape)
-            buf = ZBuffer.from_bytes(mv.tobytes())
-            try:
-                for c in reversed(self.compressors):
-                    buf = c._decode_sync(buf, spec)
-            except Exception as e:
-                raise ChunkError(f"cannot decode: {e}") from e
-            mv = memoryview(buf.to_bytes())
-        want = math.prod(shape) * self.dtype.itemsize
-        if mv.nbytes != want:
-            raise ChunkError(f"size {mv.nbytes} bytes, expected {want}")
-        return np.frombuffer(mv, dtype=self.dtype.newbyteorder("<")).reshape(shape)
-
-
-def pad_to(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """``arr`` zero-padded at the end of each axis to ``shape`` (edge chunks are full-size)."""
-    if arr.shape == shape:
-        return arr
-    out = np.zeros(shape, arr.dtype)
-    out[tuple(slice(0, s) for s in arr.shape)] = arr
-    return out
-
-
-def inner_chunks_for(shape: tuple[int, ...], itemsize: int, target: int) -> tuple[int, ...] | None:
-    """An inner chunk shape dividing ``shape`` with at most ``target`` bytes, split along
-    leading axes first (so inner chunks of a C-contiguous shard stay contiguous), or None
-    when the shard is small enough or no reasonable divisor exists."""
-    nbytes = math.prod(shape) * itemsize
-    if not shape or nbytes <= target:
-        return None
-    inner = list(shape)
-    for ax in range(len(shape)):
-        row = math.prod(inner[ax + 1 :]) * itemsize
-        if row * 1 > target and ax + 1 < len(shape):
-            inner[ax] = 1
-            continue
-        best = 1
-        for d in range(1, shape[ax] + 1):
-            if shape[ax] % d == 0 and d * row <= target:
-                best = d
-        inner[ax] = best
-        break
-    size = math.prod(inner) * itemsize
-    if size * 64 < target or inner == list(shape):
-        return None  # only tiny divisors: one big chunk beats thousands of tiny ones
-    return tuple(inner)
 
 
 async def write_chunk(

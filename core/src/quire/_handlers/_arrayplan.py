@@ -1,0 +1,174 @@
+"""Array records and layouts: the save plan of an array leaf and its zarr layout."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import numpy as np
+
+from quire import _codecs
+from quire._dtypes import dtype_from_name, dtype_name
+from quire._tree import keystr
+from quire._zarr import ArrayLayout, inner_chunks_for
+from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
+
+# A claimed array larger than this is refused as corrupt before anything is allocated.
+MAX_CLAIMED_BYTES = 2**50
+
+
+def _norm_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+
+
+@dataclass
+class _Plan:
+    """Where an array's owned chunks come from (host copies for async saves)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    chunk_shape: tuple[int, ...]
+    owned: list[tuple[tuple[int, ...], Callable[[], np.ndarray]]]
+    allocates: bool  # whether producing a chunk allocates host memory
+    sharding: dict[str, Any] | None = None
+    source_dtype: str | None = None
+
+
+def _const(a: np.ndarray) -> Callable[[], np.ndarray]:
+    return lambda: a
+
+
+def _host(x: Any) -> Callable[[], np.ndarray]:
+    return lambda: np.asarray(x)
+
+
+def _cast(f: Callable[[], np.ndarray], dtype: np.dtype[Any]) -> Callable[[], np.ndarray]:
+    return lambda: f().astype(dtype)
+
+
+def _sharding_json(s: Any) -> dict[str, Any] | None:
+    if isinstance(s, jax.sharding.NamedSharding):
+        spec = [list(p) if isinstance(p, tuple) else p for p in s.spec]
+        return {
+            "type": "named",
+            "mesh": {str(k): int(v) for k, v in s.mesh.shape.items()},
+            "spec": spec,
+        }
+    if isinstance(s, jax.sharding.SingleDeviceSharding):
+        return {"type": "single"}
+    return {"type": type(s).__name__}
+
+
+def _plan(value: Any, storage: Any, path: tuple[Any, ...]) -> _Plan:
+    cast = None if storage.dtype is None else np.dtype(storage.dtype)
+    if isinstance(value, jax.Array):
+        shape = tuple(value.shape)
+        src = np.dtype(value.dtype)
+        sharding = value.sharding
+        chunk = tuple(sharding.shard_shape(value.shape)) if shape else ()
+        owned: list[tuple[tuple[int, ...], Callable[[], np.ndarray]]] = []
+        aligned = True
+        for s in value.addressable_shards:
+            if s.replica_id != 0:
+                continue
+            idx = _norm_index(s.index, shape)
+            coords = []
+            for sl, c, n in zip(idx, chunk, shape):
+                if c == 0 or sl.start % c or (sl.stop - sl.start != c and sl.stop != n):
+                    aligned = False
+                coords.append(sl.start // c if c else 0)
+            owned.append((tuple(coords), _host(s.data)))
+        on_cpu = all(getattr(d, "platform", "") == "cpu" for d in sharding.device_set)
+        if not aligned:
+            if not value.is_fully_addressable:
+                raise UnsupportedLeafError(
+                    f"leaf {keystr(path)!r}: its sharding does not form a regular grid of shards, "
+                    "which quire cannot save from several processes; reshard it to a NamedSharding"
+                )
+            chunk = shape
+            owned = [(tuple(0 for _ in shape), _host(value))]
+        plan = _Plan(shape, src, chunk, owned, not on_cpu, _sharding_json(sharding))
+    else:
+        arr = np.asarray(value)
+        swapped = not arr.dtype.isnative and arr.dtype.kind in "iufc"
+        if swapped:  # store little-endian, like every other array
+            arr = arr.astype(arr.dtype.newbyteorder("="))
+        shape = tuple(arr.shape)
+        plan = _Plan(shape, arr.dtype, shape, [(tuple(0 for _ in shape), _const(arr))], swapped)
+    try:
+        dtype_name(plan.dtype)
+    except TypeError:
+        raise UnsupportedLeafError(
+            f"leaf {keystr(path)!r}: dtype {plan.dtype} is not supported; cast it to a numeric dtype"
+        ) from None
+    plan.chunk_shape = tuple(max(1, c) for c in plan.chunk_shape)
+    local = not isinstance(value, jax.Array) or value.is_fully_addressable
+    if local and jax.process_count() > 1:
+        from quire._config import current
+
+        if jax.process_index() != current().primary_process:
+            # Every process holds its own copy of a process-local value (numpy array,
+            # single-device jax array): the primary's is saved, no chunk has two writers.
+            plan.owned = []
+    if cast is not None and cast != plan.dtype:
+        plan.source_dtype = dtype_name(plan.dtype)
+        plan.owned = [(c, _cast(f, cast)) for c, f in plan.owned]
+        plan.dtype = cast
+        plan.allocates = True
+    return plan
+
+
+def _layout(plan: _Plan, storage: Any, url: str) -> ArrayLayout:
+    comps = tuple(_codecs.resolve(c, url=url) for c in (storage.codecs or ()))
+    comps = tuple(c for c in comps if type(c).__name__ != "Crc32cCodec")
+    inner = None
+    if storage.chunk_bytes is not None:
+        inner = inner_chunks_for(plan.chunk_shape, plan.dtype.itemsize, int(storage.chunk_bytes))
+    layout = ArrayLayout(plan.shape, plan.dtype, plan.chunk_shape, inner, comps, storage.checksum)
+    if comps:
+        spec = layout._spec(inner or plan.chunk_shape)
+        comps = tuple(c.evolve_from_array_spec(spec) for c in comps)
+        layout = replace(layout, compressors=comps)
+    return layout
+
+
+def layout_from_record(rec: Mapping[str, Any], url: str | None = None) -> ArrayLayout:
+    """The layout a record describes; ``CorruptCheckpointError`` if it is malformed."""
+    try:
+        shape = tuple(int(x) for x in rec["shape"])
+        chunk = tuple(int(x) for x in rec["chunk_shape"])
+        inner = rec.get("inner_shape")
+        inner_t = None if inner is None else tuple(int(x) for x in inner)
+        dtype = dtype_from_name(rec["dtype"])
+        if not isinstance(rec["location"], str):
+            raise TypeError("location")
+        if any(type(x) is not int for x in (*rec["shape"], *rec["chunk_shape"])):
+            raise TypeError("shape entries must be integers")
+        if any(s < 0 for s in shape) or any(c <= 0 for c in chunk) or len(chunk) != len(shape):
+            raise ValueError(f"bad shape {shape} / chunk shape {chunk}")
+        if inner_t is not None and (
+            len(inner_t) != len(chunk) or any(i <= 0 or c % i for i, c in zip(inner_t, chunk))
+        ):
+            raise ValueError(f"inner chunk shape {inner_t} does not divide {chunk}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > MAX_CLAIMED_BYTES or math.prod(chunk) * dtype.itemsize > MAX_CLAIMED_BYTES:
+            raise ValueError(f"claims {nbytes} bytes, beyond any real checkpoint")
+        codecs = rec.get("codecs", [])
+        if not isinstance(codecs, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) for c in codecs
+        ):
+            raise TypeError(f"codecs must be a list of {{'name': ...}} objects, got {codecs!r}")
+        comps = tuple(_codecs.resolve(c, url=url) for c in codecs)
+        checksum = rec.get("checksum", True)
+        if not isinstance(checksum, bool):
+            raise TypeError("checksum must be a bool")
+    except QuireError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(
+            f"{url}: malformed array record ({e!r}); the commit record is damaged"
+        ) from e
+    return ArrayLayout(shape, dtype, chunk, inner_t, comps, checksum)
