@@ -19,14 +19,13 @@ from quire.backends import Capabilities
 SRC = Path(quire.__file__).parent
 # Backend implementations and the backend conformance suite call the primitives
 # themselves; everything else must go through quire._commit.
-# _chunkindex.py / _pack.py: format v2's read view and pack-writing view, Backends that
-# only delegate conditional writes to the backend they wrap.
+# _wrapped.py: the base of format v2's read and pack-writing views, a Backend that only
+# delegates conditional writes to the backend it wraps.
 ALLOWED = {
     SRC / "_commit.py",
     SRC / "backends.py",
     SRC / "_objstore.py",
-    SRC / "_chunkindex.py",
-    SRC / "_pack.py",
+    SRC / "_wrapped.py",
 }
 ALLOWED_DIRS = (SRC / "_backends", SRC / "testing")
 CONDITIONAL = {"put_if_absent", "replace_if_match"}

@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from quire._paths import is_safe_location
+from quire._wrapped import Wrapped
 from quire._zarr import ChunkError, crc32c
-from quire.backends import Backend, Buffer
+from quire.backends import Backend
 from quire.errors import CorruptCheckpointError
 
 PACK_DIR = "%packs"  # never produced by key escaping ('%' is always followed by two hex digits)
@@ -257,7 +258,7 @@ class _Read:
     fut: asyncio.Future[int]
 
 
-class PackedReader(Backend):
+class PackedReader(Wrapped):
     """A read view of a checkpoint root in which indexed zarr keys resolve into packs.
 
     Whole-chunk reads are checked against the index's crc32c; keys the index does not
@@ -265,10 +266,8 @@ class PackedReader(Backend):
     """
 
     def __init__(self, base: Backend, index: ChunkIndex) -> None:
-        super().__init__(base.url, base.storage_options)
-        self.base = base
+        super().__init__(base)
         self.index = index
-        self.capabilities = base.capabilities  # type: ignore[misc]
         self._queue: dict[str, list[_Read]] = {}
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -377,30 +376,6 @@ class PackedReader(Backend):
     async def exists(self, key: str) -> bool:
         ref = await self._ref(key)
         return True if ref is not None else await self.base.exists(key)
-
-    async def modified(self, key: str) -> float | None:
-        return await self.base.modified(key)
-
-    async def version(self, key: str) -> str | None:
-        return await self.base.version(key)
-
-    async def list(self, prefix: str = "") -> builtins.list[str]:
-        return await self.base.list(prefix)
-
-    async def put(self, key: str, data: Sequence[Buffer]) -> None:
-        await self.base.put(key, data)
-
-    async def put_if_absent(self, key: str, data: bytes) -> str:
-        return await self.base.put_if_absent(key, data)
-
-    async def replace_if_match(self, key: str, data: bytes, version: str) -> str:
-        return await self.base.replace_if_match(key, data, version)
-
-    async def delete(self, keys: Sequence[str]) -> None:
-        await self.base.delete(keys)
-
-    async def sync(self) -> None:
-        await self.base.sync()
 
 
 def reader(

@@ -20,7 +20,6 @@ A pack lost with a crashed process is garbage under an uncommitted txid.
 from __future__ import annotations
 
 import asyncio
-import builtins
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 from quire._chunkindex import INDEX_FORMAT, chunk_crc, crc_hex, index_entry, index_key
 from quire._chunkindex import pack_key as _pack_key
 from quire._io import run_blocking
+from quire._wrapped import Wrapped
 from quire.backends import Backend, Buffer
 
 INLINE_SUFFIX = "/zarr.json"
@@ -35,7 +35,7 @@ INLINE_MAX = 64 << 10
 MAX_UPLOADS = 2
 
 
-class PackWriter(Backend):
+class PackWriter(Wrapped):
     """Appends the zarr objects one process writes under ``d/<txid>/`` to pack objects."""
 
     def __init__(
@@ -46,9 +46,7 @@ class PackWriter(Backend):
         pack_bytes: int,
         budget_bytes: int,
     ) -> None:
-        super().__init__(base.url, base.storage_options)
-        self.base = base
-        self.capabilities = base.capabilities  # type: ignore[misc]
+        super().__init__(base)
         self.txid = txid
         self.process = process
         self.prefix = f"d/{txid}/"
@@ -176,33 +174,9 @@ class PackWriter(Backend):
         writers, self._writers = self._writers, []
         await asyncio.gather(*(w.abort() for w in writers), return_exceptions=True)
 
-    # -- reads and the rest go to the backend ----------------------------------------
-    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        return await self.base.get(key, start, end)
-
-    async def size(self, key: str) -> int:
-        return await self.base.size(key)
-
+    # -- reads and the rest go to the backend (Wrapped) ------------------------------
     async def exists(self, key: str) -> bool:
         return key in self.refs or await self.base.exists(key)
-
-    async def version(self, key: str) -> str | None:
-        return await self.base.version(key)
-
-    async def list(self, prefix: str = "") -> builtins.list[str]:
-        return await self.base.list(prefix)
-
-    async def put_if_absent(self, key: str, data: bytes) -> str:
-        return await self.base.put_if_absent(key, data)
-
-    async def replace_if_match(self, key: str, data: bytes, version: str) -> str:
-        return await self.base.replace_if_match(key, data, version)
-
-    async def delete(self, keys: Sequence[str]) -> None:
-        await self.base.delete(keys)
-
-    async def sync(self) -> None:
-        await self.base.sync()
 
 
 async def gather_entries(
