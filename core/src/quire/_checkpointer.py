@@ -25,16 +25,17 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from quire import _api, _exit, _gc, _io
+from quire import _api, _exit, _gc
 from quire._checkpointer_retain import (
     _as_step,
     _await_response,
     _clean_metrics,
     _RetainLoadMixin,
 )
+from quire._checkpointer_tasks import _BackgroundTasks
 from quire._config import current
 from quire._format import PYTREE
 from quire._url import normalize, open_backend
@@ -65,7 +66,7 @@ def _close_at_exit() -> None:
 _exit.add_closer(_close_at_exit)
 
 
-class Checkpointer(_RetainLoadMixin):
+class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
     """Numbered checkpoints of a training run under one root URL.
 
     Each step is an ordinary quire checkpoint at ``<root>/<step_format.format(step)>``
@@ -184,74 +185,6 @@ class Checkpointer(_RetainLoadMixin):
         _open_checkpointers.add(self)
 
     # ------------------------------------------------------------------ plumbing
-    def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        return _io.submit(coro).result()
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
-        # run_coroutine_threadsafe works from any thread, quire's loop thread included.
-        fut = asyncio.run_coroutine_threadsafe(coro, _io.loop())
-        with self._lock:
-            self._pending.add(fut)
-        fut.add_done_callback(self._collect)
-        return fut
-
-    def _collect(self, fut: concurrent.futures.Future[Any]) -> None:
-        with self._lock:
-            if fut not in self._pending:
-                return
-            self._pending.discard(fut)
-            if not fut.cancelled() and fut.exception() is not None:
-                self._errors.append(fut.exception())  # type: ignore[arg-type]
-
-    def _raise_background(self) -> None:
-        with self._lock:
-            errors, self._errors = self._errors, []
-        if errors:
-            first = errors[0]
-            for e in errors[1:]:
-                first.add_note(f"another background task failed too: {type(e).__name__}: {e}")
-            raise first
-
-    def _schedule(self, make: Callable[[], Coroutine[Any, Any, Any]]) -> None:
-        """Run ``make()`` in the background after every earlier background task."""
-        with self._lock:
-            prev = self._tail
-
-            async def run() -> None:
-                if prev is not None:
-                    try:
-                        await asyncio.wrap_future(prev)
-                    except BaseException:
-                        pass  # its error is reported through its own future
-                await make()
-
-            self._tail = self._spawn(run())
-
-    def _wait_save(self) -> None:
-        fut = self._save_fut
-        if fut is not None:
-            concurrent.futures.wait([fut])
-            self._collect(fut)
-        self._raise_background()
-
-    def _drain(self) -> None:
-        while True:
-            with self._lock:
-                pending = list(self._pending)
-            if not pending:
-                return
-            _, late = concurrent.futures.wait(pending, timeout=_exit.WAIT_NOTICE_S)
-            if late:  # say what we wait for (a Ctrl-C'd loop otherwise waits in silence)
-                log.warning(
-                    "quire.Checkpointer(%r): waiting for %d background save(s)/deletion(s) "
-                    "to finish; interrupt again to abandon them (committed steps stay whole)",
-                    self.root,
-                    len(late),
-                )
-                concurrent.futures.wait(pending)
-            for f in pending:
-                self._collect(f)
-
     def _url(self, step: int) -> str:
         return f"{self.root}/{self._fmt.name(step)}"
 

@@ -226,12 +226,12 @@ def _is_root(backend: Any) -> bool:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from quire import _describe, _engine, _gc, _io, _scan
+    from quire import _describe, _engine, _gc_cli, _io, _scan
 
     so = storage_options(args)
     backend, u, opener = _open(args.root, so)
     if _is_root(backend):
-        return _gc.cli_ls(
+        return _gc_cli.cli_ls(
             u, step_format=args.step_format, as_json=args.json, storage_options=so
         )  # fmt: skip
     s = _io.submit(_scan.scan(backend, opener)).result()
@@ -282,12 +282,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from quire import _gc, _io, _progress, _scan
+    from quire import _gc_cli, _io, _progress, _scan
 
     so = storage_options(args)
     backend, u, opener = _open(args.root, so)
     if args.step_format is not None or _is_root(backend):
-        return _gc.cli_gc(
+        return _gc_cli.cli_gc(
             u, yes=args.yes, grace_period=args.grace, step_format=args.step_format,
             storage_options=so,
         )  # fmt: skip
@@ -300,10 +300,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
              "uncommitted": "data of a save that never committed"}  # fmt: skip
     for g in report.removable:
         print(f"{verb} {g.prefix}/  ({kinds.get(g.kind, g.kind)}, {_human(g.nbytes)}, "
-              f"{_gc._age(g.age)} old)")  # fmt: skip
+              f"{_gc_cli.age(g.age)} old)")  # fmt: skip
     for g in report.kept:
-        why = "age unknown" if g.age is None else f"{_gc._age(g.age)} old"
-        print(f"kept {g.prefix}/  ({g.kind}, {why}; grace period {_gc._age(args.grace)})")
+        why = "age unknown" if g.age is None else f"{_gc_cli.age(g.age)} old"
+        print(f"kept {g.prefix}/  ({g.kind}, {why}; grace period {_gc_cli.age(args.grace)})")
     total = _human(sum(g.nbytes for g in report.removable))
     if not report.removable:
         print(f"{u}: no garbage to remove")

@@ -22,18 +22,25 @@ conditional create and only then removes the journal and superseded data.
 from __future__ import annotations
 
 import asyncio
-import copy
 import datetime
 import json
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from quire import _commit, _engine, _format, _schema
 from quire._config import current
+from quire._journal_replay import (
+    find,
+    leaf_paths,
+    locations,
+    overlaps,
+    replay,
+    txids_of,
+)
 from quire._multihost import Coordinator
-from quire._tree import KeyPath, from_json, keystr
+from quire._tree import KeyPath, keystr
 from quire._url import open_backend
 from quire.backends import Backend
 from quire.errors import (
@@ -153,104 +160,6 @@ def _forget(url: str) -> None:
             del _cache[k]
 
 
-# ----------------------------------------------------------------------------- replay
-def _merge(base: dict[str, Any] | None, frag: dict[str, Any]) -> dict[str, Any]:
-    if base is None or frag["kind"] == "leaf" or base["kind"] != frag["kind"]:
-        return copy.deepcopy(frag)
-    out = dict(base)
-    if frag["kind"] == "dict":
-        keys = list(base["keys"])
-        kids = list(base["children"])
-        for k, c in zip(frag["keys"], frag["children"]):
-            if k in keys:
-                i = keys.index(k)
-                kids[i] = _merge(kids[i], c)
-            else:
-                keys.append(k)
-                kids.append(copy.deepcopy(c))
-        out["keys"], out["children"] = keys, kids
-    else:
-        kids = list(base["children"])
-        for i, c in enumerate(frag["children"]):
-            if i < len(kids):
-                kids[i] = _merge(kids[i], c)
-            else:
-                kids.append(copy.deepcopy(c))
-        out["children"] = kids
-    if "type" in frag:
-        out["type"] = frag["type"]
-    return out
-
-
-def _find(node: dict[str, Any] | None, path: Sequence[Any]) -> dict[str, Any] | None:
-    for k in path:
-        if node is None or node["kind"] == "leaf":
-            return None
-        if node["kind"] == "dict":
-            if k not in node["keys"]:
-                return None
-            node = node["children"][node["keys"].index(k)]
-        else:
-            if not isinstance(k, int) or not 0 <= k < len(node["children"]):
-                return None
-            node = node["children"][k]
-    return node
-
-
-def _delete(node: dict[str, Any] | None, path: Sequence[Any]) -> dict[str, Any] | None:
-    if node is None or not path:
-        return node
-    parent = _find(node, path[:-1])
-    if parent is None or parent["kind"] == "leaf":
-        return node
-    k = path[-1]
-    if parent["kind"] == "dict" and k in parent["keys"]:
-        i = parent["keys"].index(k)
-        del parent["keys"][i]
-        del parent["children"][i]
-    elif parent["kind"] != "dict" and isinstance(k, int) and 0 <= k < len(parent["children"]):
-        del parent["children"][k]
-    return node
-
-
-def replay(records: Iterable[dict[str, Any]]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """(tree JSON, merged metadata) after applying ``records`` in order."""
-    state: dict[str, Any] | None = None
-    meta: dict[str, Any] = {}
-    for r in records:
-        if r.get("tree") is not None:
-            state = _merge(state, r["tree"])
-        for p in r.get("deleted", []):
-            state = _delete(state, p)
-        meta.update(r.get("metadata", {}))
-    return state, meta
-
-
-def _leaf_paths(tree: dict[str, Any] | None) -> list[KeyPath]:
-    if tree is None:
-        return []
-    return [leaf.path for leaf in from_json(tree).leaves()]
-
-
-def _overlaps(a: KeyPath, b: KeyPath) -> bool:
-    n = min(len(a), len(b))
-    return tuple(a[:n]) == tuple(b[:n])
-
-
-def _locations(tree: dict[str, Any] | None) -> set[str]:
-    out = set()
-    if tree is not None:
-        for leaf in from_json(tree).leaves():
-            loc = leaf.value.get("location")
-            if isinstance(loc, str) and loc.startswith("d/"):
-                out.add(loc)
-    return out
-
-
-def _txids_of(tree: dict[str, Any] | None) -> set[str]:
-    return {loc.split("/")[1] for loc in _locations(tree)}
-
-
 # ----------------------------------------------------------------------------- operations
 async def _ensure_not_finalized(backend: Backend, url: str) -> None:
     if await backend.exists(_format.RECORD):
@@ -290,7 +199,7 @@ async def append(
         base_box.append(len(base_records))
         state, _ = replay(base_records)
         for p in deleted:
-            if _find(state, p) is None:
+            if find(state, p) is None:
                 raise TreeMismatchError(
                     f"{url}: cannot delete {keystr(tuple(p))!r}: no such key path in version "
                     f"{len(base_records)} of the partial save",
@@ -337,13 +246,13 @@ async def _create_record(
     metadata: dict[str, Any] | None,
     indexes: list[dict[str, Any]] | None = None,
 ) -> int:
-    mine = _leaf_paths(frag) + [tuple(p) for p in deleted]
+    mine = leaf_paths(frag) + [tuple(p) for p in deleted]
     for _ in range(MAX_RETRIES):
         records = await read_records(backend, url)
         n = len(records) + 1
         for r in records[base:]:
             theirs = [tuple(p) for p in r["added"] + r["replaced"] + r["deleted"]]
-            clash = [keystr(a) for a in mine if any(_overlaps(a, b) for b in theirs)]
+            clash = [keystr(a) for a in mine if any(overlaps(a, b) for b in theirs)]
             if clash:
                 raise JournalConflictError(
                     f"{url}: partial save conflicts with version {r['journal_version']}, "
@@ -351,10 +260,10 @@ async def _create_record(
                     "re-read the checkpoint (quire.partial.load) and save again"
                 )
         cur, _ = replay(records)
-        cur_paths = _leaf_paths(cur)
+        cur_paths = leaf_paths(cur)
         added, replaced = [], []
-        for p in _leaf_paths(frag):
-            if _find(cur, p) is not None or any(_overlaps(p, q) for q in cur_paths):
+        for p in leaf_paths(frag):
+            if find(cur, p) is not None or any(overlaps(p, q) for q in cur_paths):
                 replaced.append(list(p))
             else:
                 added.append(list(p))
@@ -440,7 +349,7 @@ async def load(
         records = records[:version]
     state, _ = replay(records)
     tree = state if state is not None else {"kind": "dict", "keys": [], "children": []}
-    view = _engine.packed_view(backend, url, {"indexes": _indexes(records, _txids_of(state))})
+    view = _engine.packed_view(backend, url, {"indexes": _indexes(records, txids_of(state))})
     return await _engine.load_tree(url, tree, view, abstract, partial=partial)
 
 
@@ -481,7 +390,7 @@ async def _finalize(url: str, storage_options: dict[str, Any] | None = None) -> 
         )
     state, meta = replay(records)
     tree = state if state is not None else {"kind": "dict", "keys": [], "children": []}
-    live = _txids_of(state)
+    live = txids_of(state)
     data = _format.build(
         units={_engine.PYTREE: {"kind": "pytree", "tree": tree}},
         txids=sorted(live),
@@ -493,7 +402,7 @@ async def _finalize(url: str, storage_options: dict[str, Any] | None = None) -> 
     await _commit.publish(
         backend, url, data, live, overwrite=False, fix="it was finalized concurrently", owned=False
     )
-    await _cleanup(backend, url, records, live, _locations(state))
+    await _cleanup(backend, url, records, live, locations(state))
 
 
 async def _cleanup(
@@ -509,7 +418,7 @@ async def _cleanup(
     if live_locations is not None:
         for r in records:
             dead_locs |= {
-                loc for loc in _locations(r.get("tree")) if loc.split("/")[1] in live
+                loc for loc in locations(r.get("tree")) if loc.split("/")[1] in live
             } - live_locations
     # Highest version first, so an interrupted cleanup never leaves a gap below a record.
     for r in reversed(records):

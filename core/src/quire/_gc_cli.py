@@ -1,0 +1,135 @@
+"""``quire ls`` / ``quire gc`` over a Checkpointer root: rendering of :mod:`quire._gc`'s reports."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from quire._gc import DEFAULT_GRACE_PERIOD, StepFormat, collect, describe, root_step_format
+from quire._text import human_bytes as _human
+from quire.backends import Backend
+from quire.errors import QuireError
+
+
+def age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    s = max(0.0, seconds)
+    for limit, div, unit in ((60, 1, "s"), (3600, 60, "m"), (86400, 3600, "h")):
+        if s < limit:
+            return f"{s / div:.0f}{unit}"
+    return f"{s / 86400:.1f}d"
+
+
+def metrics_text(m: dict[str, Any]) -> str:
+    if not m:
+        return "-"
+    out = []
+    for k, v in sorted(m.items()):
+        out.append(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}")
+    return " ".join(out)
+
+
+def _open(
+    url: str, step_format: str | None, storage_options: dict[str, Any] | None = None
+) -> tuple[Backend, str, StepFormat]:
+    from quire import _io
+    from quire._url import normalize, open_backend
+
+    u = normalize(url)
+    backend = open_backend(u, storage_options)
+    try:
+        fmt = _io.submit(root_step_format(backend, u, step_format)).result()
+    except ValueError as e:
+        if isinstance(e, QuireError):
+            raise
+        raise QuireError(f"{u}: {e}") from e
+    return backend, u, fmt
+
+
+def cli_ls(
+    url: str,
+    *,
+    step_format: str | None = None,
+    as_json: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> int:
+    """``quire ls ROOT``: one line per step directory; exit 0 (2 on errors)."""
+    from quire import _io
+
+    backend, u, fmt = _open(url, step_format, storage_options)
+    reports = _io.submit(describe(backend, u, fmt)).result()
+    if as_json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "step": r.step,
+                        "name": r.name,
+                        "state": r.state,
+                        "bytes": r.nbytes,
+                        "age_seconds": r.age,
+                        "metrics": r.metrics,
+                    }
+                    for r in reports
+                ],
+                indent=1,
+            )
+        )
+        return 0
+    if not reports:
+        print(f"{u}: no steps (step format {fmt.pattern!r})")
+        return 0
+    rows = [("STEP", "STATE", "SIZE", "AGE", "METRICS")]
+    for r in reports:
+        rows.append(
+            (
+                str(r.step),
+                r.state,
+                _human(r.nbytes),
+                age(r.age),
+                f"error: {r.error}" if r.error else metrics_text(r.metrics),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    print(f"{u}: a quire.Checkpointer root (step format {fmt.pattern!r})")
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[4])
+    committed = [r.step for r in reports if r.state == "committed"]
+    counts = {s: sum(r.state == s for r in reports) for s in ("committed", "partial", "incomplete")}
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    latest = f"; latest committed step {max(committed)}" if committed else ""
+    print(f"{len(reports)} step(s): {summary}{latest}")
+    return 0
+
+
+def cli_gc(
+    url: str,
+    *,
+    yes: bool = False,
+    grace_period: float = DEFAULT_GRACE_PERIOD,
+    step_format: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> int:
+    """``quire gc ROOT``: report (or with ``yes``, remove) garbage; exit 0 (2 on errors)."""
+    from quire import _io
+
+    backend, u, fmt = _open(url, step_format, storage_options)
+    report = _io.submit(
+        collect(backend, u, fmt, grace_period=grace_period, dry_run=not yes)
+    ).result()
+    verb = "removed" if yes else "would remove"
+    for g in report.removable:
+        what = "uncommitted step" if g.kind == "incomplete" else "superseded data"
+        print(f"{verb} {g.prefix}/  ({what}, {_human(g.nbytes)}, {age(g.age)} old)")
+    for g in report.kept:
+        why = "age unknown" if g.age is None else f"{age(g.age)} old"
+        print(f"kept {g.prefix}/  ({g.kind}, {why}; grace period {age(grace_period)})")
+    total = _human(sum(g.nbytes for g in report.removable))
+    if not report.removable:
+        print(f"{u}: no garbage to remove")
+    elif yes:
+        print(f"{u}: removed {len(report.removable)} item(s), {total}")
+    else:
+        print(f"{u}: {len(report.removable)} item(s), {total}; run with --yes to delete")
+    return 0

@@ -1,0 +1,110 @@
+"""Replaying the partial-save journal: version N's tree is the merge of records 1..N.
+
+Fragments merge into the state (dicts by key, lists by index, the later version wins),
+then deletions apply.  Pure functions over tree JSON (see :mod:`quire._journal`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from quire._tree import KeyPath, from_json
+
+
+def merge(base: dict[str, Any] | None, frag: dict[str, Any]) -> dict[str, Any]:
+    if base is None or frag["kind"] == "leaf" or base["kind"] != frag["kind"]:
+        return copy.deepcopy(frag)
+    out = dict(base)
+    if frag["kind"] == "dict":
+        keys = list(base["keys"])
+        kids = list(base["children"])
+        for k, c in zip(frag["keys"], frag["children"]):
+            if k in keys:
+                i = keys.index(k)
+                kids[i] = merge(kids[i], c)
+            else:
+                keys.append(k)
+                kids.append(copy.deepcopy(c))
+        out["keys"], out["children"] = keys, kids
+    else:
+        kids = list(base["children"])
+        for i, c in enumerate(frag["children"]):
+            if i < len(kids):
+                kids[i] = merge(kids[i], c)
+            else:
+                kids.append(copy.deepcopy(c))
+        out["children"] = kids
+    if "type" in frag:
+        out["type"] = frag["type"]
+    return out
+
+
+def find(node: dict[str, Any] | None, path: Sequence[Any]) -> dict[str, Any] | None:
+    for k in path:
+        if node is None or node["kind"] == "leaf":
+            return None
+        if node["kind"] == "dict":
+            if k not in node["keys"]:
+                return None
+            node = node["children"][node["keys"].index(k)]
+        else:
+            if not isinstance(k, int) or not 0 <= k < len(node["children"]):
+                return None
+            node = node["children"][k]
+    return node
+
+
+def delete(node: dict[str, Any] | None, path: Sequence[Any]) -> dict[str, Any] | None:
+    if node is None or not path:
+        return node
+    parent = find(node, path[:-1])
+    if parent is None or parent["kind"] == "leaf":
+        return node
+    k = path[-1]
+    if parent["kind"] == "dict" and k in parent["keys"]:
+        i = parent["keys"].index(k)
+        del parent["keys"][i]
+        del parent["children"][i]
+    elif parent["kind"] != "dict" and isinstance(k, int) and 0 <= k < len(parent["children"]):
+        del parent["children"][k]
+    return node
+
+
+def replay(records: Iterable[dict[str, Any]]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(tree JSON, merged metadata) after applying ``records`` in order."""
+    state: dict[str, Any] | None = None
+    meta: dict[str, Any] = {}
+    for r in records:
+        if r.get("tree") is not None:
+            state = merge(state, r["tree"])
+        for p in r.get("deleted", []):
+            state = delete(state, p)
+        meta.update(r.get("metadata", {}))
+    return state, meta
+
+
+def leaf_paths(tree: dict[str, Any] | None) -> list[KeyPath]:
+    if tree is None:
+        return []
+    return [leaf.path for leaf in from_json(tree).leaves()]
+
+
+def overlaps(a: KeyPath, b: KeyPath) -> bool:
+    n = min(len(a), len(b))
+    return tuple(a[:n]) == tuple(b[:n])
+
+
+def locations(tree: dict[str, Any] | None) -> set[str]:
+    out = set()
+    if tree is not None:
+        for leaf in from_json(tree).leaves():
+            loc = leaf.value.get("location")
+            if isinstance(loc, str) and loc.startswith("d/"):
+                out.add(loc)
+    return out
+
+
+def txids_of(tree: dict[str, Any] | None) -> set[str]:
+    return {loc.split("/")[1] for loc in locations(tree)}
