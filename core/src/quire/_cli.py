@@ -295,22 +295,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         report = _io.submit(
             _scan.collect_any(backend, u, opener, grace_period=args.grace, dry_run=not args.yes)
         ).result()
-    verb = "removed" if args.yes else "would remove"
-    kinds = {"incomplete": "uncommitted step", "superseded": "superseded data",
-             "uncommitted": "data of a save that never committed"}  # fmt: skip
-    for g in report.removable:
-        print(f"{verb} {g.prefix}/  ({kinds.get(g.kind, g.kind)}, {_human(g.nbytes)}, "
-              f"{_gc_cli.age(g.age)} old)")  # fmt: skip
-    for g in report.kept:
-        why = "age unknown" if g.age is None else f"{_gc_cli.age(g.age)} old"
-        print(f"kept {g.prefix}/  ({g.kind}, {why}; grace period {_gc_cli.age(args.grace)})")
-    total = _human(sum(g.nbytes for g in report.removable))
-    if not report.removable:
-        print(f"{u}: no garbage to remove")
-    elif args.yes:
-        print(f"{u}: removed {len(report.removable)} item(s), {total}")
-    else:
-        print(f"{u}: {len(report.removable)} item(s), {total}; run with --yes to delete")
+    _gc_cli.print_gc_report(report, u, args.yes, args.grace)
     return EXIT_OK
 
 

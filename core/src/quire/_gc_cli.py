@@ -5,7 +5,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from quire._gc import DEFAULT_GRACE_PERIOD, StepFormat, collect, describe, root_step_format
+from quire._gc import (
+    DEFAULT_GRACE_PERIOD,
+    GcReport,
+    StepFormat,
+    collect,
+    describe,
+    root_step_format,
+)
 from quire._text import human_bytes as _human
 from quire.backends import Backend
 from quire.errors import QuireError
@@ -118,18 +125,30 @@ def cli_gc(
     report = _io.submit(
         collect(backend, u, fmt, grace_period=grace_period, dry_run=not yes)
     ).result()
+    print_gc_report(report, u, yes, grace_period)
+    return 0
+
+
+_KINDS = {
+    "incomplete": "uncommitted step",
+    "superseded": "superseded data",
+    "uncommitted": "data of a save that never committed",
+}
+
+
+def print_gc_report(report: GcReport, url: str, yes: bool, grace_period: float) -> None:
+    """Print what ``quire gc`` removed (``yes``) or would remove, and what it kept."""
     verb = "removed" if yes else "would remove"
     for g in report.removable:
-        what = "uncommitted step" if g.kind == "incomplete" else "superseded data"
+        what = _KINDS.get(g.kind, g.kind)
         print(f"{verb} {g.prefix}/  ({what}, {_human(g.nbytes)}, {age(g.age)} old)")
     for g in report.kept:
         why = "age unknown" if g.age is None else f"{age(g.age)} old"
         print(f"kept {g.prefix}/  ({g.kind}, {why}; grace period {age(grace_period)})")
     total = _human(sum(g.nbytes for g in report.removable))
     if not report.removable:
-        print(f"{u}: no garbage to remove")
+        print(f"{url}: no garbage to remove")
     elif yes:
-        print(f"{u}: removed {len(report.removable)} item(s), {total}")
+        print(f"{url}: removed {len(report.removable)} item(s), {total}")
     else:
-        print(f"{u}: {len(report.removable)} item(s), {total}; run with --yes to delete")
-    return 0
+        print(f"{url}: {len(report.removable)} item(s), {total}; run with --yes to delete")
