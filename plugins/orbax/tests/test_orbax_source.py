@@ -337,7 +337,7 @@ def test_detect(tmp_path: Path, written: Any) -> None:
     quire.save(str(tmp_path / "q"), {"a": np.ones(3)})
     assert not OrbaxSource.detect(str(tmp_path / "q"), {})
     assert type(quire.open(str(tmp_path / "q"))).__name__ != "OrbaxSource"
-    assert not OrbaxSource.detect("s3://bucket/ckpt", {})
+    assert not OrbaxSource.detect("memory://bucket/ckpt", {})
     (tmp_path / "w.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     assert not OrbaxSource.detect(str(tmp_path / "w.safetensors"), {})
     # file:// URLs are local paths too.
@@ -406,9 +406,9 @@ def test_unknown_layout(tmp_path: Path) -> None:
         quire.open(tmp_path / "nothing", format="orbax")
 
 
-def test_remote_urls_are_refused_clearly() -> None:
-    with pytest.raises(PluginError, match=r"s3://b/ck.*local paths only"):
-        quire.open("s3://b/ck", format="orbax")
+def test_unsupported_protocols_are_refused_clearly() -> None:
+    with pytest.raises(PluginError, match=r"memory://b/ck.*local paths, s3:// and gs://"):
+        quire.open("memory://b/ck", format="orbax")
 
 
 def test_convert_to_quire(tmp_path: Path, written: Any) -> None:
