@@ -25,20 +25,11 @@ from quire._io import run_blocking, submit
 from quire._lazy import LazyValue, full_region
 from quire._progress import _current, advance, reporting
 from quire._safetensors import INDEX, dtype_code
+from quire.backends import QUIRE_STORAGE_OPTIONS
 from quire.sources import Source
 
 __all__ = ["export"]
 
-# Keys of quire backends' storage options that fsspec file systems do not take.
-_QUIRE_KEYS = (
-    "retry_deadline",
-    "retry_backoff",
-    "retry_max_backoff",
-    "upload_budget",
-    "multipart_threshold",
-    "multipart_chunksize",
-    "read_part_size",
-)
 DEFAULT_SHARD = 5 * 1024**3
 
 
@@ -294,7 +285,7 @@ def export(
     limit = DEFAULT_SHARD if max_shard_bytes is None else int(max_shard_bytes)
     files = _files(d, _shards(tensors, limit), limit)
     index = f"{d.rstrip('/')}/{INDEX}" if len(files) > 1 else None
-    opts = {k: v for k, v in (storage_options or {}).items() if k not in _QUIRE_KEYS}
+    opts = {k: v for k, v in (storage_options or {}).items() if k not in QUIRE_STORAGE_OPTIONS}
     meta = dict(metadata if metadata is not None else _source_meta(source))
     total = sum(t.nbytes for t in tensors)
     with reporting(progress, "export", d, bytes_total=total, objects_total=len(tensors)):

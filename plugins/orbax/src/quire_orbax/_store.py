@@ -33,6 +33,7 @@ import weakref
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from quire.backends import QUIRE_STORAGE_OPTIONS
 from quire.errors import PluginError
 
 PROTOCOLS = ("file", "s3", "gs")
@@ -57,16 +58,7 @@ def local_path(url: str) -> str | None:
 
 def _fsspec_options(options: dict[str, Any]) -> dict[str, Any]:
     # quire's own backend options (retries, part sizes) mean nothing to s3fs / gcsfs.
-    quire_only = {
-        "retry_deadline",
-        "retry_backoff",
-        "retry_max_backoff",
-        "upload_budget",
-        "multipart_threshold",
-        "multipart_chunksize",
-        "read_part_size",
-    }
-    return {k: v for k, v in options.items() if k not in quire_only}
+    return {k: v for k, v in options.items() if k not in QUIRE_STORAGE_OPTIONS}
 
 
 class Store:
