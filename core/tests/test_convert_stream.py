@@ -4,6 +4,9 @@ verified, and reports through ``quire.progress``."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -94,6 +97,60 @@ def test_interrupted_cp_leaves_no_checkpoint_and_keeps_the_old_one(tmp_path: Pat
     _check(ck, t)
 
 
+# Converts argv[1] to argv[2] (overwrite) and stalls in the 6th tensor read, saying "ready".
+KILLED_SCRIPT = """
+import asyncio, sys
+import quire
+from quire._convert import convert
+from quire.sources import LazyArray
+
+orig, n = LazyArray.read_region, [0]
+
+async def stalling(self, region):
+    n[0] += 1
+    if n[0] == 6:
+        print("ready", flush=True)
+        await asyncio.sleep(120)
+    return await orig(self, region)
+
+LazyArray.read_region = stalling
+with quire.Context(byte_budget=2 * 256 * 256 * 4):
+    convert(sys.argv[1], sys.argv[2], overwrite=True)
+"""
+
+
+def test_killed_cp_leaves_no_checkpoint_or_the_old_one_whole(tmp_path: Path) -> None:
+    f = tmp_path / "s.safetensors"
+    _source(f, n=12, big=False)
+    old = {"w": np.arange(10, dtype=np.int32)}
+    quire.save(tmp_path / "old", old)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", KILLED_SCRIPT, str(f), str(tmp_path / dst)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for dst in ("fresh", "old")
+    ]
+    for p in procs:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert line.strip() == "ready", p.stderr.read() if p.stderr else line
+    for p in procs:  # mid-conversion: some tensors written, no commit yet
+        p.send_signal(signal.SIGKILL)
+        p.communicate(timeout=30)
+        assert p.returncode == -signal.SIGKILL
+    written = [p for p in (tmp_path / "fresh").rglob("*") if p.is_file()]
+    assert written  # it was killed mid-write (data of the first batches is on disk) ...
+    with pytest.raises(CheckpointNotFoundError):  # ... yet there is no checkpoint
+        quire.load(tmp_path / "fresh")
+    np.testing.assert_array_equal(quire.load(tmp_path / "old")["w"], old["w"])
+    assert main(["verify", str(tmp_path / "old")]) == 0
+
+
 def test_cp_from_source_reports_progress_events(tmp_path: Path) -> None:
     f = tmp_path / "s.safetensors"
     t = _source(f, n=6, big=False)
@@ -117,7 +174,9 @@ def test_cli_cp_and_export_show_the_progress_bar(
     assert "cp:" in out.err and "objects" in out.err and "verified" in out.out
     _check(ck, t)
     # export takes the common options too (-o, --progress)
-    assert main(["export", str(ck), str(tmp_path / "e"), "--progress", "-o", "auto_mkdir=true"]) == 0
+    assert (
+        main(["export", str(ck), str(tmp_path / "e"), "--progress", "-o", "auto_mkdir=true"]) == 0
+    )
     out = capsys.readouterr()
     assert "export:" in out.err and "4/4 objects" in out.err
     assert os.path.exists(tmp_path / "e" / "model.safetensors")
