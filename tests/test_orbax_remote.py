@@ -16,7 +16,7 @@ from object_store_servers import GCS_BUCKET, S3_BUCKET, S3_SECRET, GcsEmulator, 
 
 import quire
 from quire._cli import main
-from quire.errors import PluginError
+from quire.errors import ObjectStorePermissionError, PluginError
 
 ocp = pytest.importorskip("orbax.checkpoint", reason="quire-orbax's tests need orbax-checkpoint")
 pytestmark = pytest.mark.filterwarnings("ignore:Sharding info not provided:UserWarning")
@@ -128,6 +128,9 @@ def test_errors_name_the_url_and_never_the_secret(moto: MotoS3, written: dict[st
     ):
         src.tree["params"]["kernel"].read()
     assert url in str(info.value) and S3_SECRET not in str(info.value)
+    # Without credentials moto answers 403: an access error naming the URL, not "corrupt".
+    with pytest.raises(ObjectStorePermissionError, match=url):
+        quire.open(url, format="orbax", endpoint_url=moto.endpoint, anon=True)
     missing = f"{moto.fresh_url()}/nothing"
     with pytest.raises(quire.CheckpointNotFoundError, match=missing):
         quire.open(missing, format="orbax", **moto.options())

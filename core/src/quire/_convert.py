@@ -30,10 +30,6 @@ from quire.sources import Source
 __all__ = ["add_export_parser", "convert", "cp_from_source"]
 
 
-def _total(src: Source) -> int:
-    return sum(getattr(v, "nbytes", 0) for _, v in src.leaves())
-
-
 def _placeholders(node: Any, lazy: dict[int, LazyValue]) -> Any:
     """``node`` with each LazyValue replaced by a zero-stride numpy array of its shape and
     dtype (no memory): the save machinery plans it as an ordinary numpy leaf."""
@@ -53,8 +49,9 @@ def _placeholders(node: Any, lazy: dict[int, LazyValue]) -> Any:
 
 def _feed(lazy: dict[int, LazyValue], limit: int) -> Any:
     """The save's feed: entries in batches of at most ``limit`` bytes of source data (or one
-    larger tensor), each batch read while the previous one is written, so host memory holds
-    at most ``2 * limit`` bytes or one batch and one tensor."""
+    larger tensor alone), the next batch read while one within ``limit`` is written (none
+    beside a larger one): the feed holds at most ``limit`` + max(``limit``, one tensor) bytes,
+    i.e. the byte budget plus one tensor for ``limit`` = budget / 2."""
 
     def size(e: SaveEntry) -> int:
         v = lazy.get(id(e.value))

@@ -473,3 +473,17 @@ class TestOrbaxSourceSuite(SourceSuite):
 
         _save_standard(str(directory), surgery.unflatten(arrays, "/"))
         return str(directory)
+
+
+def test_tensorstore_failures_map_to_quire_errors() -> None:
+    from quire_orbax._source import storage_error
+
+    from quire.errors import EndpointUnreachableError, ObjectStorePermissionError
+
+    what = "s3://b/ck: reading params/w"
+    denied = storage_error(ValueError("PERMISSION_DENIED: [http_response_code='403']"), what)
+    assert isinstance(denied, ObjectStorePermissionError) and str(denied).startswith(what)
+    down = storage_error(ValueError("UNAVAILABLE: connection refused"), what)
+    assert isinstance(down, EndpointUnreachableError)
+    other = storage_error(ValueError("NOT_FOUND: chunk 0.0"), what)
+    assert isinstance(other, CorruptCheckpointError) and "damaged or incomplete" in str(other)

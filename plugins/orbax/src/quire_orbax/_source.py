@@ -12,7 +12,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from quire.errors import CorruptCheckpointError, PluginError
+from quire.errors import (
+    CorruptCheckpointError,
+    EndpointUnreachableError,
+    ObjectStorePermissionError,
+    PluginError,
+)
 from quire.sources import LazyArray, Region, Source
 from quire_orbax import _layout
 from quire_orbax._layout import ARRAY_TYPES, Layout, PytreeItem
@@ -66,12 +71,26 @@ class TensorstoreReader:
         try:
             out = await self.store[region].read()
         except Exception as e:
-            raise CorruptCheckpointError(
-                f"{self.url}: reading {self.key}{list(region)} from the Orbax checkpoint failed "
-                f"({type(e).__name__}: {e}); the checkpoint is damaged or incomplete"
-            ) from e
+            raise storage_error(e, f"{self.url}: reading {self.key}{list(region)}") from e
         # Not np.ascontiguousarray: it turns a 0-d array into a 1-d one.
         return np.require(out, requirements="C")
+
+
+def storage_error(e: Exception, what: str) -> Exception:
+    """The quire error for a failed tensorstore open or read (``what`` names URL and leaf).
+
+    tensorstore reports absl status codes in its messages: access and connection failures are
+    storage errors, anything else means the checkpoint is damaged or incomplete.
+    """
+    msg = f"{what} failed ({type(e).__name__}: {e})"
+    text = str(e)
+    if text.startswith(("PERMISSION_DENIED", "UNAUTHENTICATED")):
+        return ObjectStorePermissionError(
+            f"{msg}; check the credentials (storage options key/secret, or the environment)"
+        )
+    if text.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED")):
+        return EndpointUnreachableError(f"{msg}; check the endpoint and the network")
+    return CorruptCheckpointError(f"{msg}; the checkpoint is damaged or incomplete")
 
 
 def _keystr(key_path: tuple[str | int, ...]) -> str:
@@ -225,10 +244,8 @@ def _open_item(location: Store, item: PytreeItem | Any, url: str, ts: Any, conte
         try:
             store = fut.result()
         except Exception as e:
-            raise CorruptCheckpointError(
-                f"{where}: cannot open {_keystr(leaf.key_path)} (orbax param {leaf.param!r}): "
-                f"{type(e).__name__}: {e}; the checkpoint is damaged or incomplete"
-            ) from e
+            what = f"{where}: opening {_keystr(leaf.key_path)} (orbax param {leaf.param!r})"
+            raise storage_error(e, what) from e
         if any(int(m) != 0 for m in store.domain.inclusive_min):
             store = store.translate_to[(0,) * store.rank]
         stores[leaf.param] = store

@@ -34,7 +34,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from quire.backends import QUIRE_STORAGE_OPTIONS
-from quire.errors import PluginError
+from quire.errors import ObjectStorePermissionError, PluginError
 
 PROTOCOLS = ("file", "s3", "gs")
 
@@ -103,20 +103,30 @@ class Store:
         return "/".join([self.root, *parts]) if parts else self.root
 
     def isdir(self, path: str) -> bool:
-        return bool(self.fs.isdir(path))
+        return bool(self._call(self.fs.isdir, path))
 
     def isfile(self, path: str) -> bool:
-        return bool(self.fs.isfile(path))
+        return bool(self._call(self.fs.isfile, path))
 
     def listdir(self, path: str) -> list[str]:
         """Names (not paths) of the entries of directory ``path``."""
-        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False))
+        names = self._call(self.fs.ls, path, detail=False)
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in names)
 
     def size(self, path: str) -> int:
-        return int(self.fs.size(path))
+        return int(self._call(self.fs.size, path))
 
     def read(self, path: str) -> bytes:
-        return bytes(self.fs.cat_file(path))
+        return bytes(self._call(self.fs.cat_file, path))
+
+    def _call(self, fn: Any, path: str, **kw: Any) -> Any:
+        try:
+            return fn(path, **kw)
+        except PermissionError as e:
+            raise ObjectStorePermissionError(
+                f"{self.url}: access denied reading {path} ({e}); check the credentials "
+                "(storage options key/secret or anon, or the environment)"
+            ) from e
 
     # -- the array side (tensorstore) ----------------------------------------------------
     def kvstore(self, path: str) -> dict[str, Any]:
