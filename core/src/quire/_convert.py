@@ -128,7 +128,18 @@ def convert(
     from quire.errors import CorruptCheckpointError
     from quire.sources import open as open_source
 
-    source = src if isinstance(src, Source) else open_source(src, **(storage_options or {}))
+    if not isinstance(src, Source):  # opened here: closed here
+        with open_source(src, **(storage_options or {})) as opened:
+            return convert(
+                opened,
+                dst,
+                overwrite=overwrite,
+                dst_options=dst_options,
+                progress=progress,
+                verify=verify,
+                layout=layout,
+            )
+    source = src
     u = normalize(dst)
     lazy: dict[int, LazyValue] = {}
     tree = _placeholders(source.tree, lazy)
@@ -186,15 +197,15 @@ def cp_from_source(args: argparse.Namespace) -> int | None:
     src_opts, dst_opts = side_options(args)
     if QuireSource.detect(normalize(args.src), dict(src_opts or {})):
         return None  # a quire checkpoint: copied object by object, verified
-    src = open_source(args.src, **(src_opts or {}))
     t0 = time.perf_counter()
-    nbytes, checked = convert(
-        src,
-        args.dst,
-        overwrite=args.overwrite,
-        dst_options=dst_opts,
-        progress=_progress_on(args) and not args.quiet,
-    )
+    with open_source(args.src, **(src_opts or {})) as src:
+        nbytes, checked = convert(
+            src,
+            args.dst,
+            overwrite=args.overwrite,
+            dst_options=dst_opts,
+            progress=_progress_on(args) and not args.quiet,
+        )
     if not args.quiet:
         print(
             f"converted {src.format} {src.url} -> {args.dst}: {nbytes / 2**20:.1f} MiB, "
@@ -209,10 +220,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     from quire.sources import open as open_source
 
     src_opts, dst_opts = side_options(args)
-    src = open_source(args.src, **(src_opts or {}))
     t0 = time.perf_counter()
     bar = _progress_on(args) and not args.quiet
-    with _progress.Progress("export", args.dst, bar=bar) as rep:
+    with (
+        open_source(args.src, **(src_opts or {})) as src,
+        _progress.Progress("export", args.dst, bar=bar) as rep,
+    ):
         written = export(
             src,
             args.dst,

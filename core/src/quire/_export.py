@@ -279,7 +279,21 @@ def export(
 
     if format != "safetensors":
         raise ValueError(f"export: unknown format {format!r}; quire exports 'safetensors'")
-    source = src if isinstance(src, Source) else open_source(src, **(storage_options or {}))
+    if not isinstance(src, Source):  # opened here: closed here
+        with open_source(src, **(storage_options or {})) as opened:
+            return export(
+                opened,
+                dst,
+                format=format,
+                select=select,
+                rename=rename,
+                dtype=dtype,
+                max_shard_bytes=max_shard_bytes,
+                metadata=metadata,
+                storage_options=storage_options,
+                progress=progress,
+            )
+    source = src
     d = normalize(dst)
     tensors = _plan(source, select, rename, dtype)
     limit = DEFAULT_SHARD if max_shard_bytes is None else int(max_shard_bytes)
