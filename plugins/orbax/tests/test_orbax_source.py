@@ -487,3 +487,34 @@ def test_tensorstore_failures_map_to_quire_errors() -> None:
     assert isinstance(down, EndpointUnreachableError)
     other = storage_error(ValueError("NOT_FOUND: chunk 0.0"), what)
     assert isinstance(other, CorruptCheckpointError) and "damaged or incomplete" in str(other)
+
+
+def test_s3_storage_options_map_onto_tensorstore_s3_kvstore(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from quire_orbax._store import Store
+
+    for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(var, raising=False)
+    anon = Store("s3://bkt/runs/7", {"anon": True, "retry_deadline": 5})
+    assert anon.root == "bkt/runs/7"
+    assert anon.kvstore("bkt/runs/7/params.w") == {
+        "driver": "s3",
+        "bucket": "bkt",
+        "path": "runs/7/params.w/",
+        "aws_credentials": {"type": "anonymous"},
+    }
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")
+    keyed = Store(
+        "s3://bkt/ck",
+        {"key": "id", "secret": "s3cret", "client_kwargs": {"region_name": "eu-west-1"}},
+    )
+    spec = keyed.kvstore("bkt/ck")
+    assert spec["endpoint"] == "http://127.0.0.1:9" and spec["aws_region"] == "eu-west-1"
+    creds = spec["aws_credentials"]
+    assert creds["type"] == "profile" and os.stat(creds["credentials_file"]).st_mode & 0o077 == 0
+    with open(creds["credentials_file"]) as f:
+        assert "s3cret" in f.read()
+    keyed.close()
+    assert not os.path.exists(creds["credentials_file"])
+    assert Store("s3://bkt/ck", {})._aws_credentials() == {"type": "default"}

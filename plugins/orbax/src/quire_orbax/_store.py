@@ -141,29 +141,23 @@ class Store:
         return {"driver": "gcs", "bucket": bucket, "path": prefix}
 
     def _s3(self) -> dict[str, Any]:
-        o = self.options
-        ck = o.get("client_kwargs") or {}
         out: dict[str, Any] = {}
-        endpoint = (
-            o.get("endpoint_url")
-            or ck.get("endpoint_url")
-            or os.environ.get("AWS_ENDPOINT_URL_S3")
-            or os.environ.get("AWS_ENDPOINT_URL")
-        )
+        # As s3fs / botocore find them: the option, then client_kwargs, then the environment.
+        endpoint = self._setting("endpoint_url", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
         if endpoint:
             out["endpoint"] = str(endpoint)
-        region = (
-            ck.get("region_name")
-            or o.get("region_name")
-            or os.environ.get("AWS_REGION")
-            or os.environ.get("AWS_DEFAULT_REGION")
-        )
+        region = self._setting("region_name", "AWS_REGION", "AWS_DEFAULT_REGION")
         if region:
             out["aws_region"] = str(region)
         elif endpoint:
             out["aws_region"] = "us-east-1"  # what S3-compatible servers expect by default
         out["aws_credentials"] = self._aws_credentials()
         return out
+
+    def _setting(self, name: str, *env: str) -> Any:
+        ck = self.options.get("client_kwargs") or {}
+        found = [self.options.get(name), ck.get(name), *(os.environ.get(v) for v in env)]
+        return next((v for v in found if v), None)
 
     def _aws_credentials(self) -> dict[str, Any]:
         if self._credentials is not None:
