@@ -67,7 +67,7 @@ def test_export_sharded_with_select_rename_dtype(tmp_path: Path) -> None:
     src_file = tmp_path / "src.safetensors"
     save_file(t, str(src_file), metadata={"format": "pt"})
     dst = tmp_path / "hf"
-    progress: list[int] = []
+    progress: list[quire.progress.ProgressEvent] = []
     written = quire.export(
         src_file,
         dst,
@@ -81,7 +81,9 @@ def test_export_sharded_with_select_rename_dtype(tmp_path: Path) -> None:
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     assert sorted(index["weight_map"]) == sorted(f"blocks.{i}.kernel" for i in range(6))
     assert index["metadata"]["total_size"] == 6 * 16 * 16 * 2
-    assert sum(progress) == 6 * 16 * 16 * 2
+    last = progress[-1]  # the public progress events: one object per tensor written
+    assert last.finished and last.operation == "export"
+    assert (last.bytes_done, last.objects_done) == (6 * 16 * 16 * 2, 6)
     got: dict[str, np.ndarray] = {}
     for f in sorted(dst.glob("*.safetensors")):
         with safe_open(str(f), framework="numpy") as h:

@@ -169,22 +169,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_cp(args: argparse.Namespace) -> int:
     import quire
     from quire import _describe, _io, _progress
-    from quire._convert import cp_from_source
+    from quire._convert import cp_from_source, side_options
     from quire._copy import copy_checkpoint
 
-    so = storage_options(args)  # a bad -o / --storage-options is a usage error first
-    sides = []
-    for what, text in (("--src-options", args.src_options), ("--dst-options", args.dst_options)):
-        if not text:
-            sides.append(so)
-            continue
-        try:
-            value = json.loads(text)
-        except ValueError:
-            value = None
-        if not isinstance(value, dict):
-            raise UsageError(f"{what} takes a JSON object, e.g. '{{\"anon\": true}}'")
-        sides.append({**(so or {}), **value})
+    sides = side_options(args)  # a bad -o / --src-options is a usage error first
     rc = cp_from_source(args)  # SRC in another format (safetensors, Orbax...): convert it
     if rc is not None:
         return rc
@@ -423,7 +411,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_diff)
     from quire._convert import add_export_parser
 
-    add_export_parser(sub)
+    add_export_parser(sub, [common])
     return p0
 
 

@@ -7,158 +7,248 @@ which the byte-level copier handles) and :func:`add_export_parser` to add ``expo
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import sys
+import os
 import time
-from typing import Any, TextIO
+from collections import deque
+from collections.abc import AsyncGenerator
+from dataclasses import replace
+from typing import Any
 
+import numpy as np
+
+from quire import _progress
+from quire._async import chain
+from quire._config import current
+from quire._io import submit
+from quire._lazy import LazyValue, full_region
+from quire._tasks import gather_cancelling
+from quire.handlers import SaveEntry
 from quire.sources import Source
 
 __all__ = ["add_export_parser", "convert", "cp_from_source"]
 
 
-class _Progress:
-    """A minimal byte-count progress line on a terminal (silent otherwise)."""
-
-    def __init__(self, total: int, stream: TextIO | None = None, enabled: bool = True) -> None:
-        stream = stream if stream is not None else sys.stderr  # the current one, not import's
-        self.total, self.done, self.stream = total, 0, stream
-        self.enabled = enabled and bool(getattr(stream, "isatty", lambda: False)())
-        self.t0 = self.last = time.perf_counter()
-
-    def __call__(self, nbytes: int) -> None:
-        self.done += nbytes
-        now = time.perf_counter()
-        if self.enabled and (now - self.last > 0.1 or self.done >= self.total):
-            self.last = now
-            frac = self.done / self.total if self.total else 1.0
-            fill = int(frac * 30)
-            self.stream.write(
-                f"\r[{'#' * fill}{'.' * (30 - fill)}] {self.done / 2**20:.1f}/"
-                f"{self.total / 2**20:.1f} MiB"
-            )
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.done:
-            self.stream.write("\n")
-            self.stream.flush()
+def _placeholders(node: Any, lazy: dict[int, LazyValue]) -> Any:
+    """``node`` with each LazyValue replaced by a zero-stride numpy array of its shape and
+    dtype (no memory): the save machinery plans it as an ordinary numpy leaf."""
+    if isinstance(node, LazyValue):
+        p = np.broadcast_to(np.zeros((), node.dtype), node.shape)
+        lazy[id(p)] = node
+        return p
+    if isinstance(node, dict):
+        return {k: _placeholders(v, lazy) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_placeholders(v, lazy) for v in node]
+    if isinstance(node, tuple):
+        items = [_placeholders(v, lazy) for v in node]
+        return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
+    return node
 
 
-def _total(src: Source) -> int:
-    return sum(getattr(v, "nbytes", 0) for _, v in src.leaves())
+def _feed(lazy: dict[int, LazyValue], limit: int) -> Any:
+    """The save's feed: entries in batches of at most ``limit`` bytes of source data (or one
+    larger tensor alone), the next batch read while one within ``limit`` is written (none
+    beside a larger one): the feed holds at most ``limit`` + max(``limit``, one tensor) bytes,
+    i.e. the byte budget plus one tensor for ``limit`` = budget / 2."""
+
+    def size(e: SaveEntry) -> int:
+        v = lazy.get(id(e.value))
+        return 0 if v is None else v.nbytes
+
+    async def fill(batch: list[SaveEntry]) -> list[SaveEntry]:
+        # Reads are the source's, not this operation's progress (a quire source reports its
+        # own reads): count only what the save writes.
+        _progress._current.set(None)
+
+        async def one(e: SaveEntry) -> SaveEntry:
+            v = lazy.get(id(e.value))
+            if v is None:
+                return e
+            return replace(e, value=await v.read_region(full_region(v.shape)))
+
+        return await gather_cancelling(*(one(e) for e in batch))
+
+    async def feed(entries: list[SaveEntry]) -> AsyncGenerator[list[SaveEntry], None]:
+        todo = deque(entries)
+
+        def take() -> tuple[list[SaveEntry], int]:
+            batch: list[SaveEntry] = []
+            held = 0
+            while todo and (not batch or held + size(todo[0]) <= limit):
+                e = todo.popleft()
+                batch.append(e)
+                held += size(e)
+            return batch, held
+
+        batch, held = take()
+        nxt: asyncio.Future[list[SaveEntry]] | None = asyncio.ensure_future(fill(batch))
+        try:
+            while nxt is not None:
+                ready = await nxt
+                nxt = None
+                if todo and held <= limit:  # prefetch beside a batch within the limit only
+                    batch, held = take()
+                    nxt = asyncio.ensure_future(fill(batch))
+                yield ready
+                del ready
+                if todo and nxt is None:
+                    batch, held = take()
+                    nxt = asyncio.ensure_future(fill(batch))
+        finally:
+            if nxt is not None:
+                nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)
+
+    return feed
 
 
 def convert(
     src: Any,
-    dst: str,
+    dst: str | os.PathLike[str],
     *,
     overwrite: bool = False,
     storage_options: dict[str, Any] | None = None,
     dst_options: dict[str, Any] | None = None,
     progress: Any = None,
     verify: bool = True,
+    layout: str | None = None,
 ) -> tuple[int, int]:
     """Write source ``src`` (any format) as a quire checkpoint at ``dst``, then verify it.
 
-    Leaves are read as numpy arrays (within the byte budget while reading) and saved in one
-    commit; returns (bytes written, chunks verified).
+    Streaming: leaves are read in batches within half the byte budget (one larger tensor
+    alone), each batch while the previous one is written, through the ordinary save (one
+    commit, atomic: an interrupted conversion leaves no checkpoint, or the one it was to
+    replace).  ``progress`` is as for :func:`quire.save` (the operation is ``"cp"``, then
+    ``"verify"``).  Returns (bytes of array data, objects verified).
     """
-    from quire import _api, _engine, _io
-    from quire._materialize import materialize_tree
+    from quire import _engine
     from quire._url import normalize
     from quire.errors import CorruptCheckpointError
     from quire.sources import open as open_source
 
-    source = src if isinstance(src, Source) else open_source(src, **(storage_options or {}))
-    tree = _io.submit(materialize_tree(source.tree, None, what=f"source {source.url}")).result()
-    nbytes = _total(source)
+    if not isinstance(src, Source):  # opened here: closed here
+        with open_source(src, **(storage_options or {})) as opened:
+            return convert(
+                opened,
+                dst,
+                overwrite=overwrite,
+                dst_options=dst_options,
+                progress=progress,
+                verify=verify,
+                layout=layout,
+            )
+    source = src
+    u = normalize(dst)
+    lazy: dict[int, LazyValue] = {}
+    tree = _placeholders(source.tree, lazy)
+    nbytes = sum(v.nbytes for v in lazy.values())
     meta = {"converted_from": source.url, "source_format": source.format}
-    _api.save(dst, tree, overwrite=overwrite, metadata=meta, storage_options=dst_options)
-    if progress is not None:
-        progress(nbytes)
+    rep = _progress.make(progress, "cp", u, bytes_total=nbytes)
+    prep = _engine.prepare_save({_engine.PYTREE: tree}, None, copy=False, url=u, layout=layout)
+    prep.feed = _feed(lazy, max(1, current().byte_budget // 2))
+
+    def save() -> Any:
+        return _engine.save_prepared(
+            u, prep, metadata=meta, overwrite=overwrite, storage_options=dst_options
+        )
+
+    close = rep is not progress
+    chain(u, lambda: _progress.tracked(rep, save, close=close), f"cp {u}").result()
     checked = 0
     if verify:
-        checked, problems = _io.submit(_engine.verify(normalize(dst), dst_options)).result()
+        with _progress.reporting(progress, "verify", u):
+            checked, problems = submit(_engine.verify(u, dst_options)).result()
         if problems:
             raise CorruptCheckpointError(
-                f"{dst}: {len(problems)} chunk(s) failed verification after conversion: "
+                f"{u}: {len(problems)} object(s) failed verification after conversion: "
                 + "; ".join(f"{p.path}: {p.error}" for p in problems[:5])
             )
     return nbytes, checked
 
 
-def _options(text: str | None, what: str) -> dict[str, Any] | None:
-    if not text:
-        return None
-    value = json.loads(text)
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} takes a JSON object, e.g. '{{\"anon\": true}}'")
-    return value
+def side_options(args: argparse.Namespace) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """Storage options for SRC and DST: ``-o`` / ``--storage-options`` for both, updated
+    by ``--src-options`` / ``--dst-options`` (JSON objects)."""
+    from quire._cli import UsageError, storage_options
+
+    so = storage_options(args)
+    out = []
+    for what, text in (("--src-options", args.src_options), ("--dst-options", args.dst_options)):
+        try:
+            value = json.loads(text) if text else {}
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise UsageError(f"{what} takes a JSON object, e.g. '{{\"anon\": true}}'")
+        merged = {**(so or {}), **value}
+        out.append(merged or None)
+    return out[0], out[1]
 
 
 def cp_from_source(args: argparse.Namespace) -> int | None:
     """``quire cp SRC DST`` when SRC is not a quire checkpoint; None when it is one."""
+    from quire._cli import _progress_on
     from quire._quire_source import QuireSource
     from quire._url import normalize
     from quire.sources import open as open_source
 
-    src_opts = _options(args.src_options, "--src-options")
+    src_opts, dst_opts = side_options(args)
     if QuireSource.detect(normalize(args.src), dict(src_opts or {})):
         return None  # a quire checkpoint: copied object by object, verified
-    src = open_source(args.src, **(src_opts or {}))
-    bar = _Progress(_total(src), enabled=not args.quiet)
     t0 = time.perf_counter()
-    try:
+    with open_source(args.src, **(src_opts or {})) as src:
         nbytes, checked = convert(
             src,
             args.dst,
             overwrite=args.overwrite,
-            dst_options=_options(args.dst_options, "--dst-options"),
-            progress=bar,
+            dst_options=dst_opts,
+            progress=_progress_on(args) and not args.quiet,
         )
-    finally:
-        bar.close()
     if not args.quiet:
         print(
             f"converted {src.format} {src.url} -> {args.dst}: {nbytes / 2**20:.1f} MiB, "
-            f"{checked} chunks verified, in {time.perf_counter() - t0:.1f}s"
+            f"{checked} objects verified, in {time.perf_counter() - t0:.1f}s"
         )
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from quire._cli import _progress_on
     from quire._export import export
     from quire.sources import open as open_source
 
-    src = open_source(args.src, **(_options(args.src_options, "--src-options") or {}))
-    bar = _Progress(_total(src), enabled=not args.quiet)
+    src_opts, dst_opts = side_options(args)
     t0 = time.perf_counter()
-    try:
+    bar = _progress_on(args) and not args.quiet
+    with (
+        open_source(args.src, **(src_opts or {})) as src,
+        _progress.Progress("export", args.dst, bar=bar) as rep,
+    ):
         written = export(
             src,
             args.dst,
             select=args.select,
             dtype=args.dtype,
             max_shard_bytes=args.max_shard_bytes,
-            storage_options=_options(args.dst_options, "--dst-options"),
-            progress=bar,
+            storage_options=dst_opts,
+            progress=rep,
         )
-    finally:
-        bar.close()
     if not args.quiet:
         print(
             f"exported {src.format} {src.url} -> {args.dst}: {len(written)} file(s), "
-            f"{bar.done / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s"
+            f"{rep.bytes_done / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s"
         )
     return 0
 
 
-def add_export_parser(sub: Any) -> None:
+def add_export_parser(sub: Any, parents: list[argparse.ArgumentParser] | None = None) -> None:
     p = sub.add_parser(
         "export",
         help="write any checkpoint (quire, safetensors, Orbax with quire-orbax) as safetensors: "
         "one file, or HF-style shards + model.safetensors.index.json",
+        parents=parents or [],
     )
     p.add_argument("src")
     p.add_argument("dst", help="a .safetensors URL, or a directory / prefix")
@@ -167,7 +257,7 @@ def add_export_parser(sub: Any) -> None:
     p.add_argument(
         "--max-shard-bytes", type=int, default=None, help="largest shard (default 5 GiB)"
     )
-    p.add_argument("--src-options", metavar="JSON", help="storage_options for SRC")
-    p.add_argument("--dst-options", metavar="JSON", help="storage_options for DST")
+    p.add_argument("--src-options", metavar="JSON", help="storage options for SRC only")
+    p.add_argument("--dst-options", metavar="JSON", help="storage options for DST only")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     p.set_defaults(fn=cmd_export)

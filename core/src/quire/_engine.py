@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,9 @@ class PreparedSave:
     coord: Coordinator
     index: dict[str, Any] | None = None  # format v2: this process's chunk-index entry
     layout: str = "packed"  # "packed" (format v2) or "chunks" (format v1)
+    # Streaming writers (``quire cp`` from a source): called with a handler's entries, it
+    # yields them in order, in batches, with values filled in just in time.
+    feed: Callable[[list[SaveEntry]], AsyncGenerator[list[SaveEntry], None]] | None = None
 
 
 def _is_leaf_value(x: Any) -> bool:
@@ -169,7 +173,14 @@ async def write_units(
         for hid, items in prep.groups.items():
             h = _handlers.get(hid, url=url)
             try:
-                recs = await h.save([e for _, e in items], ctx)
+                if prep.feed is None:
+                    recs = await h.save([e for _, e in items], ctx)
+                else:
+                    recs = []
+                    async with contextlib.aclosing(prep.feed([e for _, e in items])) as batches:
+                        async for b in batches:
+                            recs += await h.save(b, ctx)
+                            del b  # not held while the next batch is read
             except Exception as e:
                 wrapped = _handlers.wrap_failure(
                     h, e, [keystr(x.path) for _, x in items], url, "saving"

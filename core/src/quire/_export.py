@@ -23,21 +23,13 @@ import numpy as np
 from quire._config import current
 from quire._io import run_blocking, submit
 from quire._lazy import LazyValue, full_region
+from quire._progress import _current, advance, reporting
 from quire._safetensors import INDEX, dtype_code
+from quire.backends import QUIRE_STORAGE_OPTIONS
 from quire.sources import Source
 
-__all__ = ["export", "export_async"]
+__all__ = ["export"]
 
-# Keys of quire backends' storage options that fsspec file systems do not take.
-_QUIRE_KEYS = (
-    "retry_deadline",
-    "retry_backoff",
-    "retry_max_backoff",
-    "upload_budget",
-    "multipart_threshold",
-    "multipart_chunksize",
-    "read_part_size",
-)
 DEFAULT_SHARD = 5 * 1024**3
 
 
@@ -139,11 +131,7 @@ def _header(tensors: Sequence[_Tensor], metadata: Mapping[str, str] | None) -> b
 
 
 async def _write_file(
-    fs: Any,
-    path: str,
-    tensors: Sequence[_Tensor],
-    metadata: Mapping[str, str] | None,
-    progress: Callable[[int], None] | None,
+    fs: Any, path: str, tensors: Sequence[_Tensor], metadata: Mapping[str, str] | None
 ) -> None:
     budget = current().byte_budget
     window: deque[tuple[_Tensor, asyncio.Task[np.ndarray]]] = deque()
@@ -155,21 +143,26 @@ async def _write_file(
         while todo or window:
             while todo and (not window or held + todo[0].nbytes <= budget):
                 t = todo.popleft()
-                window.append((t, asyncio.ensure_future(t.value.read_region(full_region(t.shape)))))
+                window.append((t, asyncio.ensure_future(_read(t))))
                 held += t.nbytes
             t, task = window.popleft()
             arr = await task
             await run_blocking(f.write, np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
             held -= t.nbytes
             del arr
-            if progress is not None:
-                progress(t.nbytes)
+            advance(t.nbytes)
         await run_blocking(f.close)
     except BaseException:
         for _, task in window:
             task.cancel()
         await run_blocking(_discard, fs, f, path)
         raise
+
+
+async def _read(t: _Tensor) -> np.ndarray:
+    # Runs as its own task: a quire source's reads are not this export's progress.
+    _current.set(None)
+    return await t.value.read_region(full_region(t.shape))
 
 
 def _discard(fs: Any, f: Any, path: str) -> None:
@@ -182,22 +175,7 @@ def _discard(fs: Any, f: Any, path: str) -> None:
             pass
 
 
-async def export_async(
-    src: Source,
-    dst: str,
-    *,
-    select: Any = None,
-    rename: Any = None,
-    dtype: Any = None,
-    max_shard_bytes: int | None = None,
-    metadata: Mapping[str, str] | None = None,
-    storage_options: dict[str, Any] | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> list[str]:
-    import fsspec
-
-    tensors = _plan(src, select, rename, dtype)
-    limit = DEFAULT_SHARD if max_shard_bytes is None else int(max_shard_bytes)
+def _shards(tensors: list[_Tensor], limit: int) -> list[list[_Tensor]]:
     shards: list[list[_Tensor]] = [[]]
     size = 0
     for t in tensors:
@@ -206,37 +184,47 @@ async def export_async(
             size = 0
         shards[-1].append(t)
         size += t.nbytes
-    opts = {k: v for k, v in (storage_options or {}).items() if k not in _QUIRE_KEYS}
-    meta = dict(metadata if metadata is not None else _source_meta(src))
+    return shards
+
+
+def _files(dst: str, shards: list[list[_Tensor]], limit: int) -> list[tuple[str, list[_Tensor]]]:
+    """(URL, tensors) of every file to write."""
     if dst.endswith(".safetensors"):
         if len(shards) > 1:
+            total = sum(t.nbytes for part in shards for t in part)
             raise ValueError(
-                f"export to {dst}: {sum(t.nbytes for t in tensors)} bytes need {len(shards)} "
-                f"shards of at most {limit}; give a directory as the destination"
+                f"export to {dst}: {total} bytes need {len(shards)} shards of at most "
+                f"{limit}; give a directory as the destination"
             )
-        fs, path = fsspec.core.url_to_fs(dst, **opts)
+        return [(dst, shards[0])]
+    base = dst.rstrip("/")
+    if len(shards) == 1:
+        return [(f"{base}/model.safetensors", shards[0])]
+    n = len(shards)
+    return [(f"{base}/model-{i + 1:05d}-of-{n:05d}.safetensors", p) for i, p in enumerate(shards)]
+
+
+async def _write_all(
+    files: list[tuple[str, list[_Tensor]]],
+    meta: Mapping[str, str],
+    opts: dict[str, Any],
+    index: str | None,
+) -> None:
+    import fsspec
+
+    for url, part in files:
+        fs, path = fsspec.core.url_to_fs(url, **opts)
         parent = path.rsplit("/", 1)[0]
         if parent:
             await run_blocking(fs.makedirs, parent, exist_ok=True)
-        await _write_file(fs, path, shards[0], meta, progress)
-        return [dst]
-    fs, root = fsspec.core.url_to_fs(dst, **opts)
-    root = root.rstrip("/")
-    await run_blocking(fs.makedirs, root, exist_ok=True)
-    base = dst.rstrip("/")
-    if len(shards) == 1:
-        await _write_file(fs, f"{root}/model.safetensors", shards[0], meta, progress)
-        return [f"{base}/model.safetensors"]
-    n = len(shards)
-    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    for name, part in zip(names, shards):
-        await _write_file(fs, f"{root}/{name}", part, meta, progress)
-    index = {
-        "metadata": {"total_size": sum(t.nbytes for t in tensors)},
-        "weight_map": {t.name: name for name, part in zip(names, shards) for t in part},
-    }
-    await run_blocking(fs.pipe_file, f"{root}/{INDEX}", json.dumps(index, indent=2).encode())
-    return [f"{base}/{name}" for name in names] + [f"{base}/{INDEX}"]
+        await _write_file(fs, path, part, meta)
+    if index is not None:
+        doc = {
+            "metadata": {"total_size": sum(t.nbytes for _, part in files for t in part)},
+            "weight_map": {t.name: u.rsplit("/", 1)[-1] for u, part in files for t in part},
+        }
+        fs, path = fsspec.core.url_to_fs(index, **opts)
+        await run_blocking(fs.pipe_file, path, json.dumps(doc, indent=2).encode())
 
 
 def _source_meta(src: Source) -> dict[str, str]:
@@ -255,7 +243,7 @@ def export(
     max_shard_bytes: int | None = None,
     metadata: Mapping[str, str] | None = None,
     storage_options: dict[str, Any] | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Any = None,
 ) -> list[str]:
     """Write any source (a quire checkpoint, safetensors, Orbax...) as safetensors.
 
@@ -276,8 +264,10 @@ def export(
         Largest shard (default 5 GiB, as HF writes).
     metadata : dict of str, optional
         The ``__metadata__`` (default: the source's, when it has one).
-    progress : callable(nbytes), optional
-        Called after each tensor is written.
+    progress : bool, callable or quire.progress.Progress, optional
+        A progress bar (True), a callback taking a :class:`quire.progress.ProgressEvent`,
+        or a :class:`quire.progress.Progress` (see :func:`quire.save`); the operation is
+        ``"export"``, one object per tensor.
 
     Returns
     -------
@@ -289,18 +279,29 @@ def export(
 
     if format != "safetensors":
         raise ValueError(f"export: unknown format {format!r}; quire exports 'safetensors'")
-    source = src if isinstance(src, Source) else open_source(src, **(storage_options or {}))
+    if not isinstance(src, Source):  # opened here: closed here
+        with open_source(src, **(storage_options or {})) as opened:
+            return export(
+                opened,
+                dst,
+                format=format,
+                select=select,
+                rename=rename,
+                dtype=dtype,
+                max_shard_bytes=max_shard_bytes,
+                metadata=metadata,
+                storage_options=storage_options,
+                progress=progress,
+            )
+    source = src
     d = normalize(dst)
-    return submit(
-        export_async(
-            source,
-            d,
-            select=select,
-            rename=rename,
-            dtype=dtype,
-            max_shard_bytes=max_shard_bytes,
-            metadata=metadata,
-            storage_options=storage_options,
-            progress=progress,
-        )
-    ).result()
+    tensors = _plan(source, select, rename, dtype)
+    limit = DEFAULT_SHARD if max_shard_bytes is None else int(max_shard_bytes)
+    files = _files(d, _shards(tensors, limit), limit)
+    index = f"{d.rstrip('/')}/{INDEX}" if len(files) > 1 else None
+    opts = {k: v for k, v in (storage_options or {}).items() if k not in QUIRE_STORAGE_OPTIONS}
+    meta = dict(metadata if metadata is not None else _source_meta(source))
+    total = sum(t.nbytes for t in tensors)
+    with reporting(progress, "export", d, bytes_total=total, objects_total=len(tensors)):
+        submit(_write_all(files, meta, opts, index)).result()
+    return [u for u, _ in files] + ([index] if index else [])

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 __all__ = [
+    "QUIRE_STORAGE_OPTIONS",
     "Backend",
     "Buffer",
     "ByteBudget",
@@ -48,6 +49,21 @@ __all__ = [
 ]
 
 Buffer = bytes | bytearray | memoryview
+
+#: Storage-option keys that quire's object-store backends consume themselves (retries, part
+#: sizes); fsspec file systems do not take them, so code handing a user's storage options to
+#: fsspec (an export, a source plugin) drops these first.
+QUIRE_STORAGE_OPTIONS = frozenset(
+    {
+        "retry_deadline",
+        "retry_backoff",
+        "retry_max_backoff",
+        "upload_budget",
+        "multipart_threshold",
+        "multipart_chunksize",
+        "read_part_size",
+    }
+)
 
 
 class PreconditionFailed(Exception):

@@ -337,7 +337,7 @@ def test_detect(tmp_path: Path, written: Any) -> None:
     quire.save(str(tmp_path / "q"), {"a": np.ones(3)})
     assert not OrbaxSource.detect(str(tmp_path / "q"), {})
     assert type(quire.open(str(tmp_path / "q"))).__name__ != "OrbaxSource"
-    assert not OrbaxSource.detect("s3://bucket/ckpt", {})
+    assert not OrbaxSource.detect("memory://bucket/ckpt", {})
     (tmp_path / "w.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     assert not OrbaxSource.detect(str(tmp_path / "w.safetensors"), {})
     # file:// URLs are local paths too.
@@ -406,9 +406,9 @@ def test_unknown_layout(tmp_path: Path) -> None:
         quire.open(tmp_path / "nothing", format="orbax")
 
 
-def test_remote_urls_are_refused_clearly() -> None:
-    with pytest.raises(PluginError, match=r"s3://b/ck.*local paths only"):
-        quire.open("s3://b/ck", format="orbax")
+def test_unsupported_protocols_are_refused_clearly() -> None:
+    with pytest.raises(PluginError, match=r"memory://b/ck.*local paths, s3:// and gs://"):
+        quire.open("memory://b/ck", format="orbax")
 
 
 def test_convert_to_quire(tmp_path: Path, written: Any) -> None:
@@ -473,3 +473,48 @@ class TestOrbaxSourceSuite(SourceSuite):
 
         _save_standard(str(directory), surgery.unflatten(arrays, "/"))
         return str(directory)
+
+
+def test_tensorstore_failures_map_to_quire_errors() -> None:
+    from quire_orbax._source import storage_error
+
+    from quire.errors import EndpointUnreachableError, ObjectStorePermissionError
+
+    what = "s3://b/ck: reading params/w"
+    denied = storage_error(ValueError("PERMISSION_DENIED: [http_response_code='403']"), what)
+    assert isinstance(denied, ObjectStorePermissionError) and str(denied).startswith(what)
+    down = storage_error(ValueError("UNAVAILABLE: connection refused"), what)
+    assert isinstance(down, EndpointUnreachableError)
+    other = storage_error(ValueError("NOT_FOUND: chunk 0.0"), what)
+    assert isinstance(other, CorruptCheckpointError) and "damaged or incomplete" in str(other)
+
+
+def test_s3_storage_options_map_onto_tensorstore_s3_kvstore(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from quire_orbax._store import Store
+
+    for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(var, raising=False)
+    anon = Store("s3://bkt/runs/7", {"anon": True, "retry_deadline": 5})
+    assert anon.root == "bkt/runs/7"
+    assert anon.kvstore("bkt/runs/7/params.w") == {
+        "driver": "s3",
+        "bucket": "bkt",
+        "path": "runs/7/params.w/",
+        "aws_credentials": {"type": "anonymous"},
+    }
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")
+    keyed = Store(
+        "s3://bkt/ck",
+        {"key": "id", "secret": "s3cret", "client_kwargs": {"region_name": "eu-west-1"}},
+    )
+    spec = keyed.kvstore("bkt/ck")
+    assert spec["endpoint"] == "http://127.0.0.1:9" and spec["aws_region"] == "eu-west-1"
+    creds = spec["aws_credentials"]
+    assert creds["type"] == "profile" and os.stat(creds["credentials_file"]).st_mode & 0o077 == 0
+    with open(creds["credentials_file"]) as f:
+        assert "s3cret" in f.read()
+    keyed.close()
+    assert not os.path.exists(creds["credentials_file"])
+    assert Store("s3://bkt/ck", {})._aws_credentials() == {"type": "default"}

@@ -23,14 +23,15 @@ What orbax-checkpoint writes (facts this module relies on):
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 from quire.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedLeafError
+from quire_orbax._store import Store, local_path
+
+__all__ = ["Layout", "Leaf", "PytreeItem", "Store", "local_path", "read_layout"]
 
 METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
@@ -54,15 +55,6 @@ EMPTY: dict[str, Callable[[], Any]] = {
 MAX_METADATA_BYTES = 512 << 20
 
 
-def local_path(url: str) -> str | None:
-    """The file-system path of a local URL, or None for any other protocol."""
-    if url.startswith("file://"):
-        return os.path.abspath(unquote(urlsplit(url).path))
-    if "://" in url:
-        return None
-    return os.path.abspath(os.path.expanduser(url))
-
-
 @dataclass(frozen=True)
 class Leaf:
     """One leaf of a pytree item: where it sits and how orbax stored it."""
@@ -77,7 +69,7 @@ class PytreeItem:
     """A directory holding ``_METADATA``: the tree's leaves and storage flags."""
 
     name: str | None
-    path: str
+    path: str  # in the store's terms: a local path, or bucket/prefix
     leaves: list[Leaf]
     use_ocdbt: bool
     use_zarr3: bool
@@ -106,22 +98,21 @@ class Layout:
         )
 
 
-def _read(path: str, url: str, what: str) -> bytes | None:
+def _read(store: Store, path: str, url: str, what: str) -> bytes | None:
     try:
-        size = os.path.getsize(path)
+        size = store.size(path)
         if size > MAX_METADATA_BYTES:
             raise CorruptCheckpointError(
                 f"{url}: {what} is {size} bytes, more than {MAX_METADATA_BYTES}; refusing to "
                 "parse it (is this an Orbax checkpoint?)"
             )
-        with open(path, "rb") as f:
-            return f.read()
+        return store.read(path)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
 
 
-def _json(path: str, url: str, what: str) -> Any:
-    raw = _read(path, url, what)
+def _json(store: Store, path: str, url: str, what: str) -> Any:
+    raw = _read(store, path, url, what)
     if raw is None:
         return None
     try:
@@ -133,27 +124,39 @@ def _json(path: str, url: str, what: str) -> Any:
         ) from e
 
 
-def is_orbax_dir(path: str) -> bool:
+def _join(path: str, *parts: str) -> str:
+    return "/".join([path.rstrip("/"), *parts])
+
+
+def is_orbax_dir(store: Store, path: str) -> bool:
     """Cheap detection: orbax's marker files exist (and it is not a quire checkpoint)."""
-    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "quire.json")):
-        return False
-    names = (METADATA, CHECKPOINT_METADATA, V1_MARKER)
-    if any(os.path.isfile(os.path.join(path, n)) for n in names):
-        return True
-    return bool(manager_steps(path))
-
-
-def manager_steps(path: str) -> list[str]:
-    """Step directories of a ``CheckpointManager`` root (``<root>/<int>/_CHECKPOINT_METADATA``)."""
     try:
-        entries = os.listdir(path)
-    except OSError:
-        return []
+        entries = set(store.listdir(path))
+    except (OSError, ValueError):
+        return False
+    if not entries or "quire.json" in entries:
+        return False
+    if any(
+        store.isfile(_join(path, n))
+        for n in (METADATA, CHECKPOINT_METADATA, V1_MARKER)
+        if n in entries
+    ):
+        return True
+    return bool(manager_steps(store, path, sorted(entries)))
+
+
+def manager_steps(store: Store, path: str, entries: list[str] | None = None) -> list[str]:
+    """Step directories of a ``CheckpointManager`` root (``<root>/<int>/_CHECKPOINT_METADATA``)."""
+    if entries is None:
+        try:
+            entries = store.listdir(path)
+        except OSError:
+            return []
     steps = [
         e
         for e in entries
         if re.fullmatch(r"(?:[A-Za-z_]*_)?\d+", e)
-        and os.path.isfile(os.path.join(path, e, CHECKPOINT_METADATA))
+        and store.isfile(_join(path, e, CHECKPOINT_METADATA))
     ]
     return sorted(steps, key=lambda e: int(re.sub(r"\D", "", e)))
 
@@ -188,9 +191,9 @@ def parse_tree_metadata(meta: Any, url: str) -> list[Leaf]:
     return leaves
 
 
-def read_pytree_item(path: str, url: str, name: str | None) -> PytreeItem:
+def read_pytree_item(store: Store, path: str, url: str, name: str | None) -> PytreeItem:
     where = url if name is None else f"{url} (item {name!r})"
-    meta = _json(os.path.join(path, METADATA), where, "_METADATA")
+    meta = _json(store, _join(path, METADATA), where, "_METADATA")
     if meta is None:
         raise CheckpointNotFoundError(f"{where}: no _METADATA file")
     leaves = parse_tree_metadata(meta, where)
@@ -211,11 +214,11 @@ def read_pytree_item(path: str, url: str, name: str | None) -> PytreeItem:
     )
 
 
-def read_strings(item: PytreeItem, url: str) -> dict[str, Any]:
+def read_strings(store: Store, item: PytreeItem, url: str) -> dict[str, Any]:
     """``_strings.json`` of an item (empty when it has no string leaves)."""
     if not any(leaf.value_type == "string" for leaf in item.leaves):
         return {}
-    data = _json(os.path.join(item.path, STRINGS), url, STRINGS)
+    data = _json(store, _join(item.path, STRINGS), url, STRINGS)
     if not isinstance(data, dict):
         raise CorruptCheckpointError(
             f"{url}: {STRINGS} is missing or not a JSON object, but _METADATA lists string leaves"
@@ -223,43 +226,48 @@ def read_strings(item: PytreeItem, url: str) -> dict[str, Any]:
     return data
 
 
-def read_layout(url: str, path: str) -> Layout:
-    """Find the pytree items (and JSON items) of the Orbax checkpoint at ``path``."""
-    if not os.path.isdir(path):
+def read_layout(url: str, store: Store) -> Layout:
+    """Find the pytree items (and JSON items) of the Orbax checkpoint at ``store.root``."""
+    path = store.root
+    try:
+        entries = store.listdir(path) if store.isdir(path) else []
+    except OSError:
+        entries = []
+    if not entries:
         raise CheckpointNotFoundError(f"{url}: no such directory (an Orbax checkpoint is one)")
-    ckpt_meta = _json(os.path.join(path, CHECKPOINT_METADATA), url, CHECKPOINT_METADATA)
+    ckpt_meta = _json(store, _join(path, CHECKPOINT_METADATA), url, CHECKPOINT_METADATA)
     if ckpt_meta is not None and not isinstance(ckpt_meta, dict):
         raise CorruptCheckpointError(f"{url}: {CHECKPOINT_METADATA} is not a JSON object")
     ckpt_meta = ckpt_meta or {}
-    version = "v1" if os.path.isfile(os.path.join(path, V1_MARKER)) else "v0"
+    version = "v1" if V1_MARKER in entries else "v0"
     layout = Layout(url=url, version=version, checkpoint_metadata=ckpt_meta)
-    if os.path.isfile(os.path.join(path, METADATA)):
-        layout.items[None] = read_pytree_item(path, url, None)
+    if METADATA in entries and store.isfile(_join(path, METADATA)):
+        layout.items[None] = read_pytree_item(store, path, url, None)
         return layout
     handlers = ckpt_meta.get("item_handlers")
     if isinstance(handlers, dict):
         names = [str(n) for n in handlers]
     else:
         # Unknown handlers (older orbax): every sub-directory is a candidate item.
-        names = sorted(e for e in os.listdir(path) if os.path.isdir(os.path.join(path, e)))
+        names = [e for e in entries if store.isdir(_join(path, e))]
         handlers = {}
     for name in names:
-        sub = os.path.join(path, name)
+        sub = _join(path, name)
         handler = str(handlers.get(name, ""))
-        if os.path.isfile(os.path.join(sub, METADATA)):
-            layout.items[name] = read_pytree_item(sub, url, name)
-        elif "Json" in handler and os.path.isfile(os.path.join(sub, JSON_ITEM_FILE)):
-            layout.items[name] = _json(os.path.join(sub, JSON_ITEM_FILE), url, f"{name}/metadata")
+        if store.isfile(_join(sub, METADATA)):
+            layout.items[name] = read_pytree_item(store, sub, url, name)
+        elif "Json" in handler and store.isfile(_join(sub, JSON_ITEM_FILE)):
+            layout.items[name] = _json(store, _join(sub, JSON_ITEM_FILE), url, f"{name}/metadata")
         elif handlers:
             layout.skipped[name] = handler or "unknown handler"
     if not layout.items:
-        steps = manager_steps(path)
+        steps = manager_steps(store, path, entries)
         if steps:
             raise CheckpointNotFoundError(
                 f"{url}: this is an Orbax CheckpointManager directory holding steps "
                 f"{', '.join(steps[-5:])}; open one step, e.g. {url.rstrip('/')}/{steps[-1]}"
             )
-        found = ", ".join(sorted(os.listdir(path))[:10]) or "nothing"
+        found = ", ".join(entries[:10]) or "nothing"
         skipped = f" (items with unsupported handlers: {layout.skipped})" if layout.skipped else ""
         raise CorruptCheckpointError(
             f"{url}: not a readable Orbax checkpoint layout: no {METADATA} here or in an item "

@@ -8,15 +8,20 @@ the item directory), reading only the chunks a region covers.  tensorstore is im
 
 from __future__ import annotations
 
-import os
 from typing import Any, ClassVar
 
 import numpy as np
 
-from quire.errors import CheckpointNotFoundError, CorruptCheckpointError, PluginError
+from quire.errors import (
+    CorruptCheckpointError,
+    EndpointUnreachableError,
+    ObjectStorePermissionError,
+    PluginError,
+)
 from quire.sources import LazyArray, Region, Source
 from quire_orbax import _layout
 from quire_orbax._layout import ARRAY_TYPES, Layout, PytreeItem
+from quire_orbax._store import PROTOCOLS, Store, protocol
 
 # OCDBT b-tree nodes are cached per source (array chunks are not: each is read once).
 _OCDBT_CACHE_BYTES = 64 << 20
@@ -32,17 +37,17 @@ def _tensorstore() -> Any:
     return ts
 
 
-def array_spec(item: PytreeItem, param: str) -> dict[str, Any]:
+def array_spec(store: Store, item: PytreeItem, param: str) -> dict[str, Any]:
     """The tensorstore spec of one orbax array, as orbax itself builds it for reading."""
     if item.use_ocdbt:
         kvstore: dict[str, Any] = {
             "driver": "ocdbt",
-            "base": {"driver": "file", "path": item.path + "/"},
+            "base": store.kvstore(item.path),
             "path": param,
             "cache_pool": "cache_pool#ocdbt",
         }
     else:
-        kvstore = {"driver": "file", "path": os.path.join(item.path, param) + "/"}
+        kvstore = store.kvstore(f"{item.path.rstrip('/')}/{param}")
     return {
         "driver": "zarr3" if item.use_zarr3 else "zarr",
         "kvstore": kvstore,
@@ -56,21 +61,36 @@ def array_spec(item: PytreeItem, param: str) -> dict[str, Any]:
 class TensorstoreReader:
     """A :class:`quire.sources.RegionReader` over one opened tensorstore array."""
 
-    def __init__(self, store: Any, url: str, key: str) -> None:
+    def __init__(self, store: Any, url: str, key: str, where: Store | None = None) -> None:
         self.store = store
         self.url = url
         self.key = key
+        self._where = where  # keeps the location (and its credentials file) alive
 
     async def read_region(self, region: Region) -> np.ndarray:
         try:
             out = await self.store[region].read()
         except Exception as e:
-            raise CorruptCheckpointError(
-                f"{self.url}: reading {self.key}{list(region)} from the Orbax checkpoint failed "
-                f"({type(e).__name__}: {e}); the checkpoint is damaged or incomplete"
-            ) from e
+            raise storage_error(e, f"{self.url}: reading {self.key}{list(region)}") from e
         # Not np.ascontiguousarray: it turns a 0-d array into a 1-d one.
         return np.require(out, requirements="C")
+
+
+def storage_error(e: Exception, what: str) -> Exception:
+    """The quire error for a failed tensorstore open or read (``what`` names URL and leaf).
+
+    tensorstore reports absl status codes in its messages: access and connection failures are
+    storage errors, anything else means the checkpoint is damaged or incomplete.
+    """
+    msg = f"{what} failed ({type(e).__name__}: {e})"
+    text = str(e)
+    if text.startswith(("PERMISSION_DENIED", "UNAUTHENTICATED")):
+        return ObjectStorePermissionError(
+            f"{msg}; check the credentials (storage options key/secret, or the environment)"
+        )
+    if text.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED")):
+        return EndpointUnreachableError(f"{msg}; check the endpoint and the network")
+    return CorruptCheckpointError(f"{msg}; the checkpoint is damaged or incomplete")
 
 
 def _keystr(key_path: tuple[str | int, ...]) -> str:
@@ -123,46 +143,61 @@ class OrbaxSource(Source):
     unwrapped.  JSON items (``JsonSave``) are inline values; items of other handlers are
     listed in ``metadata["skipped_items"]`` and left out.
 
-    Local paths (and ``file://`` URLs) only.
+    Local paths (and ``file://`` URLs), ``s3://`` and ``gs://`` (see
+    :mod:`quire_orbax._store` for how storage options reach tensorstore).
     """
 
     format: ClassVar[str] = "orbax"
 
-    def __init__(self, url: str, tree: Any, metadata: dict[str, Any], context: Any) -> None:
+    def __init__(
+        self,
+        url: str,
+        tree: Any,
+        metadata: dict[str, Any],
+        context: Any,
+        store: Store | None = None,
+    ) -> None:
         self.url = url
         self.tree = tree
         self.metadata = metadata
         self._context = context
+        self._store = store
 
     @classmethod
     def detect(cls, url: str, storage_options: dict[str, Any]) -> bool:
-        path = _layout.local_path(url)
-        if path is None:
+        if protocol(url) not in PROTOCOLS:
             return False
         try:
-            return _layout.is_orbax_dir(path)
-        except OSError:
+            store = Store(url, storage_options)
+            try:
+                return _layout.is_orbax_dir(store, store.root)
+            finally:
+                store.close()
+        except Exception:  # detection never raises: "not mine"
             return False
 
     @classmethod
     def open(cls, url: str, storage_options: dict[str, Any]) -> OrbaxSource:
-        path = _layout.local_path(url)
-        if path is None:
-            raise PluginError(
-                f"{url}: quire-orbax reads Orbax checkpoints on local paths only; copy the "
-                "checkpoint to a local directory first (e.g. gsutil -m cp -r / aws s3 sync)"
-            )
-        if not os.path.exists(path):
-            raise CheckpointNotFoundError(f"{url}: no such Orbax checkpoint directory")
-        layout = _layout.read_layout(url, path)
-        ts = _tensorstore()
-        context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": _OCDBT_CACHE_BYTES}})
-        trees = {name: _open_item(item, url, ts, context) for name, item in layout.items.items()}
+        store = Store(url, storage_options)
+        try:
+            layout = _layout.read_layout(url, store)
+            ts = _tensorstore()
+            context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": _OCDBT_CACHE_BYTES}})
+            trees = {
+                name: _open_item(store, item, url, ts, context)
+                for name, item in layout.items.items()
+            }
+        except BaseException:
+            store.close()
+            raise
         tree = next(iter(trees.values())) if layout.unwrapped else trees
-        return cls(url, tree, _metadata(layout), context)
+        return cls(url, tree, _metadata(layout), context, store)
 
     def close(self) -> None:
         self._context = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
 
 def _metadata(layout: Layout) -> dict[str, Any]:
@@ -193,23 +228,24 @@ def _metadata(layout: Layout) -> dict[str, Any]:
     }
 
 
-def _open_item(item: PytreeItem | Any, url: str, ts: Any, context: Any) -> Any:
+def _open_item(location: Store, item: PytreeItem | Any, url: str, ts: Any, context: Any) -> Any:
     if not isinstance(item, PytreeItem):
         return item  # a JSON item's value
     where = url if item.name is None else f"{url} (item {item.name!r})"
-    strings = _layout.read_strings(item, where)
+    strings = _layout.read_strings(location, item, where)
     stored = [leaf for leaf in item.leaves if leaf.value_type in (*ARRAY_TYPES, "scalar")]
     # Open every array at once (each reads its zarr metadata only), then collect.
-    futures = [ts.open(array_spec(item, leaf.param), context=context, read=True) for leaf in stored]
+    futures = [
+        ts.open(array_spec(location, item, leaf.param), context=context, read=True)
+        for leaf in stored
+    ]
     stores = {}
     for leaf, fut in zip(stored, futures):
         try:
             store = fut.result()
         except Exception as e:
-            raise CorruptCheckpointError(
-                f"{where}: cannot open {_keystr(leaf.key_path)} (orbax param {leaf.param!r}): "
-                f"{type(e).__name__}: {e}; the checkpoint is damaged or incomplete"
-            ) from e
+            what = f"{where}: opening {_keystr(leaf.key_path)} (orbax param {leaf.param!r})"
+            raise storage_error(e, what) from e
         if any(int(m) != 0 for m in store.domain.inclusive_min):
             store = store.translate_to[(0,) * store.rank]
         stores[leaf.param] = store
@@ -225,7 +261,7 @@ def _open_item(item: PytreeItem | Any, url: str, ts: Any, context: Any) -> Any:
                 tuple(int(n) for n in store.shape),
                 np.dtype(store.dtype.numpy_dtype),
                 leaf.key_path,
-                TensorstoreReader(store, where, key),
+                TensorstoreReader(store, where, key, location),
                 url,
             )
         elif leaf.value_type == "scalar":
