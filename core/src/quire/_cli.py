@@ -301,15 +301,37 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- diff
 def cmd_diff(args: argparse.Namespace) -> int:
-    from quire import _describe, _diff
+    import quire
+    from quire.sources import open as open_source
 
-    so = storage_options(args)
-    a = _describe.from_checkpoint(args.a, so)
-    b = _describe.from_checkpoint(args.b, so)
-    values = args.values or args.atol is not None or args.rtol is not None
-    r = _diff.compare(a, b, values=values, atol=args.atol or 0.0, rtol=args.rtol or 0.0)
-    print("\n".join(_diff.render(r, a, b)))
+    so = storage_options(args) or {}
+    sides = [_side_options(so, args.a_options, "--a-options"),
+             _side_options(so, args.b_options, "--b-options")]  # fmt: skip
+    srcs = []
+    try:
+        for url, opts in zip((args.a, args.b), sides):
+            srcs.append(open_source(url, **opts))
+        r = quire.diff(
+            srcs[0], srcs[1], values=args.values, atol=args.atol, rtol=args.rtol,
+            metadata=args.metadata, progress=_progress_on(args),
+        )  # fmt: skip
+    finally:
+        for s in srcs:
+            s.close()
+    print("\n".join(r.lines()))
     return EXIT_OK if r.same else EXIT_DAMAGED
+
+
+def _side_options(so: dict[str, Any], text: str | None, what: str) -> dict[str, Any]:
+    if not text:
+        return dict(so)
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise UsageError(f"{what} takes a JSON object, e.g. '{{\"anon\": true}}'")
+    return {**so, **value}
 
 
 # ----------------------------------------------------------------------------- plugins
@@ -412,14 +434,23 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_cp)
     p = add(
         "diff",
-        "compare two checkpoints: structure, shapes, dtypes, metadata, and with --values "
-        "(or a tolerance) every value (exit 1 when they differ)",
+        "compare two checkpoints or sources (quire, safetensors, HF directory, Orbax...): "
+        "structure, shapes, dtypes, metadata, and with --values (or a tolerance) every "
+        "value, read chunk by chunk (exit 1 when they differ)",
     )
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")
     p.add_argument("--values", action="store_true", help="also compare values exactly")
     p.add_argument("--atol", type=float, help="compare values with this absolute tolerance")
     p.add_argument("--rtol", type=float, help="compare values with this relative tolerance")
+    p.add_argument(
+        "--metadata",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compare user metadata (default: only when A and B are in the same format)",
+    )
+    p.add_argument("--a-options", metavar="JSON", help="storage options for A only")
+    p.add_argument("--b-options", metavar="JSON", help="storage options for B only")
     p.set_defaults(fn=cmd_diff)
     from quire._convert import add_export_parser
 
