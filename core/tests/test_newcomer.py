@@ -126,22 +126,26 @@ def test_info_shows_chunk_grid_codecs_and_layout(
 
 
 # ----------------------------------------------------------------------------- verify / cp
+@pytest.mark.parametrize("layout", ["packed", "chunks"])
 def test_verify_and_cp_count_alike_and_exit_codes(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], layout: str
 ) -> None:
     src = tmp_path / "src"
-    quire.save(src, _tree())
+    quire.save(src, _tree(), layout=layout)
     assert cli(["verify", str(src)]) == 0
     v = capsys.readouterr().out
     assert cli(["cp", str(src), str(tmp_path / "dst")]) == 0
     c = capsys.readouterr().out
     counted = re.compile(r"(\d+ arrays, \d+ chunks, [\d.]+ \w+) verified")
     assert counted.search(v)[1] == counted.search(c)[1] == "3 arrays, 3 chunks, 8.0 KiB"
+    assert cli(["info", str(src)]) == 0
+    assert "  3 arrays, 3 chunks, 8.0 KiB, 1 inline leaves" in capsys.readouterr().out
 
     # damage one chunk: verify prints its path once and exits 1; cp refuses with 1
-    chunks = [p for p in (src / "d").rglob("c/*") if p.is_file()] or [
-        p for p in (src / "d").rglob("*") if p.is_file() and p.name != "zarr.json"
-    ]
+    if layout == "chunks":
+        chunks = [p for p in (src / "d").rglob("c/*") if p.is_file()]
+    else:
+        chunks = [p for p in (src / "d").rglob("%packs/*") if not p.name.endswith(".json")]
     chunk = max(chunks, key=lambda p: p.stat().st_size)
     data = bytearray(chunk.read_bytes())
     data[10] ^= 0xFF
@@ -149,12 +153,45 @@ def test_verify_and_cp_count_alike_and_exit_codes(
     assert cli(["verify", str(src)]) == 1
     out, err = capsys.readouterr()
     bad = [ln for ln in out.splitlines() if ln.startswith("BAD")]
-    rel = str(chunk.relative_to(src))
-    assert len(bad) == 1 and bad[0].count(rel) == 1, bad
-    assert "DAMAGED, 1 of 3 chunks failed" in err
+    assert len(bad) == 1, bad
+    if layout == "chunks":
+        assert bad[0].count(str(chunk.relative_to(src))) == 1, bad
+    assert "DAMAGED, 1 of 3 chunks failed (3 arrays" in err
     assert cli(["cp", str(src), str(tmp_path / "dst2")]) == 1
     assert "CorruptCheckpointError" in capsys.readouterr().err
     assert cli(["verify", str(tmp_path / "nothing")]) == 2
+
+
+@pytest.mark.parametrize("layout", ["packed", "chunks"])
+def test_info_verify_and_cp_progress_count_the_same_chunks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], layout: str
+) -> None:
+    """Sharded arrays, zarr shards (chunk_bytes), a PRNG key, an empty array: info, verify's
+    and cp's summaries and their progress bars all count the same chunks, in both layouts;
+    a damaged zarr.json is named as a header, not counted as a chunk."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("d",))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    tree = {"s": jax.device_put(np.ones((64, 8), np.float32), sh), "k": jax.random.key(1),
+            "big": np.ones((256, 64), np.float32), "e": np.zeros((0, 3)), "n": 1}  # fmt: skip
+    src = tmp_path / "src"
+    quire.save(src, tree, layout=layout,
+               storage=lambda path, leaf: quire.StorageOptions(chunk_bytes=4096)
+               if "big" in str(path) else None)  # fmt: skip
+    want = "4 arrays, 6 chunks"  # s: 4 device shards; k: 1; big: 1 zarr shard; e: none
+    assert cli(["info", str(src)]) == 0
+    assert f"  {want}, " in capsys.readouterr().out
+    assert cli(["verify", str(src), "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert f"OK, {want}, " in out and "6/6 chunks" in err
+    assert cli(["cp", str(src), str(tmp_path / "dst"), "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert f": {want}, " in out and "6/6 chunks" in err, (out, err)
+    if layout == "chunks":
+        header = next(p for p in (src / "d").rglob("zarr.json") if "big" in str(p))
+        header.write_bytes(header.read_bytes()[:-3] + b"!!}")
+        assert cli(["verify", str(src)]) == 1
+        err = capsys.readouterr().err
+        assert "DAMAGED, 0 of 6 chunks failed, and 1 array header(s) (zarr.json)" in err
 
 
 # ----------------------------------------------------------------------------- diff
@@ -304,7 +341,7 @@ def test_cli_progress_bar_in_a_real_terminal(tmp_path: Path) -> None:
         text = buf.decode(errors="replace")
         assert p.returncode == 0, text
         assert f"{label}: 100%" in text and "1.00M/1.00M" in text and "B/s" in text, text
-        assert "objects" in text
+        assert "/1 chunks" in text  # the unit verify's and cp's summaries count
 
     # not a terminal: no bar
     out = subprocess.run([*QUIRE, "verify", str(src)], capture_output=True, text=True)

@@ -120,9 +120,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"  format v{m.format_version}, written by quire {m.library_version}, "
         f"{m.process_count} process(es), created {m.created.isoformat()}"
     )
-    print(
-        f"  {totals['arrays']} arrays ({_human(totals['bytes'])}), {totals['inline']} inline leaves"
-    )
+    from quire._describe import counts
+
+    print(f"  {_summary(counts(m.tree))}, {totals['inline']} inline leaves")
     others = {n: k for n, k in m.units.items() if k != "pytree"}
     if others:
         print("  units: " + ", ".join(f"{n} ({k})" for n, k in others.items()))
@@ -147,7 +147,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     so = storage_options(args)
     c = _describe.counts(quire.metadata(url, storage_options=so).tree)
     with _progress.reporting(
-        _progress_on(args), "verify", url, bytes_total=c.nbytes, objects_total=c.chunks
+        _progress_on(args),
+        "verify",
+        url,
+        bytes_total=c.nbytes,
+        objects_total=c.chunks,
+        objects_name="chunks",
     ):
         _, problems = _io.submit(_engine.verify(url, so)).result()
     for p in problems:
@@ -156,8 +161,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         err = err[len(prefix) :] if err.startswith(prefix) else err
         print(f"BAD  {p.path}: {p.object}: {err}")
     if problems:
+        from quire._copy import is_chunk
+
+        bad = sum(is_chunk(p.object) for p in problems)
+        headers = len(problems) - bad
+        also = f", and {headers} array header(s) (zarr.json)" if headers else ""
         print(
-            f"{url}: DAMAGED, {len(problems)} of {c.chunks} chunks failed ({_summary(c)})",
+            f"{url}: DAMAGED, {bad} of {c.chunks} chunks failed{also} ({_summary(c)})",
             file=sys.stderr,
         )
         return EXIT_DAMAGED
@@ -190,14 +200,15 @@ def cmd_cp(args: argparse.Namespace) -> int:
         return rc
     c = _describe.counts(quire.metadata(args.src, storage_options=sides[0]).tree)
     on = _progress_on(args) and not args.quiet
-    with _progress.reporting(on, "cp", args.src) as rep:
-        last = [0]
+    with _progress.reporting(on, "cp", args.src, objects_total=c.chunks,
+                             objects_name="chunks") as rep:  # fmt: skip
+        last = [0, 0]
 
-        def step(done: int, total: int, nbytes: int, est: int) -> None:
-            if rep is not None:
+        def step(chunks: int, total: int, nbytes: int, est: int) -> None:
+            if rep is not None:  # chunks, as verify and info count them
                 rep.set_total(est, total)
-                rep.advance(nbytes - last[0])
-                last[0] = nbytes
+                rep.advance(nbytes - last[0], chunks - last[1])
+                last[:] = [nbytes, chunks]
 
         res = _io.submit(
             copy_checkpoint(args.src, args.dst, overwrite=args.overwrite,
@@ -206,7 +217,8 @@ def cmd_cp(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(
             f"copied {res.src} -> {res.dst}: {_summary(c)} verified "
-            f"({res.objects} objects, {_human(res.bytes)} written) in {res.seconds:.1f}s"
+            f"(stored as {res.objects} objects, {_human(res.bytes)} written) "
+            f"in {res.seconds:.1f}s"
         )
     return EXIT_OK
 
