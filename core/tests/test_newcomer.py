@@ -73,6 +73,30 @@ def test_storage_options_forms(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "JSON object" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["info", "M"],
+        ["verify", "M"],
+        ["ls", "M"],
+        ["gc", "M"],
+        ["gc", "M", "--yes"],
+        ["cp", "M", "D"],
+        ["diff", "M", "M"],
+        ["export", "M", "D"],
+    ],
+    ids=lambda a: " ".join(a),
+)
+def test_every_command_exits_2_when_nothing_is_at_the_url(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    missing = str(tmp_path / "missing")
+    args = [missing if a == "M" else str(tmp_path / "dst") if a == "D" else a for a in argv]
+    assert cli(args) == 2
+    assert missing in capsys.readouterr().err
+    assert not (tmp_path / "dst").exists()
+
+
 # ----------------------------------------------------------------------------- ls / info
 def test_ls_lists_any_checkpoint_and_marks_checkpointer_steps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

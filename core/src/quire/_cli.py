@@ -237,6 +237,16 @@ def _is_root(backend: Any) -> bool:
     return bool(_io.submit(backend.exists(_gc.ROOT_RECORD)).result())
 
 
+def _nothing_at(backend: Any) -> bool:
+    from quire import _io
+
+    try:
+        files, dirs = _io.submit(backend.list_dir("")).result()
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    return not files and not dirs
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     from quire import _describe, _engine, _gc_cli, _io, _scan
 
@@ -248,8 +258,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )  # fmt: skip
     s = _io.submit(_scan.scan(backend, opener)).result()
     if not s.checkpoints:
-        files, dirs = _io.submit(backend.list_dir("")).result()
-        if not files and not dirs:
+        if _nothing_at(backend):
             print(f"quire ls: {u}: not found (nothing is stored there)", file=sys.stderr)
             return EXIT_USAGE
         print(f"{u}: no checkpoints (searched {_scan.MAX_DEPTH} levels deep)")
@@ -303,6 +312,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
             u, yes=args.yes, grace_period=args.grace, step_format=args.step_format,
             storage_options=so,
         )  # fmt: skip
+    if _nothing_at(backend):
+        print(f"quire gc: {u}: not found (nothing is stored there)", file=sys.stderr)
+        return EXIT_USAGE
     with _progress.reporting(_progress_on(args) and args.yes, "gc", u):
         report = _io.submit(
             _scan.collect_any(backend, u, opener, grace_period=args.grace, dry_run=not args.yes)
