@@ -669,7 +669,7 @@ def test_cp_progress_counts_chunks_as_verify_does(tmp_path: Path) -> None:
 
 
 def test_every_command_takes_storage_options(s3_store: Store, tmp_path: Path) -> None:
-    """Issue 14: info / verify / ls / gc / diff on S3 with `-o key=value` or JSON, no env."""
+    """Issue 14: every command on S3 with `-o key=value` or JSON, no env."""
     url = s3_store.url()
     quire.save(url, build_tree(3), storage_options=s3_store.options())
     as_o = [a for k, v in s3_store.options().items() for a in ("-o", f"{k}={json.dumps(v)}")]
@@ -680,3 +680,9 @@ def test_every_command_takes_storage_options(s3_store: Store, tmp_path: Path) ->
         assert cli("ls", url, *opts) == 0
         assert cli("gc", url, *opts) == 0
         assert cli("diff", url, url, "--values", *opts) == 0
+        # cp, export, a conversion and a cross-format diff, all on S3
+        copy, st, conv = s3_store.url(), f"{s3_store.url()}/m.safetensors", s3_store.url()
+        assert cli("cp", url, copy, "-q", *opts) == 0
+        assert cli("export", copy, st, "-q", *opts) == 0
+        assert cli("cp", st, conv, "-q", *opts) == 0
+        assert cli("diff", conv, st, "--values", *opts) == 0

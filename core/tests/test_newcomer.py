@@ -65,8 +65,8 @@ def test_storage_options_forms(tmp_path: Path, capsys: pytest.CaptureFixture[str
          "--storage-options", '{"retries": 3, "anon": false}']
     )
     assert storage_options(args) == {"retries": 3, "anon": True, "endpoint_url": "http://h:1"}
-    for cmd in ("info", "verify", "ls", "gc", "cp", "diff"):
-        extra = ["y"] if cmd in ("cp", "diff") else []
+    for cmd in ("info", "verify", "ls", "gc", "cp", "diff", "export"):
+        extra = ["y"] if cmd in ("cp", "diff", "export") else []
         assert cli([cmd, str(tmp_path), *extra, "-o", "novalue"]) == 2
         assert "KEY=VALUE" in capsys.readouterr().err
     assert cli(["info", str(tmp_path), "--storage-options", "[1]"]) == 2

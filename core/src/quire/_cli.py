@@ -195,6 +195,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
         if not isinstance(value, dict):
             raise UsageError(f"{what} takes a JSON object, e.g. '{{\"anon\": true}}'")
         sides.append({**(so or {}), **value})
+    _merge_side_options(args)  # -o / --storage-options reach a conversion's both sides
     rc = cp_from_source(args)  # SRC in another format (safetensors, Orbax...): convert it
     if rc is not None:
         return rc
@@ -479,7 +480,39 @@ def parser() -> argparse.ArgumentParser:
     from quire._convert import add_export_parser
 
     add_export_parser(sub)
+    export = sub.choices["export"]
+    if "-o" not in export._option_string_actions:  # export's own parser: add -o / JSON
+        g = export.add_argument_group("storage")
+        g.add_argument(
+            "-o",
+            "--option",
+            action="append",
+            metavar="KEY=VALUE",
+            help="an fsspec storage option for SRC and DST (repeatable)",
+        )
+        g.add_argument("--storage-options", metavar="JSON",
+                       help="fsspec storage options for SRC and DST, as JSON")  # fmt: skip
+        export.set_defaults(fn=_with_storage_options(export.get_default("fn")))
     return p0
+
+
+def _with_storage_options(fn: Any) -> Any:
+    """``fn`` (a command reading only ``--src-options`` / ``--dst-options``) with ``-o`` and
+    ``--storage-options`` applied to both sides (a side's own JSON wins)."""
+
+    def run(args: argparse.Namespace) -> int:
+        _merge_side_options(args)
+        return int(fn(args))
+
+    return run
+
+
+def _merge_side_options(args: argparse.Namespace) -> None:
+    so = storage_options(args)
+    if not so:
+        return
+    for attr, what in (("src_options", "--src-options"), ("dst_options", "--dst-options")):
+        setattr(args, attr, json.dumps(_side_options(so, getattr(args, attr), what)))
 
 
 def main(argv: list[str] | None = None) -> int:
