@@ -290,12 +290,30 @@ def test_gc_reclaims_killed_saves_under_plain_urls(
     assert f"would remove d/{stale[0].name}/" in capsys.readouterr().out
     assert cli(["gc", str(live), "--yes"]) == 0
     assert "removed 1 item" in capsys.readouterr().out and not stale[0].exists()
-    assert cli(["gc", str(tmp_path / "ckpt"), "--yes"]) == 0
-    out = capsys.readouterr().out
+    assert cli(["gc", str(tmp_path / "ckpt"), "--yes", "--progress"]) == 0
+    out, err = capsys.readouterr()
     assert "step_200/d/" in out and "never committed" in out
+    assert re.search(r"gc: 100%.* (\S+)/\1 .*1/1 objects", err), err  # bytes and items removed
     assert not any(p.is_file() for p in fresh.rglob("*"))
     assert {p for p in live.rglob("*") if p.is_file()} == referenced
     np.testing.assert_array_equal(quire.load(live)["w"], _tree()["w"])
+
+
+def test_gc_of_a_checkpointer_root_shows_progress(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "run"
+    with quire.Checkpointer(root) as c:
+        c.save(1, _tree())
+    crashed = root / "step_00000002"
+    _killed_save(crashed, overwrite=False)  # an uncommitted step
+    old = time.time() - 7200
+    for p in [crashed, *crashed.rglob("*")]:
+        os.utime(p, (old, old))
+    assert cli(["gc", str(root), "--yes", "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "removed step_00000002/" in out and not crashed.exists()
+    assert re.search(r"gc: 100%.* (\S+)/\1 .*1/1 objects", err), err
 
 
 def test_drop_warning_says_why_and_names_gc(caplog: pytest.LogCaptureFixture) -> None:
@@ -341,8 +359,9 @@ def test_cli_progress_bar_in_a_real_terminal(tmp_path: Path) -> None:
 
     src = tmp_path / "src"
     quire.save(src, {"x": np.ones((512, 512), np.float32)})
-    for args, label in ((["verify", str(src)], "verify"),
-                        (["cp", str(src), str(tmp_path / "dst")], "cp")):  # fmt: skip
+    for args, label, unit in ((["verify", str(src)], "verify", "1/1 chunks"),
+                              (["cp", str(src), str(tmp_path / "dst")], "cp", "1/1 chunks"),
+                              (["diff", str(src), str(src), "--values"], "diff", "1/1 leaves")):  # fmt: skip
         master, slave = pty.openpty()
         p = subprocess.Popen([*QUIRE, *args], stdin=slave, stdout=slave, stderr=slave)
         os.close(slave)
@@ -365,7 +384,7 @@ def test_cli_progress_bar_in_a_real_terminal(tmp_path: Path) -> None:
         text = buf.decode(errors="replace")
         assert p.returncode == 0, text
         assert f"{label}: 100%" in text and "1.00M/1.00M" in text and "B/s" in text, text
-        assert "/1 chunks" in text  # the unit verify's and cp's summaries count
+        assert unit in text  # chunks: the unit verify's and cp's summaries count
 
     # not a terminal: no bar
     out = subprocess.run([*QUIRE, "verify", str(src)], capture_output=True, text=True)

@@ -309,10 +309,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
     so = storage_options(args)
     backend, u, opener = _open(args.root, so)
     if args.step_format is not None or _is_root(backend):
-        return _gc_cli.cli_gc(
-            u, yes=args.yes, grace_period=args.grace, step_format=args.step_format,
-            storage_options=so,
-        )  # fmt: skip
+        with _progress.reporting(_progress_on(args) and args.yes, "gc", u):
+            return _gc_cli.cli_gc(
+                u, yes=args.yes, grace_period=args.grace, step_format=args.step_format,
+                storage_options=so,
+            )  # fmt: skip
     if _nothing_at(backend):
         print(f"quire gc: {u}: not found (nothing is stored there)", file=sys.stderr)
         return EXIT_USAGE

@@ -282,7 +282,8 @@ def _values(
             if not _inline_equal(x, y):
                 r.changed.append(f"{k}: value {x!r} vs {y!r}")
     total = sum(math.prod(_describe(x)[1]) * _itemsize(x) for _, x, _ in arrays)
-    rep = _progress.make(progress, "diff", r.a, bytes_total=total, objects_total=len(arrays))
+    rep = _progress.make(progress, "diff", r.a, bytes_total=total, objects_total=len(arrays),
+                         objects_name="leaves")  # fmt: skip
 
     async def run() -> None:
         for k, x, y in arrays:
