@@ -157,8 +157,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         _, problems = _io.submit(_engine.verify(url, so)).result()
     for p in problems:
         err = str(p.error)
-        prefix = f"chunk {p.object}: "
-        err = err[len(prefix) :] if err.startswith(prefix) else err
+        for prefix in (f"chunk {p.object}: ", f"{p.object}: "):  # the path is printed once
+            err = err[len(prefix) :] if err.startswith(prefix) else err
         print(f"BAD  {p.path}: {p.object}: {err}")
     if problems:
         from quire._copy import is_chunk
