@@ -111,3 +111,21 @@ def test_api_reference_covers_the_public_api() -> None:
             continue
         missing.append(name)
     assert missing == [], f"not in docs/api.md: {missing}"
+
+
+def test_tests_and_files_the_docs_name_exist() -> None:
+    """A doc that says "test_x checks this" or "tests/test_y.py runs it" stays true: the
+    named test functions and files exist (skip reasons included)."""
+    sources = "\n".join(
+        f.read_text()
+        for d in ("core/tests", "tests", "plugins", "backends")
+        for f in (REPO / d).rglob("test*.py")
+    )
+    for path in FILES:
+        text = path.read_text()
+        for name in re.findall(r"\b(test_\w+)\b(?!\.py)", text):
+            assert f"def {name}(" in sources, f"{path.name} names {name}, which does not exist"
+        for rel in re.findall(r"\b((?:core/|plugins/\w+/|backends/\w+/)?tests/[\w/]+\.py)", text):
+            if path.name == "writing-a-plugin.md" and rel == "tests/test_conformance.py":
+                continue  # the layout of the reader's own plugin, not of this repository
+            assert (REPO / rel).is_file(), f"{path.name} names {rel}, which does not exist"
