@@ -129,3 +129,15 @@ def test_tests_and_files_the_docs_name_exist() -> None:
             if path.name == "writing-a-plugin.md" and rel == "tests/test_conformance.py":
                 continue  # the layout of the reader's own plugin, not of this repository
             assert (REPO / rel).is_file(), f"{path.name} names {rel}, which does not exist"
+
+
+def test_relative_links_lead_somewhere() -> None:
+    """README and docs links to files of the repository resolve in a clone (the README once
+    pointed at ../shared/DESIGN.md, outside the repository)."""
+    for path in FILES:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+            if re.match(r"[a-z]+://|mailto:", target):
+                continue
+            resolved = (path.parent / target).resolve()
+            assert resolved.is_relative_to(REPO), f"{path.name}: {target} leaves the repository"
+            assert resolved.exists(), f"{path.name}: {target} does not exist"
