@@ -195,7 +195,9 @@ def cmd_cp(args: argparse.Namespace) -> int:
         if not isinstance(value, dict):
             raise UsageError(f"{what} takes a JSON object, e.g. '{{\"anon\": true}}'")
         sides.append({**(so or {}), **value})
-    _merge_side_options(args)  # -o / --storage-options reach a conversion's both sides
+    from quire._cli_sources import merge_side_options
+
+    merge_side_options(args)  # -o / --storage-options reach a conversion's both sides
     rc = cp_from_source(args)  # SRC in another format (safetensors, Orbax...): convert it
     if rc is not None:
         return rc
@@ -325,41 +327,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# ----------------------------------------------------------------------------- diff
-def cmd_diff(args: argparse.Namespace) -> int:
-    import quire
-    from quire.sources import open as open_source
-
-    so = storage_options(args) or {}
-    sides = [_side_options(so, args.a_options, "--a-options"),
-             _side_options(so, args.b_options, "--b-options")]  # fmt: skip
-    srcs = []
-    try:
-        for url, opts in zip((args.a, args.b), sides):
-            srcs.append(open_source(url, **opts))
-        r = quire.diff(
-            srcs[0], srcs[1], values=args.values, atol=args.atol, rtol=args.rtol,
-            metadata=args.metadata, progress=_progress_on(args),
-        )  # fmt: skip
-    finally:
-        for s in srcs:
-            s.close()
-    print("\n".join(r.lines()))
-    return EXIT_OK if r.same else EXIT_DAMAGED
-
-
-def _side_options(so: dict[str, Any], text: str | None, what: str) -> dict[str, Any]:
-    if not text:
-        return dict(so)
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise UsageError(f"{what} takes a JSON object, e.g. '{{\"anon\": true}}'")
-    return {**so, **value}
-
-
 # ----------------------------------------------------------------------------- plugins
 def cmd_plugins(args: argparse.Namespace) -> int:
     from quire._registry import registries
@@ -458,62 +425,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dst-options", metavar="JSON", help="storage options for DST only")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     p.set_defaults(fn=cmd_cp)
-    p = add(
-        "diff",
-        "compare two checkpoints or sources (quire, safetensors, HF directory, Orbax...): "
-        "structure, shapes, dtypes, metadata, and with --values (or a tolerance) every "
-        "value, read chunk by chunk (exit 1 when they differ)",
-    )
-    p.add_argument("a", metavar="A")
-    p.add_argument("b", metavar="B")
-    p.add_argument("--values", action="store_true", help="also compare values exactly")
-    p.add_argument("--atol", type=float, help="compare values with this absolute tolerance")
-    p.add_argument("--rtol", type=float, help="compare values with this relative tolerance")
-    p.add_argument(
-        "--metadata",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="compare user metadata (default: only when A and B are in the same format)",
-    )
-    p.add_argument("--a-options", metavar="JSON", help="storage options for A only")
-    p.add_argument("--b-options", metavar="JSON", help="storage options for B only")
-    p.set_defaults(fn=cmd_diff)
+    from quire._cli_sources import add_diff_parser, add_storage_options_to_export
+
+    add_diff_parser(add)
     from quire._convert import add_export_parser
 
     add_export_parser(sub)
-    export = sub.choices["export"]
-    if "-o" not in export._option_string_actions:  # export's own parser: add -o / JSON
-        g = export.add_argument_group("storage")
-        g.add_argument(
-            "-o",
-            "--option",
-            action="append",
-            metavar="KEY=VALUE",
-            help="an fsspec storage option for SRC and DST (repeatable)",
-        )
-        g.add_argument("--storage-options", metavar="JSON",
-                       help="fsspec storage options for SRC and DST, as JSON")  # fmt: skip
-        export.set_defaults(fn=_with_storage_options(export.get_default("fn")))
+    add_storage_options_to_export(sub.choices["export"])
     return p0
-
-
-def _with_storage_options(fn: Any) -> Any:
-    """``fn`` (a command reading only ``--src-options`` / ``--dst-options``) with ``-o`` and
-    ``--storage-options`` applied to both sides (a side's own JSON wins)."""
-
-    def run(args: argparse.Namespace) -> int:
-        _merge_side_options(args)
-        return int(fn(args))
-
-    return run
-
-
-def _merge_side_options(args: argparse.Namespace) -> None:
-    so = storage_options(args)
-    if not so:
-        return
-    for attr, what in (("src_options", "--src-options"), ("dst_options", "--dst-options")):
-        setattr(args, attr, json.dumps(_side_options(so, getattr(args, attr), what)))
 
 
 def main(argv: list[str] | None = None) -> int:
