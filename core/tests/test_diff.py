@@ -107,7 +107,7 @@ def test_quire_vs_the_safetensors_it_was_converted_from(
     out = capsys.readouterr().out
     assert "(quire)" in out and "(safetensors)" in out
     assert "# metadata not compared (quire vs safetensors)" in out
-    assert "values of 4 leaves equal" in out
+    assert "same structure, shapes and dtypes (4 leaves, values of 4 leaves equal)" in out
 
     # the same weights, one tensor nudged by 1e-5: equal within 1e-4, different beyond 1e-6
     w = _weights()

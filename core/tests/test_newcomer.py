@@ -240,7 +240,7 @@ def test_diff(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     quire.save(d, other, metadata={"loss": 0.5})
 
     assert cli(["diff", a, b, "--values"]) == 0
-    assert "same structure" in capsys.readouterr().out
+    assert "same structure, shapes, dtypes and metadata (4 leaves" in capsys.readouterr().out
     assert cli(["diff", a, c]) == 0  # structure only: same
     capsys.readouterr()
     assert cli(["diff", a, c, "--values"]) == 1

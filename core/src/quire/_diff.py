@@ -54,6 +54,8 @@ class DiffReport:
         Leaves whose values were compared.
     bytes_compared : int
         Bytes read per side to compare values.
+    metadata_compared : bool
+        Whether user metadata was compared (see ``metadata=`` of :func:`quire.diff`).
     """
 
     a: str = ""
@@ -67,6 +69,7 @@ class DiffReport:
     notes: list[str] = field(default_factory=list)
     values_compared: int = 0
     bytes_compared: int = 0
+    metadata_compared: bool = False
 
     @property
     def same(self) -> bool:
@@ -86,7 +89,8 @@ class DiffReport:
             extra = (
                 f", values of {self.values_compared} leaves equal" if self.values_compared else ""
             )
-            out.append(f"same structure, shapes, dtypes and metadata ({self.leaves} leaves{extra})")
+            what = "shapes, dtypes and metadata" if self.metadata_compared else "shapes and dtypes"
+            out.append(f"same structure, {what} ({self.leaves} leaves{extra})")
         return out
 
 
@@ -257,6 +261,7 @@ def _compare(
                 "pass --metadata (metadata=True) to compare it anyway"
             )
     if metadata:
+        r.metadata_compared = True
         ma, mb = _user_metadata(sa), _user_metadata(sb)
         for key in sorted(set(ma) | set(mb), key=str):
             va, vb = ma.get(key, "<absent>"), mb.get(key, "<absent>")
