@@ -65,12 +65,36 @@ def test_storage_options_forms(tmp_path: Path, capsys: pytest.CaptureFixture[str
          "--storage-options", '{"retries": 3, "anon": false}']
     )
     assert storage_options(args) == {"retries": 3, "anon": True, "endpoint_url": "http://h:1"}
-    for cmd in ("info", "verify", "ls", "gc", "cp", "diff"):
-        extra = ["y"] if cmd in ("cp", "diff") else []
+    for cmd in ("info", "verify", "ls", "gc", "cp", "diff", "export"):
+        extra = ["y"] if cmd in ("cp", "diff", "export") else []
         assert cli([cmd, str(tmp_path), *extra, "-o", "novalue"]) == 2
         assert "KEY=VALUE" in capsys.readouterr().err
     assert cli(["info", str(tmp_path), "--storage-options", "[1]"]) == 2
     assert "JSON object" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["info", "M"],
+        ["verify", "M"],
+        ["ls", "M"],
+        ["gc", "M"],
+        ["gc", "M", "--yes"],
+        ["cp", "M", "D"],
+        ["diff", "M", "M"],
+        ["export", "M", "D"],
+    ],
+    ids=lambda a: " ".join(a),
+)
+def test_every_command_exits_2_when_nothing_is_at_the_url(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    missing = str(tmp_path / "missing")
+    args = [missing if a == "M" else str(tmp_path / "dst") if a == "D" else a for a in argv]
+    assert cli(args) == 2
+    assert missing in capsys.readouterr().err
+    assert not (tmp_path / "dst").exists()
 
 
 # ----------------------------------------------------------------------------- ls / info
@@ -108,6 +132,13 @@ def test_info_and_load_of_a_checkpointer_root_name_the_steps(
         quire.load(root)
     assert cli(["info", str(root)]) == 2
     assert "steps are 1, 2" in capsys.readouterr().err
+    # the commands taking any source (diff, cp, export) and quire.open say the same
+    with pytest.raises(quire.CheckpointNotFoundError, match=r"Checkpointer root.*steps are 1, 2"):
+        quire.open(root)
+    for argv in (["diff", str(root), str(root)], ["cp", str(root), str(tmp_path / "x")],
+                 ["export", str(root), str(tmp_path / "y")]):  # fmt: skip
+        assert cli(argv) == 2
+        assert "steps are 1, 2" in capsys.readouterr().err
 
 
 def test_info_shows_chunk_grid_codecs_and_layout(
@@ -126,22 +157,26 @@ def test_info_shows_chunk_grid_codecs_and_layout(
 
 
 # ----------------------------------------------------------------------------- verify / cp
+@pytest.mark.parametrize("layout", ["packed", "chunks"])
 def test_verify_and_cp_count_alike_and_exit_codes(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], layout: str
 ) -> None:
     src = tmp_path / "src"
-    quire.save(src, _tree())
+    quire.save(src, _tree(), layout=layout)
     assert cli(["verify", str(src)]) == 0
     v = capsys.readouterr().out
     assert cli(["cp", str(src), str(tmp_path / "dst")]) == 0
     c = capsys.readouterr().out
     counted = re.compile(r"(\d+ arrays, \d+ chunks, [\d.]+ \w+) verified")
     assert counted.search(v)[1] == counted.search(c)[1] == "3 arrays, 3 chunks, 8.0 KiB"
+    assert cli(["info", str(src)]) == 0
+    assert "  3 arrays, 3 chunks, 8.0 KiB, 1 inline leaves" in capsys.readouterr().out
 
     # damage one chunk: verify prints its path once and exits 1; cp refuses with 1
-    chunks = [p for p in (src / "d").rglob("c/*") if p.is_file()] or [
-        p for p in (src / "d").rglob("*") if p.is_file() and p.name != "zarr.json"
-    ]
+    if layout == "chunks":
+        chunks = [p for p in (src / "d").rglob("c/*") if p.is_file()]
+    else:
+        chunks = [p for p in (src / "d").rglob("%packs/*") if not p.name.endswith(".json")]
     chunk = max(chunks, key=lambda p: p.stat().st_size)
     data = bytearray(chunk.read_bytes())
     data[10] ^= 0xFF
@@ -149,12 +184,47 @@ def test_verify_and_cp_count_alike_and_exit_codes(
     assert cli(["verify", str(src)]) == 1
     out, err = capsys.readouterr()
     bad = [ln for ln in out.splitlines() if ln.startswith("BAD")]
-    rel = str(chunk.relative_to(src))
-    assert len(bad) == 1 and bad[0].count(rel) == 1, bad
-    assert "DAMAGED, 1 of 3 chunks failed" in err
+    assert len(bad) == 1, bad
+    key = bad[0].split()[2].rstrip(":")  # BAD  LEAF: OBJECT: why
+    assert "/c/" in key and bad[0].count(key) == 1, bad
+    if layout == "chunks":
+        assert key == str(chunk.relative_to(src)), bad
+    assert "DAMAGED, 1 of 3 chunks failed (3 arrays" in err
     assert cli(["cp", str(src), str(tmp_path / "dst2")]) == 1
     assert "CorruptCheckpointError" in capsys.readouterr().err
     assert cli(["verify", str(tmp_path / "nothing")]) == 2
+
+
+@pytest.mark.parametrize("layout", ["packed", "chunks"])
+def test_info_verify_and_cp_progress_count_the_same_chunks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], layout: str
+) -> None:
+    """Sharded arrays, zarr shards (chunk_bytes), a PRNG key, an empty array: info, verify's
+    and cp's summaries and their progress bars all count the same chunks, in both layouts;
+    a damaged zarr.json is named as a header, not counted as a chunk."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("d",))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    tree = {"s": jax.device_put(np.ones((64, 8), np.float32), sh), "k": jax.random.key(1),
+            "big": np.ones((256, 64), np.float32), "e": np.zeros((0, 3)), "n": 1}  # fmt: skip
+    src = tmp_path / "src"
+    quire.save(src, tree, layout=layout,
+               storage=lambda path, leaf: quire.StorageOptions(chunk_bytes=4096)
+               if "big" in str(path) else None)  # fmt: skip
+    want = "4 arrays, 6 chunks"  # s: 4 device shards; k: 1; big: 1 zarr shard; e: none
+    assert cli(["info", str(src)]) == 0
+    assert f"  {want}, " in capsys.readouterr().out
+    assert cli(["verify", str(src), "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert f"OK, {want}, " in out and "6/6 chunks" in err
+    assert cli(["cp", str(src), str(tmp_path / "dst"), "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert f": {want}, " in out and "6/6 chunks" in err, (out, err)
+    if layout == "chunks":
+        header = next(p for p in (src / "d").rglob("zarr.json") if "big" in str(p))
+        header.write_bytes(header.read_bytes()[:-3] + b"!!}")
+        assert cli(["verify", str(src)]) == 1
+        err = capsys.readouterr().err
+        assert "DAMAGED, 0 of 6 chunks failed, and 1 array header(s) (zarr.json)" in err
 
 
 # ----------------------------------------------------------------------------- diff
@@ -170,7 +240,7 @@ def test_diff(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     quire.save(d, other, metadata={"loss": 0.5})
 
     assert cli(["diff", a, b, "--values"]) == 0
-    assert "same structure" in capsys.readouterr().out
+    assert "same structure, shapes, dtypes and metadata (4 leaves" in capsys.readouterr().out
     assert cli(["diff", a, c]) == 0  # structure only: same
     capsys.readouterr()
     assert cli(["diff", a, c, "--values"]) == 1
@@ -229,12 +299,30 @@ def test_gc_reclaims_killed_saves_under_plain_urls(
     assert f"would remove d/{stale[0].name}/" in capsys.readouterr().out
     assert cli(["gc", str(live), "--yes"]) == 0
     assert "removed 1 item" in capsys.readouterr().out and not stale[0].exists()
-    assert cli(["gc", str(tmp_path / "ckpt"), "--yes"]) == 0
-    out = capsys.readouterr().out
+    assert cli(["gc", str(tmp_path / "ckpt"), "--yes", "--progress"]) == 0
+    out, err = capsys.readouterr()
     assert "step_200/d/" in out and "never committed" in out
+    assert re.search(r"gc: 100%.* (\S+)/\1 .*1/1 objects", err), err  # bytes and items removed
     assert not any(p.is_file() for p in fresh.rglob("*"))
     assert {p for p in live.rglob("*") if p.is_file()} == referenced
     np.testing.assert_array_equal(quire.load(live)["w"], _tree()["w"])
+
+
+def test_gc_of_a_checkpointer_root_shows_progress(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "run"
+    with quire.Checkpointer(root) as c:
+        c.save(1, _tree())
+    crashed = root / "step_00000002"
+    _killed_save(crashed, overwrite=False)  # an uncommitted step
+    old = time.time() - 7200
+    for p in [crashed, *crashed.rglob("*")]:
+        os.utime(p, (old, old))
+    assert cli(["gc", str(root), "--yes", "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "removed step_00000002/" in out and not crashed.exists()
+    assert re.search(r"gc: 100%.* (\S+)/\1 .*1/1 objects", err), err
 
 
 def test_drop_warning_says_why_and_names_gc(caplog: pytest.LogCaptureFixture) -> None:
@@ -280,8 +368,9 @@ def test_cli_progress_bar_in_a_real_terminal(tmp_path: Path) -> None:
 
     src = tmp_path / "src"
     quire.save(src, {"x": np.ones((512, 512), np.float32)})
-    for args, label in ((["verify", str(src)], "verify"),
-                        (["cp", str(src), str(tmp_path / "dst")], "cp")):  # fmt: skip
+    for args, label, unit in ((["verify", str(src)], "verify", "1/1 chunks"),
+                              (["cp", str(src), str(tmp_path / "dst")], "cp", "1/1 chunks"),
+                              (["diff", str(src), str(src), "--values"], "diff", "1/1 leaves")):  # fmt: skip
         master, slave = pty.openpty()
         p = subprocess.Popen([*QUIRE, *args], stdin=slave, stdout=slave, stderr=slave)
         os.close(slave)
@@ -304,7 +393,7 @@ def test_cli_progress_bar_in_a_real_terminal(tmp_path: Path) -> None:
         text = buf.decode(errors="replace")
         assert p.returncode == 0, text
         assert f"{label}: 100%" in text and "1.00M/1.00M" in text and "B/s" in text, text
-        assert "objects" in text
+        assert unit in text  # chunks: the unit verify's and cp's summaries count
 
     # not a terminal: no bar
     out = subprocess.run([*QUIRE, "verify", str(src)], capture_output=True, text=True)

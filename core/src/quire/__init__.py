@@ -18,6 +18,7 @@ from quire._api import (
 )
 from quire._checkpointer import Checkpointer
 from quire._config import Config, Context, configure
+from quire._diff import DiffReport, diff
 from quire._dtypes import register_with_zarr as _register_with_zarr
 from quire._export import export
 from quire._materialize import load_and_transform
@@ -59,6 +60,7 @@ __all__ = [
     "Config",
     "Context",
     "CorruptCheckpointError",
+    "DiffReport",
     "LazyArray",
     "LeafMetadata",
     "MultiProcessError",
@@ -71,6 +73,7 @@ __all__ = [
     "UnsupportedLeafError",
     "__version__",
     "configure",
+    "diff",
     "errors",
     "export",
     "load",

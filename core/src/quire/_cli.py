@@ -120,9 +120,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"  format v{m.format_version}, written by quire {m.library_version}, "
         f"{m.process_count} process(es), created {m.created.isoformat()}"
     )
-    print(
-        f"  {totals['arrays']} arrays ({_human(totals['bytes'])}), {totals['inline']} inline leaves"
-    )
+    from quire._describe import counts
+
+    print(f"  {_summary(counts(m.tree))}, {totals['inline']} inline leaves")
     others = {n: k for n, k in m.units.items() if k != "pytree"}
     if others:
         print("  units: " + ", ".join(f"{n} ({k})" for n, k in others.items()))
@@ -147,17 +147,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
     so = storage_options(args)
     c = _describe.counts(quire.metadata(url, storage_options=so).tree)
     with _progress.reporting(
-        _progress_on(args), "verify", url, bytes_total=c.nbytes, objects_total=c.chunks
+        _progress_on(args),
+        "verify",
+        url,
+        bytes_total=c.nbytes,
+        objects_total=c.chunks,
+        objects_name="chunks",
     ):
         _, problems = _io.submit(_engine.verify(url, so)).result()
     for p in problems:
         err = str(p.error)
-        prefix = f"chunk {p.object}: "
-        err = err[len(prefix) :] if err.startswith(prefix) else err
+        for prefix in (f"chunk {p.object}: ", f"{p.object}: "):  # the path is printed once
+            err = err[len(prefix) :] if err.startswith(prefix) else err
         print(f"BAD  {p.path}: {p.object}: {err}")
     if problems:
+        from quire._copy import is_chunk
+
+        bad = sum(is_chunk(p.object) for p in problems)
+        headers = len(problems) - bad
+        also = f", and {headers} array header(s) (zarr.json)" if headers else ""
         print(
-            f"{url}: DAMAGED, {len(problems)} of {c.chunks} chunks failed ({_summary(c)})",
+            f"{url}: DAMAGED, {bad} of {c.chunks} chunks failed{also} ({_summary(c)})",
             file=sys.stderr,
         )
         return EXIT_DAMAGED
@@ -178,14 +188,15 @@ def cmd_cp(args: argparse.Namespace) -> int:
         return rc
     c = _describe.counts(quire.metadata(args.src, storage_options=sides[0]).tree)
     on = _progress_on(args) and not args.quiet
-    with _progress.reporting(on, "cp", args.src) as rep:
-        last = [0]
+    with _progress.reporting(on, "cp", args.src, objects_total=c.chunks,
+                             objects_name="chunks") as rep:  # fmt: skip
+        last = [0, 0]
 
-        def step(done: int, total: int, nbytes: int, est: int) -> None:
-            if rep is not None:
+        def step(chunks: int, total: int, nbytes: int, est: int) -> None:
+            if rep is not None:  # chunks, as verify and info count them
                 rep.set_total(est, total)
-                rep.advance(nbytes - last[0])
-                last[0] = nbytes
+                rep.advance(nbytes - last[0], chunks - last[1])
+                last[:] = [nbytes, chunks]
 
         res = _io.submit(
             copy_checkpoint(args.src, args.dst, overwrite=args.overwrite,
@@ -194,7 +205,8 @@ def cmd_cp(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(
             f"copied {res.src} -> {res.dst}: {_summary(c)} verified "
-            f"({res.objects} objects, {_human(res.bytes)} written) in {res.seconds:.1f}s"
+            f"(stored as {res.objects} objects, {_human(res.bytes)} written) "
+            f"in {res.seconds:.1f}s"
         )
     return EXIT_OK
 
@@ -213,6 +225,16 @@ def _is_root(backend: Any) -> bool:
     return bool(_io.submit(backend.exists(_gc.ROOT_RECORD)).result())
 
 
+def _nothing_at(backend: Any) -> bool:
+    from quire import _io
+
+    try:
+        files, dirs = _io.submit(backend.list_dir("")).result()
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    return not files and not dirs
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     from quire import _describe, _engine, _gc_cli, _io, _scan
 
@@ -224,8 +246,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )  # fmt: skip
     s = _io.submit(_scan.scan(backend, opener)).result()
     if not s.checkpoints:
-        files, dirs = _io.submit(backend.list_dir("")).result()
-        if not files and not dirs:
+        if _nothing_at(backend):
             print(f"quire ls: {u}: not found (nothing is stored there)", file=sys.stderr)
             return EXIT_USAGE
         print(f"{u}: no checkpoints (searched {_scan.MAX_DEPTH} levels deep)")
@@ -275,29 +296,20 @@ def cmd_gc(args: argparse.Namespace) -> int:
     so = storage_options(args)
     backend, u, opener = _open(args.root, so)
     if args.step_format is not None or _is_root(backend):
-        return _gc_cli.cli_gc(
-            u, yes=args.yes, grace_period=args.grace, step_format=args.step_format,
-            storage_options=so,
-        )  # fmt: skip
+        with _progress.reporting(_progress_on(args) and args.yes, "gc", u):
+            return _gc_cli.cli_gc(
+                u, yes=args.yes, grace_period=args.grace, step_format=args.step_format,
+                storage_options=so,
+            )  # fmt: skip
+    if _nothing_at(backend):
+        print(f"quire gc: {u}: not found (nothing is stored there)", file=sys.stderr)
+        return EXIT_USAGE
     with _progress.reporting(_progress_on(args) and args.yes, "gc", u):
         report = _io.submit(
             _scan.collect_any(backend, u, opener, grace_period=args.grace, dry_run=not args.yes)
         ).result()
     _gc_cli.print_gc_report(report, u, args.yes, args.grace)
     return EXIT_OK
-
-
-# ----------------------------------------------------------------------------- diff
-def cmd_diff(args: argparse.Namespace) -> int:
-    from quire import _describe, _diff
-
-    so = storage_options(args)
-    a = _describe.from_checkpoint(args.a, so)
-    b = _describe.from_checkpoint(args.b, so)
-    values = args.values or args.atol is not None or args.rtol is not None
-    r = _diff.compare(a, b, values=values, atol=args.atol or 0.0, rtol=args.rtol or 0.0)
-    print("\n".join(_diff.render(r, a, b)))
-    return EXIT_OK if r.same else EXIT_DAMAGED
 
 
 # ----------------------------------------------------------------------------- plugins
@@ -398,17 +410,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dst-options", metavar="JSON", help="storage options for DST only")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     p.set_defaults(fn=cmd_cp)
-    p = add(
-        "diff",
-        "compare two checkpoints: structure, shapes, dtypes, metadata, and with --values "
-        "(or a tolerance) every value (exit 1 when they differ)",
-    )
-    p.add_argument("a", metavar="A")
-    p.add_argument("b", metavar="B")
-    p.add_argument("--values", action="store_true", help="also compare values exactly")
-    p.add_argument("--atol", type=float, help="compare values with this absolute tolerance")
-    p.add_argument("--rtol", type=float, help="compare values with this relative tolerance")
-    p.set_defaults(fn=cmd_diff)
+    from quire._cli_sources import add_diff_parser
+
+    add_diff_parser(add)
     from quire._convert import add_export_parser
 
     add_export_parser(sub, [common])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import time
 from collections import deque
@@ -171,19 +170,14 @@ def convert(
 def side_options(args: argparse.Namespace) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """Storage options for SRC and DST: ``-o`` / ``--storage-options`` for both, updated
     by ``--src-options`` / ``--dst-options`` (JSON objects)."""
-    from quire._cli import UsageError, storage_options
+    from quire._cli import storage_options
+    from quire._cli_sources import side_options as one_side
 
-    so = storage_options(args)
-    out = []
-    for what, text in (("--src-options", args.src_options), ("--dst-options", args.dst_options)):
-        try:
-            value = json.loads(text) if text else {}
-        except ValueError:
-            value = None
-        if not isinstance(value, dict):
-            raise UsageError(f"{what} takes a JSON object, e.g. '{{\"anon\": true}}'")
-        merged = {**(so or {}), **value}
-        out.append(merged or None)
+    so = storage_options(args) or {}
+    out = [
+        one_side(so, args.src_options, "--src-options") or None,
+        one_side(so, args.dst_options, "--dst-options") or None,
+    ]
     return out[0], out[1]
 
 
@@ -199,7 +193,7 @@ def cp_from_source(args: argparse.Namespace) -> int | None:
         return None  # a quire checkpoint: copied object by object, verified
     t0 = time.perf_counter()
     with open_source(args.src, **(src_opts or {})) as src:
-        nbytes, checked = convert(
+        convert(
             src,
             args.dst,
             overwrite=args.overwrite,
@@ -207,9 +201,14 @@ def cp_from_source(args: argparse.Namespace) -> int | None:
             progress=_progress_on(args) and not args.quiet,
         )
     if not args.quiet:
+        from quire import _describe
+        from quire._api import metadata
+        from quire._cli import _summary
+
+        c = _describe.counts(metadata(args.dst, storage_options=dst_opts).tree)
         print(
-            f"converted {src.format} {src.url} -> {args.dst}: {nbytes / 2**20:.1f} MiB, "
-            f"{checked} objects verified, in {time.perf_counter() - t0:.1f}s"
+            f"converted {src.format} {src.url} -> {args.dst}: {_summary(c)} verified "
+            f"in {time.perf_counter() - t0:.1f}s"
         )
     return 0
 

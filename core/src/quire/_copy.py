@@ -20,18 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
-import sys
 import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import Any
 
 from quire import _commit, _format
 from quire._budget import ByteBudget
 from quire._config import current
 from quire._io import run_blocking
 from quire._paths import is_safe_location
-from quire._text import human_bytes as _human
 from quire._tree import from_json, keystr
 from quire._url import normalize, open_backend
 from quire.backends import Backend
@@ -40,12 +37,11 @@ from quire.handlers import StoredObject
 
 __all__ = ["CopyResult", "copy_checkpoint"]
 
-Progress = Callable[[int, int], None]  # (objects done, bytes done)
-
 
 @dataclasses.dataclass(frozen=True)
 class CopyResult:
-    """What a copy did: objects and bytes written (the record included), chunks verified."""
+    """What a copy did: objects and bytes written (the record included), objects verified,
+    and the array chunks copied (the unit ``quire verify`` and ``quire info`` count)."""
 
     src: str
     dst: str
@@ -53,19 +49,28 @@ class CopyResult:
     bytes: int
     verified: int
     seconds: float
+    chunks: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class _Item:
-    """One object to copy: its key, what it belongs to, how to check it, a size estimate."""
+    """One object to copy: its key, what it belongs to, how to check it, a size estimate,
+    and how many array chunks it holds (0 for a ``zarr.json``, an index, a unit's object)."""
 
     key: str
     owner: str
     check: Callable[[bytes], None] | None = None
     size: int | None = None
+    chunks: int = 0
 
 
 # ----------------------------------------------------------------------------- checks
+def is_chunk(key: str) -> bool:
+    """Whether a stored object (or a pack range) is an array chunk (or zarr shard), the
+    unit ``quire verify``, ``cp`` and ``info`` count, rather than an array's ``zarr.json``."""
+    return not key.endswith("zarr.json")
+
+
 def _check_unit_object(data: bytes) -> None:
     from quire._zarr import crc_bytes
 
@@ -132,11 +137,12 @@ async def plan(backend: Backend, url: str, doc: dict[str, Any]) -> list[_Item]:
             owned.setdefault(o.key, (keystr(leaf.path), []))[1].append(o)
     for key, (owner, objs) in owned.items():
         whole = objs[0].size if len(objs) == 1 and objs[0].length is None else None
-        items.append(_Item(key, owner, _range_checks(objs), whole))
+        chunks = sum(is_chunk(o.key) for o in objs)
+        items.append(_Item(key, owner, _range_checks(objs), whole, chunks))
     if packed:
         from quire._packcopy import plan_packed
 
-        items += await plan_packed(backend, url, doc["indexes"], checkers, _Item)
+        items += await plan_packed(backend, url, doc["indexes"], checkers, _Item, is_chunk)
     found = await asyncio.gather(*(backend.list(loc) for loc, _, _ in listed))
     for (_, owner, check), keys in zip(listed, found):
         items += [_Item(k, owner, check) for k in keys]
@@ -164,7 +170,9 @@ async def copy_checkpoint(
     src_options, dst_options : dict, optional
         ``storage_options`` for each side.
     progress : callable, optional
-        ``progress(objects_done, objects_total, bytes_done, bytes_total_estimate)``.
+        ``progress(chunks_done, chunks_total, bytes_done, bytes_total_estimate)``, after
+        each object: array chunks as ``quire verify`` and ``quire info`` count them (a pack
+        holds many, a ``zarr.json`` none), bytes as copied.
 
     Raises
     ------
@@ -188,7 +196,7 @@ async def copy_checkpoint(
         if not overwrite:
             await _commit.ensure_absent(db, dst, "pass --overwrite to replace it")
         items = await plan(sb, src, doc)
-        done_bytes, verified = await _copy_objects(sb, db, src, items, progress)
+        done_bytes, verified, chunks = await _copy_objects(sb, db, src, items, progress)
         await db.sync()
         await _commit.publish(
             db, dst, raw, record.txids, overwrite=overwrite, fix="pass --overwrite to replace it"
@@ -197,8 +205,9 @@ async def copy_checkpoint(
         await sb.close()
         await db.close()
     return CopyResult(
-        src, dst, len(items) + 1, done_bytes + len(raw), verified, time.perf_counter() - t0
-    )
+        src, dst, len(items) + 1, done_bytes + len(raw), verified, time.perf_counter() - t0,
+        chunks,
+    )  # fmt: skip
 
 
 async def _copy_objects(
@@ -207,12 +216,13 @@ async def _copy_objects(
     src: str,
     items: list[_Item],
     progress: Callable[[int, int, int, int], None] | None,
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
     cfg = current()
     budget = ByteBudget(cfg.byte_budget)
     sem = asyncio.Semaphore(max(1, cfg.max_concurrency))
     total_est = sum(i.size or 0 for i in items)
-    done = [0, 0, 0]  # objects, bytes, verified
+    total_chunks = sum(i.chunks for i in items)
+    done = [0, 0, 0, 0]  # objects, bytes, verified, chunks
 
     async def one(item: _Item) -> None:
         async with sem:
@@ -238,8 +248,9 @@ async def _copy_objects(
                 await db.put(item.key, [data])
         done[0] += 1
         done[1] += len(data)
+        done[3] += item.chunks
         if progress is not None:
-            progress(done[0], len(items), done[1], max(total_est, done[1]))
+            progress(done[3], total_chunks, done[1], max(total_est, done[1]))
 
     tasks = [asyncio.ensure_future(one(i)) for i in items]
     try:
@@ -249,80 +260,4 @@ async def _copy_objects(
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-    return done[1], done[2]
-
-
-# ----------------------------------------------------------------------------- CLI
-class ProgressBar:
-    """A one-line progress bar, redrawn at most 10 times a second; silent off a terminal."""
-
-    def __init__(self, stream: TextIO, width: int = 30) -> None:
-        self.stream = stream
-        self.width = width
-        self.enabled = bool(getattr(stream, "isatty", lambda: False)())
-        self._last = 0.0
-        self._t0 = time.perf_counter()
-        self._drawn = False
-
-    def __call__(self, done: int, total: int, nbytes: int, est: int) -> None:
-        now = time.perf_counter()
-        if not self.enabled or (now - self._last < 0.1 and done < total):
-            return
-        self._last = now
-        frac = done / total if total else 1.0
-        fill = int(frac * self.width)
-        rate = nbytes / max(now - self._t0, 1e-9)
-        self.stream.write(
-            f"\r[{'#' * fill}{'.' * (self.width - fill)}] {done}/{total} objects  "
-            f"{_human(nbytes)}/{_human(est)}  {_human(rate)}/s "
-        )
-        self.stream.flush()
-        self._drawn = True
-
-    def close(self) -> None:
-        if self._drawn:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
-def cli_cp(
-    src: str,
-    dst: str,
-    *,
-    overwrite: bool = False,
-    src_options: str | None = None,
-    dst_options: str | None = None,
-    quiet: bool = False,
-) -> int:
-    """``quire cp``: copy, report, return the exit status."""
-    from quire import _io
-
-    opts = []
-    for what, text in (("--src-options", src_options), ("--dst-options", dst_options)):
-        try:
-            value = json.loads(text) if text else None
-        except ValueError:
-            value = []
-        if value is not None and not isinstance(value, dict):
-            print(
-                f"quire cp: {what} takes a JSON object, e.g. '{{\"anon\": true}}'", file=sys.stderr
-            )
-            return 2
-        opts.append(value)
-    bar = ProgressBar(sys.stderr)
-    bar.enabled = bar.enabled and not quiet
-    try:
-        res = _io.submit(
-            copy_checkpoint(
-                src, dst, overwrite=overwrite, src_options=opts[0], dst_options=opts[1],
-                progress=bar,
-            )
-        ).result()  # fmt: skip
-    finally:
-        bar.close()
-    if not quiet:
-        print(
-            f"copied {res.src} -> {res.dst}: {res.objects} objects, {_human(res.bytes)}, "
-            f"{res.verified} checksums verified, in {res.seconds:.1f}s"
-        )
-    return 0
+    return done[1], done[2], done[3]

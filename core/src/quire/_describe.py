@@ -1,18 +1,15 @@
-"""A checkpoint as a flat list of leaf descriptions, plus a reader of leaf values.
-
-``quire info``, ``quire verify``/``cp`` summaries and ``quire diff`` work on this small
-interface, so that anything that can describe its leaves (a checkpoint today; a
-``quire.open`` source later) plugs in by providing a :class:`Tree`.
+"""Walking a checkpoint's metadata tree: what ``quire info``, ``verify``, ``cp`` and ``ls``
+count (arrays, chunks, bytes).  ``quire diff`` works on sources instead (:mod:`quire._diff`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from quire.metadata import CheckpointMetadata, LeafMetadata
+from quire.metadata import LeafMetadata
 
 
 def walk(node: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
@@ -63,45 +60,3 @@ class Counts:
 def counts(tree: Any) -> Counts:
     leaves = [v for _, v in walk(tree) if isinstance(v, LeafMetadata)]
     return Counts(len(leaves), sum(n_chunks(v) for v in leaves), sum(v.nbytes for v in leaves))
-
-
-@dataclass(frozen=True)
-class Leaf:
-    """One leaf: an array (shape, dtype) or an inline value (its type name)."""
-
-    path: str
-    kind: str  # "array" or "inline"
-    shape: tuple[int, ...] = ()
-    dtype: str = ""
-    value: Any = None  # inline leaves: the type name
-
-
-@dataclass
-class Tree:
-    """A comparable description: leaves by key path, metadata, and a value reader."""
-
-    url: str
-    leaves: dict[str, Leaf]
-    custom: dict[str, Any] = field(default_factory=dict)
-    read: Callable[[], Any] | None = None  # loads every leaf: {key path: value}
-
-
-def from_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> Tree:
-    """Describe the checkpoint at ``url`` (reads quire.json; values on demand)."""
-    import quire
-
-    m: CheckpointMetadata = quire.metadata(url, storage_options=storage_options)
-    leaves: dict[str, Leaf] = {}
-    for path, v in walk(m.tree if m.tree is not None else {}):
-        k = keystr(path)
-        if isinstance(v, LeafMetadata):
-            dtype = "prng_key" if v.handler == "prng_key" else v.dtype.name
-            leaves[k] = Leaf(k, "array", tuple(v.shape), dtype)
-        else:
-            leaves[k] = Leaf(k, "inline", value=getattr(v, "__name__", str(v)))
-
-    def read() -> dict[str, Any]:
-        tree = quire.load(url, storage_options=storage_options)
-        return {keystr(p): val for p, val in walk(tree)}
-
-    return Tree(m.url, leaves, dict(m.custom), read)

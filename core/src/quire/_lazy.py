@@ -134,6 +134,9 @@ class LazyValue:
 class LazyArray(LazyValue):
     """One array of a :class:`quire.Source`, not yet read.
 
+    Slicing (``x[a:b, :, i]``, ``x[..., 0]``; ints, step-1 slices, Ellipsis, None) gives a
+    lazy view reading only what it covers; :meth:`read` reads it.
+
     Parameters
     ----------
     shape, dtype
@@ -144,9 +147,6 @@ class LazyArray(LazyValue):
         Reads regions of the stored array (see :class:`RegionReader`).
     url : str
         The source's URL (error messages name it).
-
-    Slicing (``x[a:b, :, i]``, ``x[..., 0]``; ints, step-1 slices, Ellipsis, None) gives a
-    lazy view reading only what it covers; :meth:`read` reads it.
     """
 
     def __init__(

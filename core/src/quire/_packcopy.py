@@ -44,6 +44,7 @@ async def plan_packed(
     entries: Sequence[Mapping[str, Any]],
     checkers: Mapping[str, Callable[[bytes], None]],
     item: Callable[..., Any],
+    is_chunk: Callable[[str], bool],
 ) -> list[Any]:
     """``_copy._Item`` s for every index object and pack the record's indexes name."""
     items = []
@@ -69,7 +70,7 @@ async def plan_packed(
                 by_pack.setdefault(ref.target, []).append((key, ref.offset, ref.length, ref.crc))
         for pack, rs in sorted(by_pack.items()):
             size = max(off + n for _, off, n, _ in rs)
-            items.append(
-                item(pack, f"pack of process {e['process']}", _pack_check(rs, checkers), size)
-            )
+            n = sum(is_chunk(key) for key, _, _, _ in rs)
+            owner = f"pack of process {e['process']}"
+            items.append(item(pack, owner, _pack_check(rs, checkers), size, n))
     return items

@@ -87,6 +87,9 @@ class Progress:
         with ``finished=True`` at the end.
     bytes_total, objects_total : int, optional
         Expected totals (they can be raised later with :meth:`add_total`).
+    objects_name : str
+        What the objects are, on the bar (``"chunks"`` for verify and cp; default
+        ``"objects"``).
     interval : float
         Minimum seconds between two callback calls (default 0.5).
 
@@ -109,6 +112,7 @@ class Progress:
         bytes_total: int | None = None,
         objects_total: int | None = None,
         interval: float = 0.5,
+        objects_name: str = "objects",
     ) -> None:
         self.operation = operation
         self.url = url
@@ -118,6 +122,7 @@ class Progress:
         self.bytes_total = bytes_total
         self.objects_total = objects_total
         self.interval = interval
+        self.objects_name = objects_name
         self._t0 = time.monotonic()
         self._last_cb = 0.0
         self._lock = threading.Lock()
@@ -186,7 +191,7 @@ class Progress:
 
     def _update_postfix(self, refresh: bool = True) -> None:
         tot = "" if self.objects_total is None else f"/{self.objects_total}"
-        self._bar.set_postfix_str(f"{self.objects_done}{tot} objects", refresh=refresh)
+        self._bar.set_postfix_str(f"{self.objects_done}{tot} {self.objects_name}", refresh=refresh)
 
     def event(self, finished: bool = False) -> ProgressEvent:
         """The current state as a :class:`ProgressEvent`."""
@@ -250,6 +255,7 @@ def make(
     *,
     bytes_total: int | None = None,
     objects_total: int | None = None,
+    objects_name: str = "objects",
 ) -> Progress | None:
     """The reporter ``progress=spec`` asks for (None: the configured default), or None."""
     if spec is None:
@@ -263,13 +269,11 @@ def make(
             spec.add_total(bytes_total, objects_total or 0)
         return spec
     if spec is True:
-        return Progress(
-            operation, url, bar=True, bytes_total=bytes_total, objects_total=objects_total
-        )
+        return Progress(operation, url, bar=True, bytes_total=bytes_total,
+                        objects_total=objects_total, objects_name=objects_name)  # fmt: skip
     if callable(spec):
-        return Progress(
-            operation, url, callback=spec, bytes_total=bytes_total, objects_total=objects_total
-        )
+        return Progress(operation, url, callback=spec, bytes_total=bytes_total,
+                        objects_total=objects_total, objects_name=objects_name)  # fmt: skip
     raise TypeError(
         f"progress= takes True, False, a callable taking a quire.progress.ProgressEvent or a "
         f"quire.progress.Progress; got {spec!r}"
@@ -284,6 +288,7 @@ def reporting(
     *,
     bytes_total: int | None = None,
     objects_total: int | None = None,
+    objects_name: str = "objects",
 ) -> Iterator[Progress | None]:
     """Run a block with the reporter ``spec`` asks for in effect; close it at the end.
 
@@ -292,7 +297,8 @@ def reporting(
         with quire.progress.reporting(progress, "export", url, bytes_total=n) as p:
             ...  # quire.progress.advance(nbytes) per object written
     """
-    p = make(spec, operation, url, bytes_total=bytes_total, objects_total=objects_total)
+    p = make(spec, operation, url, bytes_total=bytes_total, objects_total=objects_total,
+             objects_name=objects_name)  # fmt: skip
     token = _current.set(p)
     try:
         yield p

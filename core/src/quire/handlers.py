@@ -241,8 +241,9 @@ async def check_objects(
             if obj.check is not None:
                 await asyncio.to_thread(obj.check, data)
             from quire import _progress
+            from quire._copy import is_chunk
 
-            _progress.advance(len(data), 1)
+            _progress.advance(len(data), int(is_chunk(obj.key)))  # chunks, as cp counts
             return data
 
     async def one(path: KeyPath, obj: StoredObject) -> ObjectProblem | None:

@@ -159,10 +159,24 @@ def open(
     raise CheckpointNotFoundError(
         f"{u}: no installed quire source recognises it (installed formats: {have})"
         + (f"; problems: {extra}" if extra else "")
+        + ("." + hint if (hint := _root_hint(u, storage_options)) else "")
         + ". Check the URL"
         + ("" if "orbax" in available() else f"; for Orbax checkpoints {_orbax_hint()}")
         + "; pass format=... to name a format"
     )
+
+
+def _root_hint(url: str, storage_options: dict[str, Any]) -> str:
+    """What ``url`` is instead of a checkpoint (a Checkpointer root naming its steps, a
+    folder of checkpoints), as ``quire.load`` says; "" when nothing is known."""
+    from quire import _io
+    from quire._scan import root_hint
+    from quire._url import open_backend
+
+    try:
+        return _io.submit(root_hint(open_backend(url, dict(storage_options)))).result()
+    except Exception:  # only for the message
+        return ""
 
 
 def _orbax_hint() -> str:

@@ -518,3 +518,26 @@ def test_s3_storage_options_map_onto_tensorstore_s3_kvstore(
     keyed.close()
     assert not os.path.exists(creds["credentials_file"])
     assert Store("s3://bkt/ck", {})._aws_credentials() == {"type": "default"}
+def test_quire_diff_between_orbax_and_quire(
+    tmp_path: Path, written: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 14: ``quire diff`` over Orbax sources: vs the quire checkpoint converted from it,
+    across Orbax layouts, and values that differ only beyond a tolerance."""
+    path = written[("v0-standard-ocdbt", 8)]
+    dst = str(tmp_path / "converted")
+    assert _quire_cli("cp", path, dst, "-q") == 0
+    assert _quire_cli("diff", path, dst, "--values") == 0
+    out = capsys.readouterr().out
+    assert "(orbax)" in out and "(quire)" in out and "values of 8 leaves equal" in out
+    # two Orbax layouts of the same tree; then the tree written from another seed
+    r = quire.diff(written[("v0-pytree-ocdbt", 8)], written[("v1-no-ocdbt", 8)], values=True)
+    assert r.same and r.formats == ("orbax", "orbax"), r.lines()
+    r = quire.diff(written[("v1-ocdbt", 1)], written[("v1-ocdbt", 8)], values=True)
+    assert [line.split(":")[0] for line in r.changed] == ["params/dense/kernel"]
+    # a quire checkpoint whose kernel differs by 1e-5: within atol=1e-4, not within 1e-7
+    tree = quire.load(dst)
+    tree["params"]["dense"]["kernel"] = np.asarray(tree["params"]["dense"]["kernel"]) + 1e-5
+    quire.save(tmp_path / "nudged", tree)
+    assert quire.diff(path, tmp_path / "nudged", atol=1e-4).same
+    r = quire.diff(path, tmp_path / "nudged", atol=1e-7)
+    assert r.changed and r.changed[0].startswith("params/dense/kernel: 48 of 48 values differ")

@@ -1,0 +1,71 @@
+"""Session-wide check (issue 14): the test suite leaves no temporary directories behind.
+
+Everything the suite (and the processes it starts) creates through :mod:`tempfile` goes into
+one private folder for the session (``TMPDIR`` and ``tempfile.tempdir`` point there;
+pytest's own ``tmp_path`` folders stay where pytest keeps them).  At the end, anything left
+in it is listed; a leftover named ``quire-*`` (what quire's tests, examples and benchmarks
+call their temporary folders) fails the session.  The private folder is then removed, so a
+run leaves nothing in the machine's temporary directory either way.
+
+Runs in parallel (other checkouts, other sessions) do not disturb the check: each looks only
+at its own private folder.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_PRIVATE = pytest.StashKey[Path]()
+_SAVED = pytest.StashKey[tuple[str | None, str | None, str | None]]()
+_LEFT = pytest.StashKey[list[str]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    real = tempfile.gettempdir()
+    # pytest's basetemp (tmp_path) stays in the real temporary directory, managed by pytest.
+    saved = (os.environ.get("TMPDIR"), os.environ.get("PYTEST_DEBUG_TEMPROOT"), tempfile.tempdir)
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", real)
+    private = Path(tempfile.mkdtemp(prefix="quire-suite-tmp-", dir=real))
+    os.environ["TMPDIR"] = str(private)
+    tempfile.tempdir = str(private)
+    config.stash[_PRIVATE] = private
+    config.stash[_SAVED] = saved
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    private = config.stash.get(_PRIVATE, None)
+    if private is None:
+        return
+    left = sorted(p.name for p in private.iterdir()) if private.is_dir() else []
+    config.stash[_LEFT] = left
+    tmpdir, temproot, tempdir = config.stash[_SAVED]
+    for key, value in (("TMPDIR", tmpdir), ("PYTEST_DEBUG_TEMPROOT", temproot)):
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    tempfile.tempdir = tempdir
+    shutil.rmtree(private, ignore_errors=True)
+    if any(name.startswith("quire-") for name in left) and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    left = terminalreporter.config.stash.get(_LEFT, [])
+    if not left:
+        return
+    quire_dirs = [n for n in left if n.startswith("quire-")]
+    terminalreporter.section("temporary files left behind", red=bool(quire_dirs))
+    for name in left:
+        terminalreporter.line(f"  {name}")
+    if quire_dirs:
+        terminalreporter.line(
+            f"FAILED: the suite left {len(quire_dirs)} quire-* temporary folder(s); use "
+            "pytest's tmp_path (or remove what a test creates)"
+        )

@@ -1,0 +1,73 @@
+"""The command-line pieces that work on any source: ``quire diff``, and storage options for
+the two sides of ``cp`` conversions and ``export`` (``-o`` / ``--storage-options`` apply to
+both sides; ``--src-options`` / ``--dst-options`` / ``--a-options`` / ``--b-options`` to one,
+and win)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+from quire._cli import EXIT_DAMAGED, EXIT_OK, UsageError, _progress_on, storage_options
+
+
+# ----------------------------------------------------------------------------- diff
+def cmd_diff(args: argparse.Namespace) -> int:
+    import quire
+    from quire.sources import open as open_source
+
+    so = storage_options(args) or {}
+    sides = [side_options(so, args.a_options, "--a-options"),
+             side_options(so, args.b_options, "--b-options")]  # fmt: skip
+    srcs = []
+    try:
+        for url, opts in zip((args.a, args.b), sides):
+            srcs.append(open_source(url, **opts))
+        r = quire.diff(
+            srcs[0], srcs[1], values=args.values, atol=args.atol, rtol=args.rtol,
+            metadata=args.metadata, progress=_progress_on(args),
+        )  # fmt: skip
+    finally:
+        for s in srcs:
+            s.close()
+    print("\n".join(r.lines()))
+    return EXIT_OK if r.same else EXIT_DAMAGED
+
+
+def add_diff_parser(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    p = add(
+        "diff",
+        "compare two checkpoints or sources (quire, safetensors, HF directory, Orbax...): "
+        "structure, shapes, dtypes, metadata, and with --values (or a tolerance) every "
+        "value, read chunk by chunk (exit 1 when they differ)",
+    )
+    p.add_argument("a", metavar="A")
+    p.add_argument("b", metavar="B")
+    p.add_argument("--values", action="store_true", help="also compare values exactly")
+    p.add_argument("--atol", type=float, help="compare values with this absolute tolerance")
+    p.add_argument("--rtol", type=float, help="compare values with this relative tolerance")
+    p.add_argument(
+        "--metadata",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compare user metadata (default: only when A and B are in the same format)",
+    )
+    p.add_argument("--a-options", metavar="JSON", help="storage options for A only")
+    p.add_argument("--b-options", metavar="JSON", help="storage options for B only")
+    p.set_defaults(fn=cmd_diff)
+
+
+# ----------------------------------------------------------------------------- options
+def side_options(so: dict[str, Any], text: str | None, what: str) -> dict[str, Any]:
+    """``so`` updated with one side's ``--x-options JSON``."""
+    if not text:
+        return dict(so)
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise UsageError(f"{what} takes a JSON object, e.g. '{{\"anon\": true}}'")
+    return {**so, **value}
