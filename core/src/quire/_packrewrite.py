@@ -37,7 +37,7 @@ import copy
 import json
 import logging
 import zlib
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,11 +76,14 @@ class Plan:
     stats: dict[str, int] = field(default_factory=dict)
 
 
-def _location_of(key: str) -> str | None:
-    if key.endswith("/zarr.json"):
-        return key[: -len("/zarr.json")]
-    if "/c/" in key:
-        return key.rsplit("/c/", 1)[0]
+def _owner(key: str, locations: Collection[str]) -> str | None:
+    """The location in ``locations`` that ``key`` lies under (its leaf), else None.  By
+    prefix, not by zarr key syntax: a third-party handler's objects count too."""
+    parts = key.split("/")
+    for i in range(len(parts) - 1, 2, -1):
+        loc = "/".join(parts[:i])
+        if loc in locations:
+            return loc
     return None
 
 
@@ -89,7 +92,7 @@ def _moved(key: str, txid: str) -> str:
     return f"d/{txid}/{key[2:]}"
 
 
-def _leaves(tree: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def leaf_records(tree: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out = {}
     for leaf in from_json(tree).leaves():
         loc = leaf.value.get("location")
@@ -135,7 +138,7 @@ def pack_liveness(refs: Sequence[Mapping[str, Ref]], live: set[str]) -> dict[str
                 continue
             acc = out.setdefault(r.target, [0, 0])
             acc[1] = max(acc[1], r.offset + r.length)
-            if _location_of(key) in live:
+            if _owner(key, live) is not None:
                 acc[0] += r.length
     return {k: (v[0], v[1]) for k, v in out.items()}
 
@@ -159,7 +162,7 @@ async def plan(
     """Decide which packs to rewrite, copy their live chunks under ``new_txid`` and write
     its indexes; returns what to commit.  On failure ``d/<new_txid>/`` may hold garbage
     (the caller removes it; nothing references it)."""
-    leaves = _leaves(tree)
+    leaves = leaf_records(tree)
     live = set(leaves)
     base_txids = {loc.split("/")[1] for loc in live}
     if not entries:
@@ -172,14 +175,14 @@ async def plan(
     for i, m in enumerate(refs):
         if not any(r.target in doomed for r in m.values()):
             continue
-        locs = {loc for k in m if (loc := _location_of(k)) in live}
+        locs = {loc for k in m if (loc := _owner(k, live)) is not None}
         if any("chunk_shape" not in leaves[loc] for loc in locs):
             blocked += 1  # a leaf we cannot move: keep this index and its packs
             continue
         superseded.append(i)
     moving: set[str] = set()
     for i in superseded:
-        moving |= {loc for k in refs[i] if (loc := _location_of(k)) in live}
+        moving |= {loc for k in refs[i] if (loc := _owner(k, live)) is not None}
     sup = set(superseded)
     stats = {
         "packs": len(sizes),
@@ -204,7 +207,7 @@ async def plan(
     for e, m in zip(entries, refs):
         p = e["process"]
         for key, r in m.items():
-            if _location_of(key) not in moving:
+            if _owner(key, moving) is None:
                 continue
             nk = _moved(key, new_txid)
             if r.inline is not None:
@@ -252,7 +255,7 @@ async def plan(
     kept = [
         e
         for i, (e, m) in enumerate(zip(entries, refs))
-        if i not in sup and any(_location_of(k) in still for k in m)
+        if i not in sup and any(_owner(k, still) is not None for k in m)
     ]
     indexes = kept + new_entries
     txids = {loc.split("/")[1] for loc in still} | {new_txid}
@@ -306,8 +309,8 @@ async def _copy(
                 f"{old}: bytes at {r.target}[{r.offset}:{r.offset + r.length}] do not match "
                 "the chunk index"
             )
-        loc = _location_of(old)
-        if loc is None or "/c/" not in old:
+        loc = _owner(old, leaves)
+        if loc is None or not old[len(loc) :].startswith("/c/"):
             return
         if loc not in checkers:  # the chunk's own codec chain: crc32c, shard index
             checkers[loc] = chunk_checker(layout_from_record(leaves[loc], url))

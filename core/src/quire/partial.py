@@ -193,6 +193,9 @@ def finalize(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | N
     """Commit the latest version as an ordinary checkpoint, then remove the journal and
     the data no leaf references any more.
 
+    Format v2: a pack of which less than half the bytes are still live is rewritten first
+    (its live chunks copied, checked, into a new pack of this process; the primary does it
+    for every process); packs at least half live are kept as they are (docs/format.md).
     If interrupted before the commit, run it again.
 
     Parameters
