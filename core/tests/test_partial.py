@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import quire
-from quire import _io, _packrewrite, partial
+from quire import _commit, _io, _packrewrite, partial
 from quire._chunkindex import parse_index
 from quire._url import open_backend
 
@@ -59,6 +59,22 @@ def assert_tidy(url: str) -> None:
     low = {p: v for p, v in liveness.items() if _packrewrite.rewrites(*v)}
     assert not low, low
     assert set(stored(url)) == referenced
+
+
+def collect_garbage(url: str) -> None:
+    """``quire gc URL --yes --grace 0``, with the current Context's storage options."""
+    from quire import _scan
+
+    def opener(path: str) -> Any:
+        return open_backend(f"{url}/{path}")
+
+    _io.submit(
+        _scan.collect_any(open_backend(url), url, opener, grace_period=0, dry_run=False)
+    ).result()
+
+
+class _Killed(RuntimeError):
+    """Stands for a SIGKILL in the model (the real ones: test_packrewrite.py)."""
 
 
 def test_versions_add_replace_delete_and_metadata(url: str) -> None:
@@ -252,6 +268,7 @@ class JournalMachine(RuleBasedStateMachine):
         self.history: list[dict[str, dict[str, float]]] = []
         self.finalized = False
         self.meta: dict[str, int] = {}
+        self.debris = False
 
     @precondition(lambda self: not self.finalized)
     @rule(
@@ -290,7 +307,28 @@ class JournalMachine(RuleBasedStateMachine):
     def finalize(self) -> None:
         partial.finalize(self.url)
         self.finalized = True
+        if self.debris:  # what killed finalizes left: unreferenced now, so gc removes it
+            collect_garbage(self.url)
+            self.debris = False
         assert_tidy(self.url)  # mostly dead packs were rewritten; nothing else is left
+
+    @precondition(lambda self: not self.finalized and self.history)
+    @rule()
+    def finalize_killed_before_its_commit(self) -> None:
+        """A finalize that did all its work (rewritten packs included) and died right
+        before the commit point: the journal is as it was (the invariant checks it)."""
+        real = _commit.publish
+
+        async def killed(*a: Any, **k: Any) -> None:
+            raise _Killed
+
+        _commit.publish = killed  # type: ignore[assignment]
+        try:
+            with pytest.raises(_Killed):
+                partial.finalize(self.url)
+        finally:
+            _commit.publish = real  # type: ignore[assignment]
+        self.debris = True
 
     @precondition(lambda self: not self.finalized and self.history)
     @rule()
