@@ -23,7 +23,7 @@ import pytest
 from test_partial import assert_tidy, pack_report, stored
 
 import quire
-from quire import _io, partial
+from quire import _io, _packrewrite, partial
 from quire._cli import main
 from quire._url import open_backend
 
@@ -117,6 +117,29 @@ def test_kept_pack_referenced_in_place_by_the_rewrite(tmp_path: Path) -> None:
     loc = quire.metadata(url).tree["b"].location
     arr = zarr.open_array(quire.zarr_store(url), path=loc, mode="r")
     assert np.array_equal(arr[:], got["b"])
+
+
+def test_finalize_reads_only_the_indexes_of_versions_that_lost_a_leaf(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    partial.save(url, {"a": np.ones(100), "b": np.ones(10)})
+    partial.save(url, {"c": np.ones(100)})  # wholly live: its index is not read
+    partial.save(url, {"a": np.zeros(100)})
+    v1, v2 = (v.txid for v in partial.versions(url)[:2])
+    read: list[str] = []
+    real = _packrewrite._read_indexes
+
+    async def spy(backend: Any, u: str, entries: Any) -> Any:
+        read.extend(e["txid"] for e in entries)
+        return await real(backend, u, entries)
+
+    monkeypatch.setattr(_packrewrite, "_read_indexes", spy)
+    partial.finalize(url)
+    assert read == [v1]
+    doc = json.loads(_io.submit(open_backend(url).get("quire.json")).result())
+    assert v2 in {e["txid"] for e in doc["indexes"]}
+    assert_tidy(url)
+    assert float(quire.load(url)["c"][0]) == 1.0
 
 
 def test_nothing_dead_nothing_rewritten(url: str) -> None:

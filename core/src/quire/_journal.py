@@ -391,7 +391,7 @@ async def _finalize(url: str, storage_options: dict[str, Any] | None = None) -> 
     state, meta = replay(records)
     tree = state if state is not None else {"kind": "dict", "keys": [], "children": []}
     # Format v2: packs less than half live are rewritten (docs/format.md, _packrewrite).
-    plan = await _packrewrite.finalize_plan(backend, url, tree, _indexes(records, txids_of(state)))
+    plan = await _packrewrite.finalize_plan(backend, url, tree, records)
     data = _format.build(
         units={_engine.PYTREE: {"kind": "pytree", "tree": plan.tree}},
         txids=sorted(plan.txids),

@@ -158,15 +158,20 @@ async def plan(
     process: int,
     pack_bytes: int,
     byte_budget: int,
+    suspects: Collection[str] | None = None,
 ) -> Plan:
     """Decide which packs to rewrite, copy their live chunks under ``new_txid`` and write
-    its indexes; returns what to commit.  On failure ``d/<new_txid>/`` may hold garbage
-    (the caller removes it; nothing references it)."""
+    its indexes; returns what to commit.  Only the indexes of txids in ``suspects`` (all
+    when None) are read: the others are known to be wholly live and are kept unread.  On
+    failure ``d/<new_txid>/`` may hold garbage (the caller removes it; nothing references
+    it)."""
     leaves = leaf_records(tree)
     live = set(leaves)
-    base_txids = {loc.split("/")[1] for loc in live}
+    base_txids = {loc.split("/")[1] for loc in live} | {e["txid"] for e in entries}
+    untouched = [e for e in entries if suspects is not None and e["txid"] not in suspects]
+    entries = [e for e in entries if suspects is None or e["txid"] in suspects]
     if not entries:
-        return Plan(tree, [], base_txids)
+        return Plan(tree, untouched, base_txids)
     refs = await _read_indexes(backend, url, entries)
     sizes = pack_liveness(refs, live)
     doomed = {p for p, (n, size) in sizes.items() if rewrites(n, size)}
@@ -193,7 +198,7 @@ async def plan(
         "indexes_blocked": blocked,
     }
     if not sup:
-        return Plan(tree, list(entries), base_txids, stats=stats)
+        return Plan(tree, untouched + list(entries), base_txids, stats=stats)
     dropped_packs = {r.target for i in sup for r in refs[i].values() if r.target in doomed}
     assert all(p is not None for p in dropped_packs)
     stats["packs_rewritten"] = len(dropped_packs)
@@ -257,6 +262,7 @@ async def plan(
         for i, (e, m) in enumerate(zip(entries, refs))
         if i not in sup and any(_owner(k, still) is not None for k in m)
     ]
+    kept += untouched
     indexes = kept + new_entries
     txids = {loc.split("/")[1] for loc in still} | {new_txid}
     txids |= {e["txid"] for e in kept} | {t.split("/")[1] for t in kept_targets}
@@ -349,20 +355,32 @@ async def _copy(
 
 
 async def finalize_plan(
-    backend: Backend, url: str, tree: dict[str, Any], entries: Sequence[dict[str, Any]]
+    backend: Backend, url: str, tree: dict[str, Any], records: Sequence[Mapping[str, Any]]
 ) -> Plan:
-    """:func:`plan` for ``quire.partial.finalize`` on this (the finalizing) process, with the
-    current Context's ``pack_bytes`` and ``byte_budget``; removes its own data on failure."""
+    """:func:`plan` for ``quire.partial.finalize`` of the journal ``records`` replayed into
+    ``tree``, on this (the finalizing) process, with the current Context's ``pack_bytes``
+    and ``byte_budget``; removes its own data on failure.  It reads only the indexes of
+    versions that lost a leaf (replaced or deleted since): the others are wholly live."""
     from quire._commit import drop_txids
     from quire._config import current
     from quire._engine import new_txid, process_layout
 
+    live = set(leaf_records(tree))
+    live_txids = {loc.split("/")[1] for loc in live}
+    entries = [e for r in records if r.get("txid") in live_txids for e in r.get("indexes", [])]
+    suspects = {
+        r["txid"]
+        for r in records
+        if r.get("txid") in live_txids
+        and r.get("tree") is not None
+        and not set(leaf_records(r["tree"])) <= live
+    }
     cfg = current()
     txid = new_txid()
     try:
         return await plan(
             backend, url, tree, entries, new_txid=txid, process=process_layout()[0],
-            pack_bytes=cfg.pack_bytes, byte_budget=cfg.byte_budget,
+            pack_bytes=cfg.pack_bytes, byte_budget=cfg.byte_budget, suspects=suspects,
         )  # fmt: skip
     except BaseException:
         await drop_txids(backend, url, [txid])
