@@ -458,4 +458,6 @@ async def _discard(url: str, storage_options: dict[str, Any] | None = None) -> N
     if not records:
         raise CheckpointNotFoundError(f"no partial-save journal at {url}: nothing to discard")
     fin = await _commit.read_if_exists(backend, url)
+    if fin is not None:  # a finalize killed after its commit: finish what it superseded
+        await _packrewrite.finish(backend, url, records, fin.doc)
     await _cleanup(backend, url, records, fin.txids if fin is not None else set())

@@ -27,6 +27,8 @@ uses, and after the commit point the caller deletes :attr:`Plan.dropped` (the re
 packs and the superseded index objects inside txids that stay live); txids with no live
 data left go the usual way.  A crash before the commit leaves the journal untouched
 (loadable, finalize can be run again) and ``d/R/`` unreferenced: garbage for ``quire gc``.
+A crash after it leaves the journal behind; ``quire.partial.discard`` then calls
+:func:`finish` to delete what the finalize superseded.
 """
 
 from __future__ import annotations
@@ -399,13 +401,61 @@ async def committing(backend: Backend, url: str, p: Plan) -> AsyncIterator[None]
         if p.txid is not None:
             await drop_txids(backend, url, [p.txid])
         raise
-    if not p.dropped:
-        return
+    await _drop(backend, url, p.dropped)
+
+
+async def _drop(backend: Backend, url: str, keys: Sequence[str]) -> None:
+    """Delete superseded packs, then their index objects (an index left by an interrupted
+    deletion still names the packs :func:`finish` has to find)."""
+    packs = [k for k in keys if not k.endswith(".index.json")]
+    indexes = [k for k in keys if k.endswith(".index.json")]
     try:
-        await backend.delete(p.dropped)
+        for group in (packs, indexes):
+            if group:
+                await backend.delete(group)
     except Exception as e:  # the checkpoint is whole; only dead bytes stay behind
         log.warning(
             "%s: could not remove %d packs and chunk indexes the finalize superseded (%s: %s); "
-            "they hold only dead bytes (`quire cp` writes a copy without them)",
-            url, len(p.dropped), type(e).__name__, e,
+            "they hold only dead bytes: quire.partial.discard(url) retries while the journal "
+            "is there",
+            url, len(keys), type(e).__name__, e,
         )  # fmt: skip
+
+
+async def finish(
+    backend: Backend, url: str, records: Sequence[Mapping[str, Any]], doc: Mapping[str, Any]
+) -> None:
+    """Finish a finalize that was killed after its commit point, before it deleted what it
+    superseded: the chunk indexes of the journal ``records`` that the committed record
+    ``doc`` no longer names, inside txids it still references, and their packs that none
+    of its indexes points at (other txids go whole, the usual way)."""
+    live = set(doc["txids"])
+    named = {e["object"] for e in doc.get("indexes", [])}
+    stale = [
+        e for r in records for e in r.get("indexes", [])
+        if e["txid"] in live and e["object"] not in named
+    ]  # fmt: skip
+    if not stale:
+        return
+    journal_txids = {r.get("txid") for r in records}
+    users = [
+        e for e in doc.get("indexes", [])
+        if e["txid"] not in journal_txids or e["txid"] in {s["txid"] for s in stale}
+    ]  # fmt: skip
+    try:
+        used = {r.target for m in await _read_indexes(backend, url, users) for r in m.values()}
+    except CorruptCheckpointError as err:
+        log.warning("%s: not removing superseded packs: %s", url, err)
+        return
+    doomed: list[str] = []
+    for e in stale:
+        try:
+            refs = parse_index(await backend.get(e["object"]), e, url)
+        except FileNotFoundError:
+            continue  # removed already, after its packs
+        except ChunkError as err:
+            log.warning("%s: not removing superseded packs of %s: %s", url, e["object"], err)
+            continue
+        doomed += sorted({r.target for r in refs.values() if r.target and r.target not in used})
+        doomed.append(e["object"])
+    await _drop(backend, url, doomed)

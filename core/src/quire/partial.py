@@ -221,6 +221,10 @@ def discard(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | No
     """Throw away the journal and its data (latest version first, so an interrupted
     discard leaves an earlier version whole; run it again to finish).
 
+    On a checkpoint whose finalize was killed after its commit, it finishes that finalize's
+    clean-up instead: the leftover journal and the packs it superseded; the committed
+    checkpoint is untouched.
+
     Parameters
     ----------
     url : str or os.PathLike
