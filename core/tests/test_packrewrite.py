@@ -142,6 +142,33 @@ def test_finalize_reads_only_the_indexes_of_versions_that_lost_a_leaf(
     assert float(quire.load(url)["c"][0]) == 1.0
 
 
+def test_a_damaged_chunk_stops_the_rewrite_and_nothing_is_committed(tmp_path: Path) -> None:
+    url = str(tmp_path / "c")
+    partial.save(url, {"a": np.ones(1000, np.float32), "b": np.arange(10, dtype=np.float32)})
+    partial.save(url, {"a": np.zeros(1000, np.float32)})
+    before = stored(url)
+    v1 = partial.versions(url)[0].txid
+    (entry,) = [e for e in _index_entries(url, v1)]
+    refs = json.loads(Path(url, entry["object"]).read_text())["refs"]
+    loc = f"d/{v1}/pytree/b/c/0"
+    pack, off, _ = refs[loc]
+    raw = bytearray(Path(url, pack).read_bytes())
+    raw[off] ^= 0xFF  # b is the live part of version 1's mostly dead pack
+    Path(url, pack).write_bytes(bytes(raw))
+    with pytest.raises(quire.CorruptCheckpointError, match=loc):
+        partial.finalize(url)
+    assert not Path(url, "quire.json").exists() and stored(url) == before  # rewrite removed
+    assert len(partial.versions(url)) == 2
+
+
+def _index_entries(url: str, txid: str) -> list[dict[str, Any]]:
+    out = []
+    for p in sorted(Path(url, "journal").iterdir()):
+        doc = json.loads(p.read_text())
+        out += [e for e in doc.get("indexes", []) if e["txid"] == txid]
+    return out
+
+
 def test_nothing_dead_nothing_rewritten(url: str) -> None:
     partial.save(url, {"a": np.ones(10)})
     partial.save(url, {"b": np.ones(10)})

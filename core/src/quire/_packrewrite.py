@@ -2,10 +2,11 @@
 
 Each journal version writes its own packs.  When later versions replace or delete leaves,
 the older packs keep those bytes, now dead.  ``quire.partial.finalize`` calls
-:func:`plan` with the replayed tree and the chunk indexes of the live versions:
+:func:`finalize_plan` with the replayed tree and the journal; it reads the chunk indexes
+of the versions that lost a leaf since (the others are wholly live and kept unread):
 
-* per pack, **live bytes** = the lengths of the chunks whose array is still in the final
-  tree; the pack's size is the end of its last chunk (packs are plain concatenations);
+* per pack, **live bytes** = the lengths of the objects whose leaf is still in the final
+  tree; the pack's size is the end of its last object (packs are plain concatenations);
 * a pack with ``2 * live < size`` (strictly less than half live, a fully dead pack
   included) is **rewritten**; a pack at or above half is **kept** as it is;
 * a chunk index (one version, one process) holding a rewritten pack is **superseded**:
@@ -18,8 +19,8 @@ the older packs keep those bytes, now dead.  ``quire.partial.finalize`` calls
   kept packs are not copied: ``R``'s index points at the old pack, in place;
 * ``R`` gets one index per original process (``d/R/%packs/p<p>.index.json``, what process
   ``p`` had), so a process loading its share still reads only its own index;
-* an array leaf that is not a zarr array (no ``chunk_shape``) is never moved: an index
-  holding one is not superseded and its packs are kept.
+* a leaf that is not a zarr array (no ``chunk_shape``: a third-party handler's objects) is
+  never moved: an index holding one is not superseded and its packs are kept.
 
 Liveness is decided once, before anything moves.  Nothing is deleted here before the
 commit: the new record names the kept indexes plus ``R``'s and every txid whose packs it
@@ -114,7 +115,10 @@ def _relocate(node: dict[str, Any], moved: Mapping[str, str]) -> None:
 
 
 async def _read_indexes(
-    backend: Backend, url: str, entries: Sequence[Mapping[str, Any]]
+    backend: Backend,
+    url: str,
+    entries: Sequence[Mapping[str, Any]],
+    why: str = "the partial save's data is damaged (finalize committed nothing)",
 ) -> list[dict[str, Ref]]:
     sem = asyncio.Semaphore(16)
 
@@ -124,8 +128,7 @@ async def _read_indexes(
                 return parse_index(await backend.get(e["object"]), e, url)
             except (FileNotFoundError, ChunkError) as err:
                 raise CorruptCheckpointError(
-                    f"{url}: chunk index {e['object']} of the partial save: "
-                    f"{err or 'missing'}; the journal's data is damaged (nothing was committed)"
+                    f"{url}: chunk index {e['object']}: {err or 'missing'}; {why}"
                 ) from err
 
     return list(await asyncio.gather(*(one(e) for e in entries)))
@@ -351,8 +354,11 @@ async def _copy(
                 await writer.put(nk, [part])
         return b - a
 
-    async with asyncio.TaskGroup() as tg:  # the first failure cancels the rest
-        tasks = [tg.create_task(one(p, r)) for p, r in runs]
+    try:
+        async with asyncio.TaskGroup() as tg:  # the first failure cancels the rest
+            tasks = [tg.create_task(one(p, r)) for p, r in runs]
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None  # the first failure; the rest were cancelled
     return sum(t.result() for t in tasks)
 
 
@@ -443,7 +449,8 @@ async def finish(
         if e["txid"] not in journal_txids or e["txid"] in {s["txid"] for s in stale}
     ]  # fmt: skip
     try:
-        used = {r.target for m in await _read_indexes(backend, url, users) for r in m.values()}
+        got = await _read_indexes(backend, url, users, "the checkpoint is damaged")
+        used = {r.target for m in got for r in m.values()}
     except CorruptCheckpointError as err:
         log.warning("%s: not removing superseded packs: %s", url, err)
         return
