@@ -285,7 +285,11 @@ def test_sigkill_at_every_call_of_a_rewriting_finalize(tmp_path: Path) -> None:
     calls = r.stdout.split("CALLS")[1].strip().split(",")
     assert "stream_writer" in calls and "pack_write" in calls, calls  # it did rewrite
     commit = calls.index("put_if_absent")
-    for k in range(1, len(calls) + 1):
+    # Every call up to the commit and the deletions of what it superseded; after that only
+    # the first of a run of like calls (the journal's and dead txids' removal).
+    points = [k for k in range(1, len(calls) + 1)
+              if k <= commit + 3 or calls[k - 1] != calls[k - 2]]  # fmt: skip
+    for k in points:
         url = str(tmp_path / f"k{k}")
         _journal(url)
         r = _child(url, k)
