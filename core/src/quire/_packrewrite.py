@@ -269,8 +269,8 @@ async def plan(
     ]
     kept += untouched
     indexes = kept + new_entries
-    txids = {loc.split("/")[1] for loc in still} | {new_txid}
-    txids |= {e["txid"] for e in kept} | {t.split("/")[1] for t in kept_targets}
+    txids = {loc.split("/")[1] for loc in still} | {e["txid"] for e in indexes}
+    txids |= {t.split("/")[1] for t in kept_targets}  # R itself: only when it holds data
     kept_keys = {e["object"] for e in kept}
     dropped = sorted(dropped_packs)  # type: ignore[arg-type]
     dropped += [e["object"] for e in entries if e["object"] not in kept_keys]
@@ -279,7 +279,7 @@ async def plan(
         "%s: finalize rewrote %d of %d packs (%d live bytes copied into d/%s)",
         url, stats["packs_rewritten"], stats["packs"], stats["bytes_copied"], new_txid,
     )  # fmt: skip
-    return Plan(out_tree, indexes, txids, new_txid, dropped, stats)
+    return Plan(out_tree, indexes, txids, new_txid if new_entries else None, dropped, stats)
 
 
 async def _copy(
