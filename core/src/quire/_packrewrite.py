@@ -66,7 +66,7 @@ log = logging.getLogger("quire")
 CONCURRENCY = 8  # coalesced range reads in flight
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     """What a finalize commits: the tree (moved leaves relocated), the chunk indexes and
     txids the record names, and what to delete once it is committed."""
