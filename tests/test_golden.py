@@ -95,3 +95,28 @@ def test_golden_journal(version: str) -> None:
         assert sorted(got) == ["part0", "part1"]
         assert np.array_equal(got["part1"], np.full(3, 1, np.int32))
         assert [v.version for v in quire.partial.versions(path)] == [1, 2]
+
+
+def test_golden_v2_rewritten_journal() -> None:
+    """A journal finalized with a pack rewrite (docs/format.md, "Partial saves"): a chunk
+    copied into the rewrite's pack, another read in place from a kept pack of version 1
+    through the rewrite's index."""
+    from make_golden import rewritten_expected
+
+    path = os.path.join(HERE, "v2", "rewritten")
+    assert os.path.isfile(os.path.join(path, "quire.json")), f"golden checkpoint {path} is missing"
+    import json
+
+    with open(os.path.join(path, "quire.json")) as f:
+        doc = json.load(f)
+    foreign = []
+    for e in doc["indexes"]:
+        with open(os.path.join(path, e["object"])) as f:
+            refs = json.load(f)["refs"]
+        foreign += [v[0] for v in refs.values() if isinstance(v, list) and e["txid"] not in v[0]]
+    assert foreign, "the golden rewrite has no index pointing at a kept pack of version 1"
+    same(rewritten_expected(), quire.load(path))
+    from quire._cli import main
+
+    assert main(["verify", path]) == 0
+    assert quire.metadata(path).format_version == 2

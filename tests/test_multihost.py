@@ -273,6 +273,26 @@ def test_save_async_and_partial_across_processes(topology: str, run_2x4: Run, ru
 
 
 @pytest.mark.parametrize("topology", ["2x4", "4x2"])
+def test_partial_finalize_rewrites_every_process_packs_on_the_primary(
+    topology: str, run_2x4: Run, run_4x2: Run
+) -> None:
+    """Format v2: version 2 replaces all but one leaf, so each process's version-1 pack is
+    mostly dead; the primary rewrites the live chunk (whoever wrote it) into its own pack,
+    indexed under the process that owned it, and the others write nothing."""
+    run, n = (run_2x4, 2) if topology == "2x4" else (run_4x2, 4)
+    per = {pid: run.one("partial_rw", pid) for pid in range(n)}
+    for r in per.values():
+        assert r["bad_final"] == [], r
+    r0 = per[0]
+    _, rewrite, v1, *_ = r0["location"].split("/")
+    assert r0["txids"] == sorted(r0["txids"]) and rewrite in r0["txids"]
+    assert v1 not in r0["txids"] and r0["on_disk"] == sorted(r0["txids"])  # v1 dropped whole
+    assert [t for t, _ in r0["indexes"]].count(rewrite) >= 1
+    assert r0["rewrote"] and all(k.startswith(f"d/{rewrite}/{v1}/") for k in r0["rewrote"])
+    assert all(per[pid]["rewrote"] == [] for pid in range(1, n))
+
+
+@pytest.mark.parametrize("topology", ["2x4", "4x2"])
 def test_checkpointer_across_processes(topology: str, run_2x4: Run, run_4x2: Run) -> None:
     run, n = (run_2x4, 2) if topology == "2x4" else (run_4x2, 4)
     for pid in range(n):

@@ -19,7 +19,62 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import quire
-from quire import partial
+from quire import _commit, _io, _packrewrite, partial
+from quire._chunkindex import parse_index
+from quire._url import open_backend
+
+
+# ----------------------------------------------------------------------------- packs (format v2)
+def stored(url: str) -> dict[str, int]:
+    """Every object under ``<url>/d/`` and its size."""
+    b = open_backend(url)
+
+    async def go() -> dict[str, int]:
+        keys = await b.list("d")
+        return {k: await b.size(k) for k in keys}
+
+    return _io.submit(go()).result()
+
+
+def pack_report(url: str) -> tuple[dict[str, tuple[int, int]], set[str]]:
+    """For a finalized checkpoint: ``{pack: (live bytes, size)}`` over every index the
+    record names, and every object the record references (indexes and packs)."""
+    b = open_backend(url)
+    doc = json.loads(_io.submit(b.get("quire.json")).result())
+    tree = doc["units"]["pytree"]["tree"]
+    live = set(_packrewrite.leaf_records(tree))
+    refs = []
+    referenced = set()
+    for e in doc.get("indexes", []):
+        refs.append(parse_index(_io.submit(b.get(e["object"])).result(), e, url))
+        referenced.add(e["object"])
+    liveness = _packrewrite.pack_liveness(refs, live)
+    return liveness, referenced | set(liveness)
+
+
+def assert_tidy(url: str) -> None:
+    """After a finalize: no pack the record names is less than half live, and nothing under
+    ``d/`` is left that the record does not reference."""
+    liveness, referenced = pack_report(url)
+    low = {p: v for p, v in liveness.items() if _packrewrite.rewrites(*v)}
+    assert not low, low
+    assert set(stored(url)) == referenced
+
+
+def collect_garbage(url: str) -> None:
+    """``quire gc URL --yes --grace 0``, with the current Context's storage options."""
+    from quire import _scan
+
+    def opener(path: str) -> Any:
+        return open_backend(f"{url}/{path}")
+
+    _io.submit(
+        _scan.collect_any(open_backend(url), url, opener, grace_period=0, dry_run=False)
+    ).result()
+
+
+class _Killed(RuntimeError):
+    """Stands for a SIGKILL in the model (the real ones: test_packrewrite.py)."""
 
 
 def test_versions_add_replace_delete_and_metadata(url: str) -> None:
@@ -213,11 +268,12 @@ class JournalMachine(RuleBasedStateMachine):
         self.history: list[dict[str, dict[str, float]]] = []
         self.finalized = False
         self.meta: dict[str, int] = {}
+        self.debris = False
 
     @precondition(lambda self: not self.finalized)
     @rule(
         group=st.sampled_from(["g1", "g2"]),
-        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True),
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True),
         value=st.integers(0, 100),
     )
     def save(self, group: str, keys: list[str], value: int) -> None:
@@ -226,6 +282,16 @@ class JournalMachine(RuleBasedStateMachine):
         self.model.setdefault(group, {}).update({k: float(value) for k in keys})
         self.meta[group] = value
         self.history.append({g: dict(v) for g, v in self.model.items()})
+
+    @precondition(lambda self: not self.finalized)
+    @rule(group=st.sampled_from(["g1", "g2"]), keep=st.sampled_from(KEYS), value=st.integers(0, 99))
+    def save_wide_then_most(self, group: str, keep: str, value: int) -> None:
+        # A version of every key, then one replacing all but ``keep``: the first is left a
+        # quarter live, and a finalize rewrites its pack (unless ``keep`` changes later).
+        for v, keys in ((value, KEYS), (value + 1, [k for k in KEYS if k != keep])):
+            partial.save(self.url, {group: {k: np.full(2, float(v), np.float32) for k in keys}})
+            self.model.setdefault(group, {}).update({k: float(v) for k in keys})
+            self.history.append({g: dict(d) for g, d in self.model.items()})
 
     @precondition(lambda self: not self.finalized and any(self.model.values()))
     @rule(data=st.data())
@@ -241,6 +307,28 @@ class JournalMachine(RuleBasedStateMachine):
     def finalize(self) -> None:
         partial.finalize(self.url)
         self.finalized = True
+        if self.debris:  # what killed finalizes left: unreferenced now, so gc removes it
+            collect_garbage(self.url)
+            self.debris = False
+        assert_tidy(self.url)  # mostly dead packs were rewritten; nothing else is left
+
+    @precondition(lambda self: not self.finalized and self.history)
+    @rule()
+    def finalize_killed_before_its_commit(self) -> None:
+        """A finalize that did all its work (rewritten packs included) and died right
+        before the commit point: the journal is as it was (the invariant checks it)."""
+        real = _commit.publish
+
+        async def killed(*a: Any, **k: Any) -> None:
+            raise _Killed
+
+        _commit.publish = killed  # type: ignore[assignment]
+        try:
+            with pytest.raises(_Killed):
+                partial.finalize(self.url)
+        finally:
+            _commit.publish = real  # type: ignore[assignment]
+        self.debris = True
 
     @precondition(lambda self: not self.finalized and self.history)
     @rule()

@@ -2,6 +2,7 @@
 
     .venv/bin/python tests/golden/make_golden.py            # format v1 (layout="chunks")
     .venv/bin/python tests/golden/make_golden.py --v2       # format v2 (packed)
+    .venv/bin/python tests/golden/make_golden.py --v2-rewritten   # v2/rewritten only
 
 The files are committed; tests/test_golden.py loads them and fails if any is missing —
 it never regenerates them.  Values are deterministic so the test can rebuild them.
@@ -37,7 +38,46 @@ def expected() -> dict[str, object]:
     }
 
 
+def rewritten_expected() -> dict[str, object]:
+    return {
+        "a": np.zeros(500, np.float32),
+        "a2": np.arange(10, dtype=np.int16),
+        "z": np.arange(1000, dtype=np.float32) / 3,
+    }
+
+
+def rewritten() -> None:
+    """``v2/rewritten``: a journal finalized with a pack rewrite.  Version 1 writes [a | a2]
+    and [z] (pack_bytes=5000); version 2 replaces a, so the first pack is 24 of 2,028 bytes
+    live: finalize copies a2 into a new pack and points at z's pack, kept, in place."""
+    import json
+
+    import quire
+
+    out = os.path.join(HERE, "v2", "rewritten")
+    if os.path.exists(out) and "--force" not in sys.argv:
+        sys.exit(f"{out} exists; pass --force to rewrite it")
+    shutil.rmtree(out, ignore_errors=True)
+    want = rewritten_expected()
+    with quire.Context(pack_bytes=5000):
+        quire.partial.save(out, {"a": np.arange(500, dtype=np.float32), "a2": want["a2"],
+                                 "z": want["z"]})  # fmt: skip
+        quire.partial.save(out, {"a": want["a"]})
+        quire.partial.finalize(out)
+    with open(os.path.join(out, "quire.json")) as f:
+        doc = json.load(f)
+    targets = set()
+    for e in doc["indexes"]:
+        with open(os.path.join(out, e["object"])) as f:
+            refs = json.load(f)["refs"]
+        targets |= {(e["txid"], v[0].split("/")[1]) for v in refs.values() if isinstance(v, list)}
+    assert any(t == p for t, p in targets) and any(t != p for t, p in targets), targets
+    print("wrote", out)
+
+
 def main() -> None:
+    if "--v2-rewritten" in sys.argv:
+        return rewritten()
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import jax
 
@@ -57,8 +97,11 @@ def main() -> None:
         np.arange(64, dtype=np.float32).reshape(8, 8),
         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", "y")),
     )
-    quire.save(os.path.join(out, "plain"), {**tree, "sharded": sharded, "key": jax.random.key(5)},
-               metadata={"golden": True})
+    quire.save(
+        os.path.join(out, "plain"),
+        {**tree, "sharded": sharded, "key": jax.random.key(5)},
+        metadata={"golden": True},
+    )
     quire.save(
         os.path.join(out, "compressed"),
         tree,

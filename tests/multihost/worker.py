@@ -572,6 +572,10 @@ def scenario_save() -> None:
         wrote=IO.writes.get(local_root(url), []),
     )
 
+    # 3b. quire.partial, a version replacing all but opt/count: every process's first pack is
+    # left mostly dead, and finalize (run by the primary) rewrites them all
+    guarded("partial_rw", partial_rewrite, os.path.join(base, "partial-rw"), tree)
+
     # 4. quire.Checkpointer
     if hasattr(quire, "Checkpointer"):
         guarded("checkpointer", checkpointer, os.path.join(base, "run"), tree)
@@ -590,6 +594,27 @@ def scenario_save() -> None:
 
     barrier("saved")
     run_loads()
+
+
+def partial_rewrite(url: str, tree: dict[str, Any]) -> None:
+    quire.partial.save(url, tree)
+    quire.partial.save(url, dict(tree, opt={"mu": tree["opt"]["mu"]}))
+    quire.partial.finalize(url)
+    final = quire.load(url, abstract_tree("save"))
+    loc = quire.metadata(url).tree["opt"]["count"].location  # d/<rewrite>/<v1>/pytree/...
+    with open(os.path.join(url, "quire.json")) as f:
+        record = json.load(f)
+    root = local_root(url)
+    emit(
+        "partial_rw",
+        url=url,
+        bad_final=compare(final, "save"),
+        location=loc,
+        indexes=[[e["txid"], e["process"]] for e in record["indexes"]],
+        txids=record["txids"],
+        rewrote=[k for k in IO.writes.get(root, []) if k.startswith(f"d/{loc.split('/')[1]}/")],
+        on_disk=sorted(os.listdir(os.path.join(url, "d"))),
+    )
 
 
 def failing_save(check: str, url: str, tree: dict[str, Any]) -> None:

@@ -55,6 +55,16 @@ def pack_key(txid: str, process: int, seq: int) -> str:
     return f"{pack_dir(txid)}/p{process:05d}-{seq:05d}"
 
 
+def is_pack_key(key: object) -> bool:
+    """Whether ``key`` names a pack object ``d/<txid>/%packs/<name>``.  An index usually
+    points at packs of its own txid only; one written by a finalize that rewrote packs
+    also points at kept packs of the older versions (see ``quire._packrewrite``)."""
+    if not isinstance(key, str) or not is_safe_location(key):
+        return False
+    parts = key.split("/")
+    return len(parts) == 4 and parts[2] == PACK_DIR and parts[1].isalnum()
+
+
 def index_key(txid: str, process: int) -> str:
     return f"{pack_dir(txid)}/p{process:05d}.index.json"
 
@@ -132,7 +142,6 @@ def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Re
     except (ValueError, TypeError, KeyError) as e:
         raise ChunkError(f"chunk index {where} is malformed ({e!r})") from e
     prefix = f"d/{entry['txid']}/"
-    packs = pack_dir(entry["txid"]) + "/"
     out: dict[str, Ref] = {}
     for key, v in refs.items():
         crc = crcs.get(key)
@@ -144,9 +153,7 @@ def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Re
         if (
             not isinstance(v, list)
             or len(v) != 3
-            or not isinstance(v[0], str)
-            or not v[0].startswith(packs)
-            or not is_safe_location(v[0])
+            or not is_pack_key(v[0])
             or any(type(x) is not int or x < 0 for x in v[1:])
         ):
             raise ChunkError(f"chunk index {where}: bad reference {str(v)[:200]!r} for {key!r}")

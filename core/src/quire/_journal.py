@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from quire import _commit, _engine, _format, _schema
+from quire import _commit, _engine, _format, _packrewrite, _schema
 from quire._config import current
 from quire._journal_replay import (
     find,
@@ -354,9 +354,9 @@ async def load(
 
 
 def _indexes(records: list[dict[str, Any]], live: set[str]) -> list[dict[str, Any]]:
-    """The chunk indexes (format v2) of the versions whose data is still live.  Their packs
-    are kept whole: a pack holding a replaced leaf keeps those dead bytes until the
-    checkpoint is rewritten (see docs/format.md)."""
+    """The chunk indexes (format v2) of the versions whose data is still live.  Until
+    finalize, their packs keep the bytes of replaced leaves; finalize rewrites the packs
+    less than half live (``quire._packrewrite``)."""
     return [e for r in records if r.get("txid") in live for e in r.get("indexes", [])]
 
 
@@ -390,19 +390,22 @@ async def _finalize(url: str, storage_options: dict[str, Any] | None = None) -> 
         )
     state, meta = replay(records)
     tree = state if state is not None else {"kind": "dict", "keys": [], "children": []}
-    live = txids_of(state)
+    # Format v2: packs less than half live are rewritten (docs/format.md, _packrewrite).
+    plan = await _packrewrite.finalize_plan(backend, url, tree, records)
     data = _format.build(
-        units={_engine.PYTREE: {"kind": "pytree", "tree": tree}},
-        txids=sorted(live),
+        units={_engine.PYTREE: {"kind": "pytree", "tree": plan.tree}},
+        txids=sorted(plan.txids),
         metadata=meta,
         process_count=_engine.process_layout()[1],
         extra={"journal_version": len(records)},
-        indexes=_indexes(records, live) or None,
+        indexes=plan.indexes or None,
     )
-    await _commit.publish(
-        backend, url, data, live, overwrite=False, fix="it was finalized concurrently", owned=False
-    )
-    await _cleanup(backend, url, records, live, locations(state))
+    async with _packrewrite.committing(backend, url, plan):
+        await _commit.publish(
+            backend, url, data, plan.txids, overwrite=False,
+            fix="it was finalized concurrently", owned=False,
+        )  # fmt: skip
+    await _cleanup(backend, url, records, plan.txids, locations(plan.tree))
 
 
 async def _cleanup(
@@ -455,4 +458,6 @@ async def _discard(url: str, storage_options: dict[str, Any] | None = None) -> N
     if not records:
         raise CheckpointNotFoundError(f"no partial-save journal at {url}: nothing to discard")
     fin = await _commit.read_if_exists(backend, url)
+    if fin is not None:  # a finalize killed after its commit: finish what it superseded
+        await _packrewrite.finish(backend, url, records, fin.doc)
     await _cleanup(backend, url, records, fin.txids if fin is not None else set())

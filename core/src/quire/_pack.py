@@ -139,14 +139,18 @@ class PackWriter(Wrapped):
             if task.done() and task in self._uploads:
                 self._uploads.remove(task)
 
-    async def finish(self) -> dict[str, Any] | None:
-        """Upload what is pending, then this process's chunk index; returns the commit
-        record's entry for it (None when this process wrote nothing: no index object)."""
+    async def close(self) -> None:
+        """Upload what is pending and close the streams: every pack is complete."""
         self._seal()
         while self._uploads:
             await self._wait_one()
         writers, self._writers = self._writers, []
         await asyncio.gather(*(w.close() for w in writers))
+
+    async def finish(self) -> dict[str, Any] | None:
+        """Upload what is pending, then this process's chunk index; returns the commit
+        record's entry for it (None when this process wrote nothing: no index object)."""
+        await self.close()
         if not self.refs:
             return None
         doc = {

@@ -48,6 +48,10 @@ async def plan_packed(
 ) -> list[Any]:
     """``_copy._Item`` s for every index object and pack the record's indexes name."""
     items = []
+    # A pack may be named by several indexes (a finalize that rewrote packs points its new
+    # index at kept packs of older versions): each pack is copied once, checked for all.
+    by_pack: dict[str, list[tuple[str, int, int, str]]] = {}
+    owner: dict[str, int] = {}
     for e in entries:
         try:
             refs = parse_index(await backend.get(e["object"]), e, url)
@@ -64,13 +68,14 @@ async def plan_packed(
                 e["size"],
             )
         )
-        by_pack: dict[str, list[tuple[str, int, int, str]]] = {}
         for key, ref in refs.items():
             if ref.target is not None:
                 by_pack.setdefault(ref.target, []).append((key, ref.offset, ref.length, ref.crc))
-        for pack, rs in sorted(by_pack.items()):
-            size = max(off + n for _, off, n, _ in rs)
-            n = sum(is_chunk(key) for key, _, _, _ in rs)
-            owner = f"pack of process {e['process']}"
-            items.append(item(pack, owner, _pack_check(rs, checkers), size, n))
+                owner.setdefault(ref.target, e["process"])
+    for pack, rs in sorted(by_pack.items()):
+        size = max(off + n for _, off, n, _ in rs)
+        n = sum(is_chunk(key) for key, _, _, _ in rs)
+        items.append(
+            item(pack, f"pack of process {owner[pack]}", _pack_check(rs, checkers), size, n)
+        )
     return items

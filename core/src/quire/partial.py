@@ -193,6 +193,9 @@ def finalize(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | N
     """Commit the latest version as an ordinary checkpoint, then remove the journal and
     the data no leaf references any more.
 
+    Format v2: a pack of which less than half the bytes are still live is rewritten first
+    (its live chunks copied, checked, into a new pack of this process; the primary does it
+    for every process); packs at least half live are kept as they are (docs/format.md).
     If interrupted before the commit, run it again.
 
     Parameters
@@ -217,6 +220,10 @@ def finalize(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | N
 def discard(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> None:
     """Throw away the journal and its data (latest version first, so an interrupted
     discard leaves an earlier version whole; run it again to finish).
+
+    On a checkpoint whose finalize was killed after its commit, it finishes that finalize's
+    clean-up instead: the leftover journal and the packs it superseded; the committed
+    checkpoint is untouched.
 
     Parameters
     ----------
