@@ -345,7 +345,10 @@ async def find_garbage(
         state = sd.state
         if state == "incomplete":
             candidates.append((sd, sd.name, "incomplete", list(sd.keys)))
-        elif state == "committed" and not sd.has_journal:
+        elif state == "committed" and sd.has_journal:  # a finalize killed after its commit
+            journal = [k for k in sd.keys if k.startswith(f"{sd.name}/{JOURNAL_DIR}/")]
+            candidates.append((sd, f"{sd.name}/{JOURNAL_DIR}", "unfinished", journal))
+        elif state == "committed":
             try:
                 doc = await read_step_record(backend, url, sd.name)
             except QuireError:
@@ -379,19 +382,35 @@ async def find_garbage(
 async def remove(backend: Backend, url: str, g: Garbage) -> bool:
     """Remove one piece of garbage, re-checking first that it is still garbage."""
     name = g.prefix.split("/", 1)[0]
-    if g.kind == "incomplete":
+    if g.kind == "unfinished":
+        if not await finish_unfinished(backend, url, name):
+            return False
+    elif g.kind == "incomplete":
         if await backend.exists(f"{name}/{_format.RECORD}"):
             return False  # a slow writer committed it meanwhile
+        await backend.delete_prefix(g.prefix)
     else:
         doc = await read_step_record(backend, url, name)
         txid = g.prefix.rsplit("/", 1)[-1]
         if doc is None or txid in doc["txids"]:
             return False
-    await backend.delete_prefix(g.prefix)
+        await backend.delete_prefix(g.prefix)
     from quire._progress import advance
 
     advance(g.nbytes)  # `quire gc --yes` on a terminal: the bar counts what is removed
     return True
+
+
+async def finish_unfinished(backend: Backend, url: str, path: str) -> bool:
+    """Garbage of kind ``"unfinished"`` at ``path`` (a checkpoint that was finalized, but
+    whose finalize was killed before it removed its journal and what it superseded):
+    finish that clean-up.  False when there is nothing to finish any more."""
+    from quire import _journal
+    from quire._url import open_backend
+
+    where = f"{url}/{path}" if path else url
+    sub = open_backend(where, backend.storage_options) if path else backend
+    return await _journal.finish_finalized(sub, where)
 
 
 async def collect(

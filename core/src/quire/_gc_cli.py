@@ -133,6 +133,7 @@ _KINDS = {
     "incomplete": "uncommitted step",
     "superseded": "superseded data",
     "uncommitted": "data of a save that never committed",
+    "unfinished": "journal and packs left by a finalize killed after its commit",
 }
 
 

@@ -457,7 +457,22 @@ async def _discard(url: str, storage_options: dict[str, Any] | None = None) -> N
     records = await read_records(backend, url)
     if not records:
         raise CheckpointNotFoundError(f"no partial-save journal at {url}: nothing to discard")
+    if not await finish_finalized(backend, url, records):
+        await _cleanup(backend, url, records, set())
+
+
+async def finish_finalized(
+    backend: Backend, url: str, records: list[dict[str, Any]] | None = None
+) -> bool:
+    """Finish the clean-up of a finalize killed after its commit point: drop the packs its
+    rewrite superseded, the replaced indexes and the journal.  False (nothing done) when
+    ``url`` is not finalized or holds no journal.  ``quire gc`` and :func:`discard` call it.
+    """
+    if records is None:
+        records = await read_records(backend, url)
     fin = await _commit.read_if_exists(backend, url)
-    if fin is not None:  # a finalize killed after its commit: finish what it superseded
-        await _packrewrite.finish(backend, url, records, fin.doc)
-    await _cleanup(backend, url, records, fin.txids if fin is not None else set())
+    if fin is None or not records:
+        return False
+    await _packrewrite.finish(backend, url, records, fin.doc)
+    await _cleanup(backend, url, records, fin.txids)
+    return True

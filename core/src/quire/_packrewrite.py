@@ -422,8 +422,8 @@ async def _drop(backend: Backend, url: str, keys: Sequence[str]) -> None:
     except Exception as e:  # the checkpoint is whole; only dead bytes stay behind
         log.warning(
             "%s: could not remove %d packs and chunk indexes the finalize superseded (%s: %s); "
-            "they hold only dead bytes: quire.partial.discard(url) retries while the journal "
-            "is there",
+            "they hold only dead bytes: `quire gc` (or quire.partial.discard(url)) removes "
+            "them while the journal is there",
             url, len(keys), type(e).__name__, e,
         )  # fmt: skip
 

@@ -179,8 +179,9 @@ async def collect_any(
         if live is None:
             continue
         rem, kp = await _txid_garbage(backend, f.path, live, now, grace_period)
-        removable += rem
-        kept += kp
+        rem2, kp2 = await _unfinished(backend, f.path, now, grace_period)
+        removable += rem + rem2
+        kept += kp + kp2
     if not dry_run:
         plain = [g for g in removable if g.step < 0]
         gone = {g.prefix for g in plain if await _remove(backend, url, g)}
@@ -188,8 +189,32 @@ async def collect_any(
     return _gc.GcReport(removable, kept, not dry_run, grace_period)
 
 
+async def _unfinished(
+    backend: Backend, path: str, now: float, grace: float
+) -> tuple[list[_gc.Garbage], list[_gc.Garbage]]:
+    """A committed checkpoint that still holds its journal (a finalize killed after its
+    commit): one ``"unfinished"`` item, (old enough, too young)."""
+    keys = await backend.list(_join(path, _gc.JOURNAL_DIR))
+    if not keys:
+        return [], []
+    t = await _gc.newest(backend, keys)
+    age = None if t is None else max(0.0, now - t)
+    g = _gc.Garbage(_join(path, _gc.JOURNAL_DIR), -1, "unfinished",
+                    await _gc.sizes(backend, keys), age)  # fmt: skip
+    old = grace <= 0 or (age is not None and age >= grace)
+    return ([g], []) if old else ([], [g])
+
+
 async def _remove(backend: Backend, url: str, g: _gc.Garbage) -> bool:
     """Remove one piece of garbage after checking again that no record references it."""
+    if g.kind == "unfinished":
+        path = g.prefix.rpartition("/")[0] if "/" in g.prefix else ""
+        if not await _gc.finish_unfinished(backend, url, path):
+            return False
+        from quire._progress import advance
+
+        advance(g.nbytes)
+        return True
     path, _, txid = ("/" + g.prefix).rpartition("/d/")
     path = path.lstrip("/")
     live = await _live(backend, url, path)
