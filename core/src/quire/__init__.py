@@ -22,6 +22,7 @@ from quire._diff import DiffReport, diff
 from quire._dtypes import register_with_zarr as _register_with_zarr
 from quire._export import export
 from quire._materialize import load_and_transform
+from quire._ops import CopyResult, VerifyProblem, VerifyReport, copy, verify
 from quire._partition import PartitionRules, partition_rules
 from quire._registry import (
     register_checkpointable_handler,
@@ -59,6 +60,7 @@ __all__ = [
     "Checkpointer",
     "Config",
     "Context",
+    "CopyResult",
     "CorruptCheckpointError",
     "DiffReport",
     "LazyArray",
@@ -71,8 +73,11 @@ __all__ = [
     "StorageOptions",
     "TreeMismatchError",
     "UnsupportedLeafError",
+    "VerifyProblem",
+    "VerifyReport",
     "__version__",
     "configure",
+    "copy",
     "diff",
     "errors",
     "export",
@@ -96,5 +101,6 @@ __all__ = [
     "surgery",
     "unregister_checkpointable_handler",
     "unregister_leaf_handler",
+    "verify",
     "zarr_store",
 ]

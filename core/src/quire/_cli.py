@@ -139,22 +139,10 @@ def _summary(c: Any) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    import quire
-    from quire import _describe, _engine, _io, _progress
-    from quire._url import normalize
+    from quire import _ops
 
-    url = normalize(args.url)
-    so = storage_options(args)
-    c = _describe.counts(quire.metadata(url, storage_options=so).tree)
-    with _progress.reporting(
-        _progress_on(args),
-        "verify",
-        url,
-        bytes_total=c.nbytes,
-        objects_total=c.chunks,
-        objects_name="chunks",
-    ):
-        _, problems = _io.submit(_engine.verify(url, so)).result()
+    r = _ops.verify(args.url, storage_options=storage_options(args), progress=_progress_on(args))
+    url, problems, c = r.url, r.problems, r
     for p in problems:
         err = str(p.error)
         for prefix in (f"chunk {p.object}: ", f"{p.object}: "):  # the path is printed once
@@ -178,30 +166,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- cp
 def cmd_cp(args: argparse.Namespace) -> int:
     import quire
-    from quire import _describe, _io, _progress
+    from quire import _describe, _ops
     from quire._convert import cp_from_source, side_options
-    from quire._copy import copy_checkpoint
 
     sides = side_options(args)  # a bad -o / --src-options is a usage error first
     rc = cp_from_source(args)  # SRC in another format (safetensors, Orbax...): convert it
     if rc is not None:
         return rc
     c = _describe.counts(quire.metadata(args.src, storage_options=sides[0]).tree)
-    on = _progress_on(args) and not args.quiet
-    with _progress.reporting(on, "cp", args.src, objects_total=c.chunks,
-                             objects_name="chunks") as rep:  # fmt: skip
-        last = [0, 0]
-
-        def step(chunks: int, total: int, nbytes: int, est: int) -> None:
-            if rep is not None:  # chunks, as verify and info count them
-                rep.set_total(est, total)
-                rep.advance(nbytes - last[0], chunks - last[1])
-                last[:] = [nbytes, chunks]
-
-        res = _io.submit(
-            copy_checkpoint(args.src, args.dst, overwrite=args.overwrite,
-                            src_options=sides[0], dst_options=sides[1], progress=step)
-        ).result()  # fmt: skip
+    res = _ops.copy(args.src, args.dst, overwrite=args.overwrite, storage_options=sides[0],
+                    dst_options=sides[1], progress=_progress_on(args) and not args.quiet)  # fmt: skip
     if not args.quiet:
         print(
             f"copied {res.src} -> {res.dst}: {_summary(c)} verified "

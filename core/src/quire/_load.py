@@ -348,6 +348,9 @@ async def metadata(url: str, storage_options: dict[str, Any] | None = None) -> C
 # ----------------------------------------------------------------------------- verify
 @dataclass(frozen=True)
 class VerifyProblem:
+    """One damaged object found by :func:`quire.verify`: the leaf's key ``path``, the
+    stored ``object`` (or pack range) and the ``error``."""
+
     path: str
     object: str
     error: str
