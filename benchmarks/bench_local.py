@@ -542,6 +542,25 @@ def targets(all_res: dict[str, tuple[int, dict[tuple[str, str], Result]]]) -> st
     return "\n".join(out)
 
 
+def write_json(path: str, all_res: dict[str, tuple[int, dict[tuple[str, str], Result]]]) -> None:
+    """``{variant: {"bytes": n, "results": {peer: {op: {times, rss, blocked, files}}}}}``."""
+    import json
+
+    out: dict[str, Any] = {}
+    for variant, (nbytes, res) in all_res.items():
+        rows: dict[str, dict[str, Any]] = {}
+        for (key, op), r in res.items():
+            rows.setdefault(key, {})[op] = {
+                "times": r.times,
+                "rss": r.rss,
+                "blocked": r.blocked,
+                "files": r.files,
+            }
+        out[variant] = {"bytes": nbytes, "results": rows}
+    with open(path, "w") as f:
+        json.dump({"quire": _quire_version(), "load_avg": os.getloadavg()[0], "variants": out}, f)
+
+
 def _quire_version() -> str:
     import subprocess
 
@@ -573,6 +592,9 @@ def main(argv: list[str] | None = None) -> int:
         "--prewarm", type=float, default=3.0, help="pre-warm this many times the payload"
     )
     ap.add_argument("--no-verify", action="store_true", help="skip checking loaded data on rep 0")
+    ap.add_argument(
+        "--json", default=None, help="also write every timing to this JSON file (bench_ab.py)"
+    )
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
 
@@ -605,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
         "growth during the phase; blocked = caller blocked in save()/save_async() of async APIs\n"
     )
     print(fmt_table(all_res, args.reps))
+    if args.json:
+        write_json(args.json, all_res)
     print(
         "\n== targets (quire save/load >= 1.3x orbax, >= 0.8x raw numpy; differences < ~30% are noise)"
     )
