@@ -137,85 +137,9 @@ def problems() -> list[str]:
     return out
 
 
-# Public API still without a numpydoc Parameters section (issue #10); this list may only
-# shrink: an entry that gets documented must be removed (the second test checks it).
-KNOWN_GAPS: set[str] = {
-    "quire.backends.Backend.delete",
-    "quire.backends.Backend.delete_prefix",
-    "quire.backends.Backend.exists",
-    "quire.backends.Backend.get",
-    "quire.backends.Backend.get_into",
-    "quire.backends.Backend.list",
-    "quire.backends.Backend.list_dir",
-    "quire.backends.Backend.modified",
-    "quire.backends.Backend.put",
-    "quire.backends.Backend.put_if_absent",
-    "quire.backends.Backend.replace_if_match",
-    "quire.backends.Backend.size",
-    "quire.backends.Backend.stream_writer",
-    "quire.backends.Backend.version",
-    "quire.backends.ByteBudget.acquire",
-    "quire.backends.ByteBudget.hold",
-    "quire.backends.ByteBudget.release",
-    "quire.backends.ObjectStoreBackend.close_client",
-    "quire.backends.ObjectStoreBackend.delete",
-    "quire.backends.ObjectStoreBackend.delete_prefix",
-    "quire.backends.ObjectStoreBackend.denied",
-    "quire.backends.ObjectStoreBackend.describe",
-    "quire.backends.ObjectStoreBackend.exists",
-    "quire.backends.ObjectStoreBackend.failed",
-    "quire.backends.ObjectStoreBackend.get",
-    "quire.backends.ObjectStoreBackend.get_into",
-    "quire.backends.ObjectStoreBackend.holds",
-    "quire.backends.ObjectStoreBackend.is_transient",
-    "quire.backends.ObjectStoreBackend.key",
-    "quire.backends.ObjectStoreBackend.list",
-    "quire.backends.ObjectStoreBackend.list_dir",
-    "quire.backends.ObjectStoreBackend.list_page",
-    "quire.backends.ObjectStoreBackend.listing",
-    "quire.backends.ObjectStoreBackend.modified",
-    "quire.backends.ObjectStoreBackend.new_client",
-    "quire.backends.ObjectStoreBackend.no_bucket",
-    "quire.backends.ObjectStoreBackend.put",
-    "quire.backends.ObjectStoreBackend.put_if_absent",
-    "quire.backends.ObjectStoreBackend.put_large",
-    "quire.backends.ObjectStoreBackend.put_small",
-    "quire.backends.ObjectStoreBackend.read_range",
-    "quire.backends.ObjectStoreBackend.read_range_into",
-    "quire.backends.ObjectStoreBackend.redact",
-    "quire.backends.ObjectStoreBackend.replace_if_match",
-    "quire.backends.ObjectStoreBackend.secret_values",
-    "quire.backends.ObjectStoreBackend.size",
-    "quire.backends.ObjectStoreBackend.stat",
-    "quire.backends.ObjectStoreBackend.stream_writer",
-    "quire.backends.ObjectStoreBackend.upload_parts",
-    "quire.backends.ObjectStoreBackend.version",
-    "quire.backends.ObjectStoreBackend.where",
-    "quire.backends.RetriesExhausted",
-    "quire.backends.RetryPolicy",
-    "quire.backends.RetryPolicy.pause",
-    "quire.backends.RetryPolicy.pop_from",
-    "quire.backends.byte_slice",
-    "quire.backends.gather_all",
-    "quire.backends.read_into",
-    "quire.testing.CheckpointableHandlerSuite.assert_restored",
-    "quire.testing.CheckpointableHandlerSuite.target",
-    "quire.testing.CodecSuite.codecs",
-    "quire.testing.LeafHandlerSuite.assert_leaf_equal",
-    "quire.testing.SourceSuite.write",
-}
-
-
 def test_public_api_has_numpydoc() -> None:
     found = problems()
-    new = [p for p in found if p.split(":")[0] not in KNOWN_GAPS]
-    assert not new, "public API without numpydoc:\n" + "\n".join(new)
-
-
-def test_known_gaps_are_still_gaps() -> None:
-    found = {p.split(":")[0] for p in problems()}
-    fixed = sorted(KNOWN_GAPS - found)
-    assert not fixed, f"documented now, remove from KNOWN_GAPS: {fixed}"
+    assert not found, "public API without numpydoc:\n" + "\n".join(found)
 
 
 def test_the_walk_sees_what_it_should() -> None:
