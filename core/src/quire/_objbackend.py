@@ -327,12 +327,8 @@ class ObjectStoreBackend(ErrorMapping, Backend):
 
         Parameters
         ----------
-        key : str
-            An object key, relative to the checkpoint root.
-        start : int
-            The first byte.
-        end : int or None
-            The end (exclusive); None for the object's end.
+        key, start, end : str, int, int or None
+            The object key and the byte range ``[start, end)`` (None: to the object's end).
         """
 
     @abc.abstractmethod
@@ -344,14 +340,9 @@ class ObjectStoreBackend(ErrorMapping, Backend):
 
         Parameters
         ----------
-        key : str
-            An object key, relative to the checkpoint root.
-        start : int
-            The first byte.
-        views : list of memoryview
-            Writable buffers, filled in order.
-        length : int
-            How many bytes to read.
+        key, start, views, length : str, int, list of memoryview, int
+            The object key, the first byte, writable buffers (filled in order) and how
+            many bytes to read.
         """
 
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -386,14 +377,9 @@ class ObjectStoreBackend(ErrorMapping, Backend):
 
         Parameters
         ----------
-        prefix : str
-            The object-name prefix.
-        token : Any
-            The continuation token of the previous page (None: the first).
-        limit : int, optional
-            The most names to ask for.
-        delimiter : str, optional
-            Group names by this separator (``"/"``).
+        prefix, token, limit, delimiter : str, Any, int or None, str or None
+            The object-name prefix, the previous page's continuation token (None: the
+            first page), the most names to ask for, and a separator to group names by.
         """
 
     async def listing(
@@ -404,12 +390,9 @@ class ObjectStoreBackend(ErrorMapping, Backend):
 
         Parameters
         ----------
-        prefix : str
-            The object-name prefix.
-        limit : int, optional
-            Stop after at least this many names.
-        delimiter : str, optional
-            Group names by this separator (``"/"``).
+        prefix, limit, delimiter : str, int or None, str or None
+            The object-name prefix, a count after which to stop, and a separator to
+            group names by (``"/"``).
         """
         names: builtins.list[str] = []
         dirs: builtins.list[str] = []
@@ -440,12 +423,8 @@ class ObjectStoreBackend(ErrorMapping, Backend):
 
         Parameters
         ----------
-        key : str
-            An object key, relative to the checkpoint root.
-        views : list of memoryview
-            The object's bytes, in order.
-        total : int
-            Their total size.
+        key, views, total : str, list of memoryview, int
+            The object key, its bytes in order, and their total size.
         """
 
     @abc.abstractmethod
@@ -456,12 +435,8 @@ class ObjectStoreBackend(ErrorMapping, Backend):
 
         Parameters
         ----------
-        key : str
-            An object key, relative to the checkpoint root.
-        views : list of memoryview
-            The object's bytes, in order.
-        total : int
-            Their total size.
+        key, views, total : str, list of memoryview, int
+            The object key, its bytes in order, and their total size.
         """
 
     async def put(self, key: str, data: Sequence[Buffer]) -> None:
@@ -485,12 +460,9 @@ class ObjectStoreBackend(ErrorMapping, Backend):
 
         Parameters
         ----------
-        views : list of memoryview
-            The object's bytes, in order.
-        total : int
-            Their total size.
-        part_size : int
-            Bytes per part (the last may be shorter).
+        views, total, part_size : list of memoryview, int, int
+            The object's bytes in order, their total size, and bytes per part (the last
+            may be shorter).
         send : callable
             ``await send(number, part_views)`` uploads one part (numbered from 1) and
             returns its receipt.
@@ -521,10 +493,8 @@ class ObjectStoreBackend(ErrorMapping, Backend):
 
         Parameters
         ----------
-        key : str
-            An object key, relative to the checkpoint root.
-        data : bytes
-            The bytes the caller wrote.
+        key, data : str, bytes
+            The object key and the bytes the caller wrote.
         """
         try:
             got = await self.get(key)
