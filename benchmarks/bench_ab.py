@@ -18,7 +18,9 @@ base that predates it.
 The report takes the best (minimum) time over every round and rep: per version, the
 seconds of each peer, the speed of this checkout against the base (>1: faster now), and
 each version's throughput ratio ``quire/peer`` (>1: quire faster).  Differences under
-~30% are noise on a busy machine; the all-runs column shows the spread.
+~30% are noise on a busy machine; the all-runs column shows the spread.  The same report
+follows for the process's CPU seconds (all threads), which other programs on the cores
+disturb far less than wall time.
 """
 
 from __future__ import annotations
@@ -76,23 +78,23 @@ def run_one(
         return dict(json.load(f))
 
 
-def merge(runs: list[dict[str, Any]]) -> dict[tuple[str, str, str], list[float]]:
-    """(variant, peer, op) -> every time of every run."""
+def merge(runs: list[dict[str, Any]], field: str) -> dict[tuple[str, str, str], list[float]]:
+    """(variant, peer, op) -> every ``field`` ("times" or "cpu") of every run."""
     out: dict[tuple[str, str, str], list[float]] = {}
     for run in runs:
         for variant, v in run["variants"].items():
             for peer, ops in v["results"].items():
                 for op, r in ops.items():
-                    out.setdefault((variant, peer, op), []).extend(r["times"])
+                    out.setdefault((variant, peer, op), []).extend(r.get(field, []))
     return out
 
 
-def report(results: dict[str, dict[tuple[str, str, str], list[float]]]) -> str:
+def report(results: dict[str, dict[tuple[str, str, str], list[float]]], what: str) -> str:
     lines = []
     keys = sorted({k for res in results.values() for k in res})
     variants = sorted({k[0] for k in keys})
     for variant in variants:
-        lines.append(f"\n== {variant}: best seconds over all rounds and reps (all runs)")
+        lines.append(f"\n== {variant}: best {what} over all rounds and reps (all runs)")
         for op in ("save", "load"):
             for peer in [p for p in PEERS.split(",")]:
                 row = []
@@ -102,7 +104,7 @@ def report(results: dict[str, dict[tuple[str, str, str], list[float]]]) -> str:
                         row.append(f"{ver} {min(ts):7.3f} ({' '.join(f'{t:.2f}' for t in ts)})")
                 if row:
                     lines.append(f"  {op:<5} {peer:<12} " + "   ".join(row))
-        lines.append(f"\n== {variant}: ratios (best vs best)")
+        lines.append(f"\n== {variant}: ratios of {what} (best vs best)")
         for op in ("save", "load"):
             b = results["base"].get((variant, "quire", op))
             n = results["new"].get((variant, "quire", op))
@@ -155,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"##### new  = this checkout: {runs['new'][0]['quire']}")
         loads = [r["load_avg"] for rs in runs.values() for r in rs]
         print(f"##### load average at the end of each run: {', '.join(f'{x:.2f}' for x in loads)}")
-        print(report({v: merge(runs[v]) for v in VERSIONS}))
+        print(report({v: merge(runs[v], "times") for v in VERSIONS}, "wall seconds"))
+        # CPU seconds of the whole process (all threads): steadier than wall time when
+        # other programs share the cores, though not what a user waits for.
+        print(report({v: merge(runs[v], "cpu") for v in VERSIONS}, "CPU seconds"))
     return 0
 
 

@@ -226,6 +226,7 @@ def prewarm(nbytes: int) -> None:
 @dataclass
 class Result:
     times: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)  # process CPU seconds (all threads)
     blocked: list[float] = field(default_factory=list)
     rss: list[int] = field(default_factory=list)
     files: int | None = None
@@ -415,9 +416,10 @@ def run_variant(
             rs = res.setdefault((key, "save"), Result())
             prewarm(warm)
             with RssSampler() as m:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 blocked = peer.save(path, tree)
                 dt = time.perf_counter() - t0
+                rs.cpu.append(time.process_time() - c0)
             rs.times.append(dt)
             rs.rss.append(m.growth)
             if blocked is not None:
@@ -430,12 +432,13 @@ def run_variant(
                 rl = res.setdefault((key, "load"), Result())
                 prewarm(warm)
                 with RssSampler() as m:
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     got = peer.load(path, tree, abstract)
                     jax.block_until_ready(
                         [x for x in jax.tree_util.tree_leaves(got) if isinstance(x, jax.Array)]
                     )
                     dt = time.perf_counter() - t0
+                    rl.cpu.append(time.process_time() - c0)
                 rl.times.append(dt)
                 rl.rss.append(m.growth)
                 line += f"  load {dt:7.3f}s"
@@ -552,6 +555,7 @@ def write_json(path: str, all_res: dict[str, tuple[int, dict[tuple[str, str], Re
         for (key, op), r in res.items():
             rows.setdefault(key, {})[op] = {
                 "times": r.times,
+                "cpu": r.cpu,
                 "rss": r.rss,
                 "blocked": r.blocked,
                 "files": r.files,
