@@ -27,8 +27,15 @@ class SaveOptions(TypedDict, total=False):
 
 
 def _start_save(
-    fn: str, url: str | os.PathLike[str], units: Mapping[str, Any], copy: bool, options: SaveOptions
+    fn: str,
+    url: str | os.PathLike[str],
+    units: Mapping[str, Any],
+    copy: bool,
+    options: SaveOptions,
+    stats: dict[str, Any] | None = None,
 ) -> AsyncResponse[None]:
+    """The one save path; ``copy``: snapshot to host first (async) or stream (blocking);
+    ``stats`` receives the engine's counters (tests read the byte budget's peak)."""
     unknown = sorted(set(options) - set(SaveOptions.__annotations__))
     if unknown:
         raise TypeError(f"{fn}() got an unexpected keyword argument {unknown[0]!r}")
@@ -51,6 +58,7 @@ def _start_save(
                 metadata=options.get("metadata"),
                 overwrite=options.get("overwrite", False),
                 storage_options=options.get("storage_options"),
+                stats=stats,
             ),
             close=rep is not progress,
         ),
