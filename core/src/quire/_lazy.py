@@ -100,7 +100,7 @@ class LazyValue:
         Parameters
         ----------
         region : tuple of slice
-            One ``slice(start, stop)`` per axis (step 1, within the shape; ``()`` for 0-d).
+            As for :meth:`RegionReader.read_region`.
 
         Returns
         -------
@@ -231,17 +231,13 @@ class LazyArray(LazyValue):
         return [self]
 
     def nbytes_hint(self, region: Region) -> int:
-        """Host bytes one read of ``region`` holds (charged to quire's byte budget).
+        """Host bytes one read of ``region`` holds (charged to quire's byte budget): the
+        reader's ``nbytes_hint(region)`` if it has one, else the region's bytes.
 
         Parameters
         ----------
         region : tuple of slice
-            One ``slice(start, stop)`` per axis (step 1, within the shape; ``()`` for 0-d).
-
-        Returns
-        -------
-        int
-            The reader's ``nbytes_hint(region)`` if it has one, else the region's bytes.
+            As for :meth:`RegionReader.read_region`.
         """
         hint = getattr(self.reader, "nbytes_hint", None)
         if hint is not None:

@@ -132,10 +132,8 @@ class ErrorMapping:
 
         Parameters
         ----------
-        op : str
-            What was attempted (``"get"``, ``"put"``...), for the message.
-        key : str or None
-            The object key concerned (None: the bucket).
+        op, key
+            As for :meth:`denied`.
         """
         return self.bucket_error(
             f"{self.where(key)}: {op}: bucket {self.bucket!r} does not exist (endpoint "
@@ -147,12 +145,8 @@ class ErrorMapping:
 
         Parameters
         ----------
-        e : BaseException
-            The failure a request raised.
-        op : str
-            What was attempted (``"get"``, ``"put"``...), for the message.
-        key : str or None
-            The object key concerned (None: the bucket).
+        e, op, key
+            As for :meth:`denied`.
         """
         return self.error(f"{self.where(key)}: {op} failed: {self.redact(self.describe(e))}")
 

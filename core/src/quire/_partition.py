@@ -63,10 +63,8 @@ class PartitionRules:
 
         Parameters
         ----------
-        path : str
-            The leaf's ``"/"``-joined key path.
-        shape : sequence of int
-            The leaf's shape (0-d leaves replicate).
+        path, shape
+            As for :meth:`spec_for`.
 
         Raises
         ------
@@ -144,11 +142,8 @@ def partition_rules(rules: Sequence[tuple[str, Any]], mesh: Any) -> PartitionRul
 
     Parameters
     ----------
-    rules : sequence of (str, PartitionSpec)
-        ``(regex, spec)`` pairs, in order; the first whose regex ``re.search``-es a leaf's
-        ``"/"``-joined key path gives its spec (a tuple or list is taken as a spec).
-    mesh : jax.sharding.Mesh
-        The mesh the specs name axes of.
+    rules, mesh
+        As for :class:`PartitionRules`.
 
     Returns
     -------

@@ -275,10 +275,8 @@ def advance(nbytes: int = 0, objects: int = 1) -> None:
 
     Parameters
     ----------
-    nbytes : int
-        Bytes done.
-    objects : int
-        Objects done.
+    nbytes, objects : int
+        As for :meth:`Progress.advance`.
     """
     p = _current.get()
     if p is not None:

@@ -158,12 +158,8 @@ class LoadContext:
 
     Attributes
     ----------
-    url : str
-        The checkpoint's URL (for messages).
-    backend : Backend
-        The checkpoint root, to read through.
-    process_index, process_count : int
-        This JAX process and how many there are.
+    url, backend, process_index, process_count
+        As for :class:`SaveContext` (``backend`` is read through).
     stats : dict
         ``bytes`` and ``objects`` read, for the caller's report.
     limit : asyncio.Semaphore, optional

@@ -248,10 +248,8 @@ class ArrayHandler:
 
         Parameters
         ----------
-        entries : sequence of LoadEntry
-            The leaves this handler loads in one call.
-        ctx : LoadContext
-            The backend to read through, the URL and the process layout.
+        entries, ctx
+            As for :meth:`load`.
         """
         return [
             array_objects(layout_from_record(e.record, ctx.url), e.record["location"])
@@ -284,14 +282,9 @@ class ArrayHandler:
         Parameters
         ----------
         entries : sequence of LoadEntry
-            The leaves this handler loads in one call.
+            The leaves to load, one value each (returned in order).
         ctx : LoadContext
             The backend to read through, the URL and the process layout.
-
-        Returns
-        -------
-        list
-            One loaded value per entry.
         """
         sem = asyncio.Semaphore(16)
 
