@@ -359,8 +359,17 @@ async def metadata(url: str, storage_options: dict[str, Any] | None = None) -> C
 # ----------------------------------------------------------------------------- verify
 @dataclass(frozen=True)
 class VerifyProblem:
-    """One damaged object found by :func:`quire.verify`: the leaf's key ``path``, the
-    stored ``object`` (or pack range) and the ``error``."""
+    """One damaged object found by :func:`quire.verify`.
+
+    Attributes
+    ----------
+    path : str
+        The leaf's key path.
+    object : str
+        The stored object (or pack range).
+    error : str
+        What is wrong with it.
+    """
 
     path: str
     object: str
