@@ -226,6 +226,7 @@ def prewarm(nbytes: int) -> None:
 @dataclass
 class Result:
     times: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)  # process CPU seconds (all threads)
     blocked: list[float] = field(default_factory=list)
     rss: list[int] = field(default_factory=list)
     files: int | None = None
@@ -415,9 +416,10 @@ def run_variant(
             rs = res.setdefault((key, "save"), Result())
             prewarm(warm)
             with RssSampler() as m:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 blocked = peer.save(path, tree)
                 dt = time.perf_counter() - t0
+                rs.cpu.append(time.process_time() - c0)
             rs.times.append(dt)
             rs.rss.append(m.growth)
             if blocked is not None:
@@ -430,12 +432,13 @@ def run_variant(
                 rl = res.setdefault((key, "load"), Result())
                 prewarm(warm)
                 with RssSampler() as m:
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     got = peer.load(path, tree, abstract)
                     jax.block_until_ready(
                         [x for x in jax.tree_util.tree_leaves(got) if isinstance(x, jax.Array)]
                     )
                     dt = time.perf_counter() - t0
+                    rl.cpu.append(time.process_time() - c0)
                 rl.times.append(dt)
                 rl.rss.append(m.growth)
                 line += f"  load {dt:7.3f}s"
@@ -542,6 +545,26 @@ def targets(all_res: dict[str, tuple[int, dict[tuple[str, str], Result]]]) -> st
     return "\n".join(out)
 
 
+def write_json(path: str, all_res: dict[str, tuple[int, dict[tuple[str, str], Result]]]) -> None:
+    """``{variant: {"bytes": n, "results": {peer: {op: {times, rss, blocked, files}}}}}``."""
+    import json
+
+    out: dict[str, Any] = {}
+    for variant, (nbytes, res) in all_res.items():
+        rows: dict[str, dict[str, Any]] = {}
+        for (key, op), r in res.items():
+            rows.setdefault(key, {})[op] = {
+                "times": r.times,
+                "cpu": r.cpu,
+                "rss": r.rss,
+                "blocked": r.blocked,
+                "files": r.files,
+            }
+        out[variant] = {"bytes": nbytes, "results": rows}
+    with open(path, "w") as f:
+        json.dump({"quire": _quire_version(), "load_avg": os.getloadavg()[0], "variants": out}, f)
+
+
 def _quire_version() -> str:
     import subprocess
 
@@ -573,6 +596,9 @@ def main(argv: list[str] | None = None) -> int:
         "--prewarm", type=float, default=3.0, help="pre-warm this many times the payload"
     )
     ap.add_argument("--no-verify", action="store_true", help="skip checking loaded data on rep 0")
+    ap.add_argument(
+        "--json", default=None, help="also write every timing to this JSON file (bench_ab.py)"
+    )
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
 
@@ -605,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
         "growth during the phase; blocked = caller blocked in save()/save_async() of async APIs\n"
     )
     print(fmt_table(all_res, args.reps))
+    if args.json:
+        write_json(args.json, all_res)
     print(
         "\n== targets (quire save/load >= 1.3x orbax, >= 0.8x raw numpy; differences < ~30% are noise)"
     )

@@ -268,13 +268,7 @@ def test_byte_budget_bounds_a_save(tmp_path: Path) -> None:
     chunk = tree["x0"].nbytes
     with quire.Context(byte_budget=chunk, codecs=("zstd",)):
         _api._start_save(
-            str(tmp_path / "c"),
-            {"pytree": tree},
-            metadata=None,
-            overwrite=False,
-            storage=None,
-            copy=False,
-            stats=stats,
+            "save", str(tmp_path / "c"), {"pytree": tree}, False, {}, stats=stats
         ).result(timeout=60)
     # One chunk in flight at a time: a chunk's request (its encoded copies, 2 x chunk with a
     # compressor) exceeds the budget, and such a request is admitted only alone.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from quire import _engine, _io, _progress
 from quire._async import AsyncResponse, chain
@@ -14,24 +14,39 @@ from quire.metadata import CheckpointMetadata
 from quire.options import StorageSpec
 
 
+class SaveOptions(TypedDict, total=False):
+    """The keyword options every save function takes (each is described under
+    :func:`quire.save`); one definition, so the four save functions cannot drift apart."""
+
+    metadata: Mapping[str, Any] | None
+    overwrite: bool
+    storage: StorageSpec
+    storage_options: dict[str, Any] | None
+    progress: Any
+    layout: str | None
+
+
 def _start_save(
+    fn: str,
     url: str | os.PathLike[str],
     units: Mapping[str, Any],
-    *,
-    metadata: Mapping[str, Any] | None,
-    overwrite: bool,
-    storage: StorageSpec,
     copy: bool,
-    storage_options: dict[str, Any] | None = None,
+    options: SaveOptions,
     stats: dict[str, Any] | None = None,
-    progress: Any = None,
-    layout: str | None = None,
 ) -> AsyncResponse[None]:
+    """The one save path; ``copy``: snapshot to host first (async) or stream (blocking);
+    ``stats`` receives the engine's counters (tests read the byte budget's peak)."""
+    unknown = sorted(set(options) - set(SaveOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"{fn}() got an unexpected keyword argument {unknown[0]!r}")
     u = normalize(url)
+    progress = options.get("progress")
     rep = _progress.make(progress, "save", u)
     if rep is not None:
         rep.add_total(_tree_nbytes(units))
-    prep = _engine.prepare_save(units, storage, copy=copy, url=u, layout=layout)
+    prep = _engine.prepare_save(
+        units, options.get("storage"), copy=copy, url=u, layout=options.get("layout")
+    )
 
     return chain(
         u,
@@ -40,9 +55,9 @@ def _start_save(
             lambda: _engine.save_prepared(
                 u,
                 prep,
-                metadata=metadata,
-                overwrite=overwrite,
-                storage_options=storage_options,
+                metadata=options.get("metadata"),
+                overwrite=options.get("overwrite", False),
+                storage_options=options.get("storage_options"),
                 stats=stats,
             ),
             close=rep is not progress,
@@ -68,17 +83,7 @@ def _tree_nbytes(node: Any) -> int:
     return 0 if children == [node] else sum(_tree_nbytes(c) for c in children)
 
 
-def save(
-    url: str | os.PathLike[str],
-    tree: Any,
-    *,
-    metadata: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    storage: StorageSpec = None,
-    storage_options: dict[str, Any] | None = None,
-    progress: Any = None,
-    layout: str | None = None,
-) -> None:
+def save(url: str | os.PathLike[str], tree: Any, **options: Unpack[SaveOptions]) -> None:
     """Save ``tree`` to ``url`` and commit it atomically.
 
     Parameters
@@ -90,7 +95,7 @@ def save(
         scalar, string, bytes, None and PRNG-key leaves.
     metadata : dict, optional
         JSON-serialisable user metadata, returned by :func:`quire.metadata` as ``custom``.
-    overwrite : bool
+    overwrite : bool, default False
         Replace a committed checkpoint at ``url`` (atomically; the old data is removed
         after the new record is in place).
     storage : StorageOptions or callable, optional
@@ -114,31 +119,16 @@ def save(
         committed first).
     UnsupportedLeafError
         A leaf has a type no handler saves (the message names its key path).
+    MultiProcessError
+        With several JAX processes: another process failed or disagreed; nothing was
+        committed.
     """
     # The streaming path: no host copy of the tree, shards are read while writing.
-    _start_save(
-        url,
-        {_engine.PYTREE: tree},
-        metadata=metadata,
-        overwrite=overwrite,
-        storage=storage,
-        copy=False,
-        storage_options=storage_options,
-        progress=progress,
-        layout=layout,
-    ).result()
+    _start_save("save", url, {_engine.PYTREE: tree}, False, options).result()
 
 
 def save_async(
-    url: str | os.PathLike[str],
-    tree: Any,
-    *,
-    metadata: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    storage: StorageSpec = None,
-    storage_options: dict[str, Any] | None = None,
-    progress: Any = None,
-    layout: str | None = None,
+    url: str | os.PathLike[str], tree: Any, **options: Unpack[SaveOptions]
 ) -> AsyncResponse[None]:
     """Like :func:`save`, but return once every owned shard is copied to host memory.
 
@@ -147,19 +137,8 @@ def save_async(
 
     Parameters
     ----------
-    url : str or os.PathLike
-        Where to save: a local path or any fsspec URL with an installed backend.
-    tree : pytree
-        The tree to save (see :func:`save`).
-    metadata : mapping, optional
-        JSON-serialisable user metadata, stored in ``quire.json``.
-    overwrite : bool
-        Replace a committed checkpoint at ``url`` atomically (compare-and-swap of
-        ``quire.json``; the old data is removed after the commit).
-    storage : StorageOptions or callable, optional
-        Per-leaf storage options (codecs, checksums, chunking), as for :func:`save`.
-    storage_options : dict, optional
-        fsspec ``storage_options`` for the backend.
+    url, tree, metadata, overwrite, storage, storage_options, progress, layout
+        As for :func:`save`.
 
     Returns
     -------
@@ -171,28 +150,13 @@ def save_async(
     UnsupportedLeafError
         A leaf has a type no installed leaf handler saves (raised at once).
     """
-    return _start_save(
-        url,
-        {_engine.PYTREE: tree},
-        metadata=metadata,
-        overwrite=overwrite,
-        storage=storage,
-        copy=True,
-        storage_options=storage_options,
-        progress=progress,
-        layout=layout,
-    )
+    return _start_save("save_async", url, {_engine.PYTREE: tree}, True, options)
 
 
 def save_checkpointables(
     url: str | os.PathLike[str],
     checkpointables: Mapping[str, Any],
-    *,
-    metadata: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    storage: StorageSpec = None,
-    storage_options: dict[str, Any] | None = None,
-    progress: Any = None,
+    **options: Unpack[SaveOptions],
 ) -> None:
     """Save several named units (pytrees, JSON configs, checkpointable objects) in one commit.
 
@@ -205,68 +169,30 @@ def save_checkpointables(
         Where to save: a local path or any fsspec URL with an installed backend.
     checkpointables : mapping of str to unit
         Unit name -> pytree, JSON value or checkpointable object.
-    metadata : mapping, optional
-        JSON-serialisable user metadata, stored in ``quire.json``.
-    overwrite : bool
-        Replace a committed checkpoint at ``url`` atomically (compare-and-swap of
-        ``quire.json``; the old data is removed after the commit).
-    storage : StorageOptions or callable, optional
-        Per-leaf storage options (codecs, checksums, chunking), as for :func:`save`.
-    storage_options : dict, optional
-        fsspec ``storage_options`` for the backend.
+    metadata, overwrite, storage, storage_options, progress, layout
+        As for :func:`save`.
 
     Raises
     ------
-    CheckpointExistsError
-        A checkpoint is at ``url`` and ``overwrite`` is False (or another writer
-        committed first).
-    UnsupportedLeafError
-        A leaf or unit has a type no installed handler saves.
-    MultiProcessError
-        With several JAX processes: another process failed or disagreed; nothing was
-        committed.
+    CheckpointExistsError, UnsupportedLeafError, MultiProcessError
+        As for :func:`save` (a unit, too, may have a type no installed handler saves).
     """
     from quire.checkpointables import as_mapping
 
-    _start_save(
-        url,
-        as_mapping(checkpointables),
-        metadata=metadata,
-        overwrite=overwrite,
-        storage=storage,
-        copy=False,
-        storage_options=storage_options,
-        progress=progress,
-    ).result()
+    _start_save("save_checkpointables", url, as_mapping(checkpointables), False, options).result()
 
 
 def save_checkpointables_async(
     url: str | os.PathLike[str],
     checkpointables: Mapping[str, Any],
-    *,
-    metadata: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    storage: StorageSpec = None,
-    storage_options: dict[str, Any] | None = None,
-    progress: Any = None,
+    **options: Unpack[SaveOptions],
 ) -> AsyncResponse[None]:
     """:func:`save_checkpointables` in the background (blocks only for host copies).
 
     Parameters
     ----------
-    url : str or os.PathLike
-        Where to save: a local path or any fsspec URL with an installed backend.
-    checkpointables : mapping of str to unit
-        Unit name -> pytree, JSON value or checkpointable object.
-    metadata : mapping, optional
-        JSON-serialisable user metadata, stored in ``quire.json``.
-    overwrite : bool
-        Replace a committed checkpoint at ``url`` atomically (compare-and-swap of
-        ``quire.json``; the old data is removed after the commit).
-    storage : StorageOptions or callable, optional
-        Per-leaf storage options (codecs, checksums, chunking), as for :func:`save`.
-    storage_options : dict, optional
-        fsspec ``storage_options`` for the backend.
+    url, checkpointables, metadata, overwrite, storage, storage_options, progress, layout
+        As for :func:`save_checkpointables`.
 
     Returns
     -------
@@ -277,14 +203,7 @@ def save_checkpointables_async(
     from quire.checkpointables import as_mapping
 
     return _start_save(
-        url,
-        as_mapping(checkpointables),
-        metadata=metadata,
-        overwrite=overwrite,
-        storage=storage,
-        copy=True,
-        storage_options=storage_options,
-        progress=progress,
+        "save_checkpointables_async", url, as_mapping(checkpointables), True, options
     )
 
 

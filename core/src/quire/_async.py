@@ -22,6 +22,13 @@ class AsyncResponse(Generic[T]):
 
     ``result(timeout=None)`` waits and returns the value (or raises the error);
     ``done()`` says whether it finished.
+
+    Parameters
+    ----------
+    future : concurrent.futures.Future
+        The work's future (quire makes these; users receive them from ``*_async``).
+    description : str
+        What the work is, for messages (``"save s3://b/ckpt"``).
     """
 
     def __init__(self, future: concurrent.futures.Future[T], description: str = "") -> None:

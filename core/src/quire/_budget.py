@@ -32,21 +32,39 @@ class ByteBudget:
         self._cond = asyncio.Condition()
 
     async def acquire(self, n: int) -> None:
-        """Wait until ``n`` bytes fit, then hold them (pair with :meth:`release`)."""
+        """Wait until ``n`` bytes fit, then hold them (pair with :meth:`release`).
+
+        Parameters
+        ----------
+        n : int
+            A number of bytes.
+        """
         async with self._cond:
             await self._cond.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
             self.used += n
             self.peak = max(self.peak, self.used)
 
     async def release(self, n: int) -> None:
-        """Give back ``n`` bytes held by :meth:`acquire`."""
+        """Give back ``n`` bytes held by :meth:`acquire`.
+
+        Parameters
+        ----------
+        n : int
+            A number of bytes.
+        """
         async with self._cond:
             self.used -= n
             self._cond.notify_all()
 
     @contextlib.asynccontextmanager
     async def hold(self, n: int) -> AsyncIterator[None]:
-        """``async with budget.hold(n):`` holds ``n`` bytes for the block (none for n <= 0)."""
+        """``async with budget.hold(n):`` holds ``n`` bytes for the block (none for n <= 0).
+
+        Parameters
+        ----------
+        n : int
+            A number of bytes.
+        """
         if n <= 0:
             yield
             return

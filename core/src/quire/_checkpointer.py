@@ -248,6 +248,16 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
 
         False for a step at or below the latest committed or started one; otherwise the
         save policy's answer (True without a policy).  Asking has no side effect.
+
+        Parameters
+        ----------
+        step : int
+            The step number (non-negative).
+
+        Returns
+        -------
+        bool
+            Whether ``save(step, ...)`` would save (without ``force``).
         """
         self._raise_background()
         return self._decide(_as_step(step))
@@ -311,7 +321,22 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
         metadata: Mapping[str, Any] | None = None,
         force: bool = False,
     ) -> bool:
-        """Like :meth:`save`, with several named units (see ``quire.save_checkpointables``)."""
+        """Like :meth:`save`, with several named units (see ``quire.save_checkpointables``).
+
+        Parameters
+        ----------
+        step : int
+            The step number (non-negative).
+        checkpointables : mapping of str to unit
+            Unit name -> pytree, JSON value or checkpointable object.
+        metrics, metadata, force
+            As for :meth:`save`.
+
+        Returns
+        -------
+        bool
+            Whether it saves.
+        """
         return self._save(step, checkpointables, metrics, metadata, force, single=False)
 
     def _save(

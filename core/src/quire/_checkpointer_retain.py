@@ -303,7 +303,28 @@ class _RetainLoadMixin:
         *,
         partial: bool = False,
     ) -> dict[str, Any]:
-        """Load named units of ``step`` (default: latest); see ``quire.load_checkpointables``."""
+        """Load named units of ``step`` (default: latest); see ``quire.load_checkpointables``.
+
+        Parameters
+        ----------
+        step : int, optional
+            The step (default: the latest committed one).
+        abstract : mapping of str to target, optional
+            Unit name -> target, as for ``quire.load_checkpointables`` (None: every unit,
+            as saved).
+        partial : bool
+            For pytree units, load only the keys present in the target.
+
+        Returns
+        -------
+        dict
+            Unit name -> loaded value.
+
+        Raises
+        ------
+        CheckpointNotFoundError
+            No committed step (or not that one).
+        """
         return self._load(  # type: ignore[no-any-return]
             step,
             lambda url: _api.load_checkpointables(
@@ -343,6 +364,16 @@ class _RetainLoadMixin:
 
         ``step=None`` returns the ``metadata`` stored in ``checkpointer.json`` (or, before
         the first save, the one passed to the constructor).
+
+        Parameters
+        ----------
+        step : int, optional
+            A committed step; None for the run's metadata.
+
+        Returns
+        -------
+        CheckpointMetadata or dict
+            The step's metadata, or the run's (a dict) when ``step`` is None.
         """
         self._raise_background()
         if step is None:
@@ -355,7 +386,23 @@ class _RetainLoadMixin:
         return m
 
     def metrics(self, step: int) -> dict[str, Any]:
-        """The metrics saved with ``step`` (empty if none); reads only ``quire.json``."""
+        """The metrics saved with ``step`` (empty if none); reads only ``quire.json``.
+
+        Parameters
+        ----------
+        step : int
+            A committed step.
+
+        Returns
+        -------
+        dict
+            The ``metrics`` given to :meth:`save` for that step.
+
+        Raises
+        ------
+        CheckpointNotFoundError
+            No committed step ``step``.
+        """
         self._raise_background()
         s = _as_step(step)
         with self._lock:
@@ -368,7 +415,20 @@ class _RetainLoadMixin:
         return dict(info.metrics)
 
     def best_step(self, metric: str, *, mode: str = "max") -> int | None:
-        """The committed step with the best ``metric`` (``mode`` "max" or "min"), or None."""
+        """The committed step with the best ``metric``, or None.
+
+        Parameters
+        ----------
+        metric : str
+            The name of a metric passed to :meth:`save`; steps without it are ignored.
+        mode : {"max", "min"}
+            Whether a higher or a lower value is better.
+
+        Returns
+        -------
+        int or None
+            The best step, or None when no committed step has ``metric``.
+        """
         from quire.policies import BestN
 
         self._raise_background()

@@ -41,7 +41,21 @@ __all__ = ["CopyResult", "copy_checkpoint"]
 @dataclasses.dataclass(frozen=True)
 class CopyResult:
     """What a copy did: objects and bytes written (the record included), objects verified,
-    and the array chunks copied (the unit ``quire verify`` and ``quire info`` count)."""
+    and the array chunks copied (the unit ``quire verify`` and ``quire info`` count).
+
+    Attributes
+    ----------
+    src, dst : str
+        The source and destination URLs.
+    objects, bytes : int
+        Objects and bytes written at ``dst``.
+    verified : int
+        Objects whose bytes were checked on the way.
+    seconds : float
+        How long the copy took.
+    chunks : int
+        Array chunks copied.
+    """
 
     src: str
     dst: str

@@ -62,7 +62,21 @@ class JournalConflictError(CheckpointExistsError):
 
 @dataclass(frozen=True)
 class JournalVersion:
-    """One version of a partial-save journal."""
+    """One version of a partial-save journal.
+
+    Attributes
+    ----------
+    version : int
+        The version number (1, 2, ...).
+    created : datetime.datetime
+        When it was written.
+    added, replaced, deleted : list of key paths
+        The leaves this version added, replaced and deleted.
+    metadata : dict
+        The user metadata given to this version's save.
+    txid : str, optional
+        The data prefix of this version's arrays.
+    """
 
     version: int
     created: datetime.datetime

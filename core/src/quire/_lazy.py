@@ -39,7 +39,20 @@ class RegionReader(Protocol):
     holds; default ``prod(region) * itemsize``), which quire charges to its byte budget.
     """
 
-    async def read_region(self, region: Region) -> np.ndarray: ...
+    async def read_region(self, region: Region) -> np.ndarray:
+        """Read ``region`` of the stored array (see the class docstring for the contract).
+
+        Parameters
+        ----------
+        region : tuple of slice
+            One ``slice(start, stop)`` per axis (step 1, within the shape; ``()`` for 0-d).
+
+        Returns
+        -------
+        numpy.ndarray
+            C-contiguous, of exactly the region's shape and the stored dtype.
+        """
+        ...
 
 
 def region_shape(region: Region) -> tuple[int, ...]:
@@ -61,14 +74,17 @@ class LazyValue:
 
     @property
     def ndim(self) -> int:
+        """Number of axes."""
         return len(self.shape)
 
     @property
     def size(self) -> int:
+        """Number of elements."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole value in its dtype (what :meth:`read` returns)."""
         return self.size * self.dtype.itemsize
 
     def sources(self) -> list[LazyArray]:
@@ -79,6 +95,23 @@ class LazyValue:
         raise NotImplementedError
 
     async def read_region(self, region: Region) -> np.ndarray:
+        """Read ``region`` of this value, on quire's event loop (checked against the shape).
+
+        Parameters
+        ----------
+        region : tuple of slice
+            As for :meth:`RegionReader.read_region`.
+
+        Returns
+        -------
+        numpy.ndarray
+            Of exactly the region's shape.
+
+        Raises
+        ------
+        IndexError
+            The region is outside the shape.
+        """
         if len(region) != len(self.shape) or any(
             not (0 <= s.start <= s.stop <= n) for s, n in zip(region, self.shape)
         ):
@@ -92,6 +125,17 @@ class LazyValue:
         """Read the whole value: a numpy array, or a ``jax.Array`` placed with ``sharding``.
 
         Each device shard reads only its own region.
+
+        Parameters
+        ----------
+        dtype : numpy dtype, optional
+            Cast to this dtype (default: the value's own).
+        sharding : jax.sharding.Sharding, optional
+            Place the result as a ``jax.Array`` with this sharding (default: numpy).
+
+        Returns
+        -------
+        numpy.ndarray or jax.Array
         """
         from quire import _io
         from quire._materialize import materialize_leaf
@@ -109,16 +153,31 @@ class LazyValue:
 
     @property
     def T(self) -> LazyValue:
+        """The lazy transpose (:func:`quire.surgery.transpose`)."""
         from quire.surgery import transpose
 
         return transpose(self)
 
     def astype(self, dtype: Any) -> LazyValue:
+        """A lazy cast (:func:`quire.surgery.astype`).
+
+        Parameters
+        ----------
+        dtype : numpy dtype
+            The dtype to cast to when read.
+        """
         from quire.surgery import astype
 
         return astype(self, dtype)
 
     def reshape(self, *shape: Any) -> LazyValue:
+        """A lazy reshape (:func:`quire.surgery.reshape`).
+
+        Parameters
+        ----------
+        *shape : int or tuple of int
+            The new shape, as ints or one tuple (as for ``numpy.reshape``).
+        """
         from quire.surgery import reshape
 
         if len(shape) == 1 and not isinstance(shape[0], int):
@@ -165,12 +224,21 @@ class LazyArray(LazyValue):
 
     @property
     def key(self) -> str:
+        """The key path, "/"-joined."""
         return "/".join(str(k) for k in self.key_path)
 
     def sources(self) -> list[LazyArray]:
         return [self]
 
     def nbytes_hint(self, region: Region) -> int:
+        """Host bytes one read of ``region`` holds (charged to quire's byte budget): the
+        reader's ``nbytes_hint(region)`` if it has one, else the region's bytes.
+
+        Parameters
+        ----------
+        region : tuple of slice
+            As for :meth:`RegionReader.read_region`.
+        """
         hint = getattr(self.reader, "nbytes_hint", None)
         if hint is not None:
             return int(hint(region))

@@ -41,6 +41,16 @@ def packed_view(backend: Backend, url: str, doc: Mapping[str, Any]) -> Backend:
     return reader(backend, url, doc.get("indexes"), jax.process_index())
 
 
+async def read_for_data(
+    url: str, storage_options: dict[str, Any] | None
+) -> tuple[dict[str, Any], Backend]:
+    """The checked commit record at ``url`` and the backend to read its data through
+    (:func:`packed_view`: format-v2 chunks come out of packs)."""
+    backend = open_backend(url, storage_options)
+    doc = (await _commit.read(backend, url)).doc
+    return doc, packed_view(backend, url, doc)
+
+
 # ----------------------------------------------------------------------------- loading
 def _is_abstract_leaf(x: Any) -> bool:
     if x is None or isinstance(x, type):
@@ -183,14 +193,15 @@ async def _load_tree(
 
     await gather_cancelling(*(run(h, items) for h, items in groups.items()))
     if abstract is None:
-        return _rebuild_saved(saved, values)
+        return rebuild_saved(saved, values)
     return target_root.rebuild(lambda n: values[id(n)])
 
 
-def _rebuild_saved(node: Node, values: dict[int, Any]) -> Any:
+def rebuild_saved(node: Node, values: dict[int, Any]) -> Any:
+    """The tree of saved containers with ``values[id(leaf)]`` at each leaf."""
     if node.kind == "leaf":
         return values[id(node)]
-    kids = [_rebuild_saved(c, values) for c in node.children]
+    kids = [rebuild_saved(c, values) for c in node.children]
     if node.kind == "dict":
         return dict(zip(node.keys, kids))
     if node.kind == "tuple" and node.typename is None:
@@ -281,7 +292,7 @@ def metadata_tree(url: str, tree_json: dict[str, Any]) -> Any:
             ) from e
         for leaf, m in zip(leaves, ms):
             metas[id(leaf)] = m
-    return _rebuild_saved(saved, metas)
+    return rebuild_saved(saved, metas)
 
 
 async def load_units(
@@ -348,8 +359,17 @@ async def metadata(url: str, storage_options: dict[str, Any] | None = None) -> C
 # ----------------------------------------------------------------------------- verify
 @dataclass(frozen=True)
 class VerifyProblem:
-    """One damaged object found by :func:`quire.verify`: the leaf's key ``path``, the
-    stored ``object`` (or pack range) and the ``error``."""
+    """One damaged object found by :func:`quire.verify`.
+
+    Attributes
+    ----------
+    path : str
+        The leaf's key path.
+    object : str
+        The stored object (or pack range).
+    error : str
+        What is wrong with it.
+    """
 
     path: str
     object: str
@@ -364,9 +384,7 @@ async def verify(
     """Have every leaf's handler check every object it owns; (objects checked, problems)."""
     from quire._owned import verify_leaves
 
-    backend = open_backend(url, storage_options)
-    doc = (await _commit.read(backend, url)).doc
-    backend = packed_view(backend, url, doc)
+    doc, backend = await read_for_data(url, storage_options)
     all_leaves = []
     for unit in doc["units"].values():
         if unit["kind"] == "pytree":

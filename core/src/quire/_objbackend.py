@@ -153,7 +153,13 @@ class ObjectStoreBackend(ErrorMapping, Backend):
         return options
 
     def secret_values(self, options: dict[str, Any]) -> builtins.list[str]:
-        """Strings in ``options`` that must never appear in messages or logs."""
+        """Strings in ``options`` that must never appear in messages or logs.
+
+        Parameters
+        ----------
+        options : dict
+            The storage options (after :meth:`client_options`).
+        """
         ck = options.get("client_kwargs") or {}
         found = [options.get(k) for k in self.secret_options]
         found += [ck.get(k) for k in self.secret_options] if isinstance(ck, dict) else []
@@ -167,6 +173,11 @@ class ObjectStoreBackend(ErrorMapping, Backend):
         (``"s3fs.S3FileSystem"``), asynchronous, on the running loop, outside fsspec's
         instance cache; its settings (credentials, endpoint, fsspec config files) are
         then what requests use.
+
+        Parameters
+        ----------
+        options : dict
+            The storage options (after :meth:`client_options`).
         """
         import importlib
 
@@ -179,7 +190,13 @@ class ObjectStoreBackend(ErrorMapping, Backend):
     @staticmethod
     @abc.abstractmethod
     async def close_client(client: Any) -> None:
-        """Close a client made by :meth:`new_client`."""
+        """Close a client made by :meth:`new_client`.
+
+        Parameters
+        ----------
+        client : Any
+            The client to close.
+        """
 
     @property
     def client(self) -> Any:
@@ -274,7 +291,13 @@ class ObjectStoreBackend(ErrorMapping, Backend):
     @abc.abstractmethod
     async def stat(self, key: str) -> ObjectInfo | None:
         """``key``'s :class:`ObjectInfo`, or None when it does not exist (retried through
-        :meth:`run`)."""
+        :meth:`run`).
+
+        Parameters
+        ----------
+        key : str
+            An object key, relative to the checkpoint root.
+        """
 
     async def _info(self, key: str) -> ObjectInfo:
         info = await self.stat(key)
@@ -301,6 +324,11 @@ class ObjectStoreBackend(ErrorMapping, Backend):
 
         A range past the end of the object gives ``b""``; a missing object raises what
         :meth:`map_error` turns into ``FileNotFoundError``.
+
+        Parameters
+        ----------
+        key, start, end : str, int, int or None
+            The object key and the byte range ``[start, end)`` (None: to the object's end).
         """
 
     @abc.abstractmethod
@@ -308,7 +336,14 @@ class ObjectStoreBackend(ErrorMapping, Backend):
         self, key: str, start: int, views: builtins.list[memoryview], length: int
     ) -> int:
         """One request for ``length`` bytes of ``key`` from ``start``, streamed into
-        ``views`` (see :func:`quire.backends.read_into`); the byte count."""
+        ``views`` (see :func:`quire.backends.read_into`); the byte count.
+
+        Parameters
+        ----------
+        key, start, views, length : str, int, list of memoryview, int
+            The object key, the first byte, writable buffers (filled in order) and how
+            many bytes to read.
+        """
 
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         s = start or 0
@@ -338,13 +373,27 @@ class ObjectStoreBackend(ErrorMapping, Backend):
         """One page of a listing (retried through :meth:`run`): object names starting
         with ``prefix``, common prefixes (with a ``delimiter``) and the next page's token
         (None on the last page).  ``token`` is None for the first page; ``limit``, when
-        given, caps the page size."""
+        given, caps the page size.
+
+        Parameters
+        ----------
+        prefix, token, limit, delimiter : str, Any, int or None, str or None
+            The object-name prefix, the previous page's continuation token (None: the
+            first page), the most names to ask for, and a separator to group names by.
+        """
 
     async def listing(
         self, prefix: str, limit: int | None = None, delimiter: str | None = None
     ) -> tuple[builtins.list[str], builtins.list[str]]:
         """Object names starting with ``prefix`` (at least ``limit`` of them when given)
-        and, with a ``delimiter``, the common prefixes: every page of :meth:`list_page`."""
+        and, with a ``delimiter``, the common prefixes: every page of :meth:`list_page`.
+
+        Parameters
+        ----------
+        prefix, limit, delimiter : str, int or None, str or None
+            The object-name prefix, a count after which to stop, and a separator to
+            group names by (``"/"``).
+        """
         names: builtins.list[str] = []
         dirs: builtins.list[str] = []
         token: str | None = None
@@ -370,13 +419,25 @@ class ObjectStoreBackend(ErrorMapping, Backend):
     @abc.abstractmethod
     async def put_small(self, key: str, views: builtins.list[memoryview], total: int) -> None:
         """Upload an object below ``large_threshold`` (retrying through :meth:`run`);
-        the bytes are already held in the budget."""
+        the bytes are already held in the budget.
+
+        Parameters
+        ----------
+        key, views, total : str, list of memoryview, int
+            The object key, its bytes in order, and their total size.
+        """
 
     @abc.abstractmethod
     async def put_large(self, key: str, views: builtins.list[memoryview], total: int) -> None:
         """Upload an object of ``large_threshold`` bytes or more in parts (multipart,
         resumable), each part held in :attr:`budget` while in flight (see
-        :meth:`upload_parts`)."""
+        :meth:`upload_parts`).
+
+        Parameters
+        ----------
+        key, views, total : str, list of memoryview, int
+            The object key, its bytes in order, and their total size.
+        """
 
     async def put(self, key: str, data: Sequence[Buffer]) -> None:
         views = objstore.views(data)
@@ -396,6 +457,15 @@ class ObjectStoreBackend(ErrorMapping, Backend):
     ) -> builtins.list[T]:
         """Send ``views`` as concurrent parts of ``part_size`` bytes, each held in the
         budget while in flight: ``send(number, part_views)`` for numbers 1, 2, ...
+
+        Parameters
+        ----------
+        views, total, part_size : list of memoryview, int, int
+            The object's bytes in order, their total size, and bytes per part (the last
+            may be shorter).
+        send : callable
+            ``await send(number, part_views)`` uploads one part (numbered from 1) and
+            returns its receipt.
 
         Returns
         -------
@@ -420,6 +490,11 @@ class ObjectStoreBackend(ErrorMapping, Backend):
         Used after a conditional write lost: an earlier attempt of the same write (whose
         reply was lost) may have made it.  The default compares :meth:`get` with
         ``data`` and reads :meth:`version`; override it where one request gives both.
+
+        Parameters
+        ----------
+        key, data : str, bytes
+            The object key and the bytes the caller wrote.
         """
         try:
             got = await self.get(key)

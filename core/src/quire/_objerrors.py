@@ -37,11 +37,23 @@ class ErrorMapping:
 
     # -- hooks: errors --------------------------------------------------------------------
     def key(self, key: str) -> str:
-        """The object name of ``key`` (relative to the checkpoint root) in the bucket."""
+        """The object name of ``key`` (relative to the checkpoint root) in the bucket.
+
+        Parameters
+        ----------
+        key : str
+            An object key, relative to the checkpoint root.
+        """
         return f"{self.root}/{key}" if self.root else key
 
     def where(self, key: str | None) -> str:
-        """``scheme://bucket/object`` of ``key`` (the bucket alone for None), for messages."""
+        """``scheme://bucket/object`` of ``key`` (the bucket alone for None), for messages.
+
+        Parameters
+        ----------
+        key : str or None
+            The object key concerned (None: the bucket).
+        """
         return f"{self.scheme}://{self.bucket}" + (f"/{self.key(key)}" if key is not None else "")
 
     def endpoint(self) -> str | None:
@@ -49,17 +61,35 @@ class ErrorMapping:
         return None
 
     def redact(self, text: str) -> str:
-        """``text`` with every credential this backend was given replaced by ``***``."""
+        """``text`` with every credential this backend was given replaced by ``***``.
+
+        Parameters
+        ----------
+        text : str
+            A message or log line.
+        """
         for s in self._secret_values:
             text = text.replace(s, "***")
         return text
 
     def is_transient(self, e: BaseException) -> bool:
-        """Whether a failed request may succeed when repeated (5xx, throttling, resets)."""
+        """Whether a failed request may succeed when repeated (5xx, throttling, resets).
+
+        Parameters
+        ----------
+        e : BaseException
+            The failure a request raised.
+        """
         return isinstance(e, asyncio.TimeoutError | ConnectionError)
 
     def describe(self, e: BaseException) -> str:
-        """A one-line account of a failed request (redacted by the caller)."""
+        """A one-line account of a failed request (redacted by the caller).
+
+        Parameters
+        ----------
+        e : BaseException
+            The failure a request raised.
+        """
         return f"{type(e).__name__}: {e}"
 
     def map_error(self, e: Exception, op: str, key: str | None, missing: str) -> Exception | None:
@@ -80,20 +110,44 @@ class ErrorMapping:
 
     def denied(self, e: BaseException, op: str, key: str | None, fix: str) -> Exception:
         """The ``permission_error`` for a refused request; ``fix`` says where credentials
-        come from."""
+        come from.
+
+        Parameters
+        ----------
+        e : BaseException
+            The failure a request raised.
+        op : str
+            What was attempted (``"get"``, ``"put"``...), for the message.
+        key : str or None
+            The object key concerned (None: the bucket).
+        fix : str
+            Where the credentials come from, for the message.
+        """
         return self.permission_error(
             f"{self.where(key)}: {op} denied: {self.redact(self.describe(e))}. {fix}"
         )
 
     def no_bucket(self, op: str, key: str | None) -> Exception:
-        """The ``bucket_error`` for a bucket that does not exist."""
+        """The ``bucket_error`` for a bucket that does not exist.
+
+        Parameters
+        ----------
+        op, key
+            As for :meth:`denied`.
+        """
         return self.bucket_error(
             f"{self.where(key)}: {op}: bucket {self.bucket!r} does not exist (endpoint "
             f"{self.endpoint()}); create it or fix the URL"
         )
 
     def failed(self, e: BaseException, op: str, key: str | None) -> Exception:
-        """The ``error`` for any other permanent failure."""
+        """The ``error`` for any other permanent failure.
+
+        Parameters
+        ----------
+        e, op, key
+            As for :meth:`denied`.
+        """
         return self.error(f"{self.where(key)}: {op} failed: {self.redact(self.describe(e))}")
 
     def _fail(self, e: Exception, op: str, key: str | None, missing: str) -> Exception:

@@ -40,6 +40,15 @@ class RetryPolicy:
     from ``[b/2, b]``, ``b = min(max_backoff, backoff * 2**n)`` ("equal jitter": clients
     that failed together do not retry together), unless that pause would end past
     ``deadline`` seconds after the first attempt.
+
+    Parameters
+    ----------
+    deadline : float
+        Seconds after the first attempt past which no retry starts.
+    backoff : float
+        The first pause's upper bound, in seconds (doubled per attempt).
+    max_backoff : float
+        The largest pause, in seconds.
     """
 
     deadline: float = 120.0
@@ -48,7 +57,13 @@ class RetryPolicy:
 
     @classmethod
     def pop_from(cls, options: dict[str, Any]) -> RetryPolicy:
-        """The policy set by ``retry_*`` keys of ``options`` (removed from it)."""
+        """The policy set by ``retry_*`` keys of ``options`` (removed from it).
+
+        Parameters
+        ----------
+        options : dict
+            Storage options; ``retry_deadline``, ``retry_backoff`` and ``retry_max_backoff`` are popped.
+        """
         d = cls()
         return cls(
             deadline=float(options.pop("retry_deadline", d.deadline)),
@@ -57,13 +72,29 @@ class RetryPolicy:
         )
 
     def pause(self, attempt: int) -> float:
-        """The jittered pause after failed attempt number ``attempt`` (from 0)."""
+        """The jittered pause after failed attempt number ``attempt`` (from 0).
+
+        Parameters
+        ----------
+        attempt : int
+            The failed attempt's number, from 0.
+        """
         b = min(self.max_backoff, self.backoff * 2.0 ** min(attempt, 60))
         return random.uniform(b / 2, b)
 
 
 class RetriesExhausted(Exception):
-    """Transient failures lasted past the deadline; ``last`` is the final one."""
+    """Transient failures lasted past the deadline; ``last`` is the final one.
+
+    Parameters
+    ----------
+    attempts : int
+        How many attempts were made.
+    elapsed : float
+        Seconds since the first attempt.
+    last : BaseException
+        The final transient failure.
+    """
 
     def __init__(self, attempts: int, elapsed: float, last: BaseException) -> None:
         super().__init__(f"{attempts} attempts in {elapsed:.1f}s")
@@ -255,7 +286,15 @@ def views(data: Sequence[Buffer]) -> list[memoryview]:
 
 
 def byte_slice(bufs: Sequence[memoryview], start: int, stop: int) -> list[memoryview]:
-    """The pieces of the concatenation of ``bufs`` in ``[start, stop)``, without copying."""
+    """The pieces of the concatenation of ``bufs`` in ``[start, stop)``, without copying.
+
+    Parameters
+    ----------
+    bufs : sequence of memoryview
+        The buffers, in order.
+    start, stop : int
+        The byte range of their concatenation.
+    """
     out = []
     pos = 0
     for v in bufs:
@@ -269,7 +308,17 @@ def byte_slice(bufs: Sequence[memoryview], start: int, stop: int) -> list[memory
 
 
 async def read_into(stream: Any, bufs: Sequence[memoryview], block: int = 4 << 20) -> int:
-    """Copy from ``stream`` (anything with ``async read(n)``) into ``bufs`` in order."""
+    """Copy from ``stream`` (anything with ``async read(n)``) into ``bufs`` in order.
+
+    Parameters
+    ----------
+    stream : Any
+        An async reader: ``await stream.read(n)`` returns at most ``n`` bytes.
+    bufs : sequence of memoryview
+        Writable buffers, filled in order.
+    block : int
+        The largest read.
+    """
     n = 0
     for v in bufs:
         pos = 0
@@ -284,7 +333,13 @@ async def read_into(stream: Any, bufs: Sequence[memoryview], block: int = 4 << 2
 
 
 async def gather_all(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
-    """Run ``coros`` concurrently; on the first failure cancel the rest and raise it."""
+    """Run ``coros`` concurrently; on the first failure cancel the rest and raise it.
+
+    Parameters
+    ----------
+    coros : sequence of coroutine
+        The work to run.
+    """
     tasks: list[asyncio.Task[T]] = []
     try:
         async with asyncio.TaskGroup() as tg:

@@ -4,11 +4,10 @@ chunk against its index (CRC-32 bound to the key) and the chunk's own codec chai
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from quire._chunkindex import ChunkError, crc_hex, parse_index
+from quire._chunkindex import ChunkError, chunk_crc, crc_hex, parse_index
 from quire.backends import Backend
 from quire.errors import CorruptCheckpointError
 
@@ -29,7 +28,7 @@ def _pack_check(
             if off + n > len(mv):
                 raise ValueError(f"{key}: the pack is truncated")
             part = mv[off : off + n]
-            if crc_hex(zlib.crc32(part)) != crc:
+            if crc_hex(chunk_crc([part])) != crc:
                 raise ValueError(f"{key}: checksum mismatch (CRC-32 in the chunk index)")
             loc = key.rsplit("/c/", 1)[0]
             if loc in checkers and "/c/" in key:

@@ -15,7 +15,16 @@ __all__ = ["PartitionRules", "partition_rules", "sharding_for"]
 
 
 class PartitionRules:
-    """Ordered ``(regex, PartitionSpec)`` rules on a mesh; build with :func:`partition_rules`."""
+    """Ordered ``(regex, PartitionSpec)`` rules on a mesh; build with :func:`partition_rules`.
+
+    Parameters
+    ----------
+    rules : sequence of (str, PartitionSpec)
+        ``(regex, spec)`` pairs, in order; the first whose regex ``re.search``-es a leaf's
+        ``"/"``-joined key path gives its spec (a tuple or list is taken as a spec).
+    mesh : jax.sharding.Mesh
+        The mesh the specs name axes of.
+    """
 
     def __init__(self, rules: Sequence[tuple[str, Any]], mesh: Any) -> None:
         self.rules = [(re.compile(p), _spec(s)) for p, s in rules]
@@ -23,6 +32,13 @@ class PartitionRules:
 
     def spec_for(self, path: str, shape: Sequence[int]) -> Any:
         """The PartitionSpec for the leaf at ``path`` (``"/"``-joined) of ``shape``.
+
+        Parameters
+        ----------
+        path : str
+            The leaf's ``"/"``-joined key path.
+        shape : sequence of int
+            The leaf's shape (0-d leaves replicate).
 
         Raises
         ------
@@ -43,6 +59,18 @@ class PartitionRules:
         )
 
     def sharding_for(self, path: str, shape: Sequence[int]) -> Any:
+        """The ``NamedSharding`` on :attr:`mesh` for the leaf at ``path`` of ``shape``.
+
+        Parameters
+        ----------
+        path, shape
+            As for :meth:`spec_for`.
+
+        Raises
+        ------
+        TreeMismatchError
+            As for :meth:`spec_for`.
+        """
         return jax.sharding.NamedSharding(self.mesh, self.spec_for(path, shape))
 
     def _check(self, path: str, shape: tuple[int, ...], spec: Any, pattern: str) -> None:
@@ -74,7 +102,18 @@ class PartitionRules:
                 )
 
     def apply(self, tree: Any) -> Any:
-        """A tree of NamedShardings for a tree of shaped leaves (arrays, ShapeDtypeStructs...)."""
+        """A tree of NamedShardings for a tree of shaped leaves (arrays, ShapeDtypeStructs...).
+
+        Parameters
+        ----------
+        tree : pytree
+            Leaves with a ``shape`` (arrays, ``jax.ShapeDtypeStruct``, lazy arrays).
+
+        Returns
+        -------
+        pytree
+            The same structure with a ``NamedSharding`` at each leaf.
+        """
         from quire._tree import keystr, walk
 
         root = walk(tree, lambda x: hasattr(x, "shape"), what="tree")
@@ -100,6 +139,15 @@ def partition_rules(rules: Sequence[tuple[str, Any]], mesh: Any) -> PartitionRul
 
     Pass the result as ``shardings=`` to :func:`quire.load`, :func:`quire.load_and_transform`
     or ``Checkpointer.load``.
+
+    Parameters
+    ----------
+    rules, mesh
+        As for :class:`PartitionRules`.
+
+    Returns
+    -------
+    PartitionRules
     """
     return PartitionRules(rules, mesh)
 

@@ -152,7 +152,15 @@ class Progress:
 
     # -- feeding -------------------------------------------------------------------
     def add_total(self, nbytes: int = 0, objects: int = 0) -> None:
-        """Raise the expected totals (for work discovered as the operation runs)."""
+        """Raise the expected totals (for work discovered as the operation runs).
+
+        Parameters
+        ----------
+        nbytes : int
+            Bytes to add to the byte total.
+        objects : int
+            Objects to add to the object total (0: unchanged).
+        """
         with self._lock:
             self.bytes_total = (self.bytes_total or 0) + nbytes
             if objects:
@@ -162,7 +170,15 @@ class Progress:
                 self._bar.refresh()
 
     def set_total(self, nbytes: int | None = None, objects: int | None = None) -> None:
-        """Set the expected totals (when a better estimate is known)."""
+        """Set the expected totals (when a better estimate is known).
+
+        Parameters
+        ----------
+        nbytes : int, optional
+            The byte total (None: unchanged).
+        objects : int, optional
+            The object total (None: unchanged).
+        """
         with self._lock:
             if nbytes is not None:
                 self.bytes_total = nbytes
@@ -172,7 +188,15 @@ class Progress:
                 self.objects_total = objects
 
     def advance(self, nbytes: int = 0, objects: int = 1) -> None:
-        """Count ``nbytes`` bytes and ``objects`` objects as done."""
+        """Count ``nbytes`` bytes and ``objects`` objects as done.
+
+        Parameters
+        ----------
+        nbytes : int
+            Bytes done.
+        objects : int
+            Objects done.
+        """
         with self._lock:
             if self._closed:
                 return
@@ -194,7 +218,17 @@ class Progress:
         self._bar.set_postfix_str(f"{self.objects_done}{tot} {self.objects_name}", refresh=refresh)
 
     def event(self, finished: bool = False) -> ProgressEvent:
-        """The current state as a :class:`ProgressEvent`."""
+        """The current state as a :class:`ProgressEvent`.
+
+        Parameters
+        ----------
+        finished : bool
+            Mark the event as the operation's last.
+
+        Returns
+        -------
+        ProgressEvent
+        """
         return ProgressEvent(
             self.operation,
             self.url,
@@ -237,7 +271,13 @@ _current: contextvars.ContextVar[Progress | None] = contextvars.ContextVar(
 
 
 def advance(nbytes: int = 0, objects: int = 1) -> None:
-    """Report work done to the running operation's reporter (no-op when there is none)."""
+    """Report work done to the running operation's reporter (no-op when there is none).
+
+    Parameters
+    ----------
+    nbytes, objects : int
+        As for :meth:`Progress.advance`.
+    """
     p = _current.get()
     if p is not None:
         p.advance(nbytes, objects)
@@ -296,6 +336,22 @@ def reporting(
 
         with quire.progress.reporting(progress, "export", url, bytes_total=n) as p:
             ...  # quire.progress.advance(nbytes) per object written
+
+    Parameters
+    ----------
+    spec : bool, callable or Progress
+        What the caller's ``progress=`` argument was (as for :func:`quire.save`).
+    operation : str
+        The operation's name, shown on the bar and in events (``"export"``).
+    url : str
+        The URL the operation works on.
+    bytes_total, objects_total : int, optional
+        The expected totals, if known.
+
+    Yields
+    ------
+    Progress or None
+        The reporter in effect (None when progress is off).
     """
     p = make(spec, operation, url, bytes_total=bytes_total, objects_total=objects_total,
              objects_name=objects_name)  # fmt: skip

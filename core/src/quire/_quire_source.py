@@ -88,17 +88,12 @@ class QuireSource(Source):
 
     @classmethod
     async def _open(cls, url: str, storage_options: dict[str, Any]) -> QuireSource:
-        from quire import _commit
-        from quire._engine import pytree_unit
+        from quire._load import pytree_unit, read_for_data, rebuild_saved
 
         src = cls(url)
         # The semaphore must belong to quire's loop: make it here, on that loop.
         src.limit = asyncio.Semaphore(max(1, current().max_concurrency))
-        backend = open_backend(url, storage_options)
-        doc = (await _commit.read(backend, url)).doc  # locations checked there
-        from quire._engine import packed_view
-
-        backend = packed_view(backend, url, doc)  # format v2: chunks come out of packs
+        doc, backend = await read_for_data(url, storage_options)  # locations checked there
         saved = from_json(pytree_unit(doc, url))
         values: dict[int, Any] = {}
         eager: dict[str, list[Node]] = collections.defaultdict(list)
@@ -125,21 +120,10 @@ class QuireSource(Source):
                 values[id(n)] = v
 
         await asyncio.gather(*(run(h, ls) for h, ls in eager.items()))
-        src.tree = _rebuild(saved, values)
+        src.tree = rebuild_saved(saved, values)
         src.metadata = {
             "custom": doc.get("metadata", {}),
             "format_version": doc.get("version"),
             "created": doc.get("_created"),
         }
         return src
-
-
-def _rebuild(node: Node, values: dict[int, Any]) -> Any:
-    if node.kind == "leaf":
-        return values[id(node)]
-    kids = [_rebuild(c, values) for c in node.children]
-    if node.kind == "dict":
-        return dict(zip(node.keys, kids))
-    if node.kind == "tuple" and node.typename is None:
-        return tuple(kids)
-    return kids

@@ -10,6 +10,7 @@ entry points of the same name.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import threading
@@ -96,6 +97,13 @@ def _dist(ep: EntryPoint) -> tuple[str, str]:
     d = getattr(ep, "dist", None)
     if d is None:
         return ("<unknown>", "")
+    return _dist_name(d)
+
+
+@functools.lru_cache(maxsize=1024)
+def _dist_name(d: Any) -> tuple[str, str]:
+    """Name and version of a distribution object (its metadata file is parsed once, not
+    on every plugin look-up: a load looks a handler up per leaf kind)."""
     return (d.metadata["Name"] or "<unknown>", d.version or "")
 
 

@@ -203,6 +203,13 @@ def _none_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
 
 # ------------------------------------------------------------------------------- arrays
 def _shape(v: Any, where: str, low: int) -> tuple[int, ...]:
+    # The common case in one pass; the element-wise checks below only to name a defect.
+    if (
+        type(v) is list
+        and len(v) <= MAX_NDIM
+        and all(type(x) is int and low <= x <= 1 << 62 for x in v)
+    ):
+        return tuple(v)
     items = _list(v, where, MAX_NDIM)
     return tuple(_int(x, f"{where}[{i}]", low, 1 << 62) for i, x in enumerate(items))
 
@@ -211,9 +218,9 @@ def _location(v: Any, where: str, ctx: _Ctx) -> str:
     from quire._paths import is_safe_location
 
     loc = _str(v, where, MAX_LOCATION)
-    if not is_safe_location(loc) or any(len(p) > MAX_COMPONENT for p in loc.split("/")):
-        raise Invalid(where, f"{_short(loc)} is not a location inside d/")
     parts = loc.split("/")
+    if not is_safe_location(loc) or max(map(len, parts)) > MAX_COMPONENT:
+        raise Invalid(where, f"{_short(loc)} is not a location inside d/")
     if len(parts) < 3 or parts[1] not in ctx.txids:
         raise Invalid(where, f"{_short(loc)} is not under d/<txid>/ of one of the record's txids")
     ctx.locations.append((loc, where))

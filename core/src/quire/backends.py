@@ -122,12 +122,29 @@ class Backend(abc.ABC):
     # -- reads -------------------------------------------------------------------
     @abc.abstractmethod
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        """Bytes of ``key`` (``[start, end)`` when given). ``FileNotFoundError`` if absent."""
+        """Bytes of ``key`` (``[start, end)`` when given). ``FileNotFoundError`` if absent.
+
+        Parameters
+        ----------
+        key : str
+            An object key, relative to the root (``/``-separated).
+        start, end : int, optional
+            The byte range ``[start, end)`` (default: all).
+        """
 
     async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int = 0) -> int:
         """Fill ``buffers`` in order with the bytes of ``key`` from ``offset``; return the count.
 
         The default reads a range and copies; backends with ``readinto`` override it.
+
+        Parameters
+        ----------
+        key : str
+            An object key, relative to the root (``/``-separated).
+        buffers : sequence of memoryview
+            Writable buffers, filled in order.
+        offset : int
+            The byte of ``key`` to start at.
         """
         total = sum(b.nbytes for b in buffers)
         data = await self.get(key, offset, offset + total)
@@ -142,23 +159,46 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def size(self, key: str) -> int:
-        """Size in bytes of ``key``. ``FileNotFoundError`` if absent."""
+        """Size in bytes of ``key``. ``FileNotFoundError`` if absent.
+
+        Parameters
+        ----------
+        key : str
+            An object key, relative to the root (``/``-separated).
+        """
 
     @abc.abstractmethod
     async def exists(self, key: str) -> bool:
-        """Whether ``key`` exists."""
+        """Whether ``key`` exists.
+
+        Parameters
+        ----------
+        key : str
+            An object key, relative to the root (``/``-separated).
+        """
 
     async def modified(self, key: str) -> float | None:
         """Last-modification time of ``key`` (POSIX seconds), or None when the store can't say.
 
         Optional: garbage collection uses it to spare data younger than its grace period
         and treats None as "age unknown" (kept).  ``FileNotFoundError`` if absent.
+
+        Parameters
+        ----------
+        key : str
+            An object key, relative to the root (``/``-separated).
         """
         return None
 
     @abc.abstractmethod
     async def version(self, key: str) -> str | None:
-        """An opaque token that changes whenever ``key`` is replaced; None if absent."""
+        """An opaque token that changes whenever ``key`` is replaced; None if absent.
+
+        Parameters
+        ----------
+        key : str
+            An object key, relative to the root (``/``-separated).
+        """
 
     @abc.abstractmethod
     async def list(self, prefix: str = "") -> list[str]:
@@ -167,6 +207,11 @@ class Backend(abc.ABC):
         ``prefix`` is a directory-like path: the result holds ``prefix`` itself if it is a
         key, and every key starting with ``prefix + "/"`` — never ``prefix2/...``.  The
         empty prefix lists everything.
+
+        Parameters
+        ----------
+        prefix : str
+            A directory-like key prefix (empty: the whole root).
         """
 
     async def list_dir(self, prefix: str = "") -> tuple[builtins.list[str], builtins.list[str]]:
@@ -175,6 +220,11 @@ class Backend(abc.ABC):
         Like an S3 listing with a ``/`` delimiter.  The default derives it from the
         recursive :meth:`list`; backends that can list one level override it (a
         Checkpointer root with many large steps is then cheap to scan).
+
+        Parameters
+        ----------
+        prefix : str
+            A directory-like key prefix (empty: the whole root).
         """
         base = prefix.rstrip("/")
         start = len(base) + 1 if base else 0
@@ -189,7 +239,15 @@ class Backend(abc.ABC):
     # -- writes ------------------------------------------------------------------
     @abc.abstractmethod
     async def put(self, key: str, data: Sequence[Buffer]) -> None:
-        """Write the concatenation of ``data`` to ``key``, replacing any object there."""
+        """Write the concatenation of ``data`` to ``key``, replacing any object there.
+
+        Parameters
+        ----------
+        key : str
+            An object key, relative to the root (``/``-separated).
+        data : sequence of bytes-like
+            The pieces of the object, in order.
+        """
 
     @abc.abstractmethod
     async def put_if_absent(self, key: str, data: bytes) -> str:
@@ -197,6 +255,13 @@ class Backend(abc.ABC):
 
         Raises :class:`PreconditionFailed` when it exists.  Must be atomic when
         ``capabilities.atomic_create``.
+
+        Parameters
+        ----------
+        key : str
+            An object key, relative to the root (``/``-separated).
+        data : bytes
+            The whole object.
         """
 
     @abc.abstractmethod
@@ -204,14 +269,35 @@ class Backend(abc.ABC):
         """Replace ``key`` only if its version is still ``version``; return the new one.
 
         Raises :class:`PreconditionFailed` when it changed or vanished.
+
+        Parameters
+        ----------
+        key : str
+            An object key, relative to the root (``/``-separated).
+        data : bytes
+            The whole new object.
+        version : str
+            The version the caller read (from :meth:`version` or a previous write).
         """
 
     @abc.abstractmethod
     async def delete(self, keys: Sequence[str]) -> None:
-        """Delete ``keys``; missing keys are ignored."""
+        """Delete ``keys``; missing keys are ignored.
+
+        Parameters
+        ----------
+        keys : sequence of str
+            The keys to delete.
+        """
 
     async def delete_prefix(self, prefix: str) -> None:
-        """Delete every key under ``prefix`` (directory-like, as in :meth:`list`)."""
+        """Delete every key under ``prefix`` (directory-like, as in :meth:`list`).
+
+        Parameters
+        ----------
+        prefix : str
+            A directory-like key prefix (empty: the whole root).
+        """
         await self.delete(await self.list(prefix))
 
     async def stream_writer(self, key: str) -> Any:
@@ -221,6 +307,11 @@ class Backend(abc.ABC):
         offset the caller reserved; together they cover ``[0, size)`` without holes),
         ``async close()`` (the object appears whole, as after ``put``) and ``async abort()``
         (nothing, or garbage under the caller's prefix, remains).
+
+        Parameters
+        ----------
+        key : str
+            An object key, relative to the root (``/``-separated).
         """
         raise NotImplementedError(f"{type(self).__name__} does not stream writes")
 

@@ -73,6 +73,17 @@ class SaveEntry:
 
     ``location`` is the key (relative to the checkpoint root) under which the leaf may
     write data objects; it is unique to this leaf and this save.
+
+    Attributes
+    ----------
+    path : tuple
+        The leaf's key path in the saved tree.
+    value : Any
+        The leaf (after :meth:`LeafHandler.snapshot`, its host copy).
+    storage : StorageOptions
+        The leaf's storage options (cast, codecs, chunking, checksums).
+    location : str
+        Where the leaf's data objects go.
     """
 
     path: KeyPath
@@ -84,7 +95,17 @@ class SaveEntry:
 @dataclass(frozen=True)
 class LoadEntry:
     """One leaf to load: its key path, the record its handler wrote, and the target
-    (an abstract leaf from the user's abstract tree, or None for "as saved")."""
+    (an abstract leaf from the user's abstract tree, or None for "as saved").
+
+    Attributes
+    ----------
+    path : tuple
+        The leaf's key path.
+    record : mapping
+        The JSON leaf record the handler's ``save`` returned.
+    target : Any
+        The abstract leaf, or None.
+    """
 
     path: KeyPath
     record: Mapping[str, Any]
@@ -93,7 +114,27 @@ class LoadEntry:
 
 @dataclass
 class SaveContext:
-    """What a handler needs to write: the backend, the process layout, a byte budget."""
+    """What a handler needs to write: the backend, the process layout, a byte budget.
+
+    Attributes
+    ----------
+    url : str
+        The checkpoint's URL (for messages).
+    backend : Backend
+        The checkpoint root, to write through.
+    process_index, process_count : int
+        This JAX process and how many there are.
+    txid : str
+        This save's data prefix (``d/<txid>/``).
+    primary : int
+        The process that writes shared objects (see :attr:`is_primary`).
+    budget : ByteBudget, optional
+        Bounds the host bytes held by in-flight writes.
+    stats : dict
+        ``bytes`` and ``objects`` written, for the caller's report.
+    limit : asyncio.Semaphore, optional
+        Bounds requests in flight (``Config.max_concurrency``).
+    """
 
     url: str
     backend: Backend
@@ -107,12 +148,25 @@ class SaveContext:
 
     @property
     def is_primary(self) -> bool:
+        """Whether this process is the primary one (writes what all processes share)."""
         return self.process_index == self.primary
 
 
 @dataclass
 class LoadContext:
-    """What a handler needs to read."""
+    """What a handler needs to read.
+
+    Attributes
+    ----------
+    url, backend, process_index, process_count
+        As for :class:`SaveContext` (``backend`` is read through).
+    stats : dict
+        ``bytes`` and ``objects`` read, for the caller's report.
+    limit : asyncio.Semaphore, optional
+        Bounds requests in flight (``Config.max_concurrency``).
+    budget : ByteBudget, optional
+        Bounds transient host buffers (``Config.byte_budget``).
+    """
 
     url: str
     backend: Backend
@@ -152,7 +206,13 @@ class StoredObject:
     size: int | None = None
 
     def cut(self, data: bytes) -> bytes:
-        """This range of ``data``, the bytes of the whole object."""
+        """This range of ``data``, the bytes of the whole object.
+
+        Parameters
+        ----------
+        data : bytes
+            The whole object.
+        """
         end = None if self.length is None else self.offset + self.length
         return data[self.offset : end]
 

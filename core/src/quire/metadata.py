@@ -13,7 +13,29 @@ __all__ = ["CheckpointMetadata", "LeafMetadata"]
 
 @dataclass(frozen=True)
 class LeafMetadata:
-    """An array leaf as stored: shape, dtype, size, and how it is laid out."""
+    """An array leaf as stored: shape, dtype, size, and how it is laid out.
+
+    Attributes
+    ----------
+    shape : tuple of int
+        The array's shape.
+    dtype : numpy.dtype
+        The stored dtype.
+    nbytes : int
+        ``prod(shape) * dtype.itemsize``.
+    handler : str
+        The leaf handler that wrote it (``"numpy"``, ``"jax"``, ``"prng_key"``, ...).
+    chunk_shape : tuple of int
+        The zarr chunk (one per saved device shard).
+    codecs : tuple of str
+        The bytes-to-bytes codecs, in order.
+    checksum : bool
+        Whether every chunk carries a crc32c.
+    sharding : dict, optional
+        The saved sharding (mesh axes and spec), for ``jax`` leaves.
+    location : str, optional
+        The array's directory under the checkpoint root.
+    """
 
     shape: tuple[int, ...]
     dtype: np.dtype[Any]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from quire import _api, _engine, _io, _journal
 from quire._journal import JournalConflictError, JournalVersion
@@ -49,13 +49,34 @@ def _coordinator(url: str, what: str) -> Any:
     return Coordinator(url, what, primary=cfg.primary_process, timeout=cfg.timeout)
 
 
+class PartialSaveOptions(TypedDict, total=False):
+    """The keyword options of :func:`save` and :func:`save_async` (described under
+    :func:`save`)."""
+
+    metadata: Mapping[str, Any] | None
+    storage: StorageSpec
+    storage_options: dict[str, Any] | None
+
+
+def _start_save(
+    fn: str, url: str | os.PathLike[str], tree: Any, copy: bool, options: PartialSaveOptions
+) -> _api.AsyncResponse[int]:
+    unknown = sorted(set(options) - set(PartialSaveOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"quire.partial.{fn}() got an unexpected keyword argument {unknown[0]!r}")
+    u = normalize(url)
+    prep = _engine.prepare_save({_engine.PYTREE: tree}, options.get("storage"), copy=copy, url=u)
+    md = dict(options.get("metadata") or {})
+    so = options.get("storage_options")
+    return _api.chain(
+        u,
+        lambda: _journal.append(u, prep=prep, metadata=md, storage_options=so),
+        f"partial save {u}",
+    )
+
+
 def save_async(
-    url: str | os.PathLike[str],
-    tree: Any,
-    *,
-    metadata: Mapping[str, Any] | None = None,
-    storage: StorageSpec = None,
-    storage_options: dict[str, Any] | None = None,
+    url: str | os.PathLike[str], tree: Any, **options: Unpack[PartialSaveOptions]
 ) -> _api.AsyncResponse[int]:
     """Append ``tree`` (its leaves are added or replace earlier ones) as a new version.
 
@@ -64,40 +85,18 @@ def save_async(
 
     Parameters
     ----------
-    url : str or os.PathLike
-        The (unfinalized) checkpoint.
-    tree : pytree
-        Leaves to add or replace (key paths as in :func:`quire.save`).
-    metadata : mapping, optional
-        JSON user metadata merged into the checkpoint's (later versions win per key).
-    storage : StorageOptions or callable, optional
-        Per-leaf storage options, as for :func:`quire.save`.
-    storage_options : dict, optional
-        fsspec ``storage_options`` for the backend.
+    url, tree, metadata, storage, storage_options
+        As for :func:`save`.
 
     Returns
     -------
     AsyncResponse of int
         ``.result()`` is the new version number; it raises what :func:`save` would.
     """
-    u = normalize(url)
-    prep = _engine.prepare_save({_engine.PYTREE: tree}, storage, copy=True, url=u)
-    md = dict(metadata or {})
-    return _api.chain(
-        u,
-        lambda: _journal.append(u, prep=prep, metadata=md, storage_options=storage_options),
-        f"partial save {u}",
-    )
+    return _start_save("save_async", url, tree, True, options)
 
 
-def save(
-    url: str | os.PathLike[str],
-    tree: Any,
-    *,
-    metadata: Mapping[str, Any] | None = None,
-    storage: StorageSpec = None,
-    storage_options: dict[str, Any] | None = None,
-) -> int:
+def save(url: str | os.PathLike[str], tree: Any, **options: Unpack[PartialSaveOptions]) -> int:
     """Blocking :func:`save_async`; returns the new version number.
 
     Parameters
@@ -125,14 +124,7 @@ def save(
     JournalConflictError
         A concurrent partial save touched the same key paths first.
     """
-    u = normalize(url)
-    prep = _engine.prepare_save({_engine.PYTREE: tree}, storage, copy=False, url=u)
-    md = dict(metadata or {})
-    return _api.chain(
-        u,
-        lambda: _journal.append(u, prep=prep, metadata=md, storage_options=storage_options),
-        f"partial save {u}",
-    ).result()
+    return _start_save("save", url, tree, False, options).result()
 
 
 def delete(

@@ -123,7 +123,13 @@ class SavePolicy:
 
 
 class AnySave(SavePolicy):
-    """Save when any of ``policies`` says so (what ``a | b`` builds)."""
+    """Save when any of ``policies`` says so (what ``a | b`` builds).
+
+    Parameters
+    ----------
+    *policies : SavePolicy
+        The policies to combine.
+    """
 
     policies: tuple[SavePolicy, ...]
 
@@ -154,7 +160,13 @@ class AnySave(SavePolicy):
 
 
 class EveryNSteps(SavePolicy):
-    """Save at every step that is a multiple of ``n``."""
+    """Save at every step that is a multiple of ``n``.
+
+    Parameters
+    ----------
+    n : int
+        The interval in steps (positive).
+    """
 
     def __init__(self, n: int) -> None:
         self.n = _positive_int("EveryNSteps(n)", n)
@@ -167,7 +179,13 @@ class EveryNSteps(SavePolicy):
 
 
 class EveryNSeconds(SavePolicy):
-    """Save at the first step at least ``seconds`` after the previous save (or the start)."""
+    """Save at the first step at least ``seconds`` after the previous save (or the start).
+
+    Parameters
+    ----------
+    seconds : float
+        The minimum time between saves (positive).
+    """
 
     deterministic = False
 
@@ -182,7 +200,13 @@ class EveryNSeconds(SavePolicy):
 
 
 class SpecificSteps(SavePolicy):
-    """Save at exactly these steps (e.g. the last one)."""
+    """Save at exactly these steps (e.g. the last one).
+
+    Parameters
+    ----------
+    steps : iterable of int
+        The steps to save at.
+    """
 
     def __init__(self, steps: Iterable[int]) -> None:
         self.steps = frozenset(int(s) for s in steps)
@@ -339,7 +363,13 @@ class KeepPolicy:
 
 
 class AnyKeep(KeepPolicy):
-    """Keep a step if any of ``policies`` keeps it (what ``a | b`` builds)."""
+    """Keep a step if any of ``policies`` keeps it (what ``a | b`` builds).
+
+    Parameters
+    ----------
+    *policies : KeepPolicy
+        The policies to combine.
+    """
 
     policies: tuple[KeepPolicy, ...]
 
@@ -362,7 +392,13 @@ class AnyKeep(KeepPolicy):
 
 
 class LatestN(KeepPolicy):
-    """Keep the ``n`` highest steps."""
+    """Keep the ``n`` highest steps.
+
+    Parameters
+    ----------
+    n : int
+        How many steps to keep (positive).
+    """
 
     def __init__(self, n: int) -> None:
         self.n = _positive_int("LatestN(n)", n)
@@ -386,6 +422,15 @@ class BestN(KeepPolicy):
 
     Steps saved without that metric (or with NaN) are not kept by this policy; ties go
     to the later step.
+
+    Parameters
+    ----------
+    n : int
+        How many steps to keep (positive).
+    metric : str
+        The name of a metric passed to ``Checkpointer.save``.
+    mode : {"max", "min"}
+        Whether a higher or a lower value is better.
     """
 
     def __init__(self, n: int, *, metric: str, mode: str = "max") -> None:
@@ -423,7 +468,13 @@ class BestN(KeepPolicy):
 
 
 class KeepEveryNSteps(KeepPolicy):
-    """Keep for good every step that is a multiple of ``n``."""
+    """Keep for good every step that is a multiple of ``n``.
+
+    Parameters
+    ----------
+    n : int
+        The interval in steps (positive).
+    """
 
     def __init__(self, n: int) -> None:
         self.n = _positive_int("KeepEveryNSteps(n)", n)
@@ -436,7 +487,13 @@ class KeepEveryNSteps(KeepPolicy):
 
 
 class KeepForSeconds(KeepPolicy):
-    """Keep every step committed less than ``seconds`` ago."""
+    """Keep every step committed less than ``seconds`` ago.
+
+    Parameters
+    ----------
+    seconds : float
+        The age limit (positive).
+    """
 
     def __init__(self, seconds: float) -> None:
         self.seconds = _positive_float("KeepForSeconds(seconds)", seconds)

@@ -69,12 +69,37 @@ class Source(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def detect(cls, url: str, storage_options: dict[str, Any]) -> bool:
-        """Whether ``url`` is in this format (cheap; may read one small object)."""
+        """Whether ``url`` is in this format (cheap; may read one small object).
+
+        Parameters
+        ----------
+        url : str
+            A normalised URL (a local path or any fsspec URL).
+        storage_options : dict
+            fsspec options for the backend.
+
+        Returns
+        -------
+        bool
+        """
 
     @classmethod
     @abc.abstractmethod
     def open(cls, url: str, storage_options: dict[str, Any]) -> Source:
-        """Open ``url`` (reads headers / metadata only)."""
+        """Open ``url`` (reads headers / metadata only).
+
+        Parameters
+        ----------
+        url : str
+            A URL that :meth:`detect` accepted.
+        storage_options : dict
+            fsspec options for the backend.
+
+        Returns
+        -------
+        Source
+            With :attr:`tree` of :class:`LazyArray` leaves and :attr:`metadata`.
+        """
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release clients or files (optional)."""

@@ -234,7 +234,20 @@ def _axis(axis: int, ndim: int) -> int:
 
 
 def stack(xs: Sequence[Any], axis: int = 0) -> LazyValue:
-    """Lazy ``np.stack``: all inputs of one shape; a region reads only the inputs it covers."""
+    """Lazy ``np.stack``: all inputs of one shape; a region reads only the inputs it covers.
+
+    Parameters
+    ----------
+    xs : sequence of array or LazyValue
+        The inputs, all of one shape and dtype.
+    axis : int
+        The new axis.
+
+    Returns
+    -------
+    LazyValue
+        Reads only what a region of it needs.
+    """
     vals = [as_lazy(x) for x in xs]
     if not vals:
         raise ValueError("stack needs at least one array")
@@ -244,7 +257,20 @@ def stack(xs: Sequence[Any], axis: int = 0) -> LazyValue:
 
 
 def concatenate(xs: Sequence[Any], axis: int = 0) -> LazyValue:
-    """Lazy ``np.concatenate`` along ``axis``."""
+    """Lazy ``np.concatenate`` along ``axis``.
+
+    Parameters
+    ----------
+    xs : sequence of array or LazyValue
+        The inputs, equal but along ``axis``.
+    axis : int
+        The axis to join along.
+
+    Returns
+    -------
+    LazyValue
+        Reads only what a region of it needs.
+    """
     vals = [as_lazy(x) for x in xs]
     if not vals:
         raise ValueError("concatenate needs at least one array")
@@ -258,7 +284,20 @@ def concatenate(xs: Sequence[Any], axis: int = 0) -> LazyValue:
 
 
 def transpose(x: Any, axes: Sequence[int] | None = None) -> LazyValue:
-    """Lazy ``np.transpose`` (reverses the axes by default)."""
+    """Lazy ``np.transpose`` (reverses the axes by default).
+
+    Parameters
+    ----------
+    x : array or LazyValue
+        The input (a numpy/jax array is wrapped as a lazy value).
+    axes : sequence of int, optional
+        The permutation (default: reversed).
+
+    Returns
+    -------
+    LazyValue
+        Reads only what a region of it needs.
+    """
     v = as_lazy(x)
     ax = tuple(reversed(range(v.ndim))) if axes is None else tuple(_axis(a, v.ndim) for a in axes)
     if sorted(ax) != list(range(v.ndim)):
@@ -267,7 +306,20 @@ def transpose(x: Any, axes: Sequence[int] | None = None) -> LazyValue:
 
 
 def reshape(x: Any, shape: Sequence[int]) -> LazyValue:
-    """Lazy C-order reshape (one ``-1`` allowed)."""
+    """Lazy C-order reshape (one ``-1`` allowed).
+
+    Parameters
+    ----------
+    x : array or LazyValue
+        The input (a numpy/jax array is wrapped as a lazy value).
+    shape : sequence of int
+        The new shape, of the same size.
+
+    Returns
+    -------
+    LazyValue
+        Reads only what a region of it needs.
+    """
     v = as_lazy(x)
     shp = [int(n) for n in shape]
     if shp.count(-1) > 1:
@@ -281,7 +333,20 @@ def reshape(x: Any, shape: Sequence[int]) -> LazyValue:
 
 
 def astype(x: Any, dtype: Any) -> LazyValue:
-    """Lazy cast (``ml_dtypes`` names such as ``"bfloat16"`` work)."""
+    """Lazy cast (``ml_dtypes`` names such as ``"bfloat16"`` work).
+
+    Parameters
+    ----------
+    x : array or LazyValue
+        The input (a numpy/jax array is wrapped as a lazy value).
+    dtype : numpy dtype or str
+        The dtype to cast to when read.
+
+    Returns
+    -------
+    LazyValue
+        Reads only what a region of it needs.
+    """
     from quire._dtypes import dtype_from_name
 
     dt = dtype_from_name(dtype) if isinstance(dtype, str) else np.dtype(dtype)
@@ -289,7 +354,18 @@ def astype(x: Any, dtype: Any) -> LazyValue:
 
 
 def torch_linear(x: Any) -> Any:
-    """A torch ``Linear`` weight ``[out, in]`` as a JAX kernel ``[in, out]`` (lazy transpose)."""
+    """A torch ``Linear`` weight ``[out, in]`` as a JAX kernel ``[in, out]`` (lazy transpose).
+
+    Parameters
+    ----------
+    x : array or LazyValue
+        The ``[out, in]`` weight.
+
+    Returns
+    -------
+    LazyValue
+        The ``[in, out]`` kernel.
+    """
     if getattr(x, "ndim", 2) != 2:
         raise ValueError(f"torch_linear expects a 2-d weight, got shape {getattr(x, 'shape', '?')}")
     return transpose(x)
@@ -301,7 +377,20 @@ def _is_leaf(x: Any) -> bool:
 
 
 def flatten(tree: Any, sep: str = ".") -> dict[str, Any]:
-    """``{"a.b.0": leaf}`` for a nested tree (list/tuple indices become digits)."""
+    """``{"a.b.0": leaf}`` for a nested tree (list/tuple indices become digits).
+
+    Parameters
+    ----------
+    tree : pytree
+        Nested dicts, lists and tuples.
+    sep : str
+        The separator between key components.
+
+    Returns
+    -------
+    dict
+        Joined key path -> leaf.
+    """
     out: dict[str, Any] = {}
 
     def go(x: Any, prefix: str) -> None:
@@ -322,6 +411,15 @@ def unflatten(flat: Mapping[str, Any], sep: str = ".", *, lists: bool = False) -
     Numeric components stay **string keys** (``"0"``), so names round-trip exactly and gaps
     (``layers.0``, ``layers.2``) are kept; with ``lists=True`` a dict whose keys are exactly
     ``"0".."n-1"`` becomes a list.
+
+    Parameters
+    ----------
+    flat : mapping of str to leaf
+        Joined names -> leaves.
+    sep : str
+        The separator between key components.
+    lists : bool
+        Turn dicts keyed exactly ``"0".."n-1"`` into lists.
 
     Raises
     ------
@@ -370,6 +468,22 @@ def rename(
     ``mapping`` is a dict ``{old: new}`` (exact names), a list of ``(regex, replacement)``
     applied with ``re.sub`` in order (first rule that matches wins), or a function.  A new
     name of None drops the leaf; unmatched names are kept (or, with ``strict``, an error).
+
+    Parameters
+    ----------
+    tree : pytree
+        The tree (or a flat dict) whose leaves to rename.
+    mapping : dict, list of (str, str) or callable
+        ``{old: new}``, ``[(regex, replacement), ...]`` or ``name -> new name or None``.
+    sep : str
+        The separator of key paths, in and out.
+    strict : bool
+        Raise ``KeyError`` for a name no rule matches instead of keeping it.
+
+    Returns
+    -------
+    dict
+        The renamed tree, nested by ``sep``.
     """
     flat = flatten(tree, sep)
     out: dict[str, Any] = {}
@@ -417,6 +531,18 @@ def stack_layers(layers: Any, axis: int = 0) -> Any:
 
     Every layer must have the same structure; each leaf of the result is a lazy
     :func:`stack` along ``axis`` (the scanned layer axis).
+
+    Parameters
+    ----------
+    layers : list or dict
+        The per-layer subtrees, all of one structure.
+    axis : int
+        The new (scanned) layer axis.
+
+    Returns
+    -------
+    pytree
+        One subtree whose leaves are lazy stacks.
     """
     items = _layer_list(layers)
     if not items:
@@ -432,7 +558,20 @@ def stack_layers(layers: Any, axis: int = 0) -> Any:
 
 
 def split_layers(tree: Any, axis: int = 0) -> list[Any]:
-    """Undo :func:`stack_layers`: one subtree per index of ``axis`` (lazy where lazy)."""
+    """Undo :func:`stack_layers`: one subtree per index of ``axis`` (lazy where lazy).
+
+    Parameters
+    ----------
+    tree : pytree
+        Stacked leaves, all of one size along ``axis``.
+    axis : int
+        The layer axis.
+
+    Returns
+    -------
+    list
+        One subtree per layer.
+    """
     flat = flatten(tree, "\x00")
     ns = {getattr(v, "shape", ())[axis] for v in flat.values()}
     if len(ns) != 1:

@@ -27,6 +27,42 @@ if sys.platform.startswith("linux"):
         _libc = None
 
 
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_SYS_OPENAT2 = 437  # the same number on every Linux architecture (Linux >= 5.6)
+_RESOLVE_NO_SYMLINKS = 0x04
+# None: not tried yet; False: unavailable (old kernel, seccomp, not Linux), walk instead.
+_openat2_ok: bool | None = None if _libc is not None else False
+
+
+def _openat2(dfd: int, path: str, flags: int, mode: int) -> int | None:
+    """``openat2(dfd, path, flags, RESOLVE_NO_SYMLINKS)``: one system call that refuses a
+    symbolic link in any component (``ELOOP``); None where the call is unavailable."""
+    global _openat2_ok
+    if _openat2_ok is False:
+        return None
+    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, _RESOLVE_NO_SYMLINKS)
+    fd = int(
+        _libc.syscall(
+            ctypes.c_long(_SYS_OPENAT2),
+            ctypes.c_int(dfd),
+            ctypes.c_char_p(os.fsencode(path)),
+            ctypes.byref(how),
+            ctypes.c_size_t(ctypes.sizeof(how)),
+        )
+    )
+    if fd >= 0:
+        _openat2_ok = True
+        return fd
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EPERM) or (err == errno.EINVAL and not _openat2_ok):
+        _openat2_ok = False  # no openat2 here (or a sandbox refuses it): walk instead
+        return None
+    raise OSError(err, os.strerror(err), path)
+
+
 def local_path(url: str) -> str:
     """The absolute file-system path of a local path or ``file://`` URL."""
     if url.startswith("file://"):
@@ -129,12 +165,16 @@ class LocalBackend(Backend):
         """Open ``key`` without following a symbolic link anywhere below the root: each
         directory is opened relative to its parent with ``O_NOFOLLOW`` (a hostile
         checkpoint cannot make a read or a write reach a file outside it); a link is
-        ``OSError(ELOOP)`` or ``NotADirectoryError``."""
+        ``OSError(ELOOP)`` or ``NotADirectoryError``.  Where Linux has ``openat2`` the
+        whole walk is one call with ``RESOLVE_NO_SYMLINKS`` (same refusal, ``ELOOP``)."""
         parts = [p for p in key.split("/") if p]
         if not parts:
             return os.open(self.root, flags, mode)
         dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
         try:
+            fd = _openat2(dfd, "/".join(parts), flags, mode)
+            if fd is not None:
+                return fd
             for p in parts[:-1]:
                 nfd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
                 os.close(dfd)

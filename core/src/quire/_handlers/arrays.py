@@ -93,10 +93,23 @@ class ArrayHandler:
 
     # -- save -----------------------------------------------------------------------
     def handles_abstract(self, abstract: Any) -> bool:
+        """Whether this handler loads a leaf whose target is ``abstract`` (any target).
+
+        Parameters
+        ----------
+        abstract : Any
+            The target leaf (an array, ``ShapeDtypeStruct``, a type or None).
+        """
         return True
 
     def snapshot(self, entries: Sequence[SaveEntry]) -> list[SaveEntry]:
-        """Host copies of every owned shard (what ``save_async`` blocks on)."""
+        """Host copies of every owned shard (what ``save_async`` blocks on).
+
+        Parameters
+        ----------
+        entries : sequence of SaveEntry
+            The leaves this handler saves in one call.
+        """
         for e in entries:
             if isinstance(e.value, jax.Array):
                 try:
@@ -133,10 +146,29 @@ class ArrayHandler:
         """JSON fields to add to the leaf record of ``value`` (none by default).
 
         Called after :meth:`snapshot` too, with what it put in the entry.
+
+        Parameters
+        ----------
+        value : Any
+            The leaf (or its host copy).
         """
         return {}
 
     async def save(self, entries: Sequence[SaveEntry], ctx: SaveContext) -> list[dict[str, Any]]:
+        """Write each leaf as a zarr v3 array (this process's chunks only); its records.
+
+        Parameters
+        ----------
+        entries : sequence of SaveEntry
+            The leaves this handler saves in one call.
+        ctx : SaveContext
+            The backend to write through, the txid and the process layout.
+
+        Returns
+        -------
+        list of dict
+            One JSON leaf record per entry.
+        """
         budget = ctx.budget or ByteBudget(256 << 20)
         sem = ctx.limit or asyncio.Semaphore(current().max_concurrency)
 
@@ -212,7 +244,13 @@ class ArrayHandler:
     async def objects(
         self, entries: Sequence[LoadEntry], ctx: LoadContext
     ) -> list[list[StoredObject]]:
-        """Each leaf's ``zarr.json`` and chunks (or zarr shards), with their checks."""
+        """Each leaf's ``zarr.json`` and chunks (or zarr shards), with their checks.
+
+        Parameters
+        ----------
+        entries, ctx
+            As for :meth:`load`.
+        """
         return [
             array_objects(layout_from_record(e.record, ctx.url), e.record["location"])
             for e in entries
@@ -222,6 +260,13 @@ class ArrayHandler:
         return tuple(rec["shape"])
 
     def check(self, entry: LoadEntry) -> str | None:
+        """Why ``entry``'s target cannot receive the saved array (a shape mismatch), or None.
+
+        Parameters
+        ----------
+        entry : LoadEntry
+            The saved record and the target leaf.
+        """
         t = entry.target
         shape = getattr(t, "shape", None)
         if shape is None or isinstance(t, type):
@@ -232,6 +277,15 @@ class ArrayHandler:
         return None
 
     async def load(self, entries: Sequence[LoadEntry], ctx: LoadContext) -> list[Any]:
+        """Read each leaf into its target's kind (numpy, or jax with the target sharding).
+
+        Parameters
+        ----------
+        entries : sequence of LoadEntry
+            The leaves to load, one value each (returned in order).
+        ctx : LoadContext
+            The backend to read through, the URL and the process layout.
+        """
         sem = asyncio.Semaphore(16)
 
         async def one(e: LoadEntry) -> Any:
@@ -367,6 +421,13 @@ class ArrayHandler:
         return await self._read_array(e, ctx, e.target, kind)
 
     def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """A :class:`quire.LeafMetadata` per record.
+
+        Parameters
+        ----------
+        records : sequence of dict
+            Leaf records this handler wrote.
+        """
         out = []
         for r in records:
             layout_from_record({**r, "codecs": []})  # validates shape, dtype, chunks
@@ -394,6 +455,13 @@ class NumpyArrayHandler(ArrayHandler):
     id = "numpy"
 
     def handles(self, value: Any) -> bool:
+        """Whether ``value`` is a ``numpy.ndarray``.
+
+        Parameters
+        ----------
+        value : Any
+            A leaf of the tree being saved.
+        """
         return isinstance(value, np.ndarray)
 
 

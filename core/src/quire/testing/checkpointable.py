@@ -57,10 +57,25 @@ class CheckpointableHandlerSuite(UrlFixture):
         )
 
     def target(self, obj: Any) -> Any:
-        """The target passed to ``load_checkpointables`` for the unit (default None)."""
+        """The target passed to ``load_checkpointables`` for the unit (default None).
+
+        Parameters
+        ----------
+        obj : Any
+            The object that was saved (from the ``obj`` fixture).
+        """
         return None
 
     def assert_restored(self, original: Any, restored: Any) -> None:
+        """Assert ``restored`` equals ``original`` (override when ``==`` does not compare).
+
+        Parameters
+        ----------
+        original : Any
+            The saved object.
+        restored : Any
+            What ``load_checkpointables`` returned for it.
+        """
         assert restored == original
 
     def _get(self) -> Any:

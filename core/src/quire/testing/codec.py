@@ -59,6 +59,7 @@ class CodecSuite(UrlFixture):
     configurations: ClassVar[list[dict[str, Any]]] = [{}]
 
     def codecs(self) -> list[Any]:
+        """The codec objects for :attr:`codec_id` with each of :attr:`configurations`."""
         from quire import _codecs
 
         return [

@@ -66,7 +66,15 @@ class LeafHandlerSuite(UrlFixture):
         )
 
     def assert_leaf_equal(self, expected: Any, actual: Any) -> None:
-        """Assert a restored leaf equals the saved one (same type, same content)."""
+        """Assert a restored leaf equals the saved one (same type, same content).
+
+        Parameters
+        ----------
+        expected : Any
+            The saved leaf.
+        actual : Any
+            The loaded one.
+        """
         assert type(actual) is type(expected), (type(expected), type(actual))
         if hasattr(expected, "shape") and hasattr(expected, "dtype"):
             assert actual.dtype == expected.dtype, (expected.dtype, actual.dtype)

@@ -55,6 +55,20 @@ class SourceSuite:
     source_format: ClassVar[str]
 
     def write(self, directory: Path, arrays: dict[str, np.ndarray]) -> str:
+        """Write ``arrays`` in the source's format under ``directory``; return its URL.
+
+        Parameters
+        ----------
+        directory : pathlib.Path
+            An empty directory (a test's ``tmp_path``).
+        arrays : dict of str to numpy.ndarray
+            ``"/"``-joined key path -> array.
+
+        Returns
+        -------
+        str
+            The URL that the source's ``detect`` accepts and ``open`` opens.
+        """
         raise NotImplementedError("a SourceSuite subclass writes checkpoints in its format")
 
     def _cls(self) -> Any:

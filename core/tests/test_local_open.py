@@ -1,0 +1,73 @@
+"""The local backend never follows a symbolic link below the root, whether it opens a key
+with one ``openat2(RESOLVE_NO_SYMLINKS)`` call or by walking the directories."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import quire
+from quire._backends import local
+from quire._backends.local import LocalBackend
+
+
+@pytest.fixture(params=["openat2", "walk"])
+def open_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "walk":
+        monkeypatch.setattr(local, "_openat2_ok", False)
+    elif not sys.platform.startswith("linux"):
+        pytest.skip("openat2 is Linux-only")
+    return str(request.param)
+
+
+def _tree(tmp_path: Path) -> LocalBackend:
+    root = tmp_path / "root"
+    (root / "d" / "t" / "a").mkdir(parents=True)
+    (root / "d" / "t" / "a" / "0").write_bytes(b"data")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "0").write_bytes(b"SECR")
+    os.symlink(outside, root / "d" / "t" / "linkdir")
+    os.symlink(outside / "0", root / "d" / "t" / "a" / "link")
+    return LocalBackend(str(root))
+
+
+def test_reads_and_writes_inside_the_root(tmp_path: Path, open_path: str) -> None:
+    b = _tree(tmp_path)
+    assert asyncio.run(b.get("d/t/a/0")) == b"data"
+    buf = bytearray(4)
+    assert asyncio.run(b.get_into("d/t/a/0", [memoryview(buf)])) == 4 and buf == b"data"
+    asyncio.run(b.put("d/t/b/1", [b"new"]))
+    assert (tmp_path / "root" / "d" / "t" / "b" / "1").read_bytes() == b"new"
+    with pytest.raises(FileNotFoundError):
+        asyncio.run(b.get("d/t/a/missing"))
+    if open_path == "openat2":
+        assert local._openat2_ok is True  # the fast path was taken, not the walk
+
+
+@pytest.mark.parametrize("key", ["d/t/a/link", "d/t/linkdir/0"])
+def test_symbolic_links_are_refused(tmp_path: Path, open_path: str, key: str) -> None:
+    b = _tree(tmp_path)
+    with pytest.raises(OSError) as ei:
+        asyncio.run(b.get(key))
+    assert not isinstance(ei.value, FileNotFoundError)
+    with pytest.raises(OSError):
+        asyncio.run(b.put(key if key.endswith("link") else "d/t/linkdir/new", [b"x"]))
+    assert (tmp_path / "outside" / "0").read_bytes() == b"SECR"
+    assert not (tmp_path / "outside" / "new").exists()
+
+
+def test_round_trip_on_either_path(tmp_path: Path, open_path: str) -> None:
+    url = str(tmp_path / "ckpt")
+    tree: Any = {"a": np.arange(10, dtype=np.float32), "b": {"c": np.ones((3, 4), np.int16)}}
+    for layout in ("packed", "chunks"):
+        quire.save(url, tree, layout=layout, overwrite=True)
+        got: Any = quire.load(url)
+        np.testing.assert_array_equal(got["a"], tree["a"])
+        np.testing.assert_array_equal(got["b"]["c"], tree["b"]["c"])
