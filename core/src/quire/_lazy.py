@@ -147,7 +147,7 @@ class LazyValue:
         return out
 
     def __getitem__(self, index: Any) -> LazyValue:
-        from quire.surgery import _index
+        from quire._lazyops import _index
 
         return _index(self, index)
 

@@ -1,0 +1,87 @@
+"""JAX array leaves: ``jax.Array`` with any sharding, and typed PRNG keys (key data plus
+the impl name), stored as :class:`~quire._handlers.arrays.ArrayHandler` stores arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import jax
+import numpy as np
+
+from quire._handlers._arrayplan import _Plan
+from quire._handlers.arrays import ArrayHandler
+from quire._tree import keystr
+from quire.errors import CorruptCheckpointError
+from quire.handlers import LoadContext, LoadEntry, SaveEntry
+
+
+class JaxArrayHandler(ArrayHandler):
+    """``jax.Array`` leaves with any sharding over the process's devices."""
+
+    id = "jax"
+
+    def handles(self, value: Any) -> bool:
+        return isinstance(value, jax.Array) and not jax.dtypes.issubdtype(
+            value.dtype, jax.dtypes.prng_key
+        )
+
+
+class PRNGKeyHandler(ArrayHandler):
+    """Typed JAX PRNG keys (``jax.random.key``): the key data plus the impl name."""
+
+    id = "prng_key"
+    priority = 10
+
+    def handles(self, value: Any) -> bool:
+        return isinstance(value, jax.Array) and jax.dtypes.issubdtype(
+            value.dtype, jax.dtypes.prng_key
+        )
+
+    def to_array(self, value: Any) -> Any:
+        return jax.random.key_data(value)
+
+    def extra_record(self, value: Any) -> dict[str, Any]:
+        if isinstance(value, _Plan):
+            impl, shape = value.impl, value.key_shape  # type: ignore[attr-defined]
+        else:
+            impl, shape = jax.random.key_impl(value), value.shape
+        return {"impl": str(getattr(impl, "name", impl)), "key_shape": list(shape)}
+
+    def snapshot(self, entries: Sequence[SaveEntry]) -> list[SaveEntry]:
+        out = super().snapshot(entries)
+        res = []
+        for orig, snap in zip(entries, out):
+            plan = snap.value
+            plan.impl = jax.random.key_impl(orig.value)
+            plan.key_shape = tuple(orig.value.shape)
+            res.append(snap)
+        return res
+
+    def _record_shape(self, rec: Mapping[str, Any]) -> tuple[int, ...]:
+        return tuple(rec.get("key_shape", rec["shape"]))
+
+    async def _load_one(self, e: LoadEntry, ctx: LoadContext) -> Any:
+        impl = e.record.get("impl")
+        if not isinstance(impl, str):
+            raise CorruptCheckpointError(
+                f"{ctx.url}: leaf {keystr(e.path)!r}: PRNG key record lacks its impl"
+            )
+        target = e.target
+        data_target = None
+        if (
+            target is not None
+            and getattr(target, "sharding", None) is not None
+            and not isinstance(target, type)
+        ):
+            data_target = jax.ShapeDtypeStruct(tuple(e.record["shape"]), np.uint32)
+        data = await self._read_array(e, ctx, data_target, "jax")
+        key = jax.random.wrap_key_data(data, impl=impl)
+        if data_target is not None:
+            key = jax.device_put(key, target.sharding)
+        return key
+
+    def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]:
+        out = super().metadata(records)
+        return [replace(m, shape=tuple(r.get("key_shape", m.shape))) for m, r in zip(out, records)]
