@@ -22,11 +22,14 @@ from quire._config import current
 from quire._io import run_blocking
 from quire._lazy import LazyValue, Region, full_region
 from quire._partition import sharding_for, sharding_table
+from quire._tasks import for_each
 from quire._tree import Node, keystr, walk
 from quire.errors import QuireError, TreeMismatchError
 from quire.sources import Source
 
 __all__ = ["load_and_transform", "materialize_leaf"]
+
+_LEAVES_IN_FLIGHT = 32
 
 
 def _norm(idx: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
@@ -257,7 +260,10 @@ async def materialize_tree(
             raise
         results[id(node)] = out
 
-    await asyncio.gather(*(one(n, v, t) for n, v, t in pairs))
+    # A bounded number of leaves in flight (each waits for the budget, then reads in parallel
+    # inside): gathering thousands of leaf coroutines at once made every budget release wake
+    # all of them, and kept them alive long enough to trigger full garbage collections.
+    await for_each(pairs, lambda p: one(*p), _LEAVES_IN_FLIGHT)
     return troot.rebuild(lambda n: results[id(n)])
 
 

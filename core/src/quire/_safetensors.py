@@ -180,6 +180,10 @@ class _Reader:
             await self._get(r0.start * strides[0] * item, rows.reshape(-1).view(np.uint8))
             out[...] = rows[(slice(None), *region[1:])]
             return out
+        if n_runs == 1:  # the usual case: the region is one contiguous byte range
+            off = sum(r.start * strides[d] for d, r in enumerate(region))
+            await self._get(off * item, out.reshape(-1).view(np.uint8))
+            return out
         flat = out.reshape(n_runs, -1).view(np.uint8)
         sem = asyncio.Semaphore(32)
         idx = np.indices([r.stop - r.start for r in outer]).reshape(len(outer), -1).T if k else [()]

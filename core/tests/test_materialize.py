@@ -1,0 +1,77 @@
+"""Materialising lazy trees: bounded leaves in flight, the first error stops the rest."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import quire
+from quire import _materialize
+from quire._lazy import LazyArray, Region, region_shape
+
+
+class _Reader:
+    """Fills a region with ``value``; counts reads in flight and started."""
+
+    in_flight = 0
+    peak = 0
+    started = 0
+
+    def __init__(self, value: float, fail: bool = False) -> None:
+        self.value, self.fail = value, fail
+
+    async def read_region(self, region: Region) -> np.ndarray:
+        cls = type(self)
+        cls.started += 1
+        cls.in_flight += 1
+        cls.peak = max(cls.peak, cls.in_flight)
+        try:
+            await asyncio.sleep(0.001)
+            if self.fail:
+                raise quire.CorruptCheckpointError("memory://x: leaf 5 is damaged")
+            return np.full(region_shape(region), self.value, np.float32)
+        finally:
+            cls.in_flight -= 1
+
+
+def _tree(n: int, fail_at: int = -1) -> dict[str, LazyArray]:
+    return {
+        f"w{i}": LazyArray((4, 3), np.float32, (f"w{i}",), _Reader(i, i == fail_at), "memory://x")
+        for i in range(n)
+    }
+
+
+def test_many_leaves_load_with_a_bounded_number_in_flight() -> None:
+    _Reader.in_flight = _Reader.peak = _Reader.started = 0
+    n = 5 * _materialize._LEAVES_IN_FLIGHT
+    out = quire.load_and_transform({"a": _Source(_tree(n))}, None, lambda a: a)
+    assert sorted(out) == sorted(f"w{i}" for i in range(n))
+    for i in range(n):
+        np.testing.assert_array_equal(out[f"w{i}"], np.full((4, 3), i, np.float32))
+    assert 1 < _Reader.peak <= _materialize._LEAVES_IN_FLIGHT
+
+
+def test_first_failing_leaf_stops_the_others() -> None:
+    _Reader.in_flight = _Reader.peak = _Reader.started = 0
+    n = 20 * _materialize._LEAVES_IN_FLIGHT
+    with pytest.raises(quire.CorruptCheckpointError, match="leaf 5 is damaged"):
+        quire.load_and_transform(_Source(_tree(n, fail_at=5)), None, lambda t: t)
+    assert _Reader.started < n // 2  # the rest were never started
+    assert _Reader.in_flight == 0  # and none is left running
+
+
+class _Source(quire.sources.Source):
+    format = "test-memory"
+
+    def __init__(self, tree: dict[str, LazyArray]) -> None:
+        self.url, self.tree, self.metadata = "memory://x", tree, {}
+
+    @classmethod
+    def detect(cls, url: str, storage_options: dict[str, object]) -> bool:
+        return False
+
+    @classmethod
+    def open(cls, url: str, storage_options: dict[str, object]) -> _Source:
+        raise NotImplementedError
