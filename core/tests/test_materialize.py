@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import quire
-from quire import _materialize
 from quire._lazy import LazyArray, Region, region_shape
 
 
@@ -45,18 +44,22 @@ def _tree(n: int, fail_at: int = -1) -> dict[str, LazyArray]:
 
 def test_many_leaves_load_with_a_bounded_number_in_flight() -> None:
     _Reader.in_flight = _Reader.peak = _Reader.started = 0
-    n = 5 * _materialize._LEAVES_IN_FLIGHT
-    out = quire.load_and_transform({"a": _Source(_tree(n))}, None, lambda a: a)
+    n = 200
+    with quire.Context(max_concurrency=8):
+        out = quire.load_and_transform({"a": _Source(_tree(n))}, None, lambda a: a)
     assert sorted(out) == sorted(f"w{i}" for i in range(n))
     for i in range(n):
         np.testing.assert_array_equal(out[f"w{i}"], np.full((4, 3), i, np.float32))
-    assert 1 < _Reader.peak <= _materialize._LEAVES_IN_FLIGHT
+    assert 1 < _Reader.peak <= 8
 
 
 def test_first_failing_leaf_stops_the_others() -> None:
     _Reader.in_flight = _Reader.peak = _Reader.started = 0
-    n = 20 * _materialize._LEAVES_IN_FLIGHT
-    with pytest.raises(quire.CorruptCheckpointError, match="leaf 5 is damaged"):
+    n = 400
+    with (
+        quire.Context(max_concurrency=8),
+        pytest.raises(quire.CorruptCheckpointError, match="leaf 5 is damaged"),
+    ):
         quire.load_and_transform(_Source(_tree(n, fail_at=5)), None, lambda t: t)
     assert _Reader.started < n // 2  # the rest were never started
     assert _Reader.in_flight == 0  # and none is left running

@@ -29,8 +29,6 @@ from quire.sources import Source
 
 __all__ = ["load_and_transform", "materialize_leaf"]
 
-_LEAVES_IN_FLIGHT = 32
-
 
 def _norm(idx: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
     out = []
@@ -260,10 +258,10 @@ async def materialize_tree(
             raise
         results[id(node)] = out
 
-    # A bounded number of leaves in flight (each waits for the budget, then reads in parallel
-    # inside): gathering thousands of leaf coroutines at once made every budget release wake
+    # At most max_concurrency leaves in flight (each waits for the budget, then reads its
+    # regions): gathering thousands of leaf coroutines at once made every budget release wake
     # all of them, and kept them alive long enough to trigger full garbage collections.
-    await for_each(pairs, lambda p: one(*p), _LEAVES_IN_FLIGHT)
+    await for_each(pairs, lambda p: one(*p), max(1, current().max_concurrency))
     return troot.rebuild(lambda n: results[id(n)])
 
 
