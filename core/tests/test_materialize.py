@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,3 +80,29 @@ class _Source(quire.sources.Source):
     @classmethod
     def open(cls, url: str, storage_options: dict[str, object]) -> _Source:
         raise NotImplementedError
+
+
+def test_sharded_local_load_reads_once_per_tensor_and_detects_truncation(tmp_path: Path) -> None:
+    import jax
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    t = {f"w{i}": rng.standard_normal((16, 8)).astype(np.float32) for i in range(3)}
+    f = tmp_path / "m.safetensors"
+    save_file(t, str(f))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    P = jax.sharding.PartitionSpec
+    rules = quire.partition_rules([("w0", P("data", "model")), (".*", P())], mesh)
+    src = quire.open(f)
+    out = quire.load(src, shardings=rules)
+    for k, v in t.items():
+        np.testing.assert_array_equal(np.asarray(out[k]), v)
+    assert out["w0"].sharding.spec == P("data", "model")
+    assert src.requests == 3 and src.bytes_read == sum(v.nbytes for v in t.values())
+    # A file cut short after it was opened: a typed error naming it, not garbage.
+    src = quire.open(f)
+    os.truncate(f, f.stat().st_size - 100)
+    with pytest.raises(quire.CorruptCheckpointError, match=r"m\.safetensors is truncated"):
+        quire.load(src, shardings=rules)
+    with pytest.raises(quire.CorruptCheckpointError, match=r"m\.safetensors is truncated"):
+        src.tree["w2"].read()

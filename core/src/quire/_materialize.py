@@ -21,7 +21,7 @@ import numpy as np
 from quire._budget import ByteBudget
 from quire._config import current
 from quire._io import run_blocking
-from quire._lazy import LazyValue, Region, full_region
+from quire._lazy import LazyArray, LazyValue, Region, full_region
 from quire._partition import sharding_for, sharding_table
 from quire._tasks import for_each
 from quire._tree import Node, keystr, walk
@@ -55,6 +55,11 @@ async def _read_cast(
         await budget.release(need)
         raise
     return a, need
+
+
+def _read_put(read: Callable[[], np.ndarray], dtype: np.dtype[Any], sharding: Any) -> Any:
+    a = read()
+    return jax.device_put(a if a.dtype == dtype else a.astype(dtype), sharding)
 
 
 def _plan(sharding: Any, shape: tuple[int, ...]) -> tuple[Any, list[Any], Region | None]:
@@ -116,6 +121,13 @@ async def materialize_leaf(
         for d in devs:
             arrays[d] = await run_blocking(jax.device_put, host, d)
 
+    read = v.blocking(box) if box == full_region(shape) and isinstance(v, LazyArray) else None
+    if read is not None:
+        # One hop: a worker thread reads the whole array and places it on the devices.
+        n = math.prod(shape) * v.dtype.itemsize
+        need = n if out_dtype == v.dtype else n + math.prod(shape) * out_dtype.itemsize
+        async with budget.hold(need):
+            return await run_blocking(_read_put, read, out_dtype, sharding)
     if box is not None:
         whole, need = await _read_cast(v, box, out_dtype, budget)
         if box == full_region(shape):
