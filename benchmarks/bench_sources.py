@@ -7,13 +7,22 @@ Rows:
 1. load: quire.load(dir, shardings=partition_rules(...)) vs safetensors load_file (every shard)
    + jax.device_put with the same shardings, in the same run (ratio = theirs / ours).
 2. laziness: a transform using ~10 % of the bytes (a slice of the layers) — bytes read / total.
-3. Orbax -> quire: quire cp of an Orbax checkpoint vs orbax restore + quire.save (only when
-   quire-orbax and orbax-checkpoint are installed; otherwise the row says why it is skipped).
+3. Orbax -> quire: ``quire cp`` (``quire._convert.convert`` with verify off, as the peer does
+   not verify; ``quire.copy``, which verifies after, is timed beside it) of a checkpoint written by orbax-checkpoint, OCDBT on and
+   off, vs orbax's own restore + quire.save, in the same run (only when quire-orbax and
+   orbax-checkpoint are installed; otherwise the row says why it is skipped).
+
+Methodology (as bench_local.py): both sides run in this process, interleaved, best (minimum)
+of ``--repeat`` runs; right before every timed phase ~3x the payload is allocated, touched and
+freed (on the shared VM memory left idle is handed back to the host and is ~10x slower to touch
+again); the files were just written, so both sides read from a warm page cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import shutil
@@ -29,6 +38,18 @@ import numpy as np
 import quire
 
 P = jax.sharding.PartitionSpec
+ROWS: list[str] = []
+
+
+def prewarm(nbytes: int) -> None:
+    """Allocate, touch and free ``nbytes`` (then hand glibc's free heap back)."""
+    gc.collect()
+    w = np.ones(max(1, nbytes // 8), np.float64)
+    del w
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def make_dir(root: str, total_bytes: int, n_shards: int = 4) -> dict[str, tuple[int, ...]]:
@@ -87,19 +108,29 @@ def bench_load(
     root: str, mesh: jax.sharding.Mesh, rules: quire.PartitionRules, repeat: int
 ) -> None:
     """Best of ``repeat`` alternating runs (the first of each pays thread / XLA start-up)."""
+    payload = sum(os.path.getsize(os.path.join(root, f)) for f in os.listdir(root))
     t_quire = t_ref = float("inf")
     nbytes = 0
     for _ in range(repeat):
+        prewarm(3 * payload)
         t0 = time.perf_counter()
         nbytes = _load_quire(root, rules)
         t_quire = min(t_quire, time.perf_counter() - t0)
+        prewarm(3 * payload)
         t0 = time.perf_counter()
         _load_reference(root, rules)
         t_ref = min(t_ref, time.perf_counter() - t0)
+    gib = nbytes / 2**30
     print(
-        f"load {nbytes / 2**30:.2f} GiB onto {mesh.size} devices (best of {repeat}): quire "
-        f"{t_quire:.2f}s ({nbytes / 2**30 / t_quire:.2f} GiB/s), load_file+device_put "
-        f"{t_ref:.2f}s; speedup {t_ref / t_quire:.2f}x (target >= 1.0x)"
+        f"load {gib:.2f} GiB onto {mesh.size} devices (best of {repeat}): quire "
+        f"{t_quire:.2f}s ({gib / t_quire:.2f} GiB/s), load_file+device_put "
+        f"{t_ref:.2f}s; speedup {t_ref / t_quire:.2f}x (target >= 1.0x)",
+        flush=True,
+    )
+    ROWS.append(
+        f"| load {gib:.2f} GiB HF dir (4 shards, bf16) onto {mesh.size} devices, partition rules "
+        f"| quire.load {t_quire:.2f} s | load_file + device_put {t_ref:.2f} s "
+        f"| {t_ref / t_quire:.2f}x (target >= 1.0x) |"
     )
 
 
@@ -117,43 +148,80 @@ def bench_laziness(root: str) -> None:
     used = sum(v.nbytes for v in out.values())
     print(
         f"transform using {used / total:.1%} of {total / 2**20:.0f} MiB read "
-        f"{src.bytes_read / total:.1%} of it (target <= 12%); header bytes {src.header_bytes}"
+        f"{src.bytes_read / total:.1%} of it (target <= 12%); header bytes {src.header_bytes}",
+        flush=True,
+    )
+    ROWS.append(
+        f"| transform using {used / total:.1%} of {total / 2**20:.0f} MiB | read "
+        f"{src.bytes_read / total:.1%} of the tensor bytes | + {src.header_bytes} header bytes "
+        "| target <= 12% |"
     )
 
 
-def bench_orbax(base: str, quick: bool) -> None:
+def _orbax_write(path: str, tree: dict[str, np.ndarray], ocdbt: bool) -> None:
+    import orbax.checkpoint as ocp
+
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler(use_ocdbt=ocdbt)) as c:
+        c.save(path, tree)
+
+
+def bench_orbax(base: str, quick: bool, repeat: int) -> None:
     try:
         import orbax.checkpoint as ocp
     except ImportError:
         print("orbax -> quire: skipped (orbax-checkpoint not installed)")
+        ROWS.append("| Orbax -> quire | skipped: orbax-checkpoint not installed | | |")
         return
     if "orbax" not in quire.sources.available():
         print("orbax -> quire: skipped (quire-orbax not installed)")
+        ROWS.append("| Orbax -> quire | skipped: quire-orbax not installed | | |")
         return
-    import orbax.checkpoint as ocp
+    from quire._convert import convert  # what `quire cp SRC DST` runs for a non-quire SRC
 
     n = 8 if quick else 64
     tree = {
         f"w{i}": np.random.default_rng(i).standard_normal((1024, 1024), np.float32)
         for i in range(n)
     }
-    path = os.path.join(base, "orbax")
-    with ocp.StandardCheckpointer() as c:
-        c.save(path, tree)
-    from quire._convert import convert
-
-    t0 = time.perf_counter()
-    convert(path, os.path.join(base, "q1"), verify=False)
-    t_cp = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    with ocp.StandardCheckpointer() as c:
-        restored = c.restore(path)
-    quire.save(os.path.join(base, "q2"), restored)
-    t_ref = time.perf_counter() - t0
-    print(
-        f"orbax -> quire ({n * 4} MiB): quire cp {t_cp:.2f}s, orbax restore + quire.save "
-        f"{t_ref:.2f}s ({t_ref / t_cp:.2f}x)"
-    )
+    payload = n * 4 << 20
+    for ocdbt in (False, True):
+        path = os.path.join(base, f"orbax-{'ocdbt' if ocdbt else 'plain'}")
+        _orbax_write(path, tree, ocdbt)
+        t_cp = t_ref = t_copy = float("inf")
+        for rep in range(repeat):
+            prewarm(3 * payload)
+            dst = os.path.join(base, f"q-cp-{rep}")
+            t0 = time.perf_counter()
+            convert(path, dst, verify=False)
+            t_cp = min(t_cp, time.perf_counter() - t0)
+            shutil.rmtree(dst)
+            if hasattr(quire, "copy"):  # the public API `quire cp` runs: verifies after
+                prewarm(3 * payload)
+                t0 = time.perf_counter()
+                quire.copy(path, dst)
+                t_copy = min(t_copy, time.perf_counter() - t0)
+                shutil.rmtree(dst)
+            prewarm(3 * payload)
+            dst = os.path.join(base, f"q-ref-{rep}")
+            t0 = time.perf_counter()
+            with ocp.StandardCheckpointer() as c:
+                restored = c.restore(path)
+            quire.save(dst, restored)
+            t_ref = min(t_ref, time.perf_counter() - t0)
+            del restored
+            shutil.rmtree(dst)
+        what = "OCDBT" if ocdbt else "no OCDBT"
+        print(
+            f"orbax ({what}) -> quire ({n * 4} MiB, best of {repeat}): quire cp {t_cp:.2f}s "
+            f"(quire.copy, verified: {t_copy:.2f}s), orbax restore + quire.save {t_ref:.2f}s "
+            f"({t_ref / t_cp:.2f}x)",
+            flush=True,
+        )
+        ROWS.append(
+            f"| Orbax ({what}, {n * 4} MiB f32) -> quire | quire cp {t_cp:.2f} s (with verify "
+            f"{t_copy:.2f} s) | orbax restore + quire.save {t_ref:.2f} s | {t_ref / t_cp:.2f}x |"
+        )
+        shutil.rmtree(path)
 
 
 def main() -> None:
@@ -184,9 +252,11 @@ def main() -> None:
         )
         bench_load(root, mesh, rules, args.repeat)
         bench_laziness(root)
-        bench_orbax(base, args.quick)
+        bench_orbax(base, args.quick, args.repeat)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    print("\n| row | quire | peer | ratio (peer / quire) |\n|---|---|---|---|")
+    print("\n".join(ROWS))
 
 
 if __name__ == "__main__":

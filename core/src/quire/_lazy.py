@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
-    from collections.abc import Coroutine
+    from collections.abc import Callable, Coroutine
 
 Region = tuple[slice, ...]
 
@@ -36,7 +36,11 @@ class RegionReader(Protocol):
     :class:`quire.CorruptCheckpointError` for damaged data, naming the URL and key path.
 
     Optionally a reader may define ``nbytes_hint(region) -> int`` (host bytes one read
-    holds; default ``prod(region) * itemsize``), which quire charges to its byte budget.
+    holds; default ``prod(region) * itemsize``), which quire charges to its byte budget, and
+    ``blocking(region) -> Callable[[], numpy.ndarray] | None``: a function that does the same
+    read as one blocking call (a local file), which quire then runs in a worker thread together
+    with placing the result on devices; None where the reader cannot (quire awaits
+    ``read_region``).
     """
 
     async def read_region(self, region: Region) -> np.ndarray:
@@ -246,6 +250,11 @@ class LazyArray(LazyValue):
 
     def _read(self, region: Region) -> Coroutine[Any, Any, np.ndarray]:
         return self.reader.read_region(region)
+
+    def blocking(self, region: Region) -> Callable[[], np.ndarray] | None:
+        """The reader's blocking read of ``region`` (see :class:`RegionReader`), or None."""
+        fn = getattr(self.reader, "blocking", None)
+        return fn(region) if fn is not None else None
 
     async def read_region(self, region: Region) -> np.ndarray:
         out = await super().read_region(region)

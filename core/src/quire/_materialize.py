@@ -9,6 +9,7 @@ shared by several devices are read once, and every host buffer is held under one
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -20,8 +21,9 @@ import numpy as np
 from quire._budget import ByteBudget
 from quire._config import current
 from quire._io import run_blocking
-from quire._lazy import LazyValue, Region, full_region
+from quire._lazy import LazyArray, LazyValue, Region, full_region
 from quire._partition import sharding_for, sharding_table
+from quire._tasks import for_each
 from quire._tree import Node, keystr, walk
 from quire.errors import QuireError, TreeMismatchError
 from quire.sources import Source
@@ -55,6 +57,49 @@ async def _read_cast(
     return a, need
 
 
+def _read_put(read: Callable[[], np.ndarray], dtype: np.dtype[Any], sharding: Any) -> Any:
+    a = read()
+    return jax.device_put(a if a.dtype == dtype else a.astype(dtype), sharding)
+
+
+def _plan(sharding: Any, shape: tuple[int, ...]) -> tuple[Any, list[Any], Region | None]:
+    """(device → index map, [(region, devices)] with each distinct region once, box or None).
+
+    The box is the regions' bounding box when they tile it (the usual case: one read of it
+    feeds every device shard, and a byte range or chunk that several shards need is read
+    once).  Leaves with the same sharding and shape share the plan (cached).
+    """
+    try:
+        return _plan_cached(sharding, shape)
+    except TypeError:  # an unhashable sharding
+        return _make_plan(sharding, shape)
+
+
+def _make_plan(sharding: Any, shape: tuple[int, ...]) -> tuple[Any, list[Any], Region | None]:
+    idx_map = sharding.addressable_devices_indices_map(shape)
+    # Keys are (start, stop) pairs: slices are unhashable before Python 3.12.
+    by_key: dict[tuple[tuple[int, int], ...], list[Any]] = {}
+    for dev, idx in idx_map.items():
+        reg = _norm(idx, shape) if shape else ()
+        by_key.setdefault(tuple((r.start, r.stop) for r in reg), []).append(dev)
+    regions = [(tuple(slice(a, b) for a, b in k), devs) for k, devs in by_key.items()]
+    keys = list(by_key)
+    box: Region | None = None
+    if shape and len(regions) > 1:
+        box = tuple(
+            slice(min(k[d][0] for k in keys), max(k[d][1] for k in keys)) for d in range(len(shape))
+        )
+        area = sum(math.prod(b - a for a, b in k) for k in keys)
+        if math.prod(s.stop - s.start for s in box) != area:
+            box = None
+    elif len(regions) == 1 and regions[0][0] == full_region(shape):
+        box = full_region(shape)
+    return idx_map, regions, box
+
+
+_plan_cached = functools.lru_cache(maxsize=256)(_make_plan)
+
+
 async def materialize_leaf(
     v: LazyValue, dtype: Any = None, sharding: Any = None, budget: ByteBudget | None = None
 ) -> Any:
@@ -66,33 +111,24 @@ async def materialize_leaf(
         a, need = await _read_cast(v, full_region(shape), out_dtype, budget)
         await budget.release(need)  # handed to the caller
         return a
-    idx_map = sharding.addressable_devices_indices_map(shape)
-    # Keys are (start, stop) pairs: slices are unhashable before Python 3.12.
-    by_key: dict[tuple[tuple[int, int], ...], list[Any]] = {}
-    for dev, idx in idx_map.items():
-        reg = _norm(idx, shape) if shape else ()
-        by_key.setdefault(tuple((r.start, r.stop) for r in reg), []).append(dev)
-    regions = [(tuple(slice(a, b) for a, b in k), devs) for k, devs in by_key.items()]
-    keys = list(by_key)
+    idx_map, regions, box = _plan(sharding, shape)
     arrays: dict[Any, Any] = {}
-    box: Region | None = None
-    if shape and len(regions) > 1:
-        box = tuple(
-            slice(min(k[d][0] for k in keys), max(k[d][1] for k in keys)) for d in range(len(shape))
-        )
-        area = sum(math.prod(b - a for a, b in k) for k in keys)
-        box_size = math.prod(s.stop - s.start for s in box)
-        # One read of the box when the regions tile it and it fits the budget: a stored chunk
-        # or byte range that feeds several device shards is then read once.
-        if box_size != area or box_size * v.dtype.itemsize > budget.limit:
-            box = None
+    box_bytes = math.prod(s.stop - s.start for s in box) * v.dtype.itemsize if box else 0
+    if len(regions) > 1 and box_bytes > budget.limit:
+        box = None  # read the regions one by one, within the budget
 
     async def put(host: np.ndarray, devs: list[Any]) -> None:
         for d in devs:
             arrays[d] = await run_blocking(jax.device_put, host, d)
 
-    if box is not None or (len(regions) == 1 and regions[0][0] == full_region(shape)):
-        box = box if box is not None else full_region(shape)
+    read = v.blocking(box) if box == full_region(shape) and isinstance(v, LazyArray) else None
+    if read is not None:
+        # One hop: a worker thread reads the whole array and places it on the devices.
+        n = math.prod(shape) * v.dtype.itemsize
+        need = n if out_dtype == v.dtype else n + math.prod(shape) * out_dtype.itemsize
+        async with budget.hold(need):
+            return await run_blocking(_read_put, read, out_dtype, sharding)
+    if box is not None:
         whole, need = await _read_cast(v, box, out_dtype, budget)
         if box == full_region(shape):
             # Every shard is local: one device_put of the host array (JAX slices it per device).
@@ -257,7 +293,10 @@ async def materialize_tree(
             raise
         results[id(node)] = out
 
-    await asyncio.gather(*(one(n, v, t) for n, v, t in pairs))
+    # At most max_concurrency leaves in flight (each waits for the budget, then reads its
+    # regions): gathering thousands of leaf coroutines at once made every budget release wake
+    # all of them, and kept them alive long enough to trigger full garbage collections.
+    await for_each(pairs, lambda p: one(*p), max(1, current().max_concurrency))
     return troot.rebuild(lambda n: results[id(n)])
 
 

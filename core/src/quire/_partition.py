@@ -29,6 +29,7 @@ class PartitionRules:
     def __init__(self, rules: Sequence[tuple[str, Any]], mesh: Any) -> None:
         self.rules = [(re.compile(p), _spec(s)) for p, s in rules]
         self.mesh = mesh
+        self._shardings: dict[Any, Any] = {}
 
     def spec_for(self, path: str, shape: Sequence[int]) -> Any:
         """The PartitionSpec for the leaf at ``path`` (``"/"``-joined) of ``shape``.
@@ -71,7 +72,11 @@ class PartitionRules:
         TreeMismatchError
             As for :meth:`spec_for`.
         """
-        return jax.sharding.NamedSharding(self.mesh, self.spec_for(path, shape))
+        spec = self.spec_for(path, shape)
+        out = self._shardings.get(spec)
+        if out is None:  # one NamedSharding per spec: leaves share it (and JAX's caches)
+            out = self._shardings[spec] = jax.sharding.NamedSharding(self.mesh, spec)
+        return out
 
     def _check(self, path: str, shape: tuple[int, ...], spec: Any, pattern: str) -> None:
         if len(spec) > len(shape):

@@ -19,11 +19,14 @@ import itertools
 import json
 import math
 import posixpath
+import threading
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import ml_dtypes
 import numpy as np
 
+from quire._backends.local import LocalBackend
 from quire._io import submit
 from quire._lazy import LazyArray, Region, region_shape
 from quire._url import open_backend, protocol_of
@@ -180,6 +183,10 @@ class _Reader:
             await self._get(r0.start * strides[0] * item, rows.reshape(-1).view(np.uint8))
             out[...] = rows[(slice(None), *region[1:])]
             return out
+        if n_runs == 1:  # the usual case: the region is one contiguous byte range
+            off = sum(r.start * strides[d] for d, r in enumerate(region))
+            await self._get(off * item, out.reshape(-1).view(np.uint8))
+            return out
         flat = out.reshape(n_runs, -1).view(np.uint8)
         sem = asyncio.Semaphore(32)
         idx = np.indices([r.stop - r.start for r in outer]).reshape(len(outer), -1).T if k else [()]
@@ -193,15 +200,44 @@ class _Reader:
         await asyncio.gather(*(one(i, pos) for i, pos in enumerate(idx)))
         return out
 
+    def blocking(self, region: Region) -> Callable[[], np.ndarray] | None:
+        """One blocking read (``preadv``) when the file is local and ``region`` is one
+        contiguous byte range (a whole tensor, or whole rows: what a sharded load reads);
+        None otherwise."""
+        if not isinstance(self.backend, LocalBackend):
+            return None
+        shape = self.shape
+        lead = 0  # axes before the first partial one must have extent 1
+        while lead < len(shape) and region[lead].stop - region[lead].start == 1:
+            lead += 1
+        if any((r.start, r.stop) != (0, n) for r, n in zip(region[lead + 1 :], shape[lead + 1 :])):
+            return None
+        off = sum(r.start * math.prod(shape[d + 1 :]) for d, r in enumerate(region))
+        backend = self.backend
+
+        def read() -> np.ndarray:
+            out = np.empty(region_shape(region), self.dtype)
+            mv = out.reshape(-1).view(np.uint8).data
+            if mv.nbytes:
+                at = self.start + off * out.itemsize
+                self._check(backend._get_into(self.key, [mv], at), mv, at)
+            return out
+
+        return read
+
     async def _get(self, offset: int, dest: np.ndarray) -> None:
         mv = memoryview(dest.data).cast("B")
-        n = await self.backend.get_into(self.key, [mv], self.start + offset)
-        self.src.bytes_read += n
-        self.src.requests += 1
+        at = self.start + offset
+        self._check(await self.backend.get_into(self.key, [mv], at), mv, at)
+
+    def _check(self, n: int, mv: memoryview, at: int) -> None:
+        with self.src.lock:  # blocking reads count from worker threads
+            self.src.bytes_read += n
+            self.src.requests += 1
         if n < mv.nbytes:
             raise CorruptCheckpointError(
                 f"{self.src.url}: {self.key} is truncated ({n} of {mv.nbytes} bytes at offset "
-                f"{self.start + offset}); re-download it"
+                f"{at}); re-download it"
             )
 
 
@@ -220,6 +256,7 @@ class SafetensorsSource(Source):
         self.bytes_read = 0
         self.requests = 0
         self.header_bytes = 0
+        self.lock = threading.Lock()
 
     @classmethod
     def detect(cls, url: str, storage_options: dict[str, Any]) -> bool:
