@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -29,7 +30,29 @@ class ByteBudget:
         self.limit = max(1, int(limit))
         self.used = 0
         self.peak = 0
-        self._cond = asyncio.Condition()
+        # Waiters in arrival order: each release wakes only those that now fit, first
+        # come first served (so a large request is never starved by small ones, and
+        # thousands of waiters cost one wake-up each, not one per release).
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    def _fits(self, n: int) -> bool:
+        return self.used == 0 or self.used + n <= self.limit
+
+    def _take(self, n: int) -> None:
+        self.used += n
+        self.peak = max(self.peak, self.used)
+
+    def _wake(self) -> None:
+        while self._waiters:
+            n, fut = self._waiters[0]
+            if fut.done():  # cancelled while waiting
+                self._waiters.popleft()
+                continue
+            if not self._fits(n):
+                return
+            self._waiters.popleft()
+            self._take(n)
+            fut.set_result(None)
 
     async def acquire(self, n: int) -> None:
         """Wait until ``n`` bytes fit, then hold them (pair with :meth:`release`).
@@ -39,10 +62,23 @@ class ByteBudget:
         n : int
             A number of bytes.
         """
-        async with self._cond:
-            await self._cond.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
-            self.used += n
-            self.peak = max(self.peak, self.used)
+        if not self._waiters and self._fits(n):
+            self._take(n)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((n, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # granted, then cancelled: give it back
+                self._give_back(n)
+            else:
+                self._wake()  # a later waiter may fit now that this one left the queue
+            raise
+
+    def _give_back(self, n: int) -> None:
+        self.used -= n
+        self._wake()
 
     async def release(self, n: int) -> None:
         """Give back ``n`` bytes held by :meth:`acquire`.
@@ -52,9 +88,7 @@ class ByteBudget:
         n : int
             A number of bytes.
         """
-        async with self._cond:
-            self.used -= n
-            self._cond.notify_all()
+        self._give_back(n)
 
     @contextlib.asynccontextmanager
     async def hold(self, n: int) -> AsyncIterator[None]:
