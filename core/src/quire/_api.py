@@ -364,13 +364,15 @@ def load(
 def _other_source(url: Any, storage_options: dict[str, Any] | None) -> bool:
     """Whether a source other than quire's own recognises ``url`` (after a failed load)."""
     from quire._registry import sources
+    from quire._url import effective_options
 
     u = normalize(url)
+    opts = effective_options(u, storage_options)
     for name in sources.names():
         if name == "quire":
             continue
         try:
-            if sources.get(name).detect(u, dict(storage_options or {})):
+            if sources.get(name).detect(u, dict(opts)):
                 return True
         except Exception:
             continue

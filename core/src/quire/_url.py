@@ -31,11 +31,18 @@ def normalize(url: str | os.PathLike[str]) -> str:
     return s.rstrip("/")
 
 
+def effective_options(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """``storage_options`` over the current Context's options for ``url``'s protocol: what
+    a backend (and a source plugin) for ``url`` is given."""
+    opts = dict(current().storage_options.get(protocol_of(url), {}))
+    opts.update(storage_options or {})
+    return opts
+
+
 def open_backend(url: str, storage_options: dict[str, Any] | None = None) -> Backend:
     """The backend for ``url``: its protocol's plugin, else fsspec's generic one."""
     proto = protocol_of(url)
-    opts = dict(current().storage_options.get(proto, {}))
-    opts.update(storage_options or {})
+    opts = effective_options(url, storage_options)
     if proto in backends.names():
         cls = backends.get(proto, url=url)
         return cls(url, opts)  # type: ignore[no-any-return]

@@ -157,9 +157,11 @@ def open(
         ``format`` names a source that is not installed or fails to import.
     """
     from quire._registry import sources
-    from quire._url import normalize
+    from quire._url import effective_options, normalize
 
     u = normalize(url)
+    # Sources see the options a backend for ``u`` would: the Context's for the protocol too.
+    storage_options = effective_options(u, storage_options)
     if format is not None:
         cls = sources.get(format, url=u)
         return _open_with(cls, u, storage_options)
