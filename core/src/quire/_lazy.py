@@ -252,7 +252,19 @@ class LazyArray(LazyValue):
         return self.reader.read_region(region)
 
     def blocking(self, region: Region) -> Callable[[], np.ndarray] | None:
-        """The reader's blocking read of ``region`` (see :class:`RegionReader`), or None."""
+        """The reader's blocking read of ``region`` (see :class:`RegionReader`), or None.
+
+        Parameters
+        ----------
+        region : tuple of slice
+            The region of this array to read, one ``slice`` per dimension.
+
+        Returns
+        -------
+        callable or None
+            A function that reads the region when called in a worker thread, or None when
+            the reader has no blocking path for it (then :meth:`read_region` is used).
+        """
         fn = getattr(self.reader, "blocking", None)
         return fn(region) if fn is not None else None
 
