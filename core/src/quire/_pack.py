@@ -63,7 +63,9 @@ class PackWriter(Wrapped):
         # Backends that can write an object in place at offsets (local files) stream every
         # chunk straight into its pack: nothing is held, packs reach pack_bytes.
         self._streaming = base.capabilities.stream_writes
-        self._writers: list[Any] = []
+        self._writers: list[Any] = []  # open packs: the current one last
+        self._writing: dict[int, int] = {}  # id(writer) -> writes in flight
+        self._closing: dict[asyncio.Task[None], Any] = {}  # sealed packs being completed
         self._opening: asyncio.Future[Any] | None = None
         self._size = 0
 
@@ -108,8 +110,10 @@ class PackWriter(Wrapped):
             try:
                 if self._writers:
                     self._seq += 1
+                    self._sealed(self._writers[-1])
                 w = await self.base.stream_writer(_pack_key(self.txid, self.process, self._seq))
                 self._writers.append(w)
+                self._writing[id(w)] = 0
                 self._size = 0
                 self.packs += 1
             finally:
@@ -119,7 +123,22 @@ class PackWriter(Wrapped):
         self.refs[key] = [_pack_key(self.txid, self.process, self._seq), offset, n]
         self.crcs[key] = crc
         self.bytes += n
-        await w.write(views, offset)
+        self._writing[id(w)] += 1
+        try:
+            await w.write(views, offset)
+        finally:
+            self._writing[id(w)] -= 1
+            if not self._writers or w is not self._writers[-1]:
+                self._sealed(w)
+
+    def _sealed(self, w: Any) -> None:
+        """A pack that takes no new chunks is completed (S3: CompleteMultipartUpload) as
+        soon as its last write is in, in the background: a save's packs are not all
+        completed at its end, only the last one."""
+        if self._writing.get(id(w)) == 0 and w in self._writers:
+            self._writers.remove(w)
+            del self._writing[id(w)]
+            self._closing[asyncio.ensure_future(w.close())] = w
 
     def _seal(self) -> None:
         if not self._pending:
@@ -145,7 +164,11 @@ class PackWriter(Wrapped):
         while self._uploads:
             await self._wait_one()
         writers, self._writers = self._writers, []
-        await asyncio.gather(*(w.close() for w in writers))
+        self._closing.update((asyncio.ensure_future(w.close()), w) for w in writers)
+        closing, self._closing = self._closing, {}
+        for r in await asyncio.gather(*closing, return_exceptions=True):
+            if isinstance(r, BaseException):
+                raise r
 
     async def finish(self) -> dict[str, Any] | None:
         """Upload what is pending, then this process's chunk index; returns the commit
@@ -176,6 +199,11 @@ class PackWriter(Wrapped):
         await asyncio.gather(*self._uploads, return_exceptions=True)
         self._uploads = []
         writers, self._writers = self._writers, []
+        closing, self._closing = self._closing, {}
+        for t in closing:
+            t.cancel()
+        await asyncio.gather(*closing, return_exceptions=True)
+        writers += [w for t, w in closing.items() if t.cancelled() or t.exception()]
         await asyncio.gather(*(w.abort() for w in writers), return_exceptions=True)
 
     # -- reads and the rest go to the backend (Wrapped) ------------------------------
