@@ -232,6 +232,25 @@ def test_packs_stream_in_multipart_parts_and_roll_over(store: Store) -> None:
     assert _io.submit(_engine.verify(url, opts)).result() == (40, [])
 
 
+def test_small_pack_is_one_request_and_a_load_reads_packs_in_windows(store: Store) -> None:
+    """A save whose data fills no multipart part writes its pack with one request (S3:
+    the multipart upload is created only when a part is full), and a load of 60 small
+    leaves reads the pack in one or two window requests, not one GET per chunk."""
+    rng = np.random.default_rng(5)
+    tree = {f"p{i:02d}": rng.standard_normal(300 + 50 * i).astype(np.float32) for i in range(60)}
+    url, opts = store.url(), store.options()
+    store.proxy.clear()
+    quire.save(url, tree, storage_options=opts)
+    pack = r"packs(/|%2F)p00000-00000"
+    writes = [r for r in store.proxy.requests(path=pack) if r[0] in ("PUT", "POST")]
+    assert len(writes) == 1, writes
+    store.proxy.clear()
+    got = quire.load(url, storage_options=opts)
+    assert all(np.array_equal(got[k], v) for k, v in tree.items())
+    reads = store.proxy.requests(**store.chunk_read)
+    assert 1 <= len(reads) <= 2, reads
+
+
 def test_roundtrip_sharded_jax_and_ranged_shard_reads(store: Store) -> None:
     """jax arrays sharded over the devices, zarr shards with inner chunks read by range."""
     import jax

@@ -172,9 +172,11 @@ class PackWriter(Wrapped):
 
     async def finish(self) -> dict[str, Any] | None:
         """Upload what is pending, then this process's chunk index; returns the commit
-        record's entry for it (None when this process wrote nothing: no index object)."""
-        await self.close()
+        record's entry for it (None when this process wrote nothing: no index object).
+        The index goes up while the last packs complete (it is data of an uncommitted
+        txid like them; the commit record, written after, is what makes both count)."""
         if not self.refs:
+            await self.close()
             return None
         doc = {
             "version": 1,
@@ -188,7 +190,7 @@ class PackWriter(Wrapped):
         }
         data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
         key = index_key(self.txid, self.process)
-        await self.base.put(key, [data])
+        await asyncio.gather(self.close(), self.base.put(key, [data]))
         return index_entry(self.txid, self.process, key, data)
 
     async def abort(self) -> None:
