@@ -186,6 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-ms", type=float, default=20.0, help="added per request (0: none)")
     ap.add_argument("--pack-mib", type=int, default=None, help="quire's pack_bytes, in MiB")
     ap.add_argument(
+        "--read-timeout", type=float, default=120.0, help="client read timeout, s (all peers)"
+    )
+    ap.add_argument(
+        "--read-part-mib",
+        type=int,
+        default=None,
+        help="quire's read_part_size storage option (both layouts), in MiB (default 64)",
+    )
+    ap.add_argument(
         "--probe",
         action="store_true",
         help="first time a 1 MiB ranged GET from objects of 1-256 MiB (straight to the server)",
@@ -214,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         "endpoint_url": endpoint,
         "key": os.environ.get("AWS_ACCESS_KEY_ID", KEY),
         "secret": os.environ.get("AWS_SECRET_ACCESS_KEY", SECRET),
-        "config_kwargs": {"max_pool_connections": 64},
+        # s3fs's default read timeout is 15 s: moto, on a loaded 2-core machine, answers
+        # queued ranged GETs of one large object (it serialises them) slower than that.
+        "config_kwargs": {"max_pool_connections": 64, "read_timeout": args.read_timeout},
     }
     try:
         import boto3
@@ -237,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         peers = {"s3fs": Peer(options), "s3fs-1": OneObjectPeer(options)}
+        qoptions = dict(options)
+        if args.read_part_mib:
+            qoptions["read_part_size"] = args.read_part_mib << 20
         times: dict[tuple[str, str], list[float]] = {}
         objects: dict[str, int] = {}
         requests: dict[tuple[str, str], int] = {}  # through the proxy, last repetition
@@ -257,14 +271,14 @@ def main(argv: list[str] | None = None) -> int:
                 with quire.Context(
                     **({"pack_bytes": args.pack_mib << 20} if args.pack_mib else {})
                 ):
-                    quire.save(url, tree, storage_options=options, layout=layout)
+                    quire.save(url, tree, storage_options=qoptions, layout=layout)
                 times.setdefault((qname, "save"), []).append(time.perf_counter() - t0)
                 counted(qname, "save")
                 backend = open_backend(url, options)
                 objects[qname] = len(_io.submit(backend.list()).result())
                 gc.collect()
                 t0 = time.perf_counter()
-                got = quire.load(url, storage_options=options)
+                got = quire.load(url, storage_options=qoptions)
                 times.setdefault((qname, "load"), []).append(time.perf_counter() - t0)
                 counted(qname, "load")
                 if rep == 0 and not args.no_verify:
