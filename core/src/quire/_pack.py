@@ -5,11 +5,13 @@ place of the backend.  Every ``put`` of a zarr key under ``d/<txid>/`` is append
 process's current pack object ``d/<txid>/%packs/p<process>-<seq>`` instead of becoming
 an object of its own; small text objects (``zarr.json``) go inline into the chunk index.
 ``finish`` uploads the last pack and writes the process's chunk index (see
-``quire._chunkindex``), returning its description for the commit record.
+``quire._chunkindex``) while the last packs complete, returning its description for the
+commit record.
 
-Backends that declare ``stream_writes`` (local files, S3 multipart) get every chunk
-written straight into its pack at an offset reserved for it: nothing is held, and packs
-reach ``pack_bytes``.  On other backends the encoded chunks of a pack are held (by
+Backends that declare ``stream_writes`` (local files, S3 multipart, GCS resumable) get
+every chunk written straight into its pack at an offset reserved for it: nothing is held,
+and packs reach ``pack_bytes``.  A pack that takes no new chunk is closed (completed) in
+the background once its last write is in.  On other backends the encoded chunks of a pack are held (by
 reference: raw chunks are views of the host arrays) until the pack is uploaded.  A pack is sealed and uploaded when it would
 exceed ``pack_bytes`` or when the bytes waiting reach a quarter of the byte budget; at
 most two packs upload at once and a ``put`` waits for an upload when more are pending,
