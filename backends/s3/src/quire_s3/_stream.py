@@ -3,9 +3,10 @@
 quire's format-v2 pack writer reserves each chunk's offset in a pack and writes the
 chunk there (``Backend.stream_writer``).  Here the bytes are copied into part buffers of
 ``multipart_chunksize``; a part is uploaded (``UploadPart``, retried like every request)
-as soon as every byte of it has arrived, at most ``MAX_INFLIGHT`` at a time (a write waits
-for an upload when more are pending), and ``close`` uploads the last, shorter part and
-completes the upload.  Host memory: the parts being filled plus ``MAX_INFLIGHT`` parts.
+as soon as every byte of it has arrived, at most ``MAX_INFLIGHT`` at a time and within the
+backend's upload budget (a write waits for an upload when more are pending), and ``close``
+uploads the last, shorter part and completes the upload.  Host memory: the parts being
+filled plus the parts in flight (at most ``MAX_INFLIGHT``, and the upload budget).
 
 The multipart upload is created when the first part is full, not when the object is
 opened: an object that never fills a part (the last, small pack of a save) is one
@@ -60,7 +61,10 @@ class MultipartStream:
         for i in ready:
             while len(self.tasks) >= MAX_INFLIGHT:
                 await asyncio.wait(self.tasks, return_when=asyncio.FIRST_COMPLETED)
-            self._upload(i, self.buffers.pop(i))
+            # Parts in flight are held in the backend's upload budget, as put's are: a
+            # writer waits here while the budget is spent.
+            await self.b.budget.acquire(self.part_size)
+            self._upload(i, self.buffers.pop(i), self.part_size)
         if self.error is not None:
             raise self.error
 
@@ -73,7 +77,7 @@ class MultipartStream:
         self.upload_id = str(mpu["UploadId"])
         return self.upload_id
 
-    def _upload(self, i: int, body: bytearray | bytes) -> None:
+    def _upload(self, i: int, body: bytearray | bytes, held: int = 0) -> None:
         async def run() -> None:
             try:
                 upload_id = await self._upload_id()
@@ -85,6 +89,9 @@ class MultipartStream:
             except BaseException as e:
                 self.error = self.error or e
                 raise
+            finally:
+                if held:
+                    await self.b.budget.release(held)
 
         task = asyncio.ensure_future(run())
         self.tasks.add(task)
