@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,6 +219,11 @@ class ChunkIndex:
                     return ref
         return None
 
+    async def own_refs(self) -> builtins.list[dict[str, Ref]]:
+        """The refs of this process's index objects."""
+        own = [e for es in self.by_txid.values() for e in es if e["process"] == self.process]
+        return list(await asyncio.gather(*(self._load(e) for e in own)))
+
     async def all_refs(self) -> dict[str, Ref]:
         out: dict[str, Ref] = {}
         entries = [e for es in self.by_txid.values() for e in es]
@@ -283,6 +288,35 @@ class PackedReader(Wrapped):
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
         self.requests = 0  # range requests sent to the backend (tests count them)
+        self._expect: builtins.list[str] = []
+        self._planning: asyncio.Future[Any] | None = None
+        self.windows: Any = None  # quire._packread.Windows once planned
+
+    def expect(self, locations: Iterable[str]) -> None:
+        """Declare that this load reads every chunk of the arrays at ``locations`` that
+        this process's index holds: they are read in large windows (``quire._packread``)
+        on backends with ``read_part_size`` (object stores).  Only for loads that need
+        all of them (a single-process load)."""
+        span = getattr(self.base, "read_part_size", 0)
+        if isinstance(span, int) and span > 0:
+            self._expect = [f"{loc}/" for loc in locations if isinstance(loc, str)]
+
+    async def _windows(self) -> Any:
+        if not self._expect:
+            return None
+        if self._planning is None:
+            self._planning = asyncio.ensure_future(self._plan())
+        return await asyncio.shield(self._planning)
+
+    async def _plan(self) -> Any:
+        from quire._config import current
+        from quire._packread import Windows, expected_refs
+
+        windows = Windows(self.base, self.base.read_part_size, current().byte_budget)  # type: ignore[attr-defined]
+        for m in await self.index.own_refs():
+            windows.plan(expected_refs(m, self._expect))
+        self.windows = windows
+        return windows
 
     async def _read(self, target: str, offset: int, views: builtins.list[memoryview]) -> int:
         """Read into ``views`` from ``target`` at ``offset``, coalesced with the reads
@@ -373,7 +407,13 @@ class PackedReader(Wrapped):
             v = b.cast("B")[: min(left, b.nbytes)]
             views.append(v)
             left -= v.nbytes
-        n = await self._read(ref.target, ref.offset + offset, views) if want else 0
+        n = None
+        if offset == 0 and want == ref.length and want:
+            windows = await self._windows()
+            if windows is not None:
+                n = await windows.read(key, views)
+        if n is None:
+            n = await self._read(ref.target, ref.offset + offset, views) if want else 0
         if n < want:
             raise ChunkError(f"{key}: pack {ref.target} is truncated")
         if offset == 0 and n == ref.length:

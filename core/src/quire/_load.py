@@ -169,6 +169,9 @@ async def _load_tree(
                 extra=extra,
                 mismatched=bad,
             )
+    expect = getattr(backend, "expect", None)  # format v2: plan large pack reads
+    if expect is not None and jax.process_count() == 1:
+        expect(rec.get("location") for _, rec, _ in pairs)
     ctx = LoadContext(url, backend, jax.process_index(), jax.process_count())
     ctx.limit = asyncio.Semaphore(max(1, current().max_concurrency))
     ctx.budget = ByteBudget(current().byte_budget)

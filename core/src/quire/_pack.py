@@ -5,11 +5,13 @@ place of the backend.  Every ``put`` of a zarr key under ``d/<txid>/`` is append
 process's current pack object ``d/<txid>/%packs/p<process>-<seq>`` instead of becoming
 an object of its own; small text objects (``zarr.json``) go inline into the chunk index.
 ``finish`` uploads the last pack and writes the process's chunk index (see
-``quire._chunkindex``), returning its description for the commit record.
+``quire._chunkindex``) while the last packs complete, returning its description for the
+commit record.
 
-Backends that declare ``stream_writes`` (local files, S3 multipart) get every chunk
-written straight into its pack at an offset reserved for it: nothing is held, and packs
-reach ``pack_bytes``.  On other backends the encoded chunks of a pack are held (by
+Backends that declare ``stream_writes`` (local files, S3 multipart, GCS resumable) get
+every chunk written straight into its pack at an offset reserved for it: nothing is held,
+and packs reach ``pack_bytes``.  A pack that takes no new chunk is closed (completed) in
+the background once its last write is in.  On other backends the encoded chunks of a pack are held (by
 reference: raw chunks are views of the host arrays) until the pack is uploaded.  A pack is sealed and uploaded when it would
 exceed ``pack_bytes`` or when the bytes waiting reach a quarter of the byte budget; at
 most two packs upload at once and a ``put`` waits for an upload when more are pending,
@@ -63,7 +65,9 @@ class PackWriter(Wrapped):
         # Backends that can write an object in place at offsets (local files) stream every
         # chunk straight into its pack: nothing is held, packs reach pack_bytes.
         self._streaming = base.capabilities.stream_writes
-        self._writers: list[Any] = []
+        self._writers: list[Any] = []  # open packs: the current one last
+        self._writing: dict[int, int] = {}  # id(writer) -> writes in flight
+        self._closing: dict[asyncio.Task[None], Any] = {}  # sealed packs being completed
         self._opening: asyncio.Future[Any] | None = None
         self._size = 0
 
@@ -108,8 +112,10 @@ class PackWriter(Wrapped):
             try:
                 if self._writers:
                     self._seq += 1
+                    self._sealed(self._writers[-1])
                 w = await self.base.stream_writer(_pack_key(self.txid, self.process, self._seq))
                 self._writers.append(w)
+                self._writing[id(w)] = 0
                 self._size = 0
                 self.packs += 1
             finally:
@@ -119,7 +125,22 @@ class PackWriter(Wrapped):
         self.refs[key] = [_pack_key(self.txid, self.process, self._seq), offset, n]
         self.crcs[key] = crc
         self.bytes += n
-        await w.write(views, offset)
+        self._writing[id(w)] += 1
+        try:
+            await w.write(views, offset)
+        finally:
+            self._writing[id(w)] -= 1
+            if not self._writers or w is not self._writers[-1]:
+                self._sealed(w)
+
+    def _sealed(self, w: Any) -> None:
+        """A pack that takes no new chunks is completed (S3: CompleteMultipartUpload) as
+        soon as its last write is in, in the background: a save's packs are not all
+        completed at its end, only the last one."""
+        if self._writing.get(id(w)) == 0 and w in self._writers:
+            self._writers.remove(w)
+            del self._writing[id(w)]
+            self._closing[asyncio.ensure_future(w.close())] = w
 
     def _seal(self) -> None:
         if not self._pending:
@@ -145,13 +166,19 @@ class PackWriter(Wrapped):
         while self._uploads:
             await self._wait_one()
         writers, self._writers = self._writers, []
-        await asyncio.gather(*(w.close() for w in writers))
+        self._closing.update((asyncio.ensure_future(w.close()), w) for w in writers)
+        closing, self._closing = self._closing, {}
+        for r in await asyncio.gather(*closing, return_exceptions=True):
+            if isinstance(r, BaseException):
+                raise r
 
     async def finish(self) -> dict[str, Any] | None:
         """Upload what is pending, then this process's chunk index; returns the commit
-        record's entry for it (None when this process wrote nothing: no index object)."""
-        await self.close()
+        record's entry for it (None when this process wrote nothing: no index object).
+        The index goes up while the last packs complete (it is data of an uncommitted
+        txid like them; the commit record, written after, is what makes both count)."""
         if not self.refs:
+            await self.close()
             return None
         doc = {
             "version": 1,
@@ -165,7 +192,7 @@ class PackWriter(Wrapped):
         }
         data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
         key = index_key(self.txid, self.process)
-        await self.base.put(key, [data])
+        await asyncio.gather(self.close(), self.base.put(key, [data]))
         return index_entry(self.txid, self.process, key, data)
 
     async def abort(self) -> None:
@@ -176,6 +203,11 @@ class PackWriter(Wrapped):
         await asyncio.gather(*self._uploads, return_exceptions=True)
         self._uploads = []
         writers, self._writers = self._writers, []
+        closing, self._closing = self._closing, {}
+        for t in closing:
+            t.cancel()
+        await asyncio.gather(*closing, return_exceptions=True)
+        writers += [w for t, w in closing.items() if t.cancelled() or t.exception()]
         await asyncio.gather(*(w.abort() for w in writers), return_exceptions=True)
 
     # -- reads and the rest go to the backend (Wrapped) ------------------------------

@@ -9,7 +9,8 @@ shares one retry policy:
   ``ifGenerationMatch=<generation>`` (412 = :class:`PreconditionFailed`); nothing is ever
   "renamed" by copy + delete;
 * ``put`` uploads objects of ``resumable_threshold`` bytes or more with a resumable upload,
-  which continues from the offset the server confirms after a failure;
+  which continues from the offset the server confirms after a failure; format-v2 packs
+  stream into a resumable upload of unknown size (``stream_writer``, ``quire_gcs._stream``);
 * ``get`` / ``get_into`` read byte ranges and stream into the caller's buffers;
 * 408, 429, 5xx, resets and timeouts are retried with jittered backoff up to a deadline;
   401/403 and a missing bucket fail at once.
@@ -132,7 +133,12 @@ class GCSBackend(ObjectStoreBackend):
     bucket_error, endpoint_error = GCSBucketNotFoundError, GCSEndpointError
     log = log
     capabilities = Capabilities(
-        atomic_create=True, atomic_replace=True, durable=True, rename=False, readinto=True
+        atomic_create=True,
+        atomic_replace=True,
+        durable=True,
+        rename=False,
+        readinto=True,
+        stream_writes=True,
     )
     secret_options = ("token", "secret", "password", "access_token", "client_secret")
     # gcsfs.core's class, not the package's default: quire makes its own requests, and the
@@ -339,35 +345,70 @@ class GCSBackend(ObjectStoreBackend):
         )
 
     async def put_large(self, key: str, views: builtins.list[memoryview], total: int) -> None:
-        async def start(_n: int) -> str:
-            _, headers, _ = await self._http(
-                "POST", self._upload_url(),
-                params={"uploadType": "resumable", "name": self.key(key)},
-                headers={"X-Upload-Content-Type": "application/octet-stream",
-                         "X-Upload-Content-Length": str(total)},
-            )  # fmt: skip
-            return str(headers["Location"])
+        session_url = await self.resumable_start(key, total)
+        try:
+            await self.resumable_send(session_url, key, views, 0, total, total)
+        except BaseException:
+            await self.resumable_cancel(session_url)
+            raise
 
-        session_url = await self.run("start resumable upload", key, start, missing="bucket")
+    # -- resumable uploads (``put_large`` and the streamed packs of quire_gcs._stream) ----
+    async def resumable_start(self, key: str, total: int | None) -> str:
+        """Open a resumable upload session for ``key`` (``total`` bytes, or None when the
+        size is known only at the end); its session URL."""
+
+        async def start(_n: int) -> str:
+            headers = {"X-Upload-Content-Type": "application/octet-stream"}
+            if total is not None:
+                headers["X-Upload-Content-Length"] = str(total)
+            _, got, _ = await self._http(
+                "POST", self._upload_url(),
+                params={"uploadType": "resumable", "name": self.key(key)}, headers=headers,
+            )  # fmt: skip
+            return str(got["Location"])
+
+        return await self.run("start resumable upload", key, start, missing="bucket")
+
+    async def resumable_send(
+        self,
+        session_url: str,
+        key: str,
+        views: builtins.list[memoryview],
+        start: int,
+        end: int,
+        total: int | None,
+    ) -> int | str:
+        """Send bytes ``[start, end)`` of the object (``views`` hold exactly them), in
+        chunks of ``resumable_chunksize``, each retried and resumed from the offset the
+        server confirms.  ``total`` is the object's size (None while unknown: then
+        ``end - start`` must be a multiple of 256 KiB).  Returns the offset the server
+        holds, or the object's generation once this completed it."""
+        size = "*" if total is None else str(total)
         budget = self.budget
-        offset = 0
+        offset = start
 
         async def confirmed() -> int | str:
             """The server's byte count (or the generation, when the upload is complete)."""
             try:
                 status, headers, body = await self._http(
-                    "PUT", session_url, headers={"Content-Range": f"bytes */{total}"},
+                    "PUT", session_url, headers={"Content-Range": f"bytes */{size}"},
                     ok=(200, 201, 308),
                 )  # fmt: skip
             except HTTPStatusError as e:
                 # Some servers drop a session once complete (GCS answers 200 instead): the
                 # object then exists, whole, under this key no one else writes (a txid's).
-                if e.status in (404, 410):
+                if e.status in (404, 410) and total is not None:
                     st = await self.stat(key)
                     if st is not None and st.size == total:
                         return st.version
                 raise
-            return _progress(status, headers, body)
+            got = _progress(status, headers, body)
+            if isinstance(got, int) and got < start:
+                raise self.error(
+                    f"{self.where(key)}: resumable upload lost confirmed bytes "
+                    f"(the server holds {got}, {start} were confirmed); save again"
+                )
+            return got
 
         async def send(n: int) -> int | str:
             """Send the chunk at the confirmed offset: the new offset, or the generation."""
@@ -377,13 +418,14 @@ class GCSBackend(ObjectStoreBackend):
                 if isinstance(got, str):
                     return got
                 offset = got
-            end = min(offset + self.chunk_size, total)
-            async with budget.hold(end - offset):
+            stop = min(offset + self.chunk_size, end)
+            rng = f"bytes {offset}-{stop - 1}/{size}" if stop > offset else f"bytes */{size}"
+            async with budget.hold(stop - offset):
                 try:
                     status, headers, body = await self._http(
-                        "PUT", session_url,
-                        headers={"Content-Range": f"bytes {offset}-{end - 1}/{total}"},
-                        data=_join(byte_slice(views, offset, end)), ok=(200, 201, 308),
+                        "PUT", session_url, headers={"Content-Range": rng},
+                        data=_join(byte_slice(views, offset - start, stop - start)),
+                        ok=(200, 201, 308),
                     )  # fmt: skip
                 except HTTPStatusError as e:
                     # aiohttp repeats a PUT whose connection dropped; if the first copy
@@ -397,16 +439,24 @@ class GCSBackend(ObjectStoreBackend):
                     raise
             return _progress(status, headers, body)
 
-        try:
-            while True:
-                got = await self.run("resumable upload", key, send)
-                if isinstance(got, str):
-                    return
-                offset = got
-        except BaseException:
-            with contextlib.suppress(Exception):  # cancel the session; it would expire anyway
-                await self._http("DELETE", session_url, ok=(200, 204, 499))
-            raise
+        while True:
+            got = await self.run("resumable upload", key, send)
+            if isinstance(got, str):
+                return got
+            offset = got
+            if offset >= end and (total is None or end < total):
+                return offset
+
+    async def resumable_cancel(self, session_url: str) -> None:
+        """Cancel a session (it would expire anyway); errors are ignored."""
+        with contextlib.suppress(Exception):
+            await self._http("DELETE", session_url, ok=(200, 204, 499))
+
+    async def stream_writer(self, key: str) -> Any:
+        """A resumable upload fed by concurrent writes at offsets (``quire_gcs._stream``)."""
+        from quire_gcs._stream import ResumableStream
+
+        return ResumableStream(self, key, self.chunk_size)
 
     async def holds(self, key: str, data: bytes) -> str | None:
         st = await self.stat(key)

@@ -332,8 +332,7 @@ class S3Backend(ObjectStoreBackend):
         """A multipart upload fed by concurrent writes at offsets (``quire_s3._stream``)."""
         from quire_s3._stream import MultipartStream
 
-        mpu = await self._call("CreateMultipartUpload", "create_multipart_upload", key)
-        return MultipartStream(self, key, mpu["UploadId"], self.part_size)
+        return MultipartStream(self, key, self.part_size)
 
     async def put_large(self, key: str, views: builtins.list[memoryview], total: int) -> None:
         size = max(self.part_size, -(-total // MAX_PARTS))
@@ -350,25 +349,33 @@ class S3Backend(ObjectStoreBackend):
         try:
             parts = await self.upload_parts(views, total, size, part)
 
-            async def complete(n: int) -> None:
-                try:
-                    await self._request(
-                        "complete_multipart_upload", key,
-                        UploadId=upload_id, MultipartUpload={"Parts": parts},
-                    )  # fmt: skip
-                except ClientError as e:
-                    # An earlier attempt completed it and its reply was lost.
-                    if n and _code(e) == "NoSuchUpload":
-                        head = await self._head(key)
-                        if head is not None and int(head["ContentLength"]) == total:
-                            return
-                    raise
-
-            await self.run("CompleteMultipartUpload", key, complete)
+            await self.complete_upload(key, upload_id, parts, total)
         except BaseException:
             with contextlib.suppress(Exception):
                 await self._request("abort_multipart_upload", key, UploadId=upload_id)
             raise
+
+    async def complete_upload(
+        self, key: str, upload_id: str | None, parts: builtins.list[Any], total: int
+    ) -> None:
+        """``CompleteMultipartUpload``, retried; an attempt whose reply was lost may have
+        completed it: then the retry's ``NoSuchUpload`` is success if the object has
+        ``total`` bytes."""
+
+        async def complete(n: int) -> None:
+            try:
+                await self._request(
+                    "complete_multipart_upload", key,
+                    UploadId=upload_id, MultipartUpload={"Parts": parts},
+                )  # fmt: skip
+            except ClientError as e:
+                if n and _code(e) == "NoSuchUpload":
+                    head = await self._head(key)
+                    if head is not None and int(head["ContentLength"]) == total:
+                        return
+                raise
+
+        await self.run("CompleteMultipartUpload", key, complete)
 
     async def holds(self, key: str, data: bytes) -> str | None:
         # One GET gives the bytes and the ETag of the same version.
