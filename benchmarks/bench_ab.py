@@ -50,7 +50,31 @@ def extract(rev: str, dest: str) -> str:
     ).stdout
     with tarfile.open(fileobj=BytesIO(tar)) as t:
         t.extractall(dest, filter="data")
-    return os.path.join(dest, "core", "src")
+    src = os.path.join(dest, "core", "src")
+    _dist_info(rev, src)
+    return src
+
+
+def _dist_info(rev: str, src: str) -> None:
+    """Give the extracted source the entry points of its own ``core/pyproject.toml``.
+
+    quire finds its built-in backends, codecs and handlers through entry points; those of
+    the installed (current) quire may name modules the base revision does not have.  A
+    ``quire`` dist-info first on ``sys.path`` shadows the installed one, as
+    ``importlib.metadata`` keeps the first distribution of each name.
+    """
+    import tomllib
+
+    raw = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:core/pyproject.toml"],
+                         check=True, capture_output=True).stdout  # fmt: skip
+    project = tomllib.loads(raw.decode())["project"]
+    info = os.path.join(src, f"quire-{project.get('version', '0')}.dist-info")
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: quire\nVersion: {project.get('version', '0')}\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        for group, eps in project.get("entry-points", {}).items():
+            f.write(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n")
 
 
 def has_layout(src: str) -> bool:
