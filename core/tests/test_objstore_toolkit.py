@@ -214,3 +214,22 @@ def test_unresolvable_host_fails_at_once_and_secrets_are_redacted() -> None:
         _run(b.get("a"))
     assert time.monotonic() - t0 < 1 and len(store.faults) == 49  # one attempt only
     assert b.redact("key s3cr3t-value here") == "key *** here"
+
+
+def test_part_buffers_gather_writes_at_offsets_into_parts() -> None:
+    from quire.backends import PartBuffers
+
+    p = PartBuffers(4)
+    assert p.add([b"ab"], 6) == [] and p.tail() == (2, 0)  # bytes 6-7: half of part 1
+    assert p.add([b"cd", memoryview(b"ef")], 2) == [1]  # bytes 2-5 complete part 1
+    assert p.full(1) and not p.full(0)
+    assert p.add([b"xy"], 0) == [0] and p.full(0)  # bytes 0-1 complete part 0
+    assert bytes(p.take(0)) == b"xycd" and bytes(p.take(1)) == b"efab"
+    assert p.whole() and p.end == 8
+    q = PartBuffers(4)
+    q.add([b"0123", b"45"], 0)
+    assert q.tail() == (1, 2) and q.buffers.keys() == {0, 1} and not q.whole()
+    q.take(0)
+    assert q.whole() and bytes(q.buffers[1][:2]) == b"45"
+    q.add([b"7"], 7)
+    assert not q.whole()  # byte 6 never arrived: a hole

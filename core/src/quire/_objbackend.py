@@ -32,7 +32,7 @@ from quire._objstore import (
     strip_userinfo,
 )
 from quire._objwrites import UploadHelpers
-from quire.backends import Backend, Buffer, PreconditionFailed
+from quire.backends import Backend, Buffer, Capabilities, PreconditionFailed
 
 T = TypeVar("T")
 MiB = 1 << 20
@@ -82,6 +82,9 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
     """
 
     scheme: ClassVar[str] = "objstore"
+    #: What every object store gives (a subclass adds the conditional writes and streaming
+    #: it implements, e.g. ``dataclasses.replace(ObjectStoreBackend.capabilities, ...)``).
+    capabilities: ClassVar[Capabilities] = Capabilities(durable=True, readinto=True)
     log: ClassVar[logging.Logger] = logging.getLogger("quire.objstore")
     #: Option names (top level or in ``client_kwargs``) whose string values are secrets.
     secret_options: ClassVar[tuple[str, ...]] = ("key", "secret", "token", "password")

@@ -398,3 +398,96 @@ async def list_under(
         found = await lister(under, None)
     cut = len(root) + 1 if root else 0
     return sorted(k[cut:] for k in found)
+
+
+class PartBuffers:
+    """Bytes written at any offsets, gathered into parts of a fixed size: the bookkeeping
+    of a streamed upload (multipart, resumable) fed by concurrent writes at offsets, as
+    ``Backend.stream_writer`` objects are.
+
+    Parameters
+    ----------
+    size : int
+        Bytes per part (the last part of the object may be shorter).
+
+    Attributes
+    ----------
+    buffers : dict of int to bytearray
+        Parts being filled (and full ones the caller has not taken), by index from 0.
+    filled : dict of int to int
+        Bytes received so far for each part in ``buffers``.
+    end : int
+        One past the highest byte written: the object's size once every write is in.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.buffers: dict[int, bytearray] = {}
+        self.filled: dict[int, int] = {}
+        self.end = 0
+
+    def add(self, data: Sequence[Any], offset: int) -> list[int]:
+        """Copy ``data`` (buffers, in order) in at ``offset``.
+
+        Parameters
+        ----------
+        data : sequence of bytes-like
+            The bytes to write, back to back.
+        offset : int
+            Where the first byte goes in the object.
+
+        Returns
+        -------
+        list of int
+            The indexes of the parts this write completed.
+        """
+        done = []
+        for buf in data:
+            mv = memoryview(buf).cast("B")
+            while mv.nbytes:
+                i, at = divmod(offset, self.size)
+                part = self.buffers.get(i)
+                if part is None:
+                    part = self.buffers[i] = bytearray(self.size)
+                    self.filled[i] = 0
+                n = min(mv.nbytes, self.size - at)
+                part[at : at + n] = mv[:n]
+                self.filled[i] += n
+                if self.filled[i] == self.size:
+                    done.append(i)
+                mv, offset = mv[n:], offset + n
+        self.end = max(self.end, offset)
+        return done
+
+    def full(self, i: int) -> bool:
+        """Whether part ``i`` has every byte (and has not been taken).
+
+        Parameters
+        ----------
+        i : int
+            A part index.
+        """
+        return self.filled.get(i) == self.size
+
+    def take(self, i: int) -> bytearray:
+        """Remove part ``i`` and return its buffer.
+
+        Parameters
+        ----------
+        i : int
+            A part index.
+        """
+        self.filled.pop(i, None)
+        return self.buffers.pop(i)
+
+    def tail(self) -> tuple[int, int]:
+        """(index of the last part, its length when shorter than ``size``, else 0)."""
+        return divmod(self.end, self.size)
+
+    def whole(self) -> bool:
+        """Whether every byte below :attr:`end` not yet taken has arrived (no holes):
+        only the last part may be left, holding exactly its bytes."""
+        last, rest = self.tail()
+        if not rest:
+            return not self.buffers
+        return set(self.buffers) == {last} and self.filled.get(last) == rest

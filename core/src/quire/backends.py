@@ -20,7 +20,8 @@ Toolkit for backends over object stores (what quire-s3 and quire-gcs are built o
 :class:`ObjectStoreBackend` (retries with a deadline, fail-fast on unresolvable hosts,
 byte budget, credential redaction, part uploads, an error-mapping hook),
 :class:`RetryPolicy` / :func:`retrying` / :class:`RetriesExhausted`, :class:`ByteBudget`,
-and the buffer helpers :func:`byte_slice`, :func:`read_into` and :func:`gather_all`.
+and the buffer helpers :func:`byte_slice`, :func:`read_into`, :func:`gather_all` and
+:class:`PartBuffers`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "Capabilities",
     "ObjectInfo",
     "ObjectStoreBackend",
+    "PartBuffers",
     "PreconditionFailed",
     "RetriesExhausted",
     "RetryPolicy",
@@ -328,6 +330,7 @@ from quire._budget import ByteBudget  # noqa: E402
 from quire._objbackend import ObjectStoreBackend  # noqa: E402
 from quire._objstore import (  # noqa: E402
     ObjectInfo,
+    PartBuffers,
     RetriesExhausted,
     RetryPolicy,
     byte_slice,

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 from urllib.parse import quote, urlencode
 
@@ -34,7 +35,6 @@ import yarl
 
 from quire import errors
 from quire.backends import (
-    Capabilities,
     ObjectInfo,
     ObjectStoreBackend,
     byte_slice,
@@ -132,13 +132,10 @@ class GCSBackend(ObjectStoreBackend):
     error, permission_error = GCSError, GCSPermissionError
     bucket_error, endpoint_error = GCSBucketNotFoundError, GCSEndpointError
     log = log
-    capabilities = Capabilities(
-        atomic_create=True,
-        atomic_replace=True,
-        durable=True,
-        rename=False,
-        readinto=True,
-        stream_writes=True,
+    # Commits by conditional request (If-None-Match / If-Match, generation preconditions)
+    # and packs streamed as multipart / resumable uploads, over the object-store base's.
+    capabilities = replace(
+        ObjectStoreBackend.capabilities, atomic_create=True, atomic_replace=True, stream_writes=True
     )
     secret_options = ("token", "secret", "password", "access_token", "client_secret")
     # gcsfs.core's class, not the package's default: quire makes its own requests, and the

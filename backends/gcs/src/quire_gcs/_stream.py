@@ -22,7 +22,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from quire.backends import Buffer
+from quire.backends import Buffer, PartBuffers
 
 MAX_BUFFERED = 4
 
@@ -32,56 +32,39 @@ class ResumableStream:
         self.b = backend
         self.key = key
         self.chunk = chunk_size
-        self.buffers: dict[int, bytearray] = {}
-        self.filled: dict[int, int] = {}
-        self.end = 0
+        self.parts = PartBuffers(chunk_size)
         self.sent = 0  # buffers the server holds
         self.session: str | None = None
         self.sender: asyncio.Task[None] | None = None
         self.progress = asyncio.Event()
         self.error: BaseException | None = None
 
-    def _full(self, i: int) -> bool:
-        return self.filled.get(i) == self.chunk
-
     async def write(self, data: Sequence[Buffer], offset: int) -> None:
         if self.error is not None:
             raise self.error
-        for buf in data:
-            mv = memoryview(buf).cast("B")
-            while mv.nbytes:
-                i, at = divmod(offset, self.chunk)
-                part = self.buffers.get(i)
-                if part is None:
-                    part = self.buffers[i] = bytearray(self.chunk)
-                    self.filled[i] = 0
-                n = min(mv.nbytes, self.chunk - at)
-                part[at : at + n] = mv[:n]
-                self.filled[i] += n
-                mv, offset = mv[n:], offset + n
-        self.end = max(self.end, offset)
+        self.parts.add(data, offset)
         self._kick()
-        while self.error is None and sum(map(self._full, self.buffers)) > MAX_BUFFERED:
+        while self.error is None and sum(map(self.parts.full, self.parts.buffers)) > MAX_BUFFERED:
             self.progress.clear()
             await self.progress.wait()
         if self.error is not None:
             raise self.error
 
     def _kick(self) -> None:
-        if self._full(self.sent) and (self.sender is None or self.sender.done()):
+        if self.parts.full(self.sent) and (self.sender is None or self.sender.done()):
             self.sender = asyncio.ensure_future(self._send_ready())
 
     async def _send_ready(self) -> None:
         try:
-            while self._full(self.sent):
+            while self.parts.full(self.sent):
                 if self.session is None:
                     self.session = await self.b.resumable_start(self.key, None)
                 start = self.sent * self.chunk
-                body = self.buffers[self.sent]
+                body = self.parts.buffers[self.sent]
                 await self.b.resumable_send(
                     self.session, self.key, [memoryview(body)], start, start + self.chunk, None
                 )
-                del self.buffers[self.sent], self.filled[self.sent]
+                self.parts.take(self.sent)
                 self.sent += 1
                 self.progress.set()
         except BaseException as e:
@@ -95,28 +78,24 @@ class ResumableStream:
         if self.error is not None:
             await self.abort()
             raise self.error
-        last, rest = divmod(self.end, self.chunk)
+        last, rest = self.parts.tail()
         # The sender stopped at the first buffer that is not full: that must be the last.
-        if (
-            self.sent != last
-            or len(self.buffers) != (1 if rest else 0)
-            or (rest and self.filled.get(last) != rest)
-        ):
+        if self.sent != last or not self.parts.whole():
             await self.abort()
             raise ValueError(f"{self.key}: streamed object has holes")
-        tail = [memoryview(self.buffers[last])[:rest]] if rest else []
+        tail = [memoryview(self.parts.buffers[last])[:rest]] if rest else []
         if self.session is None:  # never filled a buffer: one upload
             await self.b.put(self.key, tail)
         else:
             await self.b.resumable_send(
-                self.session, self.key, tail, last * self.chunk, self.end, self.end
+                self.session, self.key, tail, last * self.chunk, self.parts.end, self.parts.end
             )
-        self.buffers.clear()
+        self.parts.buffers.clear()
 
     async def abort(self) -> None:
         if self.sender is not None and not self.sender.done():
             self.sender.cancel()
             await asyncio.gather(self.sender, return_exceptions=True)
-        self.buffers.clear()
+        self.parts.buffers.clear()
         if self.session is not None:
             await self.b.resumable_cancel(self.session)

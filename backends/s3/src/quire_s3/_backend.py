@@ -25,6 +25,7 @@ import builtins
 import contextlib
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -41,7 +42,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.parsers import ResponseParserError
 
 from quire import errors
-from quire.backends import Capabilities, ObjectInfo, ObjectStoreBackend, gather_all, read_into
+from quire.backends import ObjectInfo, ObjectStoreBackend, gather_all, read_into
 
 __all__ = [
     "S3Backend",
@@ -165,13 +166,10 @@ class S3Backend(ObjectStoreBackend):
     commit records are unique, so equal bytes are this writer's): then it succeeds.
     """
 
-    capabilities = Capabilities(
-        atomic_create=True,
-        atomic_replace=True,
-        durable=True,
-        rename=False,
-        readinto=True,
-        stream_writes=True,
+    # Commits by conditional request (If-None-Match / If-Match, generation preconditions)
+    # and packs streamed as multipart / resumable uploads, over the object-store base's.
+    capabilities = replace(
+        ObjectStoreBackend.capabilities, atomic_create=True, atomic_replace=True, stream_writes=True
     )
     scheme = "s3"
     log = log

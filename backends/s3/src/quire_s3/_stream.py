@@ -20,7 +20,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from quire.backends import Buffer
+from quire.backends import Buffer, PartBuffers
 
 MAX_INFLIGHT = 16
 
@@ -32,9 +32,7 @@ class MultipartStream:
         self.upload_id: str | None = None
         self._creating: asyncio.Future[str] | None = None
         self.part_size = part_size
-        self.buffers: dict[int, bytearray] = {}
-        self.filled: dict[int, int] = {}
-        self.end = 0
+        self.parts = PartBuffers(part_size)
         self.etags: dict[int, str] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.error: BaseException | None = None
@@ -42,29 +40,14 @@ class MultipartStream:
     async def write(self, data: Sequence[Buffer], offset: int) -> None:
         if self.error is not None:
             raise self.error
-        ready = []
-        for buf in data:
-            mv = memoryview(buf).cast("B")
-            while mv.nbytes:
-                i, at = divmod(offset, self.part_size)
-                part = self.buffers.get(i)
-                if part is None:
-                    part = self.buffers[i] = bytearray(self.part_size)
-                    self.filled[i] = 0
-                n = min(mv.nbytes, self.part_size - at)
-                part[at : at + n] = mv[:n]
-                self.filled[i] += n
-                if self.filled[i] == self.part_size:
-                    ready.append(i)
-                mv, offset = mv[n:], offset + n
-        self.end = max(self.end, offset)
+        ready = self.parts.add(data, offset)
         for i in ready:
             while len(self.tasks) >= MAX_INFLIGHT:
                 await asyncio.wait(self.tasks, return_when=asyncio.FIRST_COMPLETED)
             # Parts in flight are held in the backend's upload budget, as put's are: a
             # writer waits here while the budget is spent.
             await self.b.budget.acquire(self.part_size)
-            self._upload(i, self.buffers.pop(i), self.part_size)
+            self._upload(i, self.parts.take(i), self.part_size)
         if self.error is not None:
             raise self.error
 
@@ -98,28 +81,28 @@ class MultipartStream:
         task.add_done_callback(self.tasks.discard)
 
     async def close(self) -> None:
-        last, rest = divmod(self.end, self.part_size)
-        if rest and self.filled.get(last) != rest:
+        last, rest = self.parts.tail()
+        if rest and self.parts.filled.get(last) != rest:
             raise ValueError(f"{self.key}: streamed object has holes")
         if self._creating is None and not self.tasks and last == 0:
             # Never filled a part: one PutObject (nothing to abort on failure).
-            body = bytes(self.buffers.pop(0)[:rest]) if rest else b""
+            body = bytes(self.parts.take(0)[:rest]) if rest else b""
             await self.b._call("PutObject", "put_object", self.key, Body=body)
             return
         if rest:
-            self._upload(last, self.buffers.pop(last)[:rest])
+            self._upload(last, self.parts.take(last)[:rest])
         await asyncio.gather(*list(self.tasks), return_exceptions=True)
-        if self.error is not None or self.buffers:
+        if self.error is not None or self.parts.buffers:
             await self.abort()
             raise self.error or ValueError(f"{self.key}: streamed object has holes")
         parts = [{"PartNumber": n, "ETag": t} for n, t in sorted(self.etags.items())]
-        await self.b.complete_upload(self.key, self.upload_id, parts, self.end)
+        await self.b.complete_upload(self.key, self.upload_id, parts, self.parts.end)
 
     async def abort(self) -> None:
         for t in list(self.tasks):
             t.cancel()
         await asyncio.gather(*list(self.tasks), return_exceptions=True)
-        self.buffers.clear()
+        self.parts.buffers.clear()
         if self._creating is None:
             return
         with contextlib.suppress(Exception):
