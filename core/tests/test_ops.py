@@ -57,6 +57,7 @@ def test_copy_quire_checkpoint_between_backends(tmp_path: Path) -> None:
         events: list[quire.progress.ProgressEvent] = []
         res = quire.copy(src, tmp_path / "dst", progress=events.append)
         assert res.dst.endswith("dst") and res.verified > 0 and res.chunks >= 2
+        assert res.format == "quire" and (res.arrays, res.nbytes) == (2, 4096 * 4 + 14)
         got = quire.load(tmp_path / "dst")
         assert np.array_equal(got["w"], _tree()["w"]) and got["step"] == 3
         assert events and events[-1].operation == "cp" and events[-1].finished
@@ -77,6 +78,7 @@ def test_copy_converts_a_safetensors_file(tmp_path: Path) -> None:
     st.save_file(tensors, str(tmp_path / "m.safetensors"))
     res = quire.copy(tmp_path / "m.safetensors", tmp_path / "q")
     assert res.verified > 0 and res.chunks == 2 and res.bytes == 12 * 4 + 4 * 8
+    assert res.format == "safetensors" and (res.arrays, res.nbytes) == (2, 12 * 4 + 4 * 8)
     got = quire.load(tmp_path / "q")
     assert np.array_equal(got["model"]["w"], tensors["model.w"])
     assert np.array_equal(got["model"]["b"], tensors["model.b"])

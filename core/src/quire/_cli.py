@@ -165,23 +165,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- cp
 def cmd_cp(args: argparse.Namespace) -> int:
-    import quire
-    from quire import _describe, _ops
-    from quire._convert import cp_from_source, side_options
+    from quire import _ops
+    from quire._convert import side_options
 
     sides = side_options(args)  # a bad -o / --src-options is a usage error first
-    rc = cp_from_source(args)  # SRC in another format (safetensors, Orbax...): convert it
-    if rc is not None:
-        return rc
-    c = _describe.counts(quire.metadata(args.src, storage_options=sides[0]).tree)
     res = _ops.copy(args.src, args.dst, overwrite=args.overwrite, storage_options=sides[0],
                     dst_options=sides[1], progress=_progress_on(args) and not args.quiet)  # fmt: skip
     if not args.quiet:
-        print(
-            f"copied {res.src} -> {res.dst}: {_summary(c)} verified "
-            f"(stored as {res.objects} objects, {_human(res.bytes)} written) "
-            f"in {res.seconds:.1f}s"
-        )
+        if res.format == "quire":  # copied object by object
+            what = f"copied {res.src} -> {res.dst}"
+            how = f"(stored as {res.objects} objects, {_human(res.bytes)} written) "
+        else:  # SRC in another format (safetensors, Orbax...): converted
+            what, how = f"converted {res.format} {res.src} -> {res.dst}", ""
+        print(f"{what}: {_summary(res)} verified {how}in {res.seconds:.1f}s")
     return EXIT_OK
 
 

@@ -1,7 +1,5 @@
-"""``quire cp`` from any source, and ``quire export``: the CLI side of sources.
-
-``_cli`` calls :func:`cp_from_source` first (it returns None when SRC is a quire checkpoint,
-which the byte-level copier handles) and :func:`add_export_parser` to add ``export``.
+"""Writing any source as a quire checkpoint (:func:`convert`, behind ``quire.copy`` and
+``quire cp``), and ``quire export``: the CLI side of sources (:func:`add_export_parser`).
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from quire._tasks import gather_cancelling
 from quire.handlers import SaveEntry
 from quire.sources import Source
 
-__all__ = ["add_export_parser", "convert", "cp_from_source"]
+__all__ = ["add_export_parser", "convert", "side_options"]
 
 
 def _placeholders(node: Any, lazy: dict[int, LazyValue]) -> Any:
@@ -179,38 +177,6 @@ def side_options(args: argparse.Namespace) -> tuple[dict[str, Any] | None, dict[
         one_side(so, args.dst_options, "--dst-options") or None,
     ]
     return out[0], out[1]
-
-
-def cp_from_source(args: argparse.Namespace) -> int | None:
-    """``quire cp SRC DST`` when SRC is not a quire checkpoint; None when it is one."""
-    from quire._cli import _progress_on
-    from quire._quire_source import QuireSource
-    from quire._url import normalize
-    from quire.sources import open as open_source
-
-    src_opts, dst_opts = side_options(args)
-    if QuireSource.detect(normalize(args.src), dict(src_opts or {})):
-        return None  # a quire checkpoint: copied object by object, verified
-    t0 = time.perf_counter()
-    with open_source(args.src, **(src_opts or {})) as src:
-        convert(
-            src,
-            args.dst,
-            overwrite=args.overwrite,
-            dst_options=dst_opts,
-            progress=_progress_on(args) and not args.quiet,
-        )
-    if not args.quiet:
-        from quire import _describe
-        from quire._api import metadata
-        from quire._cli import _summary
-
-        c = _describe.counts(metadata(args.dst, storage_options=dst_opts).tree)
-        print(
-            f"converted {src.format} {src.url} -> {args.dst}: {_summary(c)} verified "
-            f"in {time.perf_counter() - t0:.1f}s"
-        )
-    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -55,6 +55,10 @@ class CopyResult:
         How long the copy took.
     chunks : int
         Array chunks copied.
+    arrays, nbytes : int
+        Array leaves and their bytes, as the record describes them (0 when not counted).
+    format : str
+        The source's format (``"quire"``, or the source plugin's name for a conversion).
     """
 
     src: str
@@ -64,6 +68,9 @@ class CopyResult:
     verified: int
     seconds: float
     chunks: int = 0
+    arrays: int = 0
+    nbytes: int = 0
+    format: str = "quire"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from quire import _describe, _progress
@@ -134,7 +134,8 @@ def copy(
     -------
     CopyResult
         ``src``, ``dst``, ``objects`` and ``bytes`` written, ``verified`` objects, the
-        array ``chunks`` and ``seconds``.
+        array ``chunks``, ``arrays`` and ``nbytes``, ``seconds`` and the source's
+        ``format``.
 
     Raises
     ------
@@ -147,16 +148,19 @@ def copy(
     from quire._convert import convert
     from quire._copy import copy_checkpoint
     from quire._quire_source import QuireSource
+    from quire.sources import open as open_source
 
     s, d = normalize(src), normalize(dst)
     so = storage_options
     do = dst_options if dst_options is not None else storage_options
     t0 = time.perf_counter()
     if not QuireSource.detect(s, dict(so or {})):
-        nbytes, checked = convert(s, d, overwrite=overwrite, storage_options=so,
-                                  dst_options=do, progress=progress)  # fmt: skip
+        with open_source(s, **(so or {})) as source:
+            nbytes, checked = convert(source, d, overwrite=overwrite, dst_options=do,
+                                      progress=progress)  # fmt: skip
         c = _describe.counts(metadata(d, storage_options=do).tree)
-        return CopyResult(s, d, checked, nbytes, checked, time.perf_counter() - t0, c.chunks)
+        return CopyResult(s, d, checked, nbytes, checked, time.perf_counter() - t0, c.chunks,
+                          c.arrays, c.nbytes, source.format)  # fmt: skip
     c = _describe.counts(metadata(s, storage_options=so).tree)
     with _progress.reporting(progress, "cp", s, objects_total=c.chunks,
                              objects_name="chunks") as rep:  # fmt: skip
@@ -168,5 +172,6 @@ def copy(
                 rep.advance(nbytes - last[0], chunks - last[1])
                 last[:] = [nbytes, chunks]
 
-        return submit(copy_checkpoint(s, d, overwrite=overwrite, src_options=so,
-                                      dst_options=do, progress=step)).result()  # fmt: skip
+        res = submit(copy_checkpoint(s, d, overwrite=overwrite, src_options=so,
+                                     dst_options=do, progress=step)).result()  # fmt: skip
+    return replace(res, arrays=c.arrays, nbytes=c.nbytes)
