@@ -545,3 +545,51 @@ def test_partial_load_after_finalize_killed_before_journal_removal_sees_committe
     assert set(partial.load(url, version=2)) == {"a"}
     with pytest.raises(quire.errors.CheckpointNotFoundError, match="finalized"):
         partial.load(url, version=1)
+
+
+@pytest.mark.parametrize("layout", ["packed", "chunks"])
+def test_finalize_cleanup_lists_a_packed_txid_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    """Leaves replaced inside a txid that stays live (its pack is more than half live, so
+    finalize keeps it): v1 deletes each dead location's
+    prefix; v2 (whose chunks are in packs) lists the txid once instead of once per leaf."""
+    from quire import _journal
+
+    calls: list[tuple[str, str]] = []
+
+    def counting(url: str, options: Any = None) -> Any:
+        b = open_backend(url, options)
+        for name in ("list", "delete_prefix"):
+            real = getattr(b, name)
+
+            async def hook(prefix: str = "", _real: Any = real, _name: str = name) -> Any:
+                calls.append((_name, prefix))
+                return await _real(prefix)
+
+            setattr(b, name, hook)
+        return b
+
+    url = str(tmp_path / "c")
+    with quire.Context(layout=layout):
+        partial.save(url, {f"l{i}": np.full(64, i, np.float32) for i in range(6)})
+        partial.save(url, {f"l{i}": np.full(64, 10 + i, np.float32) for i in range(2)})
+        monkeypatch.setattr(_journal, "open_backend", counting)
+        partial.finalize(url)
+    got = quire.load(url)
+    assert {k: int(v[0]) for k, v in got.items()} == {
+        f"l{i}": 10 + i if i < 2 else i for i in range(6)
+    }
+    dropped = [p for n, p in calls if n == "delete_prefix" and p.count("/") > 1]
+    listed = [p for n, p in calls if n == "list" and p.startswith("d/")]
+    if layout == "packed":
+        assert dropped == [] and len(listed) == 1, calls
+    else:
+        assert len(dropped) == 2, calls
+    assert main_verify(url) == 0
+
+
+def main_verify(url: str) -> int:
+    from quire._cli import main
+
+    return main(["verify", url])

@@ -32,6 +32,7 @@ from typing import Any
 from quire import _commit, _engine, _format, _packrewrite, _schema
 from quire._config import current
 from quire._journal_replay import (
+    drop_dead,
     find,
     leaf_paths,
     locations,
@@ -440,13 +441,7 @@ async def _cleanup(
     # Highest version first, so an interrupted cleanup never leaves a gap below a record.
     for r in reversed(records):
         await backend.delete([record_key(r["journal_version"])])
-    sem = asyncio.Semaphore(16)
-
-    async def drop(prefix: str) -> None:
-        async with sem:
-            await backend.delete_prefix(prefix)
-
-    await asyncio.gather(*(drop(f"d/{t}") for t in dead), *(drop(loc) for loc in dead_locs))
+    await drop_dead(backend, records, dead, dead_locs)
     _forget(url)
 
 

@@ -1,16 +1,19 @@
 """Replaying the partial-save journal: version N's tree is the merge of records 1..N.
 
 Fragments merge into the state (dicts by key, lists by index, the later version wins),
-then deletions apply.  Pure functions over tree JSON (see :mod:`quire._journal`).
+then deletions apply.  Pure functions over tree JSON (see :mod:`quire._journal`), plus
+:func:`drop_dead`, which deletes the data a finalize or discard left unreferenced.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from quire._tree import KeyPath, from_json
+from quire.backends import Backend
 
 
 def merge(base: dict[str, Any] | None, frag: dict[str, Any]) -> dict[str, Any]:
@@ -108,3 +111,38 @@ def locations(tree: dict[str, Any] | None) -> set[str]:
 
 def txids_of(tree: dict[str, Any] | None) -> set[str]:
     return {loc.split("/")[1] for loc in locations(tree)}
+
+
+async def drop_dead(
+    backend: Backend, records: Sequence[dict[str, Any]], dead: set[str], dead_locs: set[str]
+) -> None:
+    """Delete the data of the ``dead`` txids and of the leaf locations ``dead_locs``.
+
+    Format v2 keeps a packed txid's chunks in its packs, so its dead leaf locations
+    usually hold nothing: one listing per such txid finds what is there, instead of one
+    listing per dead location.  Dead bytes inside packs are the finalize rewrite's job.
+    """
+    sem = asyncio.Semaphore(16)
+    packed = {e.get("txid") for r in records for e in r.get("indexes") or []}
+    listed: dict[str, set[str]] = {}
+    for loc in dead_locs:
+        if loc.split("/")[1] in packed:
+            listed.setdefault(loc.split("/")[1], set()).add(loc)
+    one_by_one = dead_locs - {loc for locs in listed.values() for loc in locs}
+
+    async def drop(prefix: str) -> None:
+        async with sem:
+            await backend.delete_prefix(prefix)
+
+    async def drop_listed(txid: str, locs: set[str]) -> None:
+        async with sem:
+            keys = await backend.list(f"d/{txid}/")
+        doomed = [k for k in keys if any(k.startswith(loc + "/") for loc in locs)]
+        if doomed:
+            await backend.delete(doomed)
+
+    await asyncio.gather(
+        *(drop(f"d/{t}") for t in dead),
+        *(drop(loc) for loc in one_by_one),
+        *(drop_listed(t, locs) for t, locs in listed.items()),
+    )
