@@ -156,7 +156,7 @@ def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Re
             not key.startswith(prefix)
             or not is_safe_location(key)
             or not isinstance(bind, str)
-            or (trailer and (crc is not None or "/c/" not in key or isinstance(v, str)))
+            or (trailer and (crc is not None or key.endswith("/zarr.json") or isinstance(v, str)))
         ):  # one binding per key; a trailer only for a chunk in a pack
             raise ChunkError(f"chunk index {where}: bad entry for key {key[:200]!r}")
         if isinstance(v, str):
