@@ -43,11 +43,9 @@ from typing import Any
 
 from quire._chunkid import (
     FORMATS,
-    INDEX_FORMAT,  # noqa: F401
     TRAILER_FORMAT,
     Ref,
     check_read,
-    chunk_crc,  # noqa: F401
     crc_hex,
 )
 from quire._paths import is_safe_location
