@@ -16,9 +16,20 @@ it, one of two ways:
   inline objects, a third-party handler's objects.  It is not crc32c on purpose: over a
   message followed by its own crc32c, crc32c is one constant (the CRC residue).
 
-Paths that copy chunk bytes without decoding them through a crc32c-checking chain (``cp``,
-a finalize's pack rewrite) use :func:`check_stored`: for a trailer-bound key the crc32c of
-the message, compared with the trailer and the index (one pass, as for CRC-32).
+Where the crc32c of a trailer-bound chunk read through the index is checked (a new reader
+of array chunks must decode them through ``quire._zarr`` or call :func:`check_stored`):
+
+* loads, by every array handler (numpy, jax, prng_key; quire-torch through numpy), whole
+  or resharded, and ``quire.open`` regions: ``_zarr.read_region`` -> ``_read_raw_into``
+  (raw chunks read into place) or ``_decode_one`` (compressed chunks, partial chunks);
+* ``quire verify``: ``handlers.check_objects`` runs ``_zarr.chunk_checker`` on each chunk;
+* ``quire cp`` (packs copied as objects) and a finalize's pack rewrite, which need not
+  decode: :func:`check_stored`, the crc32c of the message against the trailer and the
+  index, one pass as for a CRC-32 (then ``chunk_checker``, as before).
+
+``PackedReader`` (``quire._chunkindex``) compares the trailer (:func:`check_read`) on every
+whole-object read; the tests in ``core/tests/test_chunkid.py`` forge a chunk whose trailer
+still matches and check that each of these paths refuses it.
 """
 
 from __future__ import annotations
