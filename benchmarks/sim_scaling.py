@@ -116,19 +116,21 @@ async def simulate(name: str, hosts: int, devices: int, local: bool) -> dict[str
     for p in range(lay["writers"]):
         be = StreamingBackend(store) if local else CountingBackend(store)
         w = _pack.PackWriter(be, txid, p, current().pack_bytes, budget)  # type: ignore[arg-type]
-        # the chunk's bytes + its crc32c, as views of one shared buffer (nothing allocated)
+        # the chunk's bytes + its crc32c, as views of one shared buffer (nothing allocated);
+        # bound in the index by that trailer, as quire's array writer binds plain chunks
         whole, rest = divmod(chunk + 4, zero.nbytes)
         views = [zero] * whole + ([zero[:rest]] if rest else [])
         for a in range(lay["large"]):
             for s in range(shards_per_writer):
                 c = p * shards_per_writer + s
-                await w.put(f"d/{txid}/pytree/layers/w{a:04d}/c/{c}/0", views)
+                await w.put_bound(f"d/{txid}/pytree/layers/w{a:04d}/c/{c}/0", views, trailer=True)
         if p == 0:
             for a in range(lay["large"] + lay["small"]):
                 meta = json.dumps({"zarr_format": 3, "node_type": "array", "pad": "x" * 300})
                 await w.put(f"d/{txid}/pytree/layers/w{a:04d}/zarr.json", [meta.encode()])
             for a in range(lay["small"]):
-                await w.put(f"d/{txid}/pytree/small/s{a:04d}/c/0", [memoryview(bytearray(4096))])
+                small = [memoryview(bytearray(4096))]
+                await w.put_bound(f"d/{txid}/pytree/small/s{a:04d}/c/0", small, trailer=True)
         entry = await w.finish()
         assert entry is not None
         data = await store.get(entry["object"])

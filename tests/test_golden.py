@@ -1,5 +1,6 @@
 """Checkpoints written by format versions 1 and 2 must load forever (golden files, never
-regenerated)."""
+regenerated).  Version 2 comes in both chunk-index forms: ``v2`` (index format 2, a CRC-32
+for every key) and ``v2-index3`` (format 3: plain chunks bound by their crc32c trailer)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,24 @@ def same(a: Any, b: Any) -> None:
         assert type(a) is type(b) and a == b
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
+def index_formats(path: str) -> set[int]:
+    """The chunk-index formats of a golden checkpoint or journal (empty for version 1)."""
+    import glob
+    import json
+
+    out = set()
+    for f in glob.glob(os.path.join(path, "d", "*", "%packs", "*.index.json")):
+        with open(f) as fh:
+            meta = json.load(fh)["quire"]
+        assert ("crc32c" in meta) == (meta["format"] == 3)
+        out.add(meta["format"])
+    return out
+
+
+FORMS = {"v1": set(), "v2": {2}, "v2-index3": {3}}
+
+
+@pytest.mark.parametrize("version", sorted(FORMS))
 @pytest.mark.parametrize("name", ["plain", "compressed"])
 def test_golden_loads(name: str, version: str) -> None:
     path = os.path.join(HERE, version, name)
@@ -45,6 +63,7 @@ def test_golden_loads(name: str, version: str) -> None:
         f"golden checkpoint {path} is missing; it is committed with the repository and must "
         "never be regenerated silently (tests/golden/make_golden.py writes it once per format)"
     )
+    assert index_formats(path) == FORMS[version]
     with unsigned_ok(path):
         got = quire.load(path)
         want = expected()
@@ -79,10 +98,11 @@ def unsigned_ok(path: str) -> Any:
     return contextlib.nullcontext()
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", sorted(FORMS))
 def test_golden_journal(version: str) -> None:
     path = os.path.join(HERE, version, "journal")
     assert os.path.isdir(os.path.join(path, "journal")), f"golden journal {path} is missing"
+    assert index_formats(path) == FORMS[version]
     import json
 
     with open(os.path.join(path, "journal", "0000000001.json")) as f:
@@ -97,13 +117,15 @@ def test_golden_journal(version: str) -> None:
         assert [v.version for v in quire.partial.versions(path)] == [1, 2]
 
 
-def test_golden_v2_rewritten_journal() -> None:
+@pytest.mark.parametrize("version", ["v2", "v2-index3"])
+def test_golden_v2_rewritten_journal(version: str) -> None:
     """A journal finalized with a pack rewrite (docs/format.md, "Partial saves"): a chunk
     copied into the rewrite's pack, another read in place from a kept pack of version 1
     through the rewrite's index."""
     from make_golden import rewritten_expected
 
-    path = os.path.join(HERE, "v2", "rewritten")
+    path = os.path.join(HERE, version, "rewritten")
+    assert index_formats(path) == FORMS[version]
     assert os.path.isfile(os.path.join(path, "quire.json")), f"golden checkpoint {path} is missing"
     import json
 

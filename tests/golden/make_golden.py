@@ -3,6 +3,11 @@
     .venv/bin/python tests/golden/make_golden.py            # format v1 (layout="chunks")
     .venv/bin/python tests/golden/make_golden.py --v2       # format v2 (packed)
     .venv/bin/python tests/golden/make_golden.py --v2-rewritten   # v2/rewritten only
+    .venv/bin/python tests/golden/make_golden.py --v2-index3      # v2 with chunk index format 3
+
+``v2`` holds chunk indexes of format 2 (a CRC-32 for every key), written before the crc32c
+trailer binding; ``v2-index3`` the same checkpoints (and the rewritten journal) with format-3
+indexes (``quire.crc32c`` for plain array chunks, docs/format.md).
 
 The files are committed; tests/test_golden.py loads them and fails if any is missing —
 it never regenerates them.  Values are deterministic so the test can rebuild them.
@@ -46,15 +51,16 @@ def rewritten_expected() -> dict[str, object]:
     }
 
 
-def rewritten() -> None:
-    """``v2/rewritten``: a journal finalized with a pack rewrite.  Version 1 writes [a | a2]
-    and [z] (pack_bytes=5000); version 2 replaces a, so the first pack is 24 of 2,028 bytes
-    live: finalize copies a2 into a new pack and points at z's pack, kept, in place."""
+def rewritten(version: str = "v2") -> None:
+    """``<version>/rewritten``: a journal finalized with a pack rewrite.  Version 1 writes
+    [a | a2] and [z] (pack_bytes=5000); version 2 replaces a, so the first pack is 24 of
+    2,028 bytes live: finalize copies a2 into a new pack and points at z's pack, kept, in
+    place."""
     import json
 
     import quire
 
-    out = os.path.join(HERE, "v2", "rewritten")
+    out = os.path.join(HERE, version, "rewritten")
     if os.path.exists(out) and "--force" not in sys.argv:
         sys.exit(f"{out} exists; pass --force to rewrite it")
     shutil.rmtree(out, ignore_errors=True)
@@ -83,8 +89,8 @@ def main() -> None:
 
     import quire
 
-    version = "v2" if "--v2" in sys.argv else "v1"
-    layout = "packed" if version == "v2" else "chunks"
+    version = "v2-index3" if "--v2-index3" in sys.argv else "v2" if "--v2" in sys.argv else "v1"
+    layout = "chunks" if version == "v1" else "packed"
     out = os.path.join(HERE, version)
     if os.path.exists(out) and "--force" not in sys.argv:
         sys.exit(f"{out} exists; pass --force to rewrite the golden files of format {version}")
@@ -110,6 +116,8 @@ def main() -> None:
     for i in range(2):
         quire.partial.save(os.path.join(out, "journal"), {f"part{i}": np.full(3, i, np.int32)})
     print("wrote", out)
+    if version == "v2-index3":
+        rewritten(version)
 
 
 if __name__ == "__main__":

@@ -215,11 +215,11 @@ def _install_packed() -> None:
     from quire._chunkindex import PackedReader
     from quire._pack import PackWriter
 
-    put, get, get_into = PackWriter.put, PackedReader.get, PackedReader.get_into
+    put, get, get_into = PackWriter.put_bound, PackedReader.get, PackedReader.get_into
 
-    async def _put(self: Any, key: str, data: Any) -> None:
+    async def _put(self: Any, key: str, data: Any, **how: Any) -> None:
         IO.wrote(_root_of(self.base), key)
-        await put(self, key, data)
+        await put(self, key, data, **how)
 
     async def _get(self: Any, key: str, start: int | None = None, end: int | None = None) -> bytes:
         out: bytes = await get(self, key, start, end)
@@ -233,7 +233,7 @@ def _install_packed() -> None:
             IO.read(_root_of(self.base), key, n)
         return n
 
-    PackWriter.put = _put  # type: ignore[method-assign]
+    PackWriter.put_bound = _put  # type: ignore[method-assign]  # every put goes through it
     PackedReader.get, PackedReader.get_into = _get, _get_into  # type: ignore[method-assign]
 
 

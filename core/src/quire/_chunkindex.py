@@ -6,20 +6,26 @@ Each process that saves writes, next to its pack objects, one **chunk index** ob
     {"version": 1,
      "refs": {"<zarr key>": ["d/<txid>/%packs/p<process>-<seq>", offset, length]
                             | "<inline UTF-8 text>"},
-     "quire": {"format": 2, "txid": "<txid>", "process": <int>,
-               "crc32": {"<zarr key>": "<8 hex digits>"}}}
+     "quire": {"format": 3, "txid": "<txid>", "process": <int>,
+               "crc32": {"<zarr key>": "<8 hex digits>"},
+               "crc32c": {"<zarr key>": "<8 hex digits>"}}}
 
 Zarr keys are relative to the checkpoint root (``d/<txid>/pytree/params/w/c/0/1``,
 ``.../zarr.json``); targets are relative too, so a copied checkpoint needs no rewrite and
 ``fsspec.filesystem("reference", fo=index, remote_protocol="dir",
 remote_options={"path": <checkpoint root>, ...})`` serves it to zarr with no quire code.
 
-``quire.crc32`` binds every chunk to its identity: the CRC-32 (zlib's polynomial) of the
-exact stored bytes under its key, in an index whose size and crc32c are in the commit
-record.  It is deliberately not crc32c: a chunk ends with its own crc32c, and a crc32c
-over a message followed by its crc32c is the same constant for every message (the CRC
-residue), which would make every valid chunk match every index entry.  A chunk swapped with another (of the same array or of
-another array), moved to another offset, or copied in from another checkpoint fails it.
+Every key is in exactly one of two maps that bind it to its stored bytes, in an index
+whose size and crc32c are in the commit record (``quire._chunkid``): ``quire.crc32c`` holds
+the crc32c trailer of a chunk whose codec chain ends with ``crc32c`` (compared with the
+chunk's last 4 bytes; the decoder's crc32c check binds the rest, so identity costs no
+pass of its own), ``quire.crc32`` the CRC-32 (zlib's polynomial) of the exact bytes of
+every other key (zarr shards, chunks without a crc32c, ``zarr.json``).  A chunk swapped
+with another (of the same array or of another array), moved to another offset, or copied
+in from another checkpoint fails it.  Index format 2 has ``quire.crc32`` only (what quire
+wrote before the trailer binding; still read); format 3 adds ``quire.crc32c`` and is
+written when some key is trailer-bound (an older quire refuses it as an unknown index
+version).
 
 The commit record names the index objects (``"indexes"``: txid, process, object, size,
 crc32c), never the chunks: a loader reads the index of its own process first and the
@@ -35,19 +41,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from quire._chunkid import (
+    FORMATS,
+    TRAILER_FORMAT,
+    Ref,
+    check_read,
+    crc_hex,
+)
 from quire._paths import is_safe_location
 from quire._wrapped import Wrapped
 from quire._zarr import ChunkError, crc32c
 from quire.backends import Backend
 from quire.errors import CorruptCheckpointError
 
-try:  # the same CRC-32 as zlib.crc32, several times faster (SIMD); zlib is the fallback
-    from zlib_ng.zlib_ng import crc32 as _crc32
-except ImportError:  # pragma: no cover - zlib-ng is a dependency; a platform without it
-    from zlib import crc32 as _crc32
-
 PACK_DIR = "%packs"  # never produced by key escaping ('%' is always followed by two hex digits)
-INDEX_FORMAT = 2
 MAX_INDEX_BYTES = 1 << 31
 
 
@@ -71,21 +78,6 @@ def is_pack_key(key: object) -> bool:
 
 def index_key(txid: str, process: int) -> str:
     return f"{pack_dir(txid)}/p{process:05d}.index.json"
-
-
-def crc_hex(value: int) -> str:
-    return f"{value:08x}"
-
-
-@dataclass(frozen=True)
-class Ref:
-    """Where one zarr key's bytes are: a range of a pack, or inline bytes."""
-
-    target: str | None
-    offset: int
-    length: int
-    crc: str
-    inline: bytes | None = None
 
 
 def index_entry(txid: str, process: int, key: str, data: bytes) -> dict[str, Any]:
@@ -136,23 +128,37 @@ def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Re
     try:
         doc = json.loads(data)
         refs, meta = doc["refs"], doc["quire"]
+        fmt = meta.get("format")
+        if doc.get("version") != 1 or fmt not in FORMATS:
+            raise ValueError(
+                f"unknown index version {fmt!r}: this quire reads index formats "
+                f"{', '.join(map(str, FORMATS))}; upgrade quire to read it"
+            )
         crcs = meta["crc32"]
-        if doc.get("version") != 1 or meta.get("format") != INDEX_FORMAT:
-            raise ValueError("unknown index version")
+        trailers = meta["crc32c"] if fmt == TRAILER_FORMAT else {}
+        if fmt != TRAILER_FORMAT and "crc32c" in meta:
+            raise ValueError(f"'crc32c' in an index of format {fmt}")
         if meta.get("txid") != entry["txid"] or meta.get("process") != entry["process"]:
             raise ValueError("index of another save or process")
-        if not isinstance(refs, dict) or not isinstance(crcs, dict):
+        if not all(isinstance(x, dict) for x in (refs, crcs, trailers)):
             raise TypeError("refs")
     except (ValueError, TypeError, KeyError) as e:
         raise ChunkError(f"chunk index {where} is malformed ({e!r})") from e
     prefix = f"d/{entry['txid']}/"
     out: dict[str, Ref] = {}
     for key, v in refs.items():
-        crc = crcs.get(key)
-        if not key.startswith(prefix) or not is_safe_location(key) or not isinstance(crc, str):
+        crc, tcrc = crcs.get(key), trailers.get(key)
+        trailer = tcrc is not None
+        bind = tcrc if trailer else crc
+        if (
+            not key.startswith(prefix)
+            or not is_safe_location(key)
+            or not isinstance(bind, str)
+            or (trailer and (crc is not None or key.endswith("/zarr.json") or isinstance(v, str)))
+        ):  # one binding per key; a trailer only for a chunk in a pack
             raise ChunkError(f"chunk index {where}: bad entry for key {key[:200]!r}")
         if isinstance(v, str):
-            out[key] = Ref(None, 0, len(v.encode()), crc, v.encode())
+            out[key] = Ref(None, 0, len(v.encode()), bind, v.encode())
             continue
         if (
             not isinstance(v, list)
@@ -161,7 +167,7 @@ def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Re
             or any(type(x) is not int or x < 0 for x in v[1:])
         ):
             raise ChunkError(f"chunk index {where}: bad reference {str(v)[:200]!r} for {key!r}")
-        out[key] = Ref(v[0], v[1], v[2], crc)
+        out[key] = Ref(v[0], v[1], v[2], bind, trailer=trailer)
     return out
 
 
@@ -232,35 +238,17 @@ class ChunkIndex:
         return out
 
 
-def chunk_crc(views: Sequence[memoryview], n: int | None = None) -> int:
-    """CRC-32 (zlib) of the first ``n`` bytes of ``views`` (all when None)."""
-    crc = 0
-    left = sum(v.nbytes for v in views) if n is None else n
-    for v in views:
-        if left <= 0:
-            break
-        part = v.cast("B")[: min(left, v.nbytes)]
-        crc = _crc32(part, crc)
-        left -= part.nbytes
-    return crc
-
-
 async def _check_async(ref: Ref, key: str, views: Sequence[memoryview], n: int) -> None:
-    if n < (1 << 16):
-        _check(ref, key, views, n)
+    """The identity check of a whole object read through the index.  A trailer-bound
+    chunk is compared by its last 4 bytes: every reader of quire's array chunks decodes
+    them through their codec chain, whose crc32c check binds the rest (``_zarr``:
+    ``_read_raw_into``, ``_decode_one``, ``chunk_checker``)."""
+    if ref.trailer or n < (1 << 16):
+        check_read(ref, key, views, n)
     else:  # the CRC releases the GIL: checks of big chunks run in parallel, off the loop
         from quire._io import run_blocking
 
-        await run_blocking(_check, ref, key, views, n)
-
-
-def _check(ref: Ref, key: str, views: Sequence[memoryview], n: int) -> None:
-    crc = chunk_crc(views, n)
-    if crc_hex(crc) != ref.crc:
-        raise ChunkError(
-            f"{key}: bytes at {ref.target}[{ref.offset}:{ref.offset + ref.length}] do not match "
-            "the chunk index (a moved, swapped or foreign chunk)"
-        )
+        await run_blocking(check_read, ref, key, views, n)
 
 
 MAX_COALESCED = 8 << 20  # bytes per coalesced range request (larger ones lose parallelism)
@@ -277,7 +265,7 @@ class _Read:
 class PackedReader(Wrapped):
     """A read view of a checkpoint root in which indexed zarr keys resolve into packs.
 
-    Whole-chunk reads are checked against the index's crc32c; keys the index does not
+    Whole-chunk reads are checked against the index (``_check_async``); keys it does not
     know are read from the underlying backend unchanged (version-1 data, other units).
     """
 

@@ -6,7 +6,10 @@ process's current pack object ``d/<txid>/%packs/p<process>-<seq>`` instead of be
 an object of its own; small text objects (``zarr.json``) go inline into the chunk index.
 ``finish`` uploads the last pack and writes the process's chunk index (see
 ``quire._chunkindex``) while the last packs complete, returning its description for the
-commit record.
+commit record.  Each key is bound in the index (``quire._chunkid``) by the CRC-32 of its
+bytes, computed here, or — a chunk written with :meth:`PackWriter.put_bound` and
+``trailer=True`` (quire's array chunks whose codec chain ends with crc32c) — by its own
+crc32c trailer, taken from its last 4 bytes without a pass over the rest.
 
 Backends that declare ``stream_writes`` (local files, S3 multipart, GCS resumable) get
 every chunk written straight into its pack at an offset reserved for it: nothing is held,
@@ -22,11 +25,11 @@ A pack lost with a crashed process is garbage under an uncommitted txid.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Sequence
 from typing import Any
 
-from quire._chunkindex import INDEX_FORMAT, chunk_crc, crc_hex, index_entry, index_key
+from quire._chunkid import chunk_crc, crc_hex, index_bytes, trailer_hex
+from quire._chunkindex import index_entry, index_key
 from quire._chunkindex import pack_key as _pack_key
 from quire._io import run_blocking
 from quire._wrapped import Wrapped
@@ -55,7 +58,7 @@ class PackWriter(Wrapped):
         self.pack_bytes = max(1, pack_bytes)
         self.flush_at = max(1 << 20, min(self.pack_bytes, budget_bytes // 4))
         self.refs: dict[str, Any] = {}
-        self.crcs: dict[str, str] = {}
+        self.binds: dict[str, tuple[str, bool]] = {}  # key -> (hex, trailer): quire._chunkid
         self._seq = 0
         self._pending: list[memoryview] = []
         self._pending_bytes = 0
@@ -73,21 +76,38 @@ class PackWriter(Wrapped):
 
     # -- writes ------------------------------------------------------------------
     async def put(self, key: str, data: Sequence[Buffer]) -> None:
+        await self.put_bound(key, data)
+
+    async def put_bound(
+        self, key: str, data: Sequence[Buffer], *, trailer: bool = False, crc: str | None = None
+    ) -> None:
+        """``put``, saying how the index binds ``key``: ``trailer`` when ``data`` ends with
+        the crc32c of the bytes before it and every reader decodes it through a chain that
+        checks that crc32c (quire's plain array chunks); else the CRC-32 of ``data``,
+        ``crc`` when the caller knows it (a finalize copying a checked chunk)."""
         if not key.startswith(self.prefix):
             await self.base.put(key, data)
             return
         views = [memoryview(b).cast("B") for b in data]
         n = sum(v.nbytes for v in views)
-        crc = crc_hex(await run_blocking(chunk_crc, views) if n > (1 << 16) else chunk_crc(views))
-        if key.endswith(INLINE_SUFFIX) and n <= INLINE_MAX:
+        if trailer:
+            crc = trailer_hex(views, n)
+            if crc is None:
+                raise ValueError(f"{key}: {n} bytes cannot end with a crc32c")
+        elif crc is None:
+            crc = crc_hex(
+                await run_blocking(chunk_crc, views) if n > (1 << 16) else chunk_crc(views)
+            )
+        bind = (crc, trailer)
+        if key.endswith(INLINE_SUFFIX) and n <= INLINE_MAX and not trailer:
             try:
                 self.refs[key] = b"".join(views).decode()
-                self.crcs[key] = crc
+                self.binds[key] = bind
                 return
             except UnicodeDecodeError:
                 pass
         if self._streaming:
-            await self._stream(key, views, n, crc)
+            await self._stream(key, views, n, bind)
             return
         while len(self._uploads) >= MAX_UPLOADS:
             await self._wait_one()
@@ -96,14 +116,16 @@ class PackWriter(Wrapped):
         ):
             self._seal()
         self.refs[key] = [_pack_key(self.txid, self.process, self._seq), self._pending_bytes, n]
-        self.crcs[key] = crc
+        self.binds[key] = bind
         self._pending += views
         self._pending_bytes += n
         self.bytes += n
         if self._pending_bytes >= self.flush_at:
             self._seal()
 
-    async def _stream(self, key: str, views: list[memoryview], n: int, crc: str) -> None:
+    async def _stream(
+        self, key: str, views: list[memoryview], n: int, bind: tuple[str, bool]
+    ) -> None:
         while self._opening is not None and not self._opening.done():
             await asyncio.shield(self._opening)
         if not self._writers or (self._size and self._size + n > self.pack_bytes):
@@ -123,7 +145,7 @@ class PackWriter(Wrapped):
         w, offset = self._writers[-1], self._size
         self._size += n  # reserved before the write: concurrent puts get distinct ranges
         self.refs[key] = [_pack_key(self.txid, self.process, self._seq), offset, n]
-        self.crcs[key] = crc
+        self.binds[key] = bind
         self.bytes += n
         self._writing[id(w)] += 1
         try:
@@ -180,17 +202,7 @@ class PackWriter(Wrapped):
         if not self.refs:
             await self.close()
             return None
-        doc = {
-            "version": 1,
-            "refs": self.refs,
-            "quire": {
-                "format": INDEX_FORMAT,
-                "txid": self.txid,
-                "process": self.process,
-                "crc32": self.crcs,
-            },
-        }
-        data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        data = index_bytes(self.txid, self.process, self.refs, self.binds)
         key = index_key(self.txid, self.process)
         await asyncio.gather(self.close(), self.base.put(key, [data]))
         return index_entry(self.txid, self.process, key, data)

@@ -1,13 +1,16 @@
 """``quire cp`` of format-v2 data: index objects and packs are copied as objects, and each is
 verified as it is read: an index against the commit record (size, crc32c), a pack chunk by
-chunk against its index (CRC-32 bound to the key) and the chunk's own codec chain."""
+chunk against its index (``quire._chunkid.check_stored``: the CRC-32 bound to the key, or
+for a trailer-bound chunk the crc32c of its message against its trailer and the index) and
+the chunk's own codec chain."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from quire._chunkindex import ChunkError, chunk_crc, crc_hex, parse_index
+from quire._chunkid import Ref, check_stored
+from quire._chunkindex import ChunkError, parse_index
 from quire.backends import Backend
 from quire.errors import CorruptCheckpointError
 
@@ -20,16 +23,16 @@ def _index_check(entry: Mapping[str, Any], url: str) -> Callable[[bytes], None]:
 
 
 def _pack_check(
-    refs: list[tuple[str, int, int, str]], checkers: Mapping[str, Callable[[bytes], None]]
+    refs: list[tuple[str, Ref]], checkers: Mapping[str, Callable[[bytes], None]]
 ) -> Callable[[bytes], None]:
     def check(data: bytes) -> None:
         mv = memoryview(data)
-        for key, off, n, crc in refs:
+        for key, ref in refs:
+            off, n = ref.offset, ref.length
             if off + n > len(mv):
                 raise ValueError(f"{key}: the pack is truncated")
             part = mv[off : off + n]
-            if crc_hex(chunk_crc([part])) != crc:
-                raise ValueError(f"{key}: checksum mismatch (CRC-32 in the chunk index)")
+            check_stored(ref, key, part)  # a ChunkError (ValueError) names the key
             loc = key.rsplit("/c/", 1)[0]
             if loc in checkers and "/c/" in key:
                 checkers[loc](bytes(part))
@@ -49,7 +52,7 @@ async def plan_packed(
     items = []
     # A pack may be named by several indexes (a finalize that rewrote packs points its new
     # index at kept packs of older versions): each pack is copied once, checked for all.
-    by_pack: dict[str, list[tuple[str, int, int, str]]] = {}
+    by_pack: dict[str, list[tuple[str, Ref]]] = {}
     owner: dict[str, int] = {}
     for e in entries:
         try:
@@ -69,11 +72,11 @@ async def plan_packed(
         )
         for key, ref in refs.items():
             if ref.target is not None:
-                by_pack.setdefault(ref.target, []).append((key, ref.offset, ref.length, ref.crc))
+                by_pack.setdefault(ref.target, []).append((key, ref))
                 owner.setdefault(ref.target, e["process"])
     for pack, rs in sorted(by_pack.items()):
-        size = max(off + n for _, off, n, _ in rs)
-        n = sum(is_chunk(key) for key, _, _, _ in rs)
+        size = max(r.offset + r.length for _, r in rs)
+        n = sum(is_chunk(key) for key, _ in rs)
         items.append(
             item(pack, f"pack of process {owner[pack]}", _pack_check(rs, checkers), size, n)
         )

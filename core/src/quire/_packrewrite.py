@@ -15,7 +15,8 @@ of the versions that lost a leaf since (the others are wholly live and kept unre
   different versions at the same list index never collide), its zarr keys the same way.
   Chunks that sat in a rewritten pack are copied into new packs ``d/R/%packs/p<f>-<seq>``
   of the finalizing process ``f``: streamed, within the byte budget, each checked against
-  its CRC-32 in the old index and its own codec chain (crc32c) as it is copied.  Chunks in
+  the old index (``quire._chunkid.check_stored``) and its own codec chain as it is copied,
+  and bound in the new index the way the old one bound it.  Chunks in
   kept packs are not copied: ``R``'s index points at the old pack, in place;
 * ``R`` gets one index per original process (``d/R/%packs/p<p>.index.json``, what process
   ``p`` had), so a process loading its share still reads only its own index;
@@ -37,20 +38,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import json
 import logging
-import zlib
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from quire._budget import ByteBudget
+from quire._chunkid import check_stored, index_bytes
 from quire._chunkindex import (
-    INDEX_FORMAT,
     MAX_COALESCED,
     ChunkError,
     Ref,
-    crc_hex,
     index_entry,
     index_key,
     parse_index,
@@ -211,7 +209,7 @@ async def plan(
     # Every key of a moving leaf, from every index of its txid, goes to R's index of the
     # same process; chunks in rewritten packs are copied, the rest are referenced in place.
     new_refs: dict[int, dict[str, Any]] = {}
-    new_crcs: dict[int, dict[str, str]] = {}
+    new_binds: dict[int, dict[str, tuple[str, bool]]] = {}
     copies: dict[str, list[tuple[str, Ref, int]]] = {}
     kept_targets: set[str] = set()
     for e, m in zip(entries, refs):
@@ -222,14 +220,14 @@ async def plan(
             nk = _moved(key, new_txid)
             if r.inline is not None:
                 new_refs.setdefault(p, {})[nk] = r.inline.decode()
-                new_crcs.setdefault(p, {})[nk] = r.crc
+                new_binds.setdefault(p, {})[nk] = (r.crc, r.trailer)
             elif r.target in doomed:
                 assert r.target is not None
                 copies.setdefault(r.target, []).append((nk, r, p))
             else:
                 assert r.target is not None
                 new_refs.setdefault(p, {})[nk] = [r.target, r.offset, r.length]
-                new_crcs.setdefault(p, {})[nk] = r.crc
+                new_binds.setdefault(p, {})[nk] = (r.crc, r.trailer)
                 kept_targets.add(r.target)
     writer = PackWriter(backend, new_txid, process, pack_bytes, byte_budget)
     origin: dict[str, int] = {}
@@ -243,16 +241,10 @@ async def plan(
         raise
     for nk, ref in writer.refs.items():
         new_refs.setdefault(origin[nk], {})[nk] = ref
-        new_crcs.setdefault(origin[nk], {})[nk] = writer.crcs[nk]
+        new_binds.setdefault(origin[nk], {})[nk] = writer.binds[nk]
     new_entries = []
     for p in sorted(new_refs):
-        doc = {
-            "version": 1,
-            "refs": new_refs[p],
-            "quire": {"format": INDEX_FORMAT, "txid": new_txid, "process": p,
-                      "crc32": new_crcs[p]},
-        }  # fmt: skip
-        data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        data = index_bytes(new_txid, p, new_refs[p], new_binds[p])
         key = index_key(new_txid, p)
         await backend.put(key, [data])
         new_entries.append(index_entry(new_txid, p, key, data))
@@ -315,11 +307,7 @@ async def _copy(
             runs.append((pack, run))
 
     def check(nk: str, old: str, r: Ref, data: memoryview) -> None:
-        if crc_hex(zlib.crc32(data)) != r.crc:
-            raise ChunkError(
-                f"{old}: bytes at {r.target}[{r.offset}:{r.offset + r.length}] do not match "
-                "the chunk index"
-            )
+        check_stored(r, old, data)  # identity, in one pass (no decoder is assumed)
         loc = _owner(old, leaves)
         if loc is None or not old[len(loc) :].startswith("/c/"):
             return
@@ -351,7 +339,7 @@ async def _copy(
                         "committed; `quire.partial.load` names the leaf)"
                     ) from e
                 origin[nk] = p
-                await writer.put(nk, [part])
+                await writer.put_bound(nk, [part], trailer=r.trailer, crc=r.crc)
         return b - a
 
     try:

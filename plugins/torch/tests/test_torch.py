@@ -210,6 +210,25 @@ def test_zarr_reads_tensors_as_arrays(tmp_path: Path) -> None:
     assert quire.metadata(url).tree["t"].dtype == ml_dtypes.bfloat16
 
 
+def test_a_forged_chunk_is_refused_for_every_target(tmp_path: Path) -> None:
+    """A tensor's chunk is bound in the chunk index by its crc32c trailer (format v2,
+    docs/format.md): a chunk whose body changed under an intact trailer passes that
+    comparison, so the tensor load path must check the crc32c itself."""
+    url = str(tmp_path / "ckpt")
+    quire.save(url, {"t": torch.arange(64, dtype=torch.float32).reshape(8, 8)})
+    (entry,) = json.loads(Path(url, "quire.json").read_text())["indexes"]
+    index = json.loads(Path(url, entry["object"]).read_text())
+    (key,) = [k for k in index["quire"]["crc32c"] if "/c/" in k]
+    pack, off, n = index["refs"][key]
+    raw = bytearray(Path(url, pack).read_bytes())
+    raw[off + n // 2] ^= 0x10  # the body; the trailer (the index's value) is intact
+    Path(url, pack).write_bytes(bytes(raw))
+    for target in (None, torch.Tensor, np.ndarray):
+        with pytest.raises(quire.CorruptCheckpointError, match="crc32c checksum mismatch"):
+            quire.load(url, {"t": target})
+    assert not quire.verify(url).ok
+
+
 def test_save_async_copies_before_returning(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     t = torch.zeros(1000)

@@ -1,0 +1,151 @@
+"""Format v2: how the chunk index binds each stored object to its key (chunk identity).
+
+Every key of a chunk index (``quire._chunkindex``) is bound to the exact bytes stored for
+it, one of two ways:
+
+* **trailer** (``quire.crc32c``, index format 3): a chunk whose array's codec chain ends
+  with zarr's ``crc32c`` codec (quire's plain, non-sharded array chunks) ends with the
+  crc32c of the bytes before it.  The index holds that value (8 hex digits: the trailer
+  read as a little-endian u32).  A reader compares the chunk's last 4 bytes with it, and
+  the decoder's crc32c check (which every path that reads such a chunk runs) binds the
+  rest: a chunk passes both only if its bytes before the trailer have the crc32c the index
+  names.  No pass over the bytes beyond the one the decoder makes anyway.
+* **CRC-32** (``quire.crc32``, index formats 2 and 3): the CRC-32 (zlib's polynomial) of
+  the whole stored object, for everything else: zarr shards (their last 4 bytes are the
+  crc32c of the shard index only), arrays without a crc32c codec, ``zarr.json`` and other
+  inline objects, a third-party handler's objects.  It is not crc32c on purpose: over a
+  message followed by its own crc32c, crc32c is one constant (the CRC residue).
+
+Where the crc32c of a trailer-bound chunk read through the index is checked (a new reader
+of array chunks must decode them through ``quire._zarr`` or call :func:`check_stored`):
+
+* loads, by every array handler (numpy, jax, prng_key; quire-torch through numpy), whole
+  or resharded, and ``quire.open`` regions: ``_zarr.read_region`` -> ``_read_raw_into``
+  (raw chunks read into place) or ``_decode_one`` (compressed chunks, partial chunks);
+* ``quire verify``: ``handlers.check_objects`` runs ``_zarr.chunk_checker`` on each chunk;
+* ``quire cp`` (packs copied as objects) and a finalize's pack rewrite, which need not
+  decode: :func:`check_stored`, the crc32c of the message against the trailer and the
+  index, one pass as for a CRC-32 (then ``chunk_checker``, as before).
+
+``PackedReader`` (``quire._chunkindex``) compares the trailer (:func:`check_read`) on every
+whole-object read; the tests in ``core/tests/test_chunkid.py`` forge a chunk whose trailer
+still matches and check that each of these paths refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from quire._zarr_layout import ChunkError, crc32c
+
+try:  # the same CRC-32 as zlib.crc32, several times faster (SIMD); zlib is the fallback
+    from zlib_ng.zlib_ng import crc32 as _crc32
+except ImportError:  # pragma: no cover - zlib-ng is a dependency; a platform without it
+    from zlib import crc32 as _crc32
+
+INDEX_FORMAT = 2  # CRC-32 for every key (what quire wrote before the trailer binding)
+TRAILER_FORMAT = 3  # adds quire.crc32c: keys bound by their chunk's own crc32c trailer
+FORMATS = (INDEX_FORMAT, TRAILER_FORMAT)
+
+
+def crc_hex(value: int) -> str:
+    return f"{value:08x}"
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Where one zarr key's bytes are (a range of a pack, or inline bytes) and what binds
+    them to the key: ``crc``, the CRC-32 of the bytes, or (``trailer``) their crc32c
+    trailer."""
+
+    target: str | None
+    offset: int
+    length: int
+    crc: str
+    inline: bytes | None = None
+    trailer: bool = False
+
+
+def chunk_crc(views: Sequence[memoryview], n: int | None = None) -> int:
+    """CRC-32 (zlib) of the first ``n`` bytes of ``views`` (all when None)."""
+    crc = 0
+    left = sum(v.nbytes for v in views) if n is None else n
+    for v in views:
+        if left <= 0:
+            break
+        part = v.cast("B")[: min(left, v.nbytes)]
+        crc = _crc32(part, crc)
+        left -= part.nbytes
+    return crc
+
+
+def trailer_hex(views: Sequence[memoryview], n: int | None = None) -> str | None:
+    """The last 4 of the first ``n`` bytes of ``views`` (all when None) as the index
+    writes a crc32c trailer; None when there are fewer than 4."""
+    total = sum(v.nbytes for v in views) if n is None else n
+    if total < 4:
+        return None
+    tail = bytearray()
+    end = 0
+    for v in views:
+        v = v.cast("B")
+        start, end = end, end + v.nbytes
+        if end > total - 4 and start < total:
+            tail += v[max(0, total - 4 - start) : min(v.nbytes, total - start)]
+        if end >= total:
+            break
+    return crc_hex(int.from_bytes(tail, "little"))
+
+
+def _mismatch(ref: Ref, key: str) -> ChunkError:
+    return ChunkError(
+        f"{key}: bytes at {ref.target}[{ref.offset}:{ref.offset + ref.length}] do not match "
+        "the chunk index (a moved, swapped or foreign chunk)"
+    )
+
+
+def check_read(ref: Ref, key: str, views: Sequence[memoryview], n: int) -> None:
+    """The check of a whole object read through the index, for a caller that decodes it
+    (a trailer-bound chunk through its crc32c codec): the 4-byte trailer against the index,
+    or the CRC-32 of the bytes."""
+    if ref.trailer:
+        if trailer_hex(views, n) != ref.crc:
+            raise _mismatch(ref, key)
+    elif crc_hex(chunk_crc(views, n)) != ref.crc:
+        raise _mismatch(ref, key)
+
+
+def check_stored(ref: Ref, key: str, data: memoryview) -> None:
+    """The check of a whole object for a caller that may not decode it (copies): for a
+    trailer-bound chunk the crc32c of its message against its trailer and the index, else
+    the CRC-32 of the bytes.  One pass either way."""
+    if not ref.trailer:
+        check_read(ref, key, [data], data.nbytes)
+        return
+    data = data.cast("B")
+    if trailer_hex([data]) != ref.crc:
+        raise _mismatch(ref, key)
+    if crc_hex(crc32c(data[:-4])) != ref.crc:
+        raise ChunkError(f"{key}: crc32c checksum mismatch")
+
+
+def index_bytes(
+    txid: str, process: int, refs: Mapping[str, Any], binds: Mapping[str, tuple[str, bool]]
+) -> bytes:
+    """The serialized chunk index of ``refs`` (fsspec reference form); ``binds`` gives each
+    key's (hex, trailer).  Format 2 when no key is trailer-bound (older quire reads it)."""
+    crcs = {k: h for k, (h, t) in binds.items() if not t}
+    trailers = {k: h for k, (h, t) in binds.items() if t}
+    meta: dict[str, Any] = {
+        "format": TRAILER_FORMAT if trailers else INDEX_FORMAT,
+        "txid": txid,
+        "process": process,
+        "crc32": crcs,
+    }
+    if trailers:
+        meta["crc32c"] = trailers
+    doc = {"version": 1, "refs": dict(refs), "quire": meta}
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
