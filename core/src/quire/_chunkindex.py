@@ -46,7 +46,11 @@ from quire._chunkid import (
     TRAILER_FORMAT,
     Ref,
     check_read,
+    check_shard_range,
     crc_hex,
+    shard_index_span,
+    shard_rows,
+    valid_shard_binding,
 )
 from quire._paths import is_safe_location
 from quire._wrapped import Wrapped
@@ -140,7 +144,8 @@ def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Re
             raise ValueError(f"'crc32c' in an index of format {fmt}")
         if meta.get("txid") != entry["txid"] or meta.get("process") != entry["process"]:
             raise ValueError("index of another save or process")
-        if not all(isinstance(x, dict) for x in (refs, crcs, trailers)):
+        shards = meta.get("shards", {})
+        if not all(isinstance(x, dict) for x in (refs, crcs, trailers, shards)):
             raise TypeError("refs")
     except (ValueError, TypeError, KeyError) as e:
         raise ChunkError(f"chunk index {where} is malformed ({e!r})") from e
@@ -158,6 +163,8 @@ def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Re
         ):  # one binding per key; a trailer only for a chunk in a pack
             raise ChunkError(f"chunk index {where}: bad entry for key {key[:200]!r}")
         if isinstance(v, str):
+            if key in shards:
+                raise ChunkError(f"chunk index {where}: bad shard binding for key {key[:200]!r}")
             out[key] = Ref(None, 0, len(v.encode()), bind, v.encode())
             continue
         if (
@@ -167,7 +174,14 @@ def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Re
             or any(type(x) is not int or x < 0 for x in v[1:])
         ):
             raise ChunkError(f"chunk index {where}: bad reference {str(v)[:200]!r} for {key!r}")
-        out[key] = Ref(v[0], v[1], v[2], bind, trailer=trailer)
+        shard = shards.get(key)
+        if shard is not None and (
+            trailer or not valid_shard_binding(shard) or 16 * (len(shard) // 8 - 1) + 4 > v[2]
+        ):  # a zarr shard is CRC-32-bound as a whole, and holds its index
+            raise ChunkError(f"chunk index {where}: bad shard binding for key {key[:200]!r}")
+        out[key] = Ref(v[0], v[1], v[2], bind, trailer=trailer, shard=shard)
+    if not shards.keys() <= out.keys():
+        raise ChunkError(f"chunk index {where}: a shard binding for a key it does not hold")
     return out
 
 
@@ -279,6 +293,7 @@ class PackedReader(Wrapped):
         self._expect: builtins.list[str] = []
         self._planning: asyncio.Future[Any] | None = None
         self.windows: Any = None  # quire._packread.Windows once planned
+        self._rows: dict[str, asyncio.Future[Any]] = {}  # zarr shard key -> checked index rows
 
     def expect(self, locations: Iterable[str]) -> None:
         """Declare that this load reads every chunk of the arrays at ``locations`` that
@@ -376,6 +391,8 @@ class PackedReader(Wrapped):
             if len(data) != b - a:
                 raise ChunkError(f"{key}: pack {ref.target} is truncated")
             if a > 0 or b < ref.length:
+                if ref.shard is not None:
+                    await self._check_shard(key, ref, a, [memoryview(data)], len(data))
                 return data
         if a == 0 and b == ref.length:
             await _check_async(ref, key, [memoryview(data)], len(data))
@@ -406,7 +423,45 @@ class PackedReader(Wrapped):
             raise ChunkError(f"{key}: pack {ref.target} is truncated")
         if offset == 0 and n == ref.length:
             await _check_async(ref, key, views, n)
+        elif ref.shard is not None and n:
+            await self._check_shard(key, ref, offset, views, n)
         return n
+
+    async def _check_shard(
+        self, key: str, ref: Ref, start: int, views: Sequence[memoryview], n: int
+    ) -> None:
+        """The identity check of a range of a zarr shard (``quire._chunkid``): a range
+        holding the shard index checks it against the index's binding and keeps its rows;
+        the trailer of every inner chunk wholly in the range is compared with the binding
+        (at the offsets the checked shard index gives: read first, here, when the caller
+        did not read it before, as zarr's and quire's shard readers both do)."""
+        a, b = shard_index_span(ref)
+        fut = self._rows.get(key)
+        if start <= a and start + n >= b:
+            rows = shard_rows(ref, key, views, start, n)
+            if fut is None or fut.done():
+                done = asyncio.get_running_loop().create_future()
+                done.set_result(rows)
+                self._rows[key] = done
+        else:
+            if fut is None:
+                fut = asyncio.ensure_future(self._read_rows(key, ref))
+                self._rows[key] = fut
+            try:
+                rows = await asyncio.shield(fut)
+            except BaseException:
+                if self._rows.get(key) is fut:
+                    del self._rows[key]
+                raise
+        check_shard_range(ref, key, rows, start, views, n)
+
+    async def _read_rows(self, key: str, ref: Ref) -> Any:
+        assert ref.target is not None
+        a, b = shard_index_span(ref)
+        raw = await self.base.get(ref.target, ref.offset + a, ref.offset + b)
+        if len(raw) != b - a:
+            raise ChunkError(f"{key}: pack {ref.target} is truncated")
+        return shard_rows(ref, key, [memoryview(raw)], a, len(raw))
 
     async def size(self, key: str) -> int:
         ref = await self._ref(key)
