@@ -30,19 +30,34 @@ of array chunks must decode them through ``quire._zarr`` or call :func:`check_st
 ``PackedReader`` (``quire._chunkindex``) compares the trailer (:func:`check_read`) on every
 whole-object read; the tests in ``core/tests/test_chunkid.py`` forge a chunk whose trailer
 still matches and check that each of these paths refuses it.
+
+**Zarr shards** (``quire.shards``, any index format, supplementary to their CRC-32): a load
+reads a shard by ranges (its shard index, then the inner chunks it needs), so the CRC-32 of
+the whole shard is checked only by whole-object readers (verify, cp, a finalize's copy).
+For range reads the index also holds, per shard key, :func:`shard_binding`: the hex of the
+shard's last 4 bytes (the crc32c of the shard index) and of each inner chunk's own crc32c
+trailer, in shard-index order.  ``PackedReader`` checks every range read of a shard key:
+a range holding the shard index is compared with the first value and its crc32c checked
+(:func:`shard_rows`, rows kept per key); every inner chunk wholly inside a range is
+compared, at the offset those rows give, with its value (:func:`check_shard_range`; the
+reader reads the shard index itself first when a caller did not), and the decoder's crc32c
+check of the inner chunk (``_zarr._read_sharded``, zarr's sharding codec) binds the rest.
+The shard index's trailer alone binds nothing: it covers offsets and lengths only, the same
+for all raw shards of an array.  With the inner trailers, a shard swapped (same array or
+another), moved or imported fails at its first inner chunk whose bytes differ; a forged
+inner chunk with an intact trailer fails its crc32c.  Indexes without the map (written
+before it) keep loading, their shards unbound on range reads; ``checksum=False`` shards
+have no trailers and keep the CRC-32 only.  ``core/tests/test_shard_identity.py``.
 """
 
 from __future__ import annotations
 
-import bisect
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from quire._zarr_layout import _U64_MAX, ChunkError, crc32c
+from quire._zarr_layout import ChunkError, crc32c
 
 try:  # the same CRC-32 as zlib.crc32, several times faster (SIMD); zlib is the fallback
     from zlib_ng.zlib_ng import crc32 as _crc32
@@ -121,7 +136,9 @@ def check_read(ref: Ref, key: str, views: Sequence[memoryview], n: int) -> None:
     elif crc_hex(chunk_crc(views, n)) != ref.crc:
         raise _mismatch(ref, key)
     if ref.shard is not None and n == ref.length:
-        check_shard_range(ref, key, shard_rows(ref, key, views, 0, n), 0, views, n)
+        from quire._shardid import check_whole
+
+        check_whole(ref, key, views, n)
 
 
 def check_stored(ref: Ref, key: str, data: memoryview) -> None:
@@ -163,107 +180,3 @@ def index_bytes(
         meta["shards"] = dict(shards)
     doc = {"version": 1, "refs": dict(refs), "quire": meta}
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-
-
-# ----------------------------------------------------------------------------- zarr shards
-class _Bytes:
-    """Random access to a few bytes of a sequence of views (one logical byte string)."""
-
-    def __init__(self, views: Sequence[memoryview]) -> None:
-        self.views = [v.cast("B") for v in views if v.nbytes]
-        self.starts, pos = [], 0
-        for v in self.views:
-            self.starts.append(pos)
-            pos += v.nbytes
-
-    def take(self, pos: int, k: int) -> bytes:
-        out = bytearray()
-        i = bisect.bisect_right(self.starts, pos) - 1
-        while len(out) < k and 0 <= i < len(self.views):
-            v, s = self.views[i], self.starts[i]
-            out += v[pos + len(out) - s : pos + k - s]
-            i += 1
-        return bytes(out)
-
-
-def shard_binding(views: Sequence[memoryview], n: int, n_inner: int) -> str | None:
-    """The ``quire.shards`` value of a zarr shard (``sharding_indexed``, index at the end,
-    ``bytes`` + ``crc32c`` index codecs, inner chains ending with ``crc32c``): the hex of
-    its last 4 bytes (the crc32c of the shard index), then of each inner chunk's last 4
-    bytes (its own crc32c trailer) in shard-index order.  Taken from those bytes only (no
-    pass).  None for a shard this binding cannot describe (an inner chunk missing)."""
-    ilen = 16 * n_inner + 4
-    if n_inner < 1 or n < ilen:
-        return None
-    data = _Bytes(views)
-    rows = np.frombuffer(data.take(n - ilen, ilen - 4), dtype="<u8").reshape(-1, 2)
-    out = [crc_hex(int.from_bytes(data.take(n - 4, 4), "little"))]
-    for off, nb in rows.tolist():
-        if off == _U64_MAX or nb < 4 or off + nb > n - ilen:
-            return None
-        out.append(crc_hex(int.from_bytes(data.take(off + nb - 4, 4), "little")))
-    return "".join(out)
-
-
-def valid_shard_binding(value: object) -> bool:
-    if not isinstance(value, str) or len(value) < 16 or len(value) % 8:
-        return False
-    try:
-        int(value, 16)
-    except ValueError:
-        return False
-    return True
-
-
-def shard_index_span(ref: Ref) -> tuple[int, int]:
-    """``(start, end)`` of the shard index (with its crc32c) inside the stored shard."""
-    assert ref.shard is not None
-    return ref.length - 16 * (len(ref.shard) // 8 - 1) - 4, ref.length
-
-
-def shard_rows(ref: Ref, key: str, views: Sequence[memoryview], start: int, n: int) -> np.ndarray:
-    """The ``(offset, nbytes)`` rows of the shard index in ``views`` (``n`` bytes of the
-    shard read from ``start``, covering the whole index), checked against the binding: its
-    crc32c trailer is the index's, and its crc32c is right; every row inside the shard."""
-    assert ref.shard is not None
-    a, b = shard_index_span(ref)
-    if start > a or start + n < b or a < 0:
-        raise ChunkError(f"{key}: the read does not cover the shard index")
-    raw = _Bytes(views).take(a - start, b - a)
-    if crc_hex(int.from_bytes(raw[-4:], "little")) != ref.shard[:8]:
-        raise _shard_mismatch(ref, key, "shard index")
-    if crc_bytes_hex(raw[:-4]) != ref.shard[:8]:
-        raise ChunkError(f"{key}: crc32c checksum mismatch in shard index")
-    rows = np.frombuffer(raw[:-4], dtype="<u8").reshape(-1, 2)
-    if bool(((rows[:, 0] > a) | (rows[:, 1] < 4) | (rows[:, 1] > a - rows[:, 0])).any()):
-        raise ChunkError(f"{key}: an inner chunk lies outside the shard")
-    return rows
-
-
-def crc_bytes_hex(data: bytes) -> str:
-    return crc_hex(crc32c(data))
-
-
-def _shard_mismatch(ref: Ref, key: str, what: str) -> ChunkError:
-    return ChunkError(
-        f"{key}: {what} at {ref.target}[{ref.offset}:{ref.offset + ref.length}] does not "
-        "match the chunk index (a moved, swapped or foreign zarr shard)"
-    )
-
-
-def check_shard_range(
-    ref: Ref, key: str, rows: np.ndarray, start: int, views: Sequence[memoryview], n: int
-) -> None:
-    """Compare the crc32c trailer of every inner chunk lying wholly in ``views`` (``n``
-    bytes of the shard read from ``start``) with the binding; the decoder's crc32c check
-    of each inner chunk binds the rest of it (as for a trailer-bound chunk)."""
-    assert ref.shard is not None
-    ends = rows[:, 0] + rows[:, 1]
-    inside = np.flatnonzero((rows[:, 0] >= start) & (ends <= start + n))
-    if not inside.size:
-        return
-    data = _Bytes(views)
-    for i in inside.tolist():
-        got = crc_hex(int.from_bytes(data.take(int(ends[i]) - 4 - start, 4), "little"))
-        if got != ref.shard[8 * (i + 1) : 8 * (i + 2)]:
-            raise _shard_mismatch(ref, key, f"inner chunk {i}")

@@ -8,7 +8,8 @@ Each process that saves writes, next to its pack objects, one **chunk index** ob
                             | "<inline UTF-8 text>"},
      "quire": {"format": 3, "txid": "<txid>", "process": <int>,
                "crc32": {"<zarr key>": "<8 hex digits>"},
-               "crc32c": {"<zarr key>": "<8 hex digits>"}}}
+               "crc32c": {"<zarr key>": "<8 hex digits>"},
+               "shards": {"<zarr shard key>": "<8 hex digits x (1 + inner chunks)>"}}}
 
 Zarr keys are relative to the checkpoint root (``d/<txid>/pytree/params/w/c/0/1``,
 ``.../zarr.json``); targets are relative too, so a copied checkpoint needs no rewrite and
@@ -25,7 +26,9 @@ with another (of the same array or of another array), moved to another offset, o
 in from another checkpoint fails it.  Index format 2 has ``quire.crc32`` only (what quire
 wrote before the trailer binding; still read); format 3 adds ``quire.crc32c`` and is
 written when some key is trailer-bound (an older quire refuses it as an unknown index
-version).
+version).  ``quire.shards`` (any format; older quire ignores it) also binds each zarr shard
+by its shard index's and inner chunks' crc32c trailers, which :class:`PackedReader` checks
+on the range reads a load makes of a shard.
 
 The commit record names the index objects (``"indexes"``: txid, process, object, size,
 crc32c), never the chunks: a loader reads the index of its own process first and the
@@ -46,13 +49,10 @@ from quire._chunkid import (
     TRAILER_FORMAT,
     Ref,
     check_read,
-    check_shard_range,
     crc_hex,
-    shard_index_span,
-    shard_rows,
-    valid_shard_binding,
 )
 from quire._paths import is_safe_location
+from quire._shardid import ShardChecks, valid_shard_binding
 from quire._wrapped import Wrapped
 from quire._zarr import ChunkError, crc32c
 from quire.backends import Backend
@@ -279,8 +279,10 @@ class _Read:
 class PackedReader(Wrapped):
     """A read view of a checkpoint root in which indexed zarr keys resolve into packs.
 
-    Whole-chunk reads are checked against the index (``_check_async``); keys it does not
-    know are read from the underlying backend unchanged (version-1 data, other units).
+    Whole-chunk reads are checked against the index (``_check_async``), range reads of a
+    zarr shard against its ``quire.shards`` binding (``quire._shardid.ShardChecks``); keys
+    it does not know are read from the underlying backend unchanged (version-1 data, other
+    units).
     """
 
     def __init__(self, base: Backend, index: ChunkIndex) -> None:
@@ -293,7 +295,7 @@ class PackedReader(Wrapped):
         self._expect: builtins.list[str] = []
         self._planning: asyncio.Future[Any] | None = None
         self.windows: Any = None  # quire._packread.Windows once planned
-        self._rows: dict[str, asyncio.Future[Any]] = {}  # zarr shard key -> checked index rows
+        self.shards = ShardChecks(self._shard_bytes)  # range reads of zarr shards
 
     def expect(self, locations: Iterable[str]) -> None:
         """Declare that this load reads every chunk of the arrays at ``locations`` that
@@ -392,7 +394,7 @@ class PackedReader(Wrapped):
                 raise ChunkError(f"{key}: pack {ref.target} is truncated")
             if a > 0 or b < ref.length:
                 if ref.shard is not None:
-                    await self._check_shard(key, ref, a, [memoryview(data)], len(data))
+                    await self.shards.check(key, ref, a, [memoryview(data)], len(data))
                 return data
         if a == 0 and b == ref.length:
             await _check_async(ref, key, [memoryview(data)], len(data))
@@ -424,44 +426,12 @@ class PackedReader(Wrapped):
         if offset == 0 and n == ref.length:
             await _check_async(ref, key, views, n)
         elif ref.shard is not None and n:
-            await self._check_shard(key, ref, offset, views, n)
+            await self.shards.check(key, ref, offset, views, n)
         return n
 
-    async def _check_shard(
-        self, key: str, ref: Ref, start: int, views: Sequence[memoryview], n: int
-    ) -> None:
-        """The identity check of a range of a zarr shard (``quire._chunkid``): a range
-        holding the shard index checks it against the index's binding and keeps its rows;
-        the trailer of every inner chunk wholly in the range is compared with the binding
-        (at the offsets the checked shard index gives: read first, here, when the caller
-        did not read it before, as zarr's and quire's shard readers both do)."""
-        a, b = shard_index_span(ref)
-        fut = self._rows.get(key)
-        if start <= a and start + n >= b:
-            rows = shard_rows(ref, key, views, start, n)
-            if fut is None or fut.done():
-                done = asyncio.get_running_loop().create_future()
-                done.set_result(rows)
-                self._rows[key] = done
-        else:
-            if fut is None:
-                fut = asyncio.ensure_future(self._read_rows(key, ref))
-                self._rows[key] = fut
-            try:
-                rows = await asyncio.shield(fut)
-            except BaseException:
-                if self._rows.get(key) is fut:
-                    del self._rows[key]
-                raise
-        check_shard_range(ref, key, rows, start, views, n)
-
-    async def _read_rows(self, key: str, ref: Ref) -> Any:
+    async def _shard_bytes(self, ref: Ref, start: int, end: int) -> bytes:
         assert ref.target is not None
-        a, b = shard_index_span(ref)
-        raw = await self.base.get(ref.target, ref.offset + a, ref.offset + b)
-        if len(raw) != b - a:
-            raise ChunkError(f"{key}: pack {ref.target} is truncated")
-        return shard_rows(ref, key, [memoryview(raw)], a, len(raw))
+        return await self.base.get(ref.target, ref.offset + start, ref.offset + end)
 
     async def size(self, key: str) -> int:
         ref = await self._ref(key)

@@ -28,10 +28,11 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from quire._chunkid import chunk_crc, crc_hex, index_bytes, shard_binding, trailer_hex
+from quire._chunkid import chunk_crc, crc_hex, index_bytes, trailer_hex
 from quire._chunkindex import index_entry, index_key
 from quire._chunkindex import pack_key as _pack_key
 from quire._io import run_blocking
+from quire._shardid import shard_binding
 from quire._wrapped import Wrapped
 from quire.backends import Backend, Buffer
 
@@ -99,10 +100,9 @@ class PackWriter(Wrapped):
             return
         views = [memoryview(b).cast("B") for b in data]
         n = sum(v.nbytes for v in views)
-        if isinstance(shard, int):
-            shard = shard_binding(views, n, shard)
-        if shard is not None and not trailer:
-            self.shards[key] = shard
+        bound = shard_binding(views, n, shard) if isinstance(shard, int) else shard
+        if bound is not None and not trailer:
+            self.shards[key] = bound
         if trailer:
             crc = trailer_hex(views, n)
             if crc is None:
