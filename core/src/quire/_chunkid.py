@@ -30,6 +30,24 @@ of array chunks must decode them through ``quire._zarr`` or call :func:`check_st
 ``PackedReader`` (``quire._chunkindex``) compares the trailer (:func:`check_read`) on every
 whole-object read; the tests in ``core/tests/test_chunkid.py`` forge a chunk whose trailer
 still matches and check that each of these paths refuses it.
+
+**Zarr shards** (``quire.shards``, any index format, supplementary to their CRC-32): a load
+reads a shard by ranges (its shard index, then the inner chunks it needs), so the CRC-32 of
+the whole shard is checked only by whole-object readers (verify, cp, a finalize's copy).
+For range reads the index also holds, per shard key, :func:`shard_binding`: the hex of the
+shard's last 4 bytes (the crc32c of the shard index) and of each inner chunk's own crc32c
+trailer, in shard-index order.  ``PackedReader`` checks every range read of a shard key:
+a range holding the shard index is compared with the first value and its crc32c checked
+(:func:`shard_rows`, rows kept per key); every inner chunk wholly inside a range is
+compared, at the offset those rows give, with its value (:func:`check_shard_range`; the
+reader reads the shard index itself first when a caller did not), and the decoder's crc32c
+check of the inner chunk (``_zarr._read_sharded``, zarr's sharding codec) binds the rest.
+The shard index's trailer alone binds nothing: it covers offsets and lengths only, the same
+for all raw shards of an array.  With the inner trailers, a shard swapped (same array or
+another), moved or imported fails at its first inner chunk whose bytes differ; a forged
+inner chunk with an intact trailer fails its crc32c.  Indexes without the map (written
+before it) keep loading, their shards unbound on range reads; ``checksum=False`` shards
+have no trailers and keep the CRC-32 only.  ``core/tests/test_shard_identity.py``.
 """
 
 from __future__ import annotations
@@ -67,6 +85,7 @@ class Ref:
     crc: str
     inline: bytes | None = None
     trailer: bool = False
+    shard: str | None = None  # a zarr shard's trailers (``quire.shards``), see shard_binding
 
 
 def chunk_crc(views: Sequence[memoryview], n: int | None = None) -> int:
@@ -110,12 +129,16 @@ def _mismatch(ref: Ref, key: str) -> ChunkError:
 def check_read(ref: Ref, key: str, views: Sequence[memoryview], n: int) -> None:
     """The check of a whole object read through the index, for a caller that decodes it
     (a trailer-bound chunk through its crc32c codec): the 4-byte trailer against the index,
-    or the CRC-32 of the bytes."""
+    or the CRC-32 of the bytes (and a zarr shard's trailers, :func:`check_shard_range`)."""
     if ref.trailer:
         if trailer_hex(views, n) != ref.crc:
             raise _mismatch(ref, key)
     elif crc_hex(chunk_crc(views, n)) != ref.crc:
         raise _mismatch(ref, key)
+    if ref.shard is not None and n == ref.length:
+        from quire._shardid import check_whole
+
+        check_whole(ref, key, views, n)
 
 
 def check_stored(ref: Ref, key: str, data: memoryview) -> None:
@@ -123,7 +146,7 @@ def check_stored(ref: Ref, key: str, data: memoryview) -> None:
     trailer-bound chunk the crc32c of its message against its trailer and the index, else
     the CRC-32 of the bytes.  One pass either way."""
     if not ref.trailer:
-        check_read(ref, key, [data], data.nbytes)
+        check_read(ref, key, [data], data.nbytes)  # a zarr shard's trailers included
         return
     data = data.cast("B")
     if trailer_hex([data]) != ref.crc:
@@ -133,10 +156,16 @@ def check_stored(ref: Ref, key: str, data: memoryview) -> None:
 
 
 def index_bytes(
-    txid: str, process: int, refs: Mapping[str, Any], binds: Mapping[str, tuple[str, bool]]
+    txid: str,
+    process: int,
+    refs: Mapping[str, Any],
+    binds: Mapping[str, tuple[str, bool]],
+    shards: Mapping[str, str] | None = None,
 ) -> bytes:
     """The serialized chunk index of ``refs`` (fsspec reference form); ``binds`` gives each
-    key's (hex, trailer).  Format 2 when no key is trailer-bound (older quire reads it)."""
+    key's (hex, trailer), ``shards`` the zarr shards' trailers (``quire.shards``, a map
+    that every reader of formats 2 and 3 ignores when it does not know it).  Format 2 when
+    no key is trailer-bound (older quire reads it)."""
     crcs = {k: h for k, (h, t) in binds.items() if not t}
     trailers = {k: h for k, (h, t) in binds.items() if t}
     meta: dict[str, Any] = {
@@ -147,5 +176,7 @@ def index_bytes(
     }
     if trailers:
         meta["crc32c"] = trailers
+    if shards:
+        meta["shards"] = dict(shards)
     doc = {"version": 1, "refs": dict(refs), "quire": meta}
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()

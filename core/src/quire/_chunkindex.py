@@ -8,7 +8,8 @@ Each process that saves writes, next to its pack objects, one **chunk index** ob
                             | "<inline UTF-8 text>"},
      "quire": {"format": 3, "txid": "<txid>", "process": <int>,
                "crc32": {"<zarr key>": "<8 hex digits>"},
-               "crc32c": {"<zarr key>": "<8 hex digits>"}}}
+               "crc32c": {"<zarr key>": "<8 hex digits>"},
+               "shards": {"<zarr shard key>": "<8 hex digits x (1 + inner chunks)>"}}}
 
 Zarr keys are relative to the checkpoint root (``d/<txid>/pytree/params/w/c/0/1``,
 ``.../zarr.json``); targets are relative too, so a copied checkpoint needs no rewrite and
@@ -25,7 +26,9 @@ with another (of the same array or of another array), moved to another offset, o
 in from another checkpoint fails it.  Index format 2 has ``quire.crc32`` only (what quire
 wrote before the trailer binding; still read); format 3 adds ``quire.crc32c`` and is
 written when some key is trailer-bound (an older quire refuses it as an unknown index
-version).
+version).  ``quire.shards`` (any format; older quire ignores it) also binds each zarr shard
+by its shard index's and inner chunks' crc32c trailers, which :class:`PackedReader` checks
+on the range reads a load makes of a shard.
 
 The commit record names the index objects (``"indexes"``: txid, process, object, size,
 crc32c), never the chunks: a loader reads the index of its own process first and the
@@ -49,6 +52,7 @@ from quire._chunkid import (
     crc_hex,
 )
 from quire._paths import is_safe_location
+from quire._shardid import ShardChecks, valid_shard_binding
 from quire._wrapped import Wrapped
 from quire._zarr import ChunkError, crc32c
 from quire.backends import Backend
@@ -140,7 +144,8 @@ def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Re
             raise ValueError(f"'crc32c' in an index of format {fmt}")
         if meta.get("txid") != entry["txid"] or meta.get("process") != entry["process"]:
             raise ValueError("index of another save or process")
-        if not all(isinstance(x, dict) for x in (refs, crcs, trailers)):
+        shards = meta.get("shards", {})
+        if not all(isinstance(x, dict) for x in (refs, crcs, trailers, shards)):
             raise TypeError("refs")
     except (ValueError, TypeError, KeyError) as e:
         raise ChunkError(f"chunk index {where} is malformed ({e!r})") from e
@@ -158,6 +163,8 @@ def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Re
         ):  # one binding per key; a trailer only for a chunk in a pack
             raise ChunkError(f"chunk index {where}: bad entry for key {key[:200]!r}")
         if isinstance(v, str):
+            if key in shards:
+                raise ChunkError(f"chunk index {where}: bad shard binding for key {key[:200]!r}")
             out[key] = Ref(None, 0, len(v.encode()), bind, v.encode())
             continue
         if (
@@ -167,7 +174,14 @@ def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Re
             or any(type(x) is not int or x < 0 for x in v[1:])
         ):
             raise ChunkError(f"chunk index {where}: bad reference {str(v)[:200]!r} for {key!r}")
-        out[key] = Ref(v[0], v[1], v[2], bind, trailer=trailer)
+        shard = shards.get(key)
+        if shard is not None and (
+            trailer or not valid_shard_binding(shard) or 16 * (len(shard) // 8 - 1) + 4 > v[2]
+        ):  # a zarr shard is CRC-32-bound as a whole, and holds its index
+            raise ChunkError(f"chunk index {where}: bad shard binding for key {key[:200]!r}")
+        out[key] = Ref(v[0], v[1], v[2], bind, trailer=trailer, shard=shard)
+    if not shards.keys() <= out.keys():
+        raise ChunkError(f"chunk index {where}: a shard binding for a key it does not hold")
     return out
 
 
@@ -265,8 +279,10 @@ class _Read:
 class PackedReader(Wrapped):
     """A read view of a checkpoint root in which indexed zarr keys resolve into packs.
 
-    Whole-chunk reads are checked against the index (``_check_async``); keys it does not
-    know are read from the underlying backend unchanged (version-1 data, other units).
+    Whole-chunk reads are checked against the index (``_check_async``), range reads of a
+    zarr shard against its ``quire.shards`` binding (``quire._shardid.ShardChecks``); keys
+    it does not know are read from the underlying backend unchanged (version-1 data, other
+    units).
     """
 
     def __init__(self, base: Backend, index: ChunkIndex) -> None:
@@ -279,6 +295,7 @@ class PackedReader(Wrapped):
         self._expect: builtins.list[str] = []
         self._planning: asyncio.Future[Any] | None = None
         self.windows: Any = None  # quire._packread.Windows once planned
+        self.shards = ShardChecks(self._shard_bytes)  # range reads of zarr shards
 
     def expect(self, locations: Iterable[str]) -> None:
         """Declare that this load reads every chunk of the arrays at ``locations`` that
@@ -376,6 +393,8 @@ class PackedReader(Wrapped):
             if len(data) != b - a:
                 raise ChunkError(f"{key}: pack {ref.target} is truncated")
             if a > 0 or b < ref.length:
+                if ref.shard is not None:
+                    await self.shards.check(key, ref, a, [memoryview(data)], len(data))
                 return data
         if a == 0 and b == ref.length:
             await _check_async(ref, key, [memoryview(data)], len(data))
@@ -406,7 +425,13 @@ class PackedReader(Wrapped):
             raise ChunkError(f"{key}: pack {ref.target} is truncated")
         if offset == 0 and n == ref.length:
             await _check_async(ref, key, views, n)
+        elif ref.shard is not None and n:
+            await self.shards.check(key, ref, offset, views, n)
         return n
+
+    async def _shard_bytes(self, ref: Ref, start: int, end: int) -> bytes:
+        assert ref.target is not None
+        return await self.base.get(ref.target, ref.offset + start, ref.offset + end)
 
     async def size(self, key: str) -> int:
         ref = await self._ref(key)

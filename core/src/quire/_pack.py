@@ -32,6 +32,7 @@ from quire._chunkid import chunk_crc, crc_hex, index_bytes, trailer_hex
 from quire._chunkindex import index_entry, index_key
 from quire._chunkindex import pack_key as _pack_key
 from quire._io import run_blocking
+from quire._shardid import shard_binding
 from quire._wrapped import Wrapped
 from quire.backends import Backend, Buffer
 
@@ -59,6 +60,7 @@ class PackWriter(Wrapped):
         self.flush_at = max(1 << 20, min(self.pack_bytes, budget_bytes // 4))
         self.refs: dict[str, Any] = {}
         self.binds: dict[str, tuple[str, bool]] = {}  # key -> (hex, trailer): quire._chunkid
+        self.shards: dict[str, str] = {}  # zarr shard key -> its trailers (quire.shards)
         self._seq = 0
         self._pending: list[memoryview] = []
         self._pending_bytes = 0
@@ -79,17 +81,28 @@ class PackWriter(Wrapped):
         await self.put_bound(key, data)
 
     async def put_bound(
-        self, key: str, data: Sequence[Buffer], *, trailer: bool = False, crc: str | None = None
+        self,
+        key: str,
+        data: Sequence[Buffer],
+        *,
+        trailer: bool = False,
+        crc: str | None = None,
+        shard: int | str | None = None,
     ) -> None:
         """``put``, saying how the index binds ``key``: ``trailer`` when ``data`` ends with
         the crc32c of the bytes before it and every reader decodes it through a chain that
         checks that crc32c (quire's plain array chunks); else the CRC-32 of ``data``,
-        ``crc`` when the caller knows it (a finalize copying a checked chunk)."""
+        ``crc`` when the caller knows it (a finalize copying a checked chunk).  ``shard``:
+        ``data`` is a zarr shard with that many inner chunks, all ending with a crc32c (or
+        its ``quire.shards`` value, known): its trailers are bound too (range reads)."""
         if not key.startswith(self.prefix):
             await self.base.put(key, data)
             return
         views = [memoryview(b).cast("B") for b in data]
         n = sum(v.nbytes for v in views)
+        bound = shard_binding(views, n, shard) if isinstance(shard, int) else shard
+        if bound is not None and not trailer:
+            self.shards[key] = bound
         if trailer:
             crc = trailer_hex(views, n)
             if crc is None:
@@ -202,7 +215,7 @@ class PackWriter(Wrapped):
         if not self.refs:
             await self.close()
             return None
-        data = index_bytes(self.txid, self.process, self.refs, self.binds)
+        data = index_bytes(self.txid, self.process, self.refs, self.binds, self.shards)
         key = index_key(self.txid, self.process)
         await asyncio.gather(self.close(), self.base.put(key, [data]))
         return index_entry(self.txid, self.process, key, data)

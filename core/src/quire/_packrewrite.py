@@ -210,6 +210,7 @@ async def plan(
     # same process; chunks in rewritten packs are copied, the rest are referenced in place.
     new_refs: dict[int, dict[str, Any]] = {}
     new_binds: dict[int, dict[str, tuple[str, bool]]] = {}
+    new_shards: dict[int, dict[str, str]] = {}  # zarr shards' trailers, as the old index had
     copies: dict[str, list[tuple[str, Ref, int]]] = {}
     kept_targets: set[str] = set()
     for e, m in zip(entries, refs):
@@ -228,6 +229,8 @@ async def plan(
                 assert r.target is not None
                 new_refs.setdefault(p, {})[nk] = [r.target, r.offset, r.length]
                 new_binds.setdefault(p, {})[nk] = (r.crc, r.trailer)
+                if r.shard is not None:
+                    new_shards.setdefault(p, {})[nk] = r.shard
                 kept_targets.add(r.target)
     writer = PackWriter(backend, new_txid, process, pack_bytes, byte_budget)
     origin: dict[str, int] = {}
@@ -242,9 +245,11 @@ async def plan(
     for nk, ref in writer.refs.items():
         new_refs.setdefault(origin[nk], {})[nk] = ref
         new_binds.setdefault(origin[nk], {})[nk] = writer.binds[nk]
+        if nk in writer.shards:
+            new_shards.setdefault(origin[nk], {})[nk] = writer.shards[nk]
     new_entries = []
     for p in sorted(new_refs):
-        data = index_bytes(new_txid, p, new_refs[p], new_binds[p])
+        data = index_bytes(new_txid, p, new_refs[p], new_binds[p], new_shards.get(p))
         key = index_key(new_txid, p)
         await backend.put(key, [data])
         new_entries.append(index_entry(new_txid, p, key, data))
@@ -339,7 +344,7 @@ async def _copy(
                         "committed; `quire.partial.load` names the leaf)"
                     ) from e
                 origin[nk] = p
-                await writer.put_bound(nk, [part], trailer=r.trailer, crc=r.crc)
+                await writer.put_bound(nk, [part], trailer=r.trailer, crc=r.crc, shard=r.shard)
         return b - a
 
     try:

@@ -51,6 +51,8 @@ async def write_chunk(
         # The chunk ends with its crc32c and every reader checks it: the index binds it
         # by that trailer (quire._chunkid), so no identity pass over its bytes.
         await bound(key, bufs, trailer=True)
+    elif bound is not None and layout.checksum:  # a zarr shard: its trailers bound too
+        await bound(key, bufs, shard=math.prod(layout.inner_grid))
     else:
         await backend.put(key, bufs)
     _progress.advance(data.nbytes)
