@@ -93,17 +93,105 @@ def arrays(tree: dict[str, Any]) -> list[tuple[str, np.ndarray]]:
     ]
 
 
-def start_moto() -> tuple[subprocess.Popen[bytes], str]:
+def faithful_moto() -> None:
+    """Patch moto (in its server process) where its costs are not S3's, for every client.
+
+    Two changes, both to what the server does per byte (requests and replies are as before):
+
+    * an object's value is kept as one immutable ``bytes`` in memory: a GET - ranged or
+      not - no longer copies the whole object out of a spooled temporary file first (moto
+      reads every byte of an object to answer a 1 MiB range of it; S3 serves a range at
+      the cost of the range);
+    * ``CompleteMultipartUpload`` joins the parts once and computes the object's checksum
+      over that one value; moto copies the object four times there (S3 assembles the
+      object from the stored parts without a pass over the data on the request's path).
+
+    Part ETags (MD5 of each part), validation (ETags, the 5 MiB minimum part size) and
+    the stored object are unchanged.
+    """
+    import hashlib
+
+    from moto.s3 import exceptions, models
+
+    def get_value(self: Any) -> bytes:
+        return self.__dict__.get("_bench_value", b"")
+
+    def set_value(self: Any, new: Any) -> None:
+        new = new.encode() if isinstance(new, str) else bytes(new)  # no copy of bytes
+        self._bench_value = new
+        self.contentsize = len(new)
+
+    def etag(self: Any) -> str:
+        if self._etag is None:
+            self._etag = hashlib.md5(get_value(self), usedforsecurity=False).hexdigest()
+        return f'"{self._etag}"'
+
+    original_dispose = models.FakeKey.dispose
+
+    def dispose(self: Any, garbage: bool = False) -> None:
+        original_dispose(self, garbage)
+        self._bench_value = b""
+
+    def complete(self: Any, body: Any) -> tuple[bytes, str, Any]:
+        values, digests = [], []
+        previous = None
+        for number, tag in body:
+            part = self.parts.get(number)
+            if part is None or part.etag.strip('"') != tag.strip('"'):
+                raise exceptions.InvalidPart()
+            if previous is not None and previous.contentsize < models.S3_UPLOAD_PART_MIN_SIZE:
+                raise exceptions.EntityTooSmall()
+            digests.append(bytes.fromhex(part.etag.strip('"')))
+            values.append(part.value)
+            previous = part
+        if not values:
+            raise exceptions.MalformedXML()
+        value = b"".join(values)
+        checksums = models.MultipartChecksumBuilder(
+            self.metadata.get("x-amz-checksum-algorithm"),
+            self.metadata.get("x-amz-checksum-type"),
+        )
+        if checksums.checksum_type == "COMPOSITE":
+            for v in values:
+                checksums.addPart(v)
+        else:  # over the whole object, once (build() takes bytes without a copy)
+            checksums.complete_object = value
+            checksums.part_count = len(values)
+        tag = hashlib.md5(b"".join(digests), usedforsecurity=False).hexdigest()
+        return value, f"{tag}-{len(values)}", checksums.build()
+
+    models.FakeKey.value = property(get_value, set_value)  # type: ignore[assignment]
+    models.FakeKey.etag = property(etag)  # type: ignore[assignment]
+    models.FakeKey.dispose = dispose  # type: ignore[method-assign]
+    models.FakeMultipart.complete = complete  # type: ignore[method-assign]
+
+
+def serve_moto(port: int, faithful: bool) -> None:
+    """moto's S3 server on 127.0.0.1:``port`` (this process), patched by
+    :func:`faithful_moto` when ``faithful``."""
+    if faithful:
+        faithful_moto()
+    from moto.server import main as moto_main
+
+    moto_main(["-H", "127.0.0.1", "-p", str(port)])
+
+
+def start_moto(
+    env: dict[str, str] | None = None, faithful: bool = False
+) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    serve = f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+    serve += f"import bench_s3; bench_s3.serve_moto({port}, {faithful})"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, "-c", serve],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
     )
     endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(200):
+    for _ in range(400):
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return proc, endpoint
@@ -111,6 +199,19 @@ def start_moto() -> tuple[subprocess.Popen[bytes], str]:
             time.sleep(0.05)
     proc.kill()
     raise RuntimeError("moto server did not start")
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of process ``pid`` (None: this one) so far."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
 
 
 class Peer:
@@ -176,6 +277,227 @@ def probe_ranges(client: Any, bucket: str) -> None:
     print("server: one 1 MiB ranged GET from an object of " + ", ".join(cost), flush=True)
 
 
+CONFIGS = {
+    # As the tests run them: the proxy is a thread of this process, moto as shipped.
+    "stock": {"proxy": "thread", "moto_env": {}},
+    # The harness's own costs taken off the client: the proxy in its own process, and moto
+    # keeping object values in memory (its documented MOTO_S3_DEFAULT_KEY_BUFFER_SIZE)
+    # instead of spooling every value over 5 MiB to a temporary file on this machine's disk.
+    "isolated": {
+        "proxy": "process",
+        "moto_env": {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(1 << 40)},
+    },
+    # "isolated", and moto patched where its per-byte costs are not S3's (faithful_moto).
+    "faithful": {"proxy": "process", "moto_env": {}, "faithful": True},
+}
+PEERS = ("quire", "quire-v1", "s3fs", "s3fs-1")
+
+
+class Harness:
+    """One server (moto, or ``--endpoint``) and, unless ``--no-proxy``, the latency proxy."""
+
+    def __init__(self, args: argparse.Namespace, config: dict[str, Any]) -> None:
+        self.moto: subprocess.Popen[bytes] | None = None
+        self.server = args.endpoint
+        if self.server is None:
+            self.moto, self.server = start_moto(config["moto_env"], config.get("faithful", False))
+        self.proxy: Any = None
+        self.proxy_pid: int | None = None
+        self.endpoint = self.server
+        if not args.no_proxy:
+            sys.path.insert(
+                0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+            )
+            from object_store_servers import FaultProxy, ProxyProcess
+
+            host, port = self.server.rsplit("//", 1)[1].split(":")
+            delay = args.latency_ms / 1000
+            if config["proxy"] == "process":
+                self.proxy = ProxyProcess((host, int(port)), delay)
+                self.proxy_pid = self.proxy.pid
+            else:
+                self.proxy = FaultProxy((host, int(port)))
+                if delay > 0:
+                    self.proxy.add("delay", times=-1, delay=delay)
+            self.endpoint = self.proxy.endpoint
+
+    def take_log(self) -> int | None:
+        """Requests through the proxy since the last call."""
+        if self.proxy is None:
+            return None
+        if hasattr(self.proxy, "take_log"):
+            return len(self.proxy.take_log())
+        with self.proxy._lock:
+            n = len(self.proxy.log)
+            self.proxy.log.clear()
+        return n
+
+    def cpu(self) -> tuple[float, float, float]:
+        """CPU seconds so far of (this process, the proxy process, the server)."""
+        return (
+            cpu_seconds(None),
+            cpu_seconds(self.proxy_pid) if self.proxy_pid else float("nan"),
+            cpu_seconds(self.moto.pid) if self.moto is not None else float("nan"),
+        )
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+        if self.moto is not None:
+            self.moto.terminate()
+            try:
+                self.moto.wait(10)
+            except subprocess.TimeoutExpired:
+                self.moto.kill()
+                self.moto.wait(5)
+
+
+class Results:
+    def __init__(self) -> None:
+        self.runs: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
+        self.objects: dict[str, int] = {}
+        self.requests: dict[tuple[str, str], int | None] = {}  # last repetition
+        self.failed: dict[str, str] = {}
+
+    def best(self, name: str, op: str) -> tuple[float, float, float, float]:
+        """(wall, client CPU, proxy CPU, server CPU) of the fastest repetition."""
+        return min(self.runs[name, op])
+
+
+@contextlib.contextmanager
+def timed(h: Harness, res: Results, name: str, op: str) -> Any:
+    h.take_log()
+    c0 = h.cpu()
+    t0 = time.perf_counter()
+    yield
+    wall = time.perf_counter() - t0
+    c1 = h.cpu()
+    res.runs.setdefault((name, op), []).append((wall, *(b - a for a, b in zip(c0, c1))))
+    res.requests[name, op] = h.take_log()
+
+
+def run_config(
+    args: argparse.Namespace, config: dict[str, Any], tree: dict[str, Any], chosen: list[str]
+) -> Results:
+    import quire
+    from quire import _io
+    from quire._url import open_backend
+
+    h = Harness(args, config)
+    res = Results()
+    options = {
+        "endpoint_url": h.endpoint,
+        "key": os.environ.get("AWS_ACCESS_KEY_ID", KEY),
+        "secret": os.environ.get("AWS_SECRET_ACCESS_KEY", SECRET),
+        # s3fs's default read timeout is 15 s: moto, on a loaded 2-core machine, answers
+        # queued ranged GETs of one large object (it serialises them) slower than that.
+        "config_kwargs": {"max_pool_connections": 64, "read_timeout": args.read_timeout},
+    }
+    try:
+        import boto3
+
+        client = boto3.client(
+            "s3", endpoint_url=h.server, aws_access_key_id=options["key"],
+            aws_secret_access_key=options["secret"], region_name="us-east-1",
+        )  # fmt: skip
+        if h.moto is not None:
+            client.create_bucket(Bucket=args.bucket)
+        if args.probe:
+            probe_ranges(client, args.bucket)
+        peers = {
+            n: p
+            for n, p in (("s3fs", Peer(options)), ("s3fs-1", OneObjectPeer(options)))
+            if n in chosen
+        }
+        qoptions = dict(options)
+        if args.read_part_mib:
+            qoptions["read_part_size"] = args.read_part_mib << 20
+        for rep in range(args.reps):
+            root = f"s3://{args.bucket}/{uuid.uuid4().hex[:8]}"
+            for qname, layout in (("quire", "packed"), ("quire-v1", "chunks")):
+                if qname not in chosen:
+                    continue
+                url = f"{root}/{qname}"
+                with (
+                    quire.Context(**({"pack_bytes": args.pack_mib << 20} if args.pack_mib else {})),
+                    timed(h, res, qname, "save"),
+                ):
+                    quire.save(url, tree, storage_options=qoptions, layout=layout)
+                backend = open_backend(url, options)
+                res.objects[qname] = len(_io.submit(backend.list()).result())
+                gc.collect()
+                with timed(h, res, qname, "load"):
+                    got = quire.load(url, storage_options=qoptions)
+                if rep == 0 and not args.no_verify:
+                    for name, a in arrays(tree):
+                        g, k = name.split("/")
+                        b = got[g][k]
+                        assert (
+                            b.dtype == a.dtype
+                            and b.shape == a.shape
+                            and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+                        ), name
+                del got
+                _io.submit(backend.delete_prefix("")).result()
+                gc.collect()
+            for pname, peer in peers.items():
+                if pname in res.failed:
+                    continue
+                proot = f"{root[len('s3://') :]}/{pname}"
+                try:
+                    with timed(h, res, pname, "save"):
+                        res.objects[pname] = peer.save(proot, tree)
+                    gc.collect()
+                    with timed(h, res, pname, "load"):
+                        pgot = peer.load(proot, tree)
+                except Exception as e:  # a baseline the server cannot serve: say so
+                    res.failed[pname] = f"{type(e).__name__}: {str(e)[:100]}"
+                    print(f"  {pname} failed: {res.failed[pname]}", flush=True)
+                    continue
+                finally:
+                    with contextlib.suppress(Exception):
+                        peer.delete(proot)
+                if rep == 0 and not args.no_verify:
+                    for name, a in arrays(tree):
+                        assert np.array_equal(a.view(np.uint8), pgot[name].view(np.uint8)), name
+                del pgot
+                gc.collect()
+            print(
+                f"  rep {rep}: "
+                + " | ".join(
+                    f"{n} save {res.runs[n, 'save'][-1][0]:.2f}s "
+                    f"load {res.runs[n, 'load'][-1][0]:.2f}s"
+                    for n in PEERS
+                    if n in chosen and n not in res.failed
+                ),
+                flush=True,
+            )
+    finally:
+        h.stop()
+    return res
+
+
+def report(res: Results, names: list[str], payload: int) -> None:
+    print(
+        f"{'op':<6}{'peer':<10}{'best s':>8}{'GB/s':>7}{'objects':>9}{'requests':>10}"
+        f"{'cpu: client':>13}{'proxy':>7}{'server':>8}{'quire vs peer':>15}"
+    )
+    for op in ("save", "load"):
+        first = next((n for n in names if (n, op) in res.runs), None)
+        for n in names:
+            if n in res.failed or (n, op) not in res.runs or first is None:
+                print(f"{op:<6}{n:<10}  failed: {res.failed.get(n, '?')}")
+                continue
+            t, cc, cp, cs = res.best(n, op)
+            q = res.best(first, op)[0]
+            print(
+                f"{op:<6}{n:<10}{t:>8.2f}{payload / t / 1e9:>7.2f}{res.objects[n]:>9}"
+                f"{res.requests.get((n, op)) or '-':>10}{cc:>13.2f}"
+                f"{'-' if cp != cp else f'{cp:.2f}':>7}{'-' if cs != cs else f'{cs:.2f}':>8}"
+                f"{'-' if n == first else f'{t / q:.2f}x':>15}"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     ap.add_argument("--reps", type=int, default=2)
@@ -183,7 +505,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--endpoint", help="an S3 endpoint (default: start moto's server)")
     ap.add_argument("--bucket", default="quire-bench")
     ap.add_argument("--no-verify", action="store_true")
-    ap.add_argument("--latency-ms", type=float, default=20.0, help="added per request (0: none)")
+    ap.add_argument("--latency-ms", type=float, default=20.0, help="added per request")
+    ap.add_argument(
+        "--no-proxy", action="store_true", help="talk to the server directly (no added latency)"
+    )
+    ap.add_argument(
+        "--config",
+        default="stock,isolated",
+        help=f"harness configurations to run, comma-separated: {', '.join(CONFIGS)}",
+    )
     ap.add_argument("--pack-mib", type=int, default=None, help="quire's pack_bytes, in MiB")
     ap.add_argument(
         "--read-timeout", type=float, default=120.0, help="client read timeout, s (all peers)"
@@ -199,163 +529,40 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="first time a 1 MiB ranged GET from objects of 1-256 MiB (straight to the server)",
     )
+    ap.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help="comma-separated peers to run (for profiling one at a time)",
+    )
     args = ap.parse_args(argv)
-
-    import quire
-    from quire import _io
-    from quire._url import open_backend
-
-    moto = None
-    endpoint = args.endpoint
-    if endpoint is None:
-        moto, endpoint = start_moto()
-    proxy = None
-    server = endpoint
-    if args.latency_ms > 0:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-        from object_store_servers import FaultProxy
-
-        host, port = endpoint.rsplit("//", 1)[1].split(":")
-        proxy = FaultProxy((host, int(port)))
-        proxy.add("delay", times=-1, delay=args.latency_ms / 1000)
-        endpoint = proxy.endpoint
-    options = {
-        "endpoint_url": endpoint,
-        "key": os.environ.get("AWS_ACCESS_KEY_ID", KEY),
-        "secret": os.environ.get("AWS_SECRET_ACCESS_KEY", SECRET),
-        # s3fs's default read timeout is 15 s: moto, on a loaded 2-core machine, answers
-        # queued ranged GETs of one large object (it serialises them) slower than that.
-        "config_kwargs": {"max_pool_connections": 64, "read_timeout": args.read_timeout},
-    }
-    try:
-        import boto3
-
-        client = boto3.client(
-            "s3", endpoint_url=server, aws_access_key_id=options["key"],
-            aws_secret_access_key=options["secret"], region_name="us-east-1",
-        )  # fmt: skip
-        if moto is not None:
-            client.create_bucket(Bucket=args.bucket)
-        if args.probe:
-            probe_ranges(client, args.bucket)
-        tree = build_tree(args.quick)
-        payload = sum(a.nbytes for _, a in arrays(tree))
+    chosen = args.peers.split(",")
+    configs = args.config.split(",")
+    for c in configs:
+        if c not in CONFIGS:
+            ap.error(f"--config {c}: one of {', '.join(CONFIGS)}")
+    tree = build_tree(args.quick)
+    payload = sum(a.nbytes for _, a in arrays(tree))
+    print(
+        f"python {sys.version.split()[0]}, {os.cpu_count()} cpus; "
+        f"{args.endpoint or 'moto server process'}; "
+        + ("no proxy" if args.no_proxy else f"+{args.latency_ms:g} ms per request")
+        + f"; tree {payload / MiB:.0f} MiB in {len(arrays(tree))} arrays "
+        f"+ {len(tree['scalars'])} scalars",
+        flush=True,
+    )
+    results = {}
+    for c in configs:
+        print(f"config {c}: {CONFIGS[c]}", flush=True)
+        results[c] = run_config(args, CONFIGS[c], tree, chosen)
+    names = [n for n in PEERS if n in chosen]
+    for c in configs:
         print(
-            f"python {sys.version.split()[0]}, {os.cpu_count()} cpus; endpoint {endpoint} "
-            f"({'moto server process' if moto else 'external'}; +{args.latency_ms:g} ms per "
-            f"request); tree {payload / MiB:.0f} MiB "
-            f"in {len(arrays(tree))} arrays + {len(tree['scalars'])} scalars",
-            flush=True,
+            f"\n== config {c}; best of {args.reps}; GB/s = 1e9 B of array payload per second; "
+            "cpu = CPU seconds of the client process (with the proxy in 'stock'), the proxy "
+            "process and the server in the best repetition; X vs peer = peer seconds / X "
+            "seconds (>1: faster); targets: >= 2x quire-v1, >= 1.0x s3fs-1\n"
         )
-        peers = {"s3fs": Peer(options), "s3fs-1": OneObjectPeer(options)}
-        qoptions = dict(options)
-        if args.read_part_mib:
-            qoptions["read_part_size"] = args.read_part_mib << 20
-        times: dict[tuple[str, str], list[float]] = {}
-        objects: dict[str, int] = {}
-        requests: dict[tuple[str, str], int] = {}  # through the proxy, last repetition
-        failed: dict[str, str] = {}
-
-        def counted(name: str, op: str) -> None:
-            if proxy is not None:
-                requests[name, op] = len(proxy.log)
-                proxy.log.clear()
-
-        for rep in range(args.reps):
-            root = f"s3://{args.bucket}/{uuid.uuid4().hex[:8]}"
-            for qname, layout in (("quire", "packed"), ("quire-v1", "chunks")):
-                url = f"{root}/{qname}"
-                if proxy is not None:
-                    proxy.log.clear()
-                t0 = time.perf_counter()
-                with quire.Context(
-                    **({"pack_bytes": args.pack_mib << 20} if args.pack_mib else {})
-                ):
-                    quire.save(url, tree, storage_options=qoptions, layout=layout)
-                times.setdefault((qname, "save"), []).append(time.perf_counter() - t0)
-                counted(qname, "save")
-                backend = open_backend(url, options)
-                objects[qname] = len(_io.submit(backend.list()).result())
-                gc.collect()
-                t0 = time.perf_counter()
-                got = quire.load(url, storage_options=qoptions)
-                times.setdefault((qname, "load"), []).append(time.perf_counter() - t0)
-                counted(qname, "load")
-                if rep == 0 and not args.no_verify:
-                    for name, a in arrays(tree):
-                        g, k = name.split("/")
-                        b = got[g][k]
-                        assert (
-                            b.dtype == a.dtype
-                            and b.shape == a.shape
-                            and np.array_equal(a.view(np.uint8), b.view(np.uint8))
-                        ), name
-                del got
-                _io.submit(backend.delete_prefix("")).result()
-                gc.collect()
-            for pname, peer in peers.items():
-                if pname in failed:
-                    continue
-                proot = f"{root[len('s3://') :]}/{pname}"
-                try:
-                    if proxy is not None:
-                        proxy.log.clear()
-                    t0 = time.perf_counter()
-                    objects[pname] = peer.save(proot, tree)
-                    times.setdefault((pname, "save"), []).append(time.perf_counter() - t0)
-                    counted(pname, "save")
-                    gc.collect()
-                    t0 = time.perf_counter()
-                    pgot = peer.load(proot, tree)
-                    times.setdefault((pname, "load"), []).append(time.perf_counter() - t0)
-                    counted(pname, "load")
-                except Exception as e:  # a baseline the server cannot serve: say so
-                    failed[pname] = f"{type(e).__name__}: {str(e)[:100]}"
-                    print(f"  {pname} failed: {failed[pname]}", flush=True)
-                    continue
-                finally:
-                    with contextlib.suppress(Exception):
-                        peer.delete(proot)
-                if rep == 0 and not args.no_verify:
-                    for name, a in arrays(tree):
-                        assert np.array_equal(a.view(np.uint8), pgot[name].view(np.uint8)), name
-                del pgot
-                gc.collect()
-            print(
-                f"  rep {rep}: "
-                + " | ".join(
-                    f"{n} save {times[n, 'save'][-1]:.2f}s load {times[n, 'load'][-1]:.2f}s"
-                    for n in ("quire", "quire-v1", *peers)
-                    if n not in failed
-                ),
-                flush=True,
-            )
-        print(f"\n== best of {args.reps}; GB/s = 1e9 B of array payload per second; "
-              "vs X = X seconds / quire seconds (>1: quire faster); targets: >= 2x quire-v1, "
-              ">= 1.0x s3fs-1\n")  # fmt: skip
-        names = ["quire", "quire-v1", *peers]
-        print(
-            f"{'op':<6}{'peer':<10}{'best s':>8}{'GB/s':>7}{'objects':>9}{'requests':>10}"
-            f"{'quire vs peer':>15}"
-        )
-        for op in ("save", "load"):
-            q = min(times["quire", op])
-            for n in names:
-                if n in failed:
-                    print(f"{op:<6}{n:<10}  failed: {failed[n]}")
-                    continue
-                t = min(times[n, op])
-                print(
-                    f"{op:<6}{n:<10}{t:>8.2f}{payload / t / 1e9:>7.2f}{objects[n]:>9}"
-                    f"{requests.get((n, op), '-'):>10}"
-                    f"{'-' if n == 'quire' else f'{t / q:.2f}x':>15}"
-                )
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        if moto is not None:
-            moto.terminate()
-            moto.wait(10)
+        report(results[c], names, payload)
     return 0
 
 
