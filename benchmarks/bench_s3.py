@@ -22,19 +22,44 @@ the same client settings (s3fs / aiobotocore, a pool of 64 connections):
 * ``s3fs-1``: one object per process holding every array back to back (``fs.pipe`` of one
   object, multipart; ``fs.cat`` of it), the object count format v2 aims at.
 
-``--latency-ms`` (default 20) puts the fault-injecting proxy of ``tests/object_store_servers.py``
-in front of the server, delaying every request by that much (0: no proxy), as S3 and GCS
-requests take tens of milliseconds.  Full run for the closing note::
+``--latency-ms`` (default 20) delays every request by that much in the fault-injecting
+proxy of ``tests/object_store_servers.py``, as S3 and GCS requests take tens of
+milliseconds (``--latency-ms 0``: the proxy with no delay, to measure latency's share;
+``--no-proxy``: straight to the server).
 
-    .venv/bin/python benchmarks/bench_s3.py --latency-ms 20 --reps 2 --probe
+Harness configurations (``--config``, default ``stock,faithful``; every peer runs against
+the same server and proxy in each, and each configuration has its own table):
+
+* ``stock``: as the tests run them - the proxy is a thread of the benchmark's own process
+  (so its CPU time counts as the client's and it shares the client's GIL), and moto as
+  shipped, which keeps every object value over ~5 MiB in a temporary file on this
+  machine's disk, reads the whole object for every ranged GET, and copies a multipart
+  object four times in ``CompleteMultipartUpload``;
+* ``isolated``: the proxy in a process of its own (``ProxyProcess``), and moto keeping
+  values in memory through its documented ``MOTO_S3_DEFAULT_KEY_BUFFER_SIZE`` setting;
+* ``faithful``: the proxy in its own process, and moto patched at server start
+  (:func:`faithful_moto`) where its per-byte costs are not S3's: values are ``bytes`` in
+  memory, a ranged GET copies the range and not the object, and a multipart upload is
+  completed without a pass over its data (parts kept as they are, the object checksum
+  combined from part CRC-32s taken as each part arrived).  Still a real HTTP server;
+  requests, replies, ETags (MD5 of every part, as S3) and part validation are moto's.
+
+All three put the client, the proxy and the server on the same cores: on a 2-core machine
+a run is bound by the CPU seconds of all three, which the table reports per process
+(``cpu: client / proxy / server``, in the best repetition).  Full run for the closing note::
+
+    .venv/bin/python benchmarks/bench_s3.py --latency-ms 20 --reps 2 --config stock,isolated,faithful
+
+and for latency's share, the same with ``--latency-ms 0``.
 
 Methodology: the best (minimum) of ``--reps`` repetitions, peers interleaved in each;
 objects are deleted after each repetition; the first repetition checks every loaded array
 byte for byte.  ``requests`` = HTTP requests through the proxy in the last repetition (the
 number that costs round trips and request-rate budget on a real store).  A peer the server
 fails to serve (moto cannot complete a 2 GiB multipart upload under load) is reported as
-failed, with the error, instead of ending the run.  ``ratio`` = s3fs seconds / quire seconds (>= 0.8 is the target: quire at
-least 80% of plain s3fs's throughput).  ``objects`` = objects each side wrote.
+failed, with the error, instead of ending the run.  ``quire vs peer`` = peer seconds /
+quire seconds (>1: quire faster; targets >= 2x quire-v1 and >= 1.0x s3fs-1).
+``objects`` = objects each side wrote.  ``--peers`` runs a subset (for profiling).
 """
 
 from __future__ import annotations
@@ -44,6 +69,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import base64
 import contextlib
 import gc
 import socket
@@ -93,32 +119,104 @@ def arrays(tree: dict[str, Any]) -> list[tuple[str, np.ndarray]]:
     ]
 
 
-def faithful_moto() -> None:
-    """Patch moto (in its server process) where its costs are not S3's, for every client.
+def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """``zlib.crc32(a + b)`` from ``crc32(a)``, ``crc32(b)`` and ``len(b)``, in O(log len_b).
 
-    Two changes, both to what the server does per byte (requests and replies are as before):
-
-    * an object's value is kept as one immutable ``bytes`` in memory: a GET - ranged or
-      not - no longer copies the whole object out of a spooled temporary file first (moto
-      reads every byte of an object to answer a 1 MiB range of it; S3 serves a range at
-      the cost of the range);
-    * ``CompleteMultipartUpload`` joins the parts once and computes the object's checksum
-      over that one value; moto copies the object four times there (S3 assembles the
-      object from the stored parts without a pass over the data on the request's path).
-
-    Part ETags (MD5 of each part), validation (ETags, the 5 MiB minimum part size) and
-    the stored object are unchanged.
+    ``x -> crc32(zeros(n), x) ^ crc32(zeros(n), 0)`` is linear over GF(2); its matrix for
+    one zero byte is squared up to ``len_b`` zeros and applied to ``crc_a``.
     """
+    import binascii
+
+    def apply(matrix: list[int], v: int) -> int:
+        out, i = 0, 0
+        while v:
+            if v & 1:
+                out ^= matrix[i]
+            v >>= 1
+            i += 1
+        return out
+
+    zero = binascii.crc32(b"\0")
+    op = [binascii.crc32(b"\0", 1 << i) ^ zero for i in range(32)]
+    n = len_b
+    while n:
+        if n & 1:
+            crc_a = apply(op, crc_a)
+        op = [apply(op, c) for c in op]
+        n >>= 1
+    return crc_a ^ crc_b
+
+
+class PartsView:
+    """A multipart object's bytes as its parts: a length, and ranges copied from the parts
+    they fall in (what answering a ranged GET costs S3), without joining the parts."""
+
+    def __init__(self, parts: list[bytes]) -> None:
+        self.parts = parts
+        self.size = sum(len(p) for p in parts)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Any:  # a full GET streams the parts (werkzeug iterates the body)
+        return iter(self.parts)
+
+    def __getitem__(self, s: slice) -> bytes:
+        start, stop, _ = s.indices(self.size)
+        out, pos = [], 0
+        for p in self.parts:
+            end = pos + len(p)
+            if end > start and pos < stop:
+                out.append(memoryview(p)[max(start - pos, 0) : min(stop, end) - pos])
+            pos = end
+            if pos >= stop:
+                break
+        return b"".join(out)
+
+
+def faithful_moto() -> None:
+    """Patch moto (in its server process) where its per-byte costs are not S3's, for every
+    client alike; requests, replies, ETags and part validation stay moto's own.
+
+    * An object's value is one immutable ``bytes`` in memory (not a spooled temporary
+      file, which moto reads whole for every GET - ranged or not - and writes to this
+      machine's disk above ~5 MiB): a GET costs what it returns.
+    * ``CompleteMultipartUpload`` keeps the parts as they are (the object is their
+      concatenation; moto copies it four times in that one request and checksums the
+      whole), and derives the object's checksum from the parts' CRC-32s, each computed as
+      its part arrives.  A ranged GET copies the range from the parts it falls in; a full
+      GET streams them.  S3 likewise assembles an object from its stored parts and
+      combines part checksums, without a pass over the data at completion.
+
+    The part CRC-32 stands for moto's fallback when its CRT extension (CRC64NVME) is not
+    installed, as here; another requested algorithm is computed over the joined parts.
+    """
+    import binascii
+    import contextvars
     import hashlib
 
-    from moto.s3 import exceptions, models
+    from moto.core.compat import HAS_CRT
+    from moto.s3 import exceptions, models, responses
 
-    def get_value(self: Any) -> bytes:
+    serving_get: contextvars.ContextVar[bool] = contextvars.ContextVar("serving", default=False)
+
+    def get_value(self: Any) -> Any:
+        parts = self.__dict__.get("_bench_parts")
+        if parts is not None:
+            if serving_get.get():
+                return PartsView(parts)
+            with self.lock:  # any other use: join once
+                if self.__dict__.get("_bench_parts") is not None:
+                    self._bench_value = b"".join(parts)
+                    self._bench_parts = None
         return self.__dict__.get("_bench_value", b"")
 
     def set_value(self: Any, new: Any) -> None:
-        new = new.encode() if isinstance(new, str) else bytes(new)  # no copy of bytes
-        self._bench_value = new
+        if isinstance(new, PartsView):
+            self._bench_parts, self._bench_value = new.parts, b""
+        else:
+            new = new.encode() if isinstance(new, str) else bytes(new)  # no copy of bytes
+            self._bench_parts, self._bench_value = None, new
         self.contentsize = len(new)
 
     def etag(self: Any) -> str:
@@ -130,23 +228,30 @@ def faithful_moto() -> None:
 
     def dispose(self: Any, garbage: bool = False) -> None:
         original_dispose(self, garbage)
-        self._bench_value = b""
+        self._bench_value, self._bench_parts = b"", None
 
-    def complete(self: Any, body: Any) -> tuple[bytes, str, Any]:
-        values, digests = [], []
-        previous = None
+    original_set_part = models.FakeMultipart.set_part
+
+    def set_part(self: Any, part_id: int, value: bytes) -> Any:
+        key = original_set_part(self, part_id, value)
+        key._bench_crc32 = binascii.crc32(key.value)  # as the part arrives
+        return key
+
+    def complete(self: Any, body: Any) -> tuple[PartsView, str, Any]:
+        parts, previous = [], None
         for number, tag in body:
             part = self.parts.get(number)
             if part is None or part.etag.strip('"') != tag.strip('"'):
                 raise exceptions.InvalidPart()
             if previous is not None and previous.contentsize < models.S3_UPLOAD_PART_MIN_SIZE:
                 raise exceptions.EntityTooSmall()
-            digests.append(bytes.fromhex(part.etag.strip('"')))
-            values.append(part.value)
+            parts.append(part)
             previous = part
-        if not values:
+        if not parts:
             raise exceptions.MalformedXML()
-        value = b"".join(values)
+        digests = b"".join(bytes.fromhex(p.etag.strip('"')) for p in parts)
+        tag = f"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(parts)}"
+        values = [p.value for p in parts]
         checksums = models.MultipartChecksumBuilder(
             self.metadata.get("x-amz-checksum-algorithm"),
             self.metadata.get("x-amz-checksum-type"),
@@ -154,16 +259,36 @@ def faithful_moto() -> None:
         if checksums.checksum_type == "COMPOSITE":
             for v in values:
                 checksums.addPart(v)
-        else:  # over the whole object, once (build() takes bytes without a copy)
-            checksums.complete_object = value
+            summary = checksums.build()
+        elif checksums.checksum_algorithm == "CRC32" or (
+            checksums.checksum_algorithm == "CRC64NVME" and not HAS_CRT
+        ):
+            crc = 0
+            for p, v in zip(parts, values):
+                crc = crc32_combine(crc, p._bench_crc32, len(v))
+            digest = base64.b64encode(crc.to_bytes(4, "big")).decode()
+            summary = (checksums.checksum_type, digest, 1)
+        else:
+            checksums.complete_object = b"".join(values)
             checksums.part_count = len(values)
-        tag = hashlib.md5(b"".join(digests), usedforsecurity=False).hexdigest()
-        return value, f"{tag}-{len(values)}", checksums.build()
+            summary = checksums.build()
+        return PartsView(values), tag, summary
+
+    original_get_object = responses.S3Response.get_object
+
+    def get_object(self: Any) -> Any:
+        token = serving_get.set(True)
+        try:
+            return original_get_object(self)
+        finally:
+            serving_get.reset(token)
 
     models.FakeKey.value = property(get_value, set_value)  # type: ignore[assignment]
     models.FakeKey.etag = property(etag)  # type: ignore[assignment]
     models.FakeKey.dispose = dispose  # type: ignore[method-assign]
+    models.FakeMultipart.set_part = set_part  # type: ignore[method-assign]
     models.FakeMultipart.complete = complete  # type: ignore[method-assign]
+    responses.S3Response.get_object = get_object  # type: ignore[method-assign]
 
 
 def serve_moto(port: int, faithful: bool) -> None:
@@ -511,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--config",
-        default="stock,isolated",
+        default="stock,faithful",
         help=f"harness configurations to run, comma-separated: {', '.join(CONFIGS)}",
     )
     ap.add_argument("--pack-mib", type=int, default=None, help="quire's pack_bytes, in MiB")
