@@ -50,7 +50,9 @@ a run is bound by the CPU seconds of all three, which the table reports per proc
 
     .venv/bin/python benchmarks/bench_s3.py --latency-ms 20 --reps 2 --config stock,isolated,faithful
 
-and for latency's share, the same with ``--latency-ms 0``.
+and for latency's share, the same with ``--latency-ms 0``.  A full-size configuration
+needs ~9 GB of memory (the client's tree and copies, and moto's objects); on a shared
+machine run one ``--config`` per process.
 
 Methodology: the best (minimum) of ``--reps`` repetitions, peers interleaved in each;
 objects are deleted after each repetition; the first repetition checks every loaded array

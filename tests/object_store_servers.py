@@ -397,7 +397,7 @@ class FaultProxy:
                 await writer.drain()
                 if not keep:
                     break
-        except (ConnectionError, asyncio.IncompleteReadError, OSError):
+        except (ConnectionError, asyncio.IncompleteReadError, OSError, asyncio.CancelledError):
             pass
         finally:
             with contextlib.suppress(Exception):
