@@ -22,19 +22,46 @@ the same client settings (s3fs / aiobotocore, a pool of 64 connections):
 * ``s3fs-1``: one object per process holding every array back to back (``fs.pipe`` of one
   object, multipart; ``fs.cat`` of it), the object count format v2 aims at.
 
-``--latency-ms`` (default 20) puts the fault-injecting proxy of ``tests/object_store_servers.py``
-in front of the server, delaying every request by that much (0: no proxy), as S3 and GCS
-requests take tens of milliseconds.  Full run for the closing note::
+``--latency-ms`` (default 20) delays every request by that much in the fault-injecting
+proxy of ``tests/object_store_servers.py``, as S3 and GCS requests take tens of
+milliseconds (``--latency-ms 0``: the proxy with no delay, to measure latency's share;
+``--no-proxy``: straight to the server).
 
-    .venv/bin/python benchmarks/bench_s3.py --latency-ms 20 --reps 2 --probe
+Harness configurations (``--config``, default ``stock,faithful``; every peer runs against
+the same server and proxy in each, and each configuration has its own table):
+
+* ``stock``: as the tests run them - the proxy is a thread of the benchmark's own process
+  (so its CPU time counts as the client's and it shares the client's GIL), and moto as
+  shipped, which keeps every object value over ~5 MiB in a temporary file on this
+  machine's disk, reads the whole object for every ranged GET, and copies a multipart
+  object four times in ``CompleteMultipartUpload``;
+* ``isolated``: the proxy in a process of its own (``ProxyProcess``), and moto keeping
+  values in memory through its documented ``MOTO_S3_DEFAULT_KEY_BUFFER_SIZE`` setting;
+* ``faithful``: the proxy in its own process, and moto patched at server start
+  (:func:`faithful_moto`) where its per-byte costs are not S3's: values are ``bytes`` in
+  memory, a ranged GET copies the range and not the object, and a multipart upload is
+  completed without a pass over its data (parts kept as they are, the object checksum
+  combined from part CRC-32s taken as each part arrived).  Still a real HTTP server;
+  requests, replies, ETags (MD5 of every part, as S3) and part validation are moto's.
+
+All three put the client, the proxy and the server on the same cores: on a 2-core machine
+a run is bound by the CPU seconds of all three, which the table reports per process
+(``cpu: client / proxy / server``, in the best repetition).  Full run for the closing note::
+
+    .venv/bin/python benchmarks/bench_s3.py --latency-ms 20 --reps 2 --config stock,isolated,faithful
+
+and for latency's share, the same with ``--latency-ms 0``.  A full-size configuration
+needs ~9 GB of memory (the client's tree and copies, and moto's objects); on a shared
+machine run one ``--config`` per process.
 
 Methodology: the best (minimum) of ``--reps`` repetitions, peers interleaved in each;
 objects are deleted after each repetition; the first repetition checks every loaded array
 byte for byte.  ``requests`` = HTTP requests through the proxy in the last repetition (the
 number that costs round trips and request-rate budget on a real store).  A peer the server
 fails to serve (moto cannot complete a 2 GiB multipart upload under load) is reported as
-failed, with the error, instead of ending the run.  ``ratio`` = s3fs seconds / quire seconds (>= 0.8 is the target: quire at
-least 80% of plain s3fs's throughput).  ``objects`` = objects each side wrote.
+failed, with the error, instead of ending the run.  ``quire vs peer`` = peer seconds /
+quire seconds (>1: quire faster; targets >= 2x quire-v1 and >= 1.0x s3fs-1).
+``objects`` = objects each side wrote.  ``--peers`` runs a subset (for profiling).
 """
 
 from __future__ import annotations
@@ -44,6 +71,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import base64
 import contextlib
 import gc
 import socket
@@ -93,17 +121,204 @@ def arrays(tree: dict[str, Any]) -> list[tuple[str, np.ndarray]]:
     ]
 
 
-def start_moto() -> tuple[subprocess.Popen[bytes], str]:
+def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """``zlib.crc32(a + b)`` from ``crc32(a)``, ``crc32(b)`` and ``len(b)``, in O(log len_b).
+
+    ``x -> crc32(zeros(n), x) ^ crc32(zeros(n), 0)`` is linear over GF(2); its matrix for
+    one zero byte is squared up to ``len_b`` zeros and applied to ``crc_a``.
+    """
+    import binascii
+
+    def apply(matrix: list[int], v: int) -> int:
+        out, i = 0, 0
+        while v:
+            if v & 1:
+                out ^= matrix[i]
+            v >>= 1
+            i += 1
+        return out
+
+    zero = binascii.crc32(b"\0")
+    op = [binascii.crc32(b"\0", 1 << i) ^ zero for i in range(32)]
+    n = len_b
+    while n:
+        if n & 1:
+            crc_a = apply(op, crc_a)
+        op = [apply(op, c) for c in op]
+        n >>= 1
+    return crc_a ^ crc_b
+
+
+class PartsView:
+    """A multipart object's bytes as its parts: a length, and ranges copied from the parts
+    they fall in (what answering a ranged GET costs S3), without joining the parts."""
+
+    def __init__(self, parts: list[bytes]) -> None:
+        self.parts = parts
+        self.size = sum(len(p) for p in parts)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Any:  # a full GET streams the parts (werkzeug iterates the body)
+        return iter(self.parts)
+
+    def __getitem__(self, s: slice) -> bytes:
+        start, stop, _ = s.indices(self.size)
+        out, pos = [], 0
+        for p in self.parts:
+            end = pos + len(p)
+            if end > start and pos < stop:
+                out.append(memoryview(p)[max(start - pos, 0) : min(stop, end) - pos])
+            pos = end
+            if pos >= stop:
+                break
+        return b"".join(out)
+
+
+def faithful_moto() -> None:
+    """Patch moto (in its server process) where its per-byte costs are not S3's, for every
+    client alike; requests, replies, ETags and part validation stay moto's own.
+
+    * An object's value is one immutable ``bytes`` in memory (not a spooled temporary
+      file, which moto reads whole for every GET - ranged or not - and writes to this
+      machine's disk above ~5 MiB): a GET costs what it returns.
+    * ``CompleteMultipartUpload`` keeps the parts as they are (the object is their
+      concatenation; moto copies it four times in that one request and checksums the
+      whole), and derives the object's checksum from the parts' CRC-32s, each computed as
+      its part arrives.  A ranged GET copies the range from the parts it falls in; a full
+      GET streams them.  S3 likewise assembles an object from its stored parts and
+      combines part checksums, without a pass over the data at completion.
+
+    The part CRC-32 stands for moto's fallback when its CRT extension (CRC64NVME) is not
+    installed, as here; another requested algorithm is computed over the joined parts.
+    """
+    import binascii
+    import contextvars
+    import hashlib
+
+    from moto.core.compat import HAS_CRT
+    from moto.s3 import exceptions, models, responses
+
+    serving_get: contextvars.ContextVar[bool] = contextvars.ContextVar("serving", default=False)
+
+    def get_value(self: Any) -> Any:
+        parts = self.__dict__.get("_bench_parts")
+        if parts is not None:
+            if serving_get.get():
+                return PartsView(parts)
+            with self.lock:  # any other use: join once
+                if self.__dict__.get("_bench_parts") is not None:
+                    self._bench_value = b"".join(parts)
+                    self._bench_parts = None
+        return self.__dict__.get("_bench_value", b"")
+
+    def set_value(self: Any, new: Any) -> None:
+        if isinstance(new, PartsView):
+            self._bench_parts, self._bench_value = new.parts, b""
+        else:
+            new = new.encode() if isinstance(new, str) else bytes(new)  # no copy of bytes
+            self._bench_parts, self._bench_value = None, new
+        self.contentsize = len(new)
+
+    def etag(self: Any) -> str:
+        if self._etag is None:
+            self._etag = hashlib.md5(get_value(self), usedforsecurity=False).hexdigest()
+        return f'"{self._etag}"'
+
+    original_dispose = models.FakeKey.dispose
+
+    def dispose(self: Any, garbage: bool = False) -> None:
+        original_dispose(self, garbage)
+        self._bench_value, self._bench_parts = b"", None
+
+    original_set_part = models.FakeMultipart.set_part
+
+    def set_part(self: Any, part_id: int, value: bytes) -> Any:
+        key = original_set_part(self, part_id, value)
+        key._bench_crc32 = binascii.crc32(key.value)  # as the part arrives
+        return key
+
+    def complete(self: Any, body: Any) -> tuple[PartsView, str, Any]:
+        parts, previous = [], None
+        for number, tag in body:
+            part = self.parts.get(number)
+            if part is None or part.etag.strip('"') != tag.strip('"'):
+                raise exceptions.InvalidPart()
+            if previous is not None and previous.contentsize < models.S3_UPLOAD_PART_MIN_SIZE:
+                raise exceptions.EntityTooSmall()
+            parts.append(part)
+            previous = part
+        if not parts:
+            raise exceptions.MalformedXML()
+        digests = b"".join(bytes.fromhex(p.etag.strip('"')) for p in parts)
+        tag = f"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(parts)}"
+        values = [p.value for p in parts]
+        checksums = models.MultipartChecksumBuilder(
+            self.metadata.get("x-amz-checksum-algorithm"),
+            self.metadata.get("x-amz-checksum-type"),
+        )
+        if checksums.checksum_type == "COMPOSITE":
+            for v in values:
+                checksums.addPart(v)
+            summary = checksums.build()
+        elif checksums.checksum_algorithm == "CRC32" or (
+            checksums.checksum_algorithm == "CRC64NVME" and not HAS_CRT
+        ):
+            crc = 0
+            for p, v in zip(parts, values):
+                crc = crc32_combine(crc, p._bench_crc32, len(v))
+            digest = base64.b64encode(crc.to_bytes(4, "big")).decode()
+            summary = (checksums.checksum_type, digest, 1)
+        else:
+            checksums.complete_object = b"".join(values)
+            checksums.part_count = len(values)
+            summary = checksums.build()
+        return PartsView(values), tag, summary
+
+    original_get_object = responses.S3Response.get_object
+
+    def get_object(self: Any) -> Any:
+        token = serving_get.set(True)
+        try:
+            return original_get_object(self)
+        finally:
+            serving_get.reset(token)
+
+    models.FakeKey.value = property(get_value, set_value)  # type: ignore[assignment]
+    models.FakeKey.etag = property(etag)  # type: ignore[assignment]
+    models.FakeKey.dispose = dispose  # type: ignore[method-assign]
+    models.FakeMultipart.set_part = set_part  # type: ignore[method-assign]
+    models.FakeMultipart.complete = complete  # type: ignore[method-assign]
+    responses.S3Response.get_object = get_object  # type: ignore[method-assign]
+
+
+def serve_moto(port: int, faithful: bool) -> None:
+    """moto's S3 server on 127.0.0.1:``port`` (this process), patched by
+    :func:`faithful_moto` when ``faithful``."""
+    if faithful:
+        faithful_moto()
+    from moto.server import main as moto_main
+
+    moto_main(["-H", "127.0.0.1", "-p", str(port)])
+
+
+def start_moto(
+    env: dict[str, str] | None = None, faithful: bool = False
+) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    serve = f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+    serve += f"import bench_s3; bench_s3.serve_moto({port}, {faithful})"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, "-c", serve],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
     )
     endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(200):
+    for _ in range(400):
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return proc, endpoint
@@ -111,6 +326,19 @@ def start_moto() -> tuple[subprocess.Popen[bytes], str]:
             time.sleep(0.05)
     proc.kill()
     raise RuntimeError("moto server did not start")
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of process ``pid`` (None: this one) so far."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
 
 
 class Peer:
@@ -176,6 +404,227 @@ def probe_ranges(client: Any, bucket: str) -> None:
     print("server: one 1 MiB ranged GET from an object of " + ", ".join(cost), flush=True)
 
 
+CONFIGS = {
+    # As the tests run them: the proxy is a thread of this process, moto as shipped.
+    "stock": {"proxy": "thread", "moto_env": {}},
+    # The harness's own costs taken off the client: the proxy in its own process, and moto
+    # keeping object values in memory (its documented MOTO_S3_DEFAULT_KEY_BUFFER_SIZE)
+    # instead of spooling every value over 5 MiB to a temporary file on this machine's disk.
+    "isolated": {
+        "proxy": "process",
+        "moto_env": {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(1 << 40)},
+    },
+    # "isolated", and moto patched where its per-byte costs are not S3's (faithful_moto).
+    "faithful": {"proxy": "process", "moto_env": {}, "faithful": True},
+}
+PEERS = ("quire", "quire-v1", "s3fs", "s3fs-1")
+
+
+class Harness:
+    """One server (moto, or ``--endpoint``) and, unless ``--no-proxy``, the latency proxy."""
+
+    def __init__(self, args: argparse.Namespace, config: dict[str, Any]) -> None:
+        self.moto: subprocess.Popen[bytes] | None = None
+        self.server = args.endpoint
+        if self.server is None:
+            self.moto, self.server = start_moto(config["moto_env"], config.get("faithful", False))
+        self.proxy: Any = None
+        self.proxy_pid: int | None = None
+        self.endpoint = self.server
+        if not args.no_proxy:
+            sys.path.insert(
+                0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+            )
+            from object_store_servers import FaultProxy, ProxyProcess
+
+            host, port = self.server.rsplit("//", 1)[1].split(":")
+            delay = args.latency_ms / 1000
+            if config["proxy"] == "process":
+                self.proxy = ProxyProcess((host, int(port)), delay)
+                self.proxy_pid = self.proxy.pid
+            else:
+                self.proxy = FaultProxy((host, int(port)))
+                if delay > 0:
+                    self.proxy.add("delay", times=-1, delay=delay)
+            self.endpoint = self.proxy.endpoint
+
+    def take_log(self) -> int | None:
+        """Requests through the proxy since the last call."""
+        if self.proxy is None:
+            return None
+        if hasattr(self.proxy, "take_log"):
+            return len(self.proxy.take_log())
+        with self.proxy._lock:
+            n = len(self.proxy.log)
+            self.proxy.log.clear()
+        return n
+
+    def cpu(self) -> tuple[float, float, float]:
+        """CPU seconds so far of (this process, the proxy process, the server)."""
+        return (
+            cpu_seconds(None),
+            cpu_seconds(self.proxy_pid) if self.proxy_pid else float("nan"),
+            cpu_seconds(self.moto.pid) if self.moto is not None else float("nan"),
+        )
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+        if self.moto is not None:
+            self.moto.terminate()
+            try:
+                self.moto.wait(10)
+            except subprocess.TimeoutExpired:
+                self.moto.kill()
+                self.moto.wait(5)
+
+
+class Results:
+    def __init__(self) -> None:
+        self.runs: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
+        self.objects: dict[str, int] = {}
+        self.requests: dict[tuple[str, str], int | None] = {}  # last repetition
+        self.failed: dict[str, str] = {}
+
+    def best(self, name: str, op: str) -> tuple[float, float, float, float]:
+        """(wall, client CPU, proxy CPU, server CPU) of the fastest repetition."""
+        return min(self.runs[name, op])
+
+
+@contextlib.contextmanager
+def timed(h: Harness, res: Results, name: str, op: str) -> Any:
+    h.take_log()
+    c0 = h.cpu()
+    t0 = time.perf_counter()
+    yield
+    wall = time.perf_counter() - t0
+    c1 = h.cpu()
+    res.runs.setdefault((name, op), []).append((wall, *(b - a for a, b in zip(c0, c1))))
+    res.requests[name, op] = h.take_log()
+
+
+def run_config(
+    args: argparse.Namespace, config: dict[str, Any], tree: dict[str, Any], chosen: list[str]
+) -> Results:
+    import quire
+    from quire import _io
+    from quire._url import open_backend
+
+    h = Harness(args, config)
+    res = Results()
+    options = {
+        "endpoint_url": h.endpoint,
+        "key": os.environ.get("AWS_ACCESS_KEY_ID", KEY),
+        "secret": os.environ.get("AWS_SECRET_ACCESS_KEY", SECRET),
+        # s3fs's default read timeout is 15 s: moto, on a loaded 2-core machine, answers
+        # queued ranged GETs of one large object (it serialises them) slower than that.
+        "config_kwargs": {"max_pool_connections": 64, "read_timeout": args.read_timeout},
+    }
+    try:
+        import boto3
+
+        client = boto3.client(
+            "s3", endpoint_url=h.server, aws_access_key_id=options["key"],
+            aws_secret_access_key=options["secret"], region_name="us-east-1",
+        )  # fmt: skip
+        if h.moto is not None:
+            client.create_bucket(Bucket=args.bucket)
+        if args.probe:
+            probe_ranges(client, args.bucket)
+        peers = {
+            n: p
+            for n, p in (("s3fs", Peer(options)), ("s3fs-1", OneObjectPeer(options)))
+            if n in chosen
+        }
+        qoptions = dict(options)
+        if args.read_part_mib:
+            qoptions["read_part_size"] = args.read_part_mib << 20
+        for rep in range(args.reps):
+            root = f"s3://{args.bucket}/{uuid.uuid4().hex[:8]}"
+            for qname, layout in (("quire", "packed"), ("quire-v1", "chunks")):
+                if qname not in chosen:
+                    continue
+                url = f"{root}/{qname}"
+                with (
+                    quire.Context(**({"pack_bytes": args.pack_mib << 20} if args.pack_mib else {})),
+                    timed(h, res, qname, "save"),
+                ):
+                    quire.save(url, tree, storage_options=qoptions, layout=layout)
+                backend = open_backend(url, options)
+                res.objects[qname] = len(_io.submit(backend.list()).result())
+                gc.collect()
+                with timed(h, res, qname, "load"):
+                    got = quire.load(url, storage_options=qoptions)
+                if rep == 0 and not args.no_verify:
+                    for name, a in arrays(tree):
+                        g, k = name.split("/")
+                        b = got[g][k]
+                        assert (
+                            b.dtype == a.dtype
+                            and b.shape == a.shape
+                            and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+                        ), name
+                del got
+                _io.submit(backend.delete_prefix("")).result()
+                gc.collect()
+            for pname, peer in peers.items():
+                if pname in res.failed:
+                    continue
+                proot = f"{root[len('s3://') :]}/{pname}"
+                try:
+                    with timed(h, res, pname, "save"):
+                        res.objects[pname] = peer.save(proot, tree)
+                    gc.collect()
+                    with timed(h, res, pname, "load"):
+                        pgot = peer.load(proot, tree)
+                except Exception as e:  # a baseline the server cannot serve: say so
+                    res.failed[pname] = f"{type(e).__name__}: {str(e)[:100]}"
+                    print(f"  {pname} failed: {res.failed[pname]}", flush=True)
+                    continue
+                finally:
+                    with contextlib.suppress(Exception):
+                        peer.delete(proot)
+                if rep == 0 and not args.no_verify:
+                    for name, a in arrays(tree):
+                        assert np.array_equal(a.view(np.uint8), pgot[name].view(np.uint8)), name
+                del pgot
+                gc.collect()
+            print(
+                f"  rep {rep}: "
+                + " | ".join(
+                    f"{n} save {res.runs[n, 'save'][-1][0]:.2f}s "
+                    f"load {res.runs[n, 'load'][-1][0]:.2f}s"
+                    for n in PEERS
+                    if n in chosen and n not in res.failed
+                ),
+                flush=True,
+            )
+    finally:
+        h.stop()
+    return res
+
+
+def report(res: Results, names: list[str], payload: int) -> None:
+    print(
+        f"{'op':<6}{'peer':<10}{'best s':>8}{'GB/s':>7}{'objects':>9}{'requests':>10}"
+        f"{'cpu: client':>13}{'proxy':>7}{'server':>8}{'quire vs peer':>15}"
+    )
+    for op in ("save", "load"):
+        first = next((n for n in names if (n, op) in res.runs), None)
+        for n in names:
+            if n in res.failed or (n, op) not in res.runs or first is None:
+                print(f"{op:<6}{n:<10}  failed: {res.failed.get(n, '?')}")
+                continue
+            t, cc, cp, cs = res.best(n, op)
+            q = res.best(first, op)[0]
+            print(
+                f"{op:<6}{n:<10}{t:>8.2f}{payload / t / 1e9:>7.2f}{res.objects[n]:>9}"
+                f"{res.requests.get((n, op)) or '-':>10}{cc:>13.2f}"
+                f"{'-' if cp != cp else f'{cp:.2f}':>7}{'-' if cs != cs else f'{cs:.2f}':>8}"
+                f"{'-' if n == first else f'{t / q:.2f}x':>15}"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     ap.add_argument("--reps", type=int, default=2)
@@ -183,7 +632,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--endpoint", help="an S3 endpoint (default: start moto's server)")
     ap.add_argument("--bucket", default="quire-bench")
     ap.add_argument("--no-verify", action="store_true")
-    ap.add_argument("--latency-ms", type=float, default=20.0, help="added per request (0: none)")
+    ap.add_argument("--latency-ms", type=float, default=20.0, help="added per request")
+    ap.add_argument(
+        "--no-proxy", action="store_true", help="talk to the server directly (no added latency)"
+    )
+    ap.add_argument(
+        "--config",
+        default="stock,faithful",
+        help=f"harness configurations to run, comma-separated: {', '.join(CONFIGS)}",
+    )
     ap.add_argument("--pack-mib", type=int, default=None, help="quire's pack_bytes, in MiB")
     ap.add_argument(
         "--read-timeout", type=float, default=120.0, help="client read timeout, s (all peers)"
@@ -199,163 +656,40 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="first time a 1 MiB ranged GET from objects of 1-256 MiB (straight to the server)",
     )
+    ap.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help="comma-separated peers to run (for profiling one at a time)",
+    )
     args = ap.parse_args(argv)
-
-    import quire
-    from quire import _io
-    from quire._url import open_backend
-
-    moto = None
-    endpoint = args.endpoint
-    if endpoint is None:
-        moto, endpoint = start_moto()
-    proxy = None
-    server = endpoint
-    if args.latency_ms > 0:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-        from object_store_servers import FaultProxy
-
-        host, port = endpoint.rsplit("//", 1)[1].split(":")
-        proxy = FaultProxy((host, int(port)))
-        proxy.add("delay", times=-1, delay=args.latency_ms / 1000)
-        endpoint = proxy.endpoint
-    options = {
-        "endpoint_url": endpoint,
-        "key": os.environ.get("AWS_ACCESS_KEY_ID", KEY),
-        "secret": os.environ.get("AWS_SECRET_ACCESS_KEY", SECRET),
-        # s3fs's default read timeout is 15 s: moto, on a loaded 2-core machine, answers
-        # queued ranged GETs of one large object (it serialises them) slower than that.
-        "config_kwargs": {"max_pool_connections": 64, "read_timeout": args.read_timeout},
-    }
-    try:
-        import boto3
-
-        client = boto3.client(
-            "s3", endpoint_url=server, aws_access_key_id=options["key"],
-            aws_secret_access_key=options["secret"], region_name="us-east-1",
-        )  # fmt: skip
-        if moto is not None:
-            client.create_bucket(Bucket=args.bucket)
-        if args.probe:
-            probe_ranges(client, args.bucket)
-        tree = build_tree(args.quick)
-        payload = sum(a.nbytes for _, a in arrays(tree))
+    chosen = args.peers.split(",")
+    configs = args.config.split(",")
+    for c in configs:
+        if c not in CONFIGS:
+            ap.error(f"--config {c}: one of {', '.join(CONFIGS)}")
+    tree = build_tree(args.quick)
+    payload = sum(a.nbytes for _, a in arrays(tree))
+    print(
+        f"python {sys.version.split()[0]}, {os.cpu_count()} cpus; "
+        f"{args.endpoint or 'moto server process'}; "
+        + ("no proxy" if args.no_proxy else f"+{args.latency_ms:g} ms per request")
+        + f"; tree {payload / MiB:.0f} MiB in {len(arrays(tree))} arrays "
+        f"+ {len(tree['scalars'])} scalars",
+        flush=True,
+    )
+    results = {}
+    for c in configs:
+        print(f"config {c}: {CONFIGS[c]}", flush=True)
+        results[c] = run_config(args, CONFIGS[c], tree, chosen)
+    names = [n for n in PEERS if n in chosen]
+    for c in configs:
         print(
-            f"python {sys.version.split()[0]}, {os.cpu_count()} cpus; endpoint {endpoint} "
-            f"({'moto server process' if moto else 'external'}; +{args.latency_ms:g} ms per "
-            f"request); tree {payload / MiB:.0f} MiB "
-            f"in {len(arrays(tree))} arrays + {len(tree['scalars'])} scalars",
-            flush=True,
+            f"\n== config {c}; best of {args.reps}; GB/s = 1e9 B of array payload per second; "
+            "cpu = CPU seconds of the client process (with the proxy in 'stock'), the proxy "
+            "process and the server in the best repetition; X vs peer = peer seconds / X "
+            "seconds (>1: faster); targets: >= 2x quire-v1, >= 1.0x s3fs-1\n"
         )
-        peers = {"s3fs": Peer(options), "s3fs-1": OneObjectPeer(options)}
-        qoptions = dict(options)
-        if args.read_part_mib:
-            qoptions["read_part_size"] = args.read_part_mib << 20
-        times: dict[tuple[str, str], list[float]] = {}
-        objects: dict[str, int] = {}
-        requests: dict[tuple[str, str], int] = {}  # through the proxy, last repetition
-        failed: dict[str, str] = {}
-
-        def counted(name: str, op: str) -> None:
-            if proxy is not None:
-                requests[name, op] = len(proxy.log)
-                proxy.log.clear()
-
-        for rep in range(args.reps):
-            root = f"s3://{args.bucket}/{uuid.uuid4().hex[:8]}"
-            for qname, layout in (("quire", "packed"), ("quire-v1", "chunks")):
-                url = f"{root}/{qname}"
-                if proxy is not None:
-                    proxy.log.clear()
-                t0 = time.perf_counter()
-                with quire.Context(
-                    **({"pack_bytes": args.pack_mib << 20} if args.pack_mib else {})
-                ):
-                    quire.save(url, tree, storage_options=qoptions, layout=layout)
-                times.setdefault((qname, "save"), []).append(time.perf_counter() - t0)
-                counted(qname, "save")
-                backend = open_backend(url, options)
-                objects[qname] = len(_io.submit(backend.list()).result())
-                gc.collect()
-                t0 = time.perf_counter()
-                got = quire.load(url, storage_options=qoptions)
-                times.setdefault((qname, "load"), []).append(time.perf_counter() - t0)
-                counted(qname, "load")
-                if rep == 0 and not args.no_verify:
-                    for name, a in arrays(tree):
-                        g, k = name.split("/")
-                        b = got[g][k]
-                        assert (
-                            b.dtype == a.dtype
-                            and b.shape == a.shape
-                            and np.array_equal(a.view(np.uint8), b.view(np.uint8))
-                        ), name
-                del got
-                _io.submit(backend.delete_prefix("")).result()
-                gc.collect()
-            for pname, peer in peers.items():
-                if pname in failed:
-                    continue
-                proot = f"{root[len('s3://') :]}/{pname}"
-                try:
-                    if proxy is not None:
-                        proxy.log.clear()
-                    t0 = time.perf_counter()
-                    objects[pname] = peer.save(proot, tree)
-                    times.setdefault((pname, "save"), []).append(time.perf_counter() - t0)
-                    counted(pname, "save")
-                    gc.collect()
-                    t0 = time.perf_counter()
-                    pgot = peer.load(proot, tree)
-                    times.setdefault((pname, "load"), []).append(time.perf_counter() - t0)
-                    counted(pname, "load")
-                except Exception as e:  # a baseline the server cannot serve: say so
-                    failed[pname] = f"{type(e).__name__}: {str(e)[:100]}"
-                    print(f"  {pname} failed: {failed[pname]}", flush=True)
-                    continue
-                finally:
-                    with contextlib.suppress(Exception):
-                        peer.delete(proot)
-                if rep == 0 and not args.no_verify:
-                    for name, a in arrays(tree):
-                        assert np.array_equal(a.view(np.uint8), pgot[name].view(np.uint8)), name
-                del pgot
-                gc.collect()
-            print(
-                f"  rep {rep}: "
-                + " | ".join(
-                    f"{n} save {times[n, 'save'][-1]:.2f}s load {times[n, 'load'][-1]:.2f}s"
-                    for n in ("quire", "quire-v1", *peers)
-                    if n not in failed
-                ),
-                flush=True,
-            )
-        print(f"\n== best of {args.reps}; GB/s = 1e9 B of array payload per second; "
-              "vs X = X seconds / quire seconds (>1: quire faster); targets: >= 2x quire-v1, "
-              ">= 1.0x s3fs-1\n")  # fmt: skip
-        names = ["quire", "quire-v1", *peers]
-        print(
-            f"{'op':<6}{'peer':<10}{'best s':>8}{'GB/s':>7}{'objects':>9}{'requests':>10}"
-            f"{'quire vs peer':>15}"
-        )
-        for op in ("save", "load"):
-            q = min(times["quire", op])
-            for n in names:
-                if n in failed:
-                    print(f"{op:<6}{n:<10}  failed: {failed[n]}")
-                    continue
-                t = min(times[n, op])
-                print(
-                    f"{op:<6}{n:<10}{t:>8.2f}{payload / t / 1e9:>7.2f}{objects[n]:>9}"
-                    f"{requests.get((n, op), '-'):>10}"
-                    f"{'-' if n == 'quire' else f'{t / q:.2f}x':>15}"
-                )
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        if moto is not None:
-            moto.terminate()
-            moto.wait(10)
+        report(results[c], names, payload)
     return 0
 
 

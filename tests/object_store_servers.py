@@ -8,6 +8,7 @@
   network hop): per request it forwards, or answers 5xx / 4xx itself, resets the
   connection before or after the server saw the request, stalls past the client's timeout,
   or holds the request until the test releases it.  It logs every request.
+  :class:`ProxyProcess` runs one that only adds latency in a process of its own.
 
 Start-up takes ~1 s each; the test modules share one of each per module.
 """
@@ -31,6 +32,7 @@ S3_KEY = "quire-test-key-id"
 S3_SECRET = "quire-test-secret-0123456789"  # never to appear in messages or logs
 S3_BUCKET = "quire-test"
 GCS_BUCKET = "quire-test"
+STREAM_LIMIT = 1 << 20  # the proxy's read size (asyncio's 64 KiB default costs a loop turn each)
 
 
 def free_port() -> int:
@@ -168,7 +170,9 @@ class FaultProxy:
         ready = threading.Event()
 
         async def serve() -> None:
-            self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+            self._server = await asyncio.start_server(
+                self._handle, "127.0.0.1", 0, limit=STREAM_LIMIT
+            )
             self.port = self._server.sockets[0].getsockname()[1]
             ready.set()
 
@@ -224,6 +228,12 @@ class FaultProxy:
 
         async def close() -> None:
             self._server.close()
+            # Connections kept alive by clients: end their handlers rather than leave
+            # them pending when the loop stops.
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(close(), self._loop).result(5)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -316,20 +326,36 @@ class FaultProxy:
         return method, target, headers, raw, rng
 
     async def _forward(
-        self, method: str, target: str, headers: list[bytes], body: bytes
-    ) -> tuple[bytes, bool]:
-        """Send the request upstream on a fresh connection; (raw reply, keep client open)."""
-        ur, uw = await asyncio.open_connection(*self.upstream)
+        self,
+        method: str,
+        target: str,
+        headers: list[bytes],
+        body: bytes,
+        writer: asyncio.StreamWriter | None,
+    ) -> bool:
+        """Send the request upstream on a fresh connection and stream the reply to
+        ``writer`` as it arrives (None: read and drop it); whether to keep the client
+        connection open."""
+        ur, uw = await asyncio.open_connection(*self.upstream, limit=STREAM_LIMIT)
         try:
             uw.write(f"{method} {target} HTTP/1.1\r\n".encode("latin-1"))
-            uw.write(b"".join(headers) + b"Connection: close\r\n\r\n" + body)
+            uw.write(b"".join(headers) + b"Connection: close\r\n\r\n")
+            if body:
+                uw.write(body)  # no concatenation: a body can be many MiB
             await uw.drain()
-            reply = await ur.read()  # the server closes after one reply (Connection: close)
+            head = await ur.readuntil(b"\r\n\r\n")
+            if writer is not None:
+                writer.write(head)
+            # The server closes after one reply (Connection: close): copy to EOF.
+            while block := await ur.read(STREAM_LIMIT):
+                if writer is not None:
+                    writer.write(block)
+                    await writer.drain()
         finally:
             uw.close()
-        head = reply.split(b"\r\n\r\n", 1)[0].lower()
-        framed = b"content-length:" in head or b"chunked" in head or method == "HEAD"
-        return reply, framed and b"connection: close" not in head
+        lower = head.lower()
+        framed = b"content-length:" in lower or b"chunked" in lower or method == "HEAD"
+        return framed and b"connection: close" not in lower
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -363,19 +389,87 @@ class FaultProxy:
                     if rule.drop or reader.at_eof():  # the client died meanwhile
                         writer.close()
                         return
-                reply, keep = await self._forward(method, target, headers, body)
-                if action == "reset-after":
+                after = action == "reset-after"
+                keep = await self._forward(method, target, headers, body, None if after else writer)
+                if after:
                     self._reset(writer)
                     return
-                writer.write(reply)
                 await writer.drain()
                 if not keep:
                     break
-        except (ConnectionError, asyncio.IncompleteReadError, OSError):
+        except (ConnectionError, asyncio.IncompleteReadError, OSError, asyncio.CancelledError):
             pass
         finally:
             with contextlib.suppress(Exception):
                 writer.close()
+
+
+def _proxy_main(host: str, port: int, flavor: str, delay: float) -> None:
+    """A :class:`ProxyProcess`'s process: the endpoint on stdout, then one reply per line
+    of stdin (``log``: the request log since the last one, as JSON) until EOF or ``stop``."""
+    import json
+    import sys
+
+    proxy = FaultProxy((host, port), flavor)
+    if delay > 0:
+        proxy.add("delay", times=-1, delay=delay)
+    print(proxy.endpoint, flush=True)
+    try:
+        for line in sys.stdin:
+            if line.strip() != "log":
+                break
+            with proxy._lock:
+                log, proxy.log = proxy.log, []
+            print(json.dumps(log), flush=True)
+    finally:
+        proxy.stop()
+
+
+class ProxyProcess:
+    """A :class:`FaultProxy` that adds ``delay`` seconds to every request, run in a process
+    of its own (for benchmarks: in a thread it would share the client's GIL and CPU time).
+
+    ``pid`` is the proxy's process; :meth:`take_log` returns (and clears) its request log.
+    """
+
+    def __init__(self, upstream: tuple[str, int], delay: float = 0.0, flavor: str = "s3") -> None:
+        import subprocess
+        import sys
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        code = (
+            f"import sys; sys.path.insert(0, {here!r}); import object_store_servers as s; "
+            f"s._proxy_main({upstream[0]!r}, {int(upstream[1])}, {flavor!r}, {float(delay)!r})"
+        )
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._process.stdout is not None and self._process.stdin is not None
+        self._out, self._in = self._process.stdout, self._process.stdin
+        self.endpoint = self._out.readline().strip()
+        if not self.endpoint:
+            self._process.kill()
+            raise RuntimeError("the proxy process did not start")
+        self.pid = self._process.pid
+
+    def take_log(self) -> list[tuple[str, str, str, str]]:
+        import json
+
+        self._in.write("log\n")
+        self._in.flush()
+        return [tuple(e) for e in json.loads(self._out.readline())]  # type: ignore[misc]
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self._in.close()
+        try:
+            self._process.wait(10)
+        except Exception:
+            self._process.kill()
+            self._process.wait(5)
 
 
 @contextlib.contextmanager
