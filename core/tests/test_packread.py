@@ -134,3 +134,28 @@ def test_a_damaged_chunk_in_a_window_fails_the_load(reads: list[tuple[str, int, 
     MemoryBackend(url).fs.pipe_file(pack, bytes(data))
     with pytest.raises(CorruptCheckpointError, match=r"leaf 'p\d\d'"):
         quire.load(url)
+
+
+def test_zarr_shards_are_read_by_range_not_through_windows(
+    reads: list[tuple[str, int, int]],
+) -> None:
+    """A sharded array (``chunk_bytes``) is read by ranges (its shard index, then its inner
+    chunks): no window fetches its shard bytes, so none are staged for readers that never
+    come, and no byte of a pack is read twice."""
+    rng = np.random.default_rng(5)
+    tree = {
+        "plain": _tree(8),
+        "sharded": {f"s{i}": rng.standard_normal(4096).astype(np.float32) for i in range(3)},
+    }
+    url = _url()
+    shard = quire.StorageOptions(chunk_bytes=4 * KiB)
+    quire.save(url, tree, storage=lambda path, leaf: shard if "sharded" in str(path) else None)
+    got = quire.load(url)
+    assert all(np.array_equal(got["sharded"][k], v) for k, v in tree["sharded"].items())
+    assert all(np.array_equal(got["plain"][k], v) for k, v in tree["plain"].items())
+    spans = sorted((k, o, o + n) for k, o, n in reads)
+    for (k1, _, e1), (k2, s2, _) in zip(spans, spans[1:]):
+        assert k1 != k2 or e1 <= s2, spans  # no byte read twice
+    sharded = sum(v.nbytes for v in tree["sharded"].values())
+    plain = sum(v.nbytes for v in tree["plain"].values())
+    assert sum(n for _, _, n in reads) < plain + sharded + 4 * KiB, reads

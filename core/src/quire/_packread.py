@@ -213,9 +213,21 @@ def _copy(src: bytearray, views: Sequence[memoryview], n: int) -> None:
 def expected_refs(
     refs: Mapping[str, Any], prefixes: Sequence[str]
 ) -> list[tuple[str, str, int, int]]:
-    """``(key, pack, offset, length)`` of the pack references under ``prefixes``."""
+    """``(key, pack, offset, length)`` of the pack references under ``prefixes``.
+
+    Zarr shards are left out: a load reads them by ranges (the shard index, then the inner
+    chunks it needs), never whole, so a window holding them would fetch bytes a second time
+    and stage them for readers that never come.  An array is sharded when its ``zarr.json``
+    (inline in the index) names the ``sharding_indexed`` codec.
+    """
+    wanted = tuple(p for p in prefixes if not _sharded(refs.get(f"{p}zarr.json")))
     out = []
     for key, ref in refs.items():
-        if ref.target is not None and key.startswith(tuple(prefixes)):
+        if ref.target is not None and key.startswith(wanted):
             out.append((key, ref.target, ref.offset, ref.length))
     return out
+
+
+def _sharded(meta: Any) -> bool:
+    inline = getattr(meta, "inline", None)
+    return inline is not None and b'"sharding_indexed"' in inline
