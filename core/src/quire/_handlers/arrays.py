@@ -23,6 +23,7 @@ from quire._handlers._arrayplan import (
     _plan,
     layout_from_record,
 )
+from quire._hostbuf import aligned_empty, for_device
 from quire._io import pool, run_blocking
 from quire._tasks import gather_cancelling
 from quire._tree import keystr
@@ -355,7 +356,7 @@ class ArrayHandler:
                 box = None
         if box is not None:
             self._check_memory(math.prod(b - a for a, b in box) * layout.dtype.itemsize, e, ctx)
-            whole = np.empty(tuple(b - a for a, b in box), layout.dtype)
+            whole = aligned_empty(tuple(b - a for a, b in box), layout.dtype)
             await read_region(
                 ctx.backend, loc, layout, tuple(slice(a, b) for a, b in box), whole, sem=ctx.limit
             )
@@ -364,7 +365,7 @@ class ArrayHandler:
             async def place(key: tuple[tuple[int, int], ...], devs: list[Any]) -> None:
                 assert box is not None
                 part = whole[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(key, box))]
-                host = np.ascontiguousarray(part, dtype=out_dtype)
+                host = for_device(part, out_dtype)
                 for d in devs:
                     arrays[d] = await run_blocking(jax.device_put, host, d)
 
@@ -382,10 +383,11 @@ class ArrayHandler:
             # The host buffer lives until it is on the device: bounded by the byte budget.
             need = nbytes * (1 if out_dtype == layout.dtype else 2)
             async with budget.hold(need):
-                buf = np.empty(tuple(b - a for a, b in key), layout.dtype)
+                # Aligned: on CPU, device_put adopts the buffer instead of copying it.
+                buf = aligned_empty(tuple(b - a for a, b in key), layout.dtype)
                 await read_region(ctx.backend, loc, layout, reg, buf, sem=ctx.limit)
                 ctx.stats["bytes"] += buf.nbytes
-                host = buf if out_dtype == layout.dtype else buf.astype(out_dtype)
+                host = for_device(buf, out_dtype)
                 for d in devs:
                     arrays[d] = await run_blocking(jax.device_put, host, d)
                 del buf, host
