@@ -23,7 +23,7 @@ from quire._handlers._arrayplan import (
     _plan,
     layout_from_record,
 )
-from quire._hostbuf import aligned_empty, for_device
+from quire._hostbuf import aligned_empty, for_device, is_aligned
 from quire._io import pool, run_blocking
 from quire._tasks import gather_cancelling
 from quire._tree import keystr
@@ -62,6 +62,15 @@ def _chunks_span_regions(
                 if hits > 1:
                     return True
     return False
+
+
+async def _device_put(host: np.ndarray, device: Any) -> Any:
+    """``jax.device_put(host, device)``: on the loop when XLA adopts the aligned buffer
+    (a CPU device: no copy, ~40 µs, less than a trip to a worker thread), else in a
+    worker thread (a copy, or a transfer to an accelerator)."""
+    if getattr(device, "platform", None) == "cpu" and is_aligned(host):
+        return jax.device_put(host, device)
+    return await run_blocking(jax.device_put, host, device)
 
 
 def _target_kind(target: Any, handler_id: str) -> str:
@@ -367,7 +376,7 @@ class ArrayHandler:
                 part = whole[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(key, box))]
                 host = for_device(part, out_dtype)
                 for d in devs:
-                    arrays[d] = await run_blocking(jax.device_put, host, d)
+                    arrays[d] = await _device_put(host, d)
 
             await asyncio.gather(*(place(k, v) for k, v in regions.items()))
             return jax.make_array_from_single_device_arrays(
@@ -389,7 +398,7 @@ class ArrayHandler:
                 ctx.stats["bytes"] += buf.nbytes
                 host = for_device(buf, out_dtype)
                 for d in devs:
-                    arrays[d] = await run_blocking(jax.device_put, host, d)
+                    arrays[d] = await _device_put(host, d)
                 del buf, host
 
         await gather_cancelling(*(region(k, v) for k, v in regions.items()))
