@@ -78,49 +78,6 @@ def _fds() -> int:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
-def test_a_large_range_is_read_in_parallel_pieces_through_one_descriptor(
-    tmp_path: Path, open_path: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(local, "READ_PIECE", 1000)
-    data = np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
-    root = tmp_path / "root"
-    root.mkdir()
-    (root / "p").write_bytes(data)
-    (root / "lnk").symlink_to(root / "p")
-    b = LocalBackend(str(root))
-    opened = []
-    real_open = b._open
-    monkeypatch.setattr(b, "_open", lambda *a: opened.append(a) or real_open(*a))
-    before = _fds()
-    for offset, sizes in [(0, [10_000]), (123, [2500, 7, 0, 3333]), (7000, [2000, 1500])]:
-        bufs = [bytearray(n) for n in sizes]
-        n = asyncio.run(b.get_into("p", [memoryview(x) for x in bufs], offset))
-        want = data[offset : offset + sum(sizes)]
-        assert n == len(want)  # short at the end of the file
-        assert b"".join(bufs)[:n] == want
-    assert len(opened) == 3 and _fds() == before
-    with pytest.raises(FileNotFoundError):
-        asyncio.run(b.get_into("missing", [memoryview(bytearray(5000))]))
-    with pytest.raises(OSError):  # a symbolic link is refused on this path too
-        asyncio.run(b.get_into("lnk", [memoryview(bytearray(5000))]))
-
-    async def cancelled() -> None:
-        base = _fds()  # this event loop's own descriptors included
-        t = asyncio.ensure_future(b.get_into("p", [memoryview(bytearray(10_000))]))
-        await asyncio.sleep(0)
-        t.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await t
-        for _ in range(100):  # the pieces finish in their threads, then the fd is closed
-            if _fds() == base:
-                return
-            await asyncio.sleep(0.01)
-
-    asyncio.run(cancelled())
-    assert _fds() == before
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
 def test_a_load_opens_each_pack_once_and_closes_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

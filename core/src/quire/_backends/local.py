@@ -86,47 +86,6 @@ def _write_all(fd: int, data: Sequence[Buffer]) -> None:
             mv = mv[n:]
 
 
-READ_PIECE = 8 << 20  # bytes per thread when one large range is read by several
-
-
-def _preadv_all(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-    """Fill ``buffers`` from ``fd`` at ``offset``; the bytes read (fewer at end of file)."""
-    total = 0
-    bufs = [memoryview(b).cast("B") for b in buffers]
-    while bufs:
-        n = os.preadv(fd, bufs[:1024], offset + total)
-        if n == 0:
-            break
-        total += n
-        while bufs and n >= bufs[0].nbytes:
-            n -= bufs[0].nbytes
-            bufs.pop(0)
-        if bufs and n:
-            bufs[0] = bufs[0][n:]
-    return total
-
-
-def _pieces(
-    views: Sequence[memoryview], size: int
-) -> builtins.list[tuple[int, builtins.list[memoryview]]]:
-    """``views`` cut into runs of about ``size`` bytes: (offset in the range, views)."""
-    out: builtins.list[tuple[int, builtins.list[memoryview]]] = []
-    at = 0
-    cur: builtins.list[memoryview] = []
-    start = fill = 0
-    for v in views:
-        while v.nbytes:
-            take = min(v.nbytes, size - fill)
-            cur.append(v[:take])
-            v, fill, at = v[take:], fill + take, at + take
-            if fill == size:
-                out.append((start, cur))
-                cur, start, fill = [], at, 0
-    if cur:
-        out.append((start, cur))
-    return out
-
-
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -275,40 +234,23 @@ class LocalBackend(Backend):
             return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int = 0) -> int:
-        views = [memoryview(b).cast("B") for b in buffers]
-        if sum(v.nbytes for v in views) < 2 * READ_PIECE:
-            return await run_blocking(self._get_into, key, views, offset)
-        # A large range is read in pieces by several threads at once (the page faults of
-        # the fresh buffer and the copies out of the page cache run in parallel: 256 MiB
-        # took 56 ms in one call, 34 ms in four), through one descriptor.  Shielded: when
-        # this read is cancelled, the threads finish their pieces, then the file is closed.
-        task = asyncio.ensure_future(self._get_into_pieces(key, views, offset))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        return await asyncio.shield(task)
-
-    async def _get_into_pieces(self, key: str, views: Sequence[memoryview], offset: int) -> int:
-        reading = self._reading(key)
-        fd = await run_blocking(reading.__enter__)
-        pieces = _pieces(views, READ_PIECE)
-        try:
-            counts = await asyncio.gather(
-                *(run_blocking(_preadv_all, fd, part, offset + at) for at, part in pieces),
-                return_exceptions=True,  # every piece done before the descriptor closes
-            )
-        finally:
-            reading.__exit__(None, None, None)
-        total = 0
-        for (_, part), n in zip(pieces, counts):
-            if isinstance(n, BaseException):
-                raise n
-            total += n
-            if n < sum(v.nbytes for v in part):
-                break
-        return total
+        return await run_blocking(self._get_into, key, buffers, offset)
 
     def _get_into(self, key: str, buffers: Sequence[memoryview], offset: int) -> int:
         with self._reading(key) as fd:
-            return _preadv_all(fd, buffers, offset)
+            total = 0
+            bufs = [memoryview(b).cast("B") for b in buffers]
+            while bufs:
+                n = os.preadv(fd, bufs[:1024], offset + total)
+                if n == 0:
+                    break
+                total += n
+                while bufs and n >= bufs[0].nbytes:
+                    n -= bufs[0].nbytes
+                    bufs.pop(0)
+                if bufs and n:
+                    bufs[0] = bufs[0][n:]
+            return total
 
     async def size(self, key: str) -> int:
         return (await run_blocking(os.stat, self._p(key))).st_size
