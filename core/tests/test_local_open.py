@@ -71,3 +71,70 @@ def test_round_trip_on_either_path(tmp_path: Path, open_path: str) -> None:
         got: Any = quire.load(url)
         np.testing.assert_array_equal(got["a"], tree["a"])
         np.testing.assert_array_equal(got["b"]["c"], tree["b"]["c"])
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_a_load_opens_each_pack_once_and_closes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opened: list[str] = []
+    real_open = LocalBackend._open
+
+    def spy(self: LocalBackend, key: str, flags: int, mode: int = 0o644) -> int:
+        opened.append(key)
+        return real_open(self, key, flags, mode)
+
+    monkeypatch.setattr(LocalBackend, "_open", spy)
+    tree = {f"a{i}": np.arange(100 * (i + 1), dtype=np.float32) for i in range(40)}
+    url = str(tmp_path / "ckpt")
+    with quire.Context(pack_bytes=64 << 10):  # several packs
+        quire.save(url, tree)
+    packs = sorted(p.name for p in (tmp_path / "ckpt").rglob("p*-*"))
+    assert len(packs) > 1
+    before = _fds()
+    opened.clear()
+    got = quire.load(url)
+    assert all(np.array_equal(got[k], v) for k, v in tree.items())
+    data = sorted(k.rsplit("/", 1)[-1] for k in opened if "-" in k.rsplit("/", 1)[-1])
+    assert data == packs  # each pack once, though the load read 40 ranges of them
+    assert _fds() == before
+    # A damaged chunk fails the load; its descriptors are closed all the same.
+    big = max((tmp_path / "ckpt").rglob("p*-*"), key=lambda p: p.stat().st_size)
+    raw = bytearray(big.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    big.write_bytes(bytes(raw))
+    with pytest.raises(quire.CorruptCheckpointError):
+        quire.load(url)
+    assert _fds() == before
+
+
+def test_kept_descriptors_are_bounded_and_outlive_no_read(tmp_path: Path) -> None:
+    from quire._backends import _openfiles
+
+    (tmp_path / "f").write_bytes(b"x")
+    files = _openfiles.OpenFiles()
+
+    def opener() -> int:
+        return os.open(tmp_path / "f", os.O_RDONLY)
+
+    held = [files.acquire(f"d/t/%packs/p{i}", opener) for i in range(_openfiles.MAX_OPEN + 3)]
+    assert [shared for _, shared in held].count(False) == 3  # beyond the bound: not kept
+    for fd, _ in held[_openfiles.MAX_OPEN :]:
+        os.close(fd)
+    fd0, _ = files.acquire("d/t/%packs/p0", opener)
+    assert fd0 == held[0][0]  # the same key shares its descriptor
+    for i in range(1, _openfiles.MAX_OPEN):
+        files.release(f"d/t/%packs/p{i}")
+    files.close()  # p0 is still read by two: it stays open until they are done
+    assert os.read(fd0, 1) == b"x"
+    files.release("d/t/%packs/p0")
+    files.release("d/t/%packs/p0")
+    with pytest.raises(OSError):
+        os.fstat(fd0)
+    assert _openfiles.keepable("d/abc/%packs/p00000-00001")
+    assert not _openfiles.keepable("d/abc/%packs/p00000.index.json")
+    assert not _openfiles.keepable("quire.json")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -220,7 +221,15 @@ async def load(
     async def attempt(doc: dict[str, Any]) -> Any:
         return await load_doc(url, doc, backend, abstract, partial=partial)
 
-    return await _reloading(backend, url, attempt)
+    with keeping_open(backend):
+        return await _reloading(backend, url, attempt)
+
+
+def keeping_open(backend: Backend) -> contextlib.AbstractContextManager[Any]:
+    """The backend's ``keep_open()`` scope where it has one (local disks: each pack is
+    opened once per load), else nothing."""
+    keep = getattr(backend, "keep_open", None)
+    return keep() if callable(keep) else contextlib.nullcontext()
 
 
 T = TypeVar("T")
@@ -308,9 +317,10 @@ async def load_units(
     """Load the named units (all when ``targets`` is None); each target is an abstract tree
     for pytree units, or the object / None for other units."""
     backend = open_backend(url, storage_options)
-    return await _reloading(
-        backend, url, lambda doc: _load_units(url, doc, backend, targets, partial=partial)
-    )
+    with keeping_open(backend):
+        return await _reloading(
+            backend, url, lambda doc: _load_units(url, doc, backend, targets, partial=partial)
+        )
 
 
 async def _load_units(

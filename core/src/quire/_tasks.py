@@ -38,6 +38,8 @@ async def for_each(items: Iterable[T], fn: Callable[[T], Awaitable[Any]], limit:
 async def gather_cancelling(*aws: Awaitable[T]) -> list[T]:
     """Like ``asyncio.gather``, but the first error cancels the other awaitables and is
     raised (not wrapped) once they have stopped."""
+    if len(aws) == 1:  # no siblings to cancel: no task either
+        return [await aws[0]]
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         return list(await asyncio.gather(*tasks))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -11,10 +12,11 @@ import fcntl
 import os
 import secrets
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from quire._backends._openfiles import OpenFiles, keepable
 from quire._io import run_blocking
 from quire.backends import Backend, Buffer, Capabilities, PreconditionFailed
 
@@ -147,6 +149,7 @@ class LocalBackend(Backend):
         self._dirty_files: list[str] = []
         self._dirty_dirs: set[str] = set()
         self._fsync = bool(self.storage_options.get("fsync", True))
+        self._kept: OpenFiles | None = None  # pack descriptors kept open by a load
         # "fsync" (default): each file is fsynced by the thread that wrote it, in parallel,
         # then its directories; "syncfs": one syncfs(2) of the whole file system at the end
         # (fewer calls, but it also waits for every other program's unwritten data).
@@ -183,18 +186,58 @@ class LocalBackend(Backend):
         finally:
             os.close(dfd)
 
+    @contextlib.contextmanager
+    def keep_open(self) -> Iterator[None]:
+        """For the block (one load), reads of pack objects share one descriptor per
+        pack instead of opening the file for every range (see ``_openfiles``)."""
+        if self._kept is not None:  # already in a load's scope
+            yield
+            return
+        self._kept = files = OpenFiles()
+        try:
+            yield
+        finally:
+            self._kept = None
+            files.close()
+
+    @contextlib.contextmanager
+    def _reading(self, key: str) -> Iterator[int]:
+        """A read-only descriptor of ``key`` for the block (kept ones are shared)."""
+        files = self._kept
+        if files is None or not keepable(key):
+            fd = self._open(key, os.O_RDONLY)
+            try:
+                yield fd
+            finally:
+                os.close(fd)
+            return
+        fd, shared = files.acquire(key, lambda: self._open(key, os.O_RDONLY))
+        try:
+            yield fd
+        finally:
+            if shared:
+                files.release(key)
+            else:
+                os.close(fd)
+
     def _get(self, key: str, start: int | None, end: int | None) -> bytes:
-        with os.fdopen(self._open(key, os.O_RDONLY), "rb") as f:
-            if start:
-                f.seek(start)
-            return f.read() if end is None else f.read(end - (start or 0))
+        with self._reading(key) as fd:
+            pos = start or 0
+            left = (os.fstat(fd).st_size if end is None else end) - pos
+            parts = []
+            while left > 0:
+                got = os.pread(fd, left, pos)
+                if not got:
+                    break
+                parts.append(got)
+                pos, left = pos + len(got), left - len(got)
+            return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int = 0) -> int:
         return await run_blocking(self._get_into, key, buffers, offset)
 
     def _get_into(self, key: str, buffers: Sequence[memoryview], offset: int) -> int:
-        fd = self._open(key, os.O_RDONLY)
-        try:
+        with self._reading(key) as fd:
             total = 0
             bufs = [memoryview(b).cast("B") for b in buffers]
             while bufs:
@@ -208,8 +251,6 @@ class LocalBackend(Backend):
                 if bufs and n:
                     bufs[0] = bufs[0][n:]
             return total
-        finally:
-            os.close(fd)
 
     async def size(self, key: str) -> int:
         return (await run_blocking(os.stat, self._p(key))).st_size

@@ -1,0 +1,83 @@
+"""Loads hand device shards to XLA without a copy: aligned host buffers (``_hostbuf``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+
+import quire
+from quire._hostbuf import ALIGN, aligned_empty, for_device, is_aligned
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (3,), (5, 7), (1000, 33)])
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32, np.complex128, jax.numpy.bfloat16])
+def test_aligned_empty(shape: tuple[int, ...], dtype: Any) -> None:
+    for _ in range(5):  # numpy's own allocations land on varying 16-byte boundaries
+        a = aligned_empty(shape, dtype)
+        assert a.shape == shape and a.dtype == np.dtype(dtype)
+        assert a.flags.c_contiguous and a.flags.writeable
+        assert a.size == 0 or a.ctypes.data % ALIGN == 0  # an empty array has no data
+
+
+def test_for_device_copies_only_when_it_must() -> None:
+    a = aligned_empty((64, 8), np.float32)
+    a[...] = np.arange(a.size, dtype=np.float32).reshape(a.shape)
+    assert for_device(a) is a
+    moved = np.empty(a.size * 4 + 16, np.uint8)[16 : 16 + a.nbytes].view(np.float32)
+    if moved.ctypes.data % ALIGN == 0:
+        moved = np.empty(a.size * 4 + 32, np.uint8)[32 : 32 + a.nbytes].view(np.float32)
+    moved[...] = a.reshape(-1)
+    for src in (moved, a[:, ::2], a.T):  # unaligned, strided, Fortran order
+        out = for_device(src)
+        assert out is not src and is_aligned(out)
+        np.testing.assert_array_equal(out, src)
+    cast = for_device(a, np.float64)
+    assert cast.dtype == np.float64 and is_aligned(cast)
+    np.testing.assert_array_equal(cast, a)
+
+
+def test_xla_adopts_an_aligned_buffer_on_cpu() -> None:
+    """The premise: device_put of an aligned buffer on a CPU device shares its memory."""
+    a = aligned_empty((1 << 16,), np.float32)
+    a[...] = 1
+    x = jax.device_put(a, jax.devices()[0])
+    assert x.unsafe_buffer_pointer() == a.ctypes.data
+    assert float(x.sum()) == a.size
+
+
+@pytest.mark.parametrize("layout", ["packed", "chunks"])
+@pytest.mark.parametrize("how", ["as saved", "resharded", "cast"])
+def test_sharded_load_puts_every_shard_without_a_copy(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, layout: str, how: str
+) -> None:
+    devs = np.array(jax.devices()[:8])
+    mesh = jax.sharding.Mesh(devs.reshape(8), ("x",))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    mesh2 = jax.sharding.Mesh(devs.reshape(4, 2), ("a", "b"))
+    blocks = jax.sharding.NamedSharding(mesh2, jax.sharding.PartitionSpec("a", "b"))
+    value = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    quire.save(str(tmp_path / "c"), {"w": jax.device_put(value, rows)}, layout=layout)
+    target = {
+        "as saved": jax.ShapeDtypeStruct(value.shape, np.float32, sharding=rows),
+        "resharded": jax.ShapeDtypeStruct(value.shape, np.float32, sharding=blocks),
+        "cast": jax.ShapeDtypeStruct(value.shape, jax.numpy.bfloat16, sharding=rows),
+    }[how]
+    puts: list[tuple[int, int]] = []
+    real = jax.device_put
+
+    def spy(x: Any, device: Any = None, **kw: Any) -> Any:
+        out = real(x, device, **kw)
+        if isinstance(x, np.ndarray):
+            puts.append((x.ctypes.data, out.unsafe_buffer_pointer()))
+        return out
+
+    monkeypatch.setattr(jax, "device_put", spy)
+    got = quire.load(str(tmp_path / "c"), {"w": target})["w"]
+    monkeypatch.undo()
+    assert got.sharding == target.sharding and got.dtype == target.dtype
+    np.testing.assert_array_equal(np.asarray(got), value.astype(target.dtype))
+    assert len(puts) == 8
+    assert all(host == dev for host, dev in puts), "a device shard was copied by device_put"
