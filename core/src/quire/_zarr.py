@@ -82,8 +82,11 @@ async def _read_raw_into(
 ) -> None:
     """Read an uncompressed (inner) chunk straight into C-contiguous ``dest`` and verify."""
     body = _bytes_view(dest)
-    tail = bytearray(5 if layout.checksum else 1)
-    n = await backend.get_into(key, [body, memoryview(tail)], offset or 0)
+    # A whole object is read one byte long, to tell a too-long object; a range of a zarr
+    # shard is read exactly (the shard index gave its length).
+    tail = bytearray((4 if layout.checksum else 0) + (1 if offset is None else 0))
+    views = [body, memoryview(tail)] if tail else [body]
+    n = await backend.get_into(key, views, offset or 0)
     want = body.nbytes + (4 if layout.checksum else 0)
     if n < want:
         raise ChunkError(f"truncated: {n} bytes, expected {want}")
