@@ -8,6 +8,7 @@ The memory backend stands in for an object store: giving it a ``read_part_size``
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -154,7 +155,7 @@ def test_zarr_shards_are_read_by_range_not_through_windows(
     assert all(np.array_equal(got["sharded"][k], v) for k, v in tree["sharded"].items())
     assert all(np.array_equal(got["plain"][k], v) for k, v in tree["plain"].items())
     spans = sorted((k, o, o + n) for k, o, n in reads)
-    for (k1, _, e1), (k2, s2, _) in zip(spans, spans[1:]):
+    for (k1, _, e1), (k2, s2, _) in itertools.pairwise(spans):
         assert k1 != k2 or e1 <= s2, spans  # no byte read twice
     sharded = sum(v.nbytes for v in tree["sharded"].values())
     plain = sum(v.nbytes for v in tree["plain"].values())
