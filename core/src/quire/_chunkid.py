@@ -52,6 +52,7 @@ have no trailers and keep the CRC-32 only.  ``core/tests/test_shard_identity.py`
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -101,22 +102,41 @@ def chunk_crc(views: Sequence[memoryview], n: int | None = None) -> int:
     return crc
 
 
+class ViewBytes:
+    """Random access to a few bytes of a sequence of views (one logical byte string)."""
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self.views = [v.cast("B") for v in views if v.nbytes]
+        self.starts, pos = [], 0
+        for v in self.views:
+            self.starts.append(pos)
+            pos += v.nbytes
+
+    def take(self, pos: int, k: int) -> bytes:
+        """Bytes ``[pos, pos + k)`` (fewer at the end of the views)."""
+        out = bytearray()
+        i = bisect.bisect_right(self.starts, pos) - 1
+        while len(out) < k and 0 <= i < len(self.views):
+            v, s = self.views[i], self.starts[i]
+            out += v[pos + len(out) - s : pos + k - s]
+            i += 1
+        return bytes(out)
+
+    def trailer(self, end: int) -> str:
+        """The 4 bytes before ``end`` as the index writes a crc32c trailer."""
+        return le_hex(self.take(end - 4, 4))
+
+
+def le_hex(four: bytes) -> str:
+    """A crc32c trailer (4 bytes, little-endian) as the index writes it: 8 hex digits."""
+    return crc_hex(int.from_bytes(four, "little"))
+
+
 def trailer_hex(views: Sequence[memoryview], n: int | None = None) -> str | None:
     """The last 4 of the first ``n`` bytes of ``views`` (all when None) as the index
     writes a crc32c trailer; None when there are fewer than 4."""
     total = sum(v.nbytes for v in views) if n is None else n
-    if total < 4:
-        return None
-    tail = bytearray()
-    end = 0
-    for v in views:
-        v = v.cast("B")
-        start, end = end, end + v.nbytes
-        if end > total - 4 and start < total:
-            tail += v[max(0, total - 4 - start) : min(v.nbytes, total - start)]
-        if end >= total:
-            break
-    return crc_hex(int.from_bytes(tail, "little"))
+    return ViewBytes(views).trailer(total) if total >= 4 else None
 
 
 def _mismatch(ref: Ref, key: str) -> ChunkError:

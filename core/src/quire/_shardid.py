@@ -13,36 +13,15 @@ the offset the checked index gives (the index is read first when the caller did 
 from __future__ import annotations
 
 import asyncio
-import bisect
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from quire._chunkid import Ref, crc_hex
+from quire._chunkid import Ref, ViewBytes, crc_hex, le_hex
 from quire._zarr_layout import _U64_MAX, ChunkError, crc32c
 
 SHARD_ROWS = 1 << 19  # checked shard-index rows a reader keeps (40 bytes each: 20 MiB)
-
-
-class _Bytes:
-    """Random access to a few bytes of a sequence of views (one logical byte string)."""
-
-    def __init__(self, views: Sequence[memoryview]) -> None:
-        self.views = [v.cast("B") for v in views if v.nbytes]
-        self.starts, pos = [], 0
-        for v in self.views:
-            self.starts.append(pos)
-            pos += v.nbytes
-
-    def take(self, pos: int, k: int) -> bytes:
-        out = bytearray()
-        i = bisect.bisect_right(self.starts, pos) - 1
-        while len(out) < k and 0 <= i < len(self.views):
-            v, s = self.views[i], self.starts[i]
-            out += v[pos + len(out) - s : pos + k - s]
-            i += 1
-        return bytes(out)
 
 
 def shard_binding(views: Sequence[memoryview], n: int, n_inner: int) -> str | None:
@@ -54,13 +33,13 @@ def shard_binding(views: Sequence[memoryview], n: int, n_inner: int) -> str | No
     ilen = 16 * n_inner + 4
     if n_inner < 1 or n < ilen:
         return None
-    data = _Bytes(views)
+    data = ViewBytes(views)
     rows = np.frombuffer(data.take(n - ilen, ilen - 4), dtype="<u8").reshape(-1, 2)
-    out = [crc_hex(int.from_bytes(data.take(n - 4, 4), "little"))]
+    out = [data.trailer(n)]
     for off, nb in rows.tolist():
         if off == _U64_MAX or nb < 4 or off + nb > n - ilen:
             return None
-        out.append(crc_hex(int.from_bytes(data.take(off + nb - 4, 4), "little")))
+        out.append(data.trailer(off + nb))
     return "".join(out)
 
 
@@ -108,8 +87,8 @@ def shard_rows(ref: Ref, key: str, views: Sequence[memoryview], start: int, n: i
     a, b = shard_index_span(ref)
     if start > a or start + n < b or a < 0:
         raise ChunkError(f"{key}: the read does not cover the shard index")
-    raw = _Bytes(views).take(a - start, b - a)
-    if crc_hex(int.from_bytes(raw[-4:], "little")) != ref.shard[:8]:
+    raw = ViewBytes(views).take(a - start, b - a)
+    if le_hex(raw[-4:]) != ref.shard[:8]:
         raise _shard_mismatch(ref, key, "shard index")
     if crc_hex(crc32c(raw[:-4])) != ref.shard[:8]:
         raise ChunkError(f"{key}: crc32c checksum mismatch in shard index")
@@ -136,9 +115,9 @@ def check_shard_range(
     inside = rows.inside(start, n)
     if not inside:
         return
-    data = _Bytes(views)
+    data = ViewBytes(views)
     for i in inside:
-        got = crc_hex(int.from_bytes(data.take(int(rows.ends[i]) - 4 - start, 4), "little"))
+        got = data.trailer(int(rows.ends[i]) - start)
         if got != ref.shard[8 * (i + 1) : 8 * (i + 2)]:
             raise _shard_mismatch(ref, key, f"inner chunk {i}")
 
