@@ -30,7 +30,7 @@ import quire
 from quire import _chunkid, _format, _journal, partial
 from quire._backends.memory import MemoryBackend
 from quire._cli import main
-from quire._zarr import crc32c
+from quire._crc import crc32c
 from quire.errors import CorruptCheckpointError
 
 W = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 import quire
 from quire import _chunkid, _chunkindex, _format, _shardid, partial
 from quire._cli import main
-from quire._zarr import crc32c
+from quire._crc import crc32c
 from quire.errors import CorruptCheckpointError
 
 W = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from quire import errors, partial, policies, progress, sources, surgery
 from quire._api import (
     AsyncResponse,
@@ -30,6 +28,7 @@ from quire._registry import (
     unregister_checkpointable_handler,
     unregister_leaf_handler,
 )
+from quire._version import __version__
 from quire._zarrstore import zarr_store
 from quire.checkpointables import Checkpointable, CheckpointableHandler
 from quire.errors import (

@@ -58,7 +58,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from quire._zarr_layout import ChunkError, crc32c
+from quire._crc import ChunkError, crc32c
 
 try:  # the same CRC-32 as zlib.crc32, several times faster (SIMD); zlib is the fallback
     from zlib_ng.zlib_ng import crc32 as _crc32

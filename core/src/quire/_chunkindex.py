@@ -51,10 +51,10 @@ from quire._chunkid import (
     check_read,
     crc_hex,
 )
+from quire._crc import ChunkError, crc32c
 from quire._paths import is_safe_location
 from quire._shardid import ShardChecks, valid_shard_binding
 from quire._wrapped import Wrapped
-from quire._zarr import ChunkError, crc32c
 from quire.backends import Backend
 from quire.errors import CorruptCheckpointError
 

@@ -149,7 +149,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             err = err[len(prefix) :] if err.startswith(prefix) else err
         print(f"BAD  {p.path}: {p.object}: {err}")
     if problems:
-        from quire._copy import is_chunk
+        from quire._paths import is_chunk
 
         bad = sum(is_chunk(p.object) for p in problems)
         headers = len(problems) - bad

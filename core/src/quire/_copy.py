@@ -27,8 +27,9 @@ from typing import Any
 from quire import _commit, _format
 from quire._budget import ByteBudget
 from quire._config import current
+from quire._crc import crc_bytes
 from quire._io import run_blocking
-from quire._paths import is_safe_location
+from quire._paths import is_chunk, is_safe_location
 from quire._tree import from_json, keystr
 from quire._url import normalize, open_backend
 from quire.backends import Backend
@@ -86,14 +87,7 @@ class _Item:
 
 
 # ----------------------------------------------------------------------------- checks
-def is_chunk(key: str) -> bool:
-    """Whether a stored object (or a pack range) is an array chunk (or zarr shard), the
-    unit ``quire verify``, ``cp`` and ``info`` count, rather than an array's ``zarr.json``."""
-    return not key.endswith("zarr.json")
-
-
 def _check_unit_object(data: bytes) -> None:
-    from quire._zarr import crc_bytes
 
     if len(data) < 4 or crc_bytes(data[:-4]) != data[-4:]:
         raise ValueError("crc32c checksum mismatch")

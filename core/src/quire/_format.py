@@ -22,6 +22,8 @@ import json
 from typing import Any
 
 from quire import _schema
+from quire._crc import crc32c
+from quire._version import __version__
 from quire.errors import CorruptCheckpointError
 
 FORMAT = "quire"
@@ -43,8 +45,6 @@ def build(
     extra: dict[str, Any] | None = None,
     indexes: list[dict[str, Any]] | None = None,
 ) -> bytes:
-    from quire import __version__
-
     doc = {
         "format": FORMAT,
         "version": VERSION,
@@ -110,7 +110,6 @@ def record_checksum(doc: dict[str, Any]) -> str:
     """crc32c (hex) of the record without its ``checksum`` field, in canonical JSON
     (sorted keys, compact separators, ASCII): a flipped byte in an inline value — a
     scalar, a string, a JSON unit — is caught like a flipped byte in a chunk."""
-    from quire._zarr import crc32c
 
     body = {k: v for k, v in doc.items() if k != "checksum" and not k.startswith("_")}
     canon = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)

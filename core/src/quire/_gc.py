@@ -35,6 +35,7 @@ from typing import Any
 
 from quire import _commit, _format
 from quire._format import JOURNAL_DIR
+from quire._version import __version__
 from quire.backends import Backend
 from quire.errors import CorruptCheckpointError, QuireError
 
@@ -131,8 +132,6 @@ async def read_root_record(backend: Backend, url: str) -> dict[str, Any] | None:
 
 async def create_root_record(backend: Backend, step_format: str, metadata: dict[str, Any]) -> bool:
     """Create the root record unless one exists (conditional create); True if we made it."""
-    from quire import __version__
-
     doc = {
         "format": ROOT_FORMAT,
         "version": ROOT_VERSION,

@@ -72,3 +72,9 @@ def is_safe_location(loc: object) -> bool:
     if not isinstance(loc, str) or not loc.startswith("d/") or "\x00" in loc or "\\" in loc:
         return False
     return all(part not in ("", ".", "..") for part in loc.split("/"))
+
+
+def is_chunk(key: str) -> bool:
+    """Whether a stored object (or a pack range) is an array chunk (or zarr shard), the
+    unit ``quire verify``, ``cp`` and ``info`` count, rather than an array's ``zarr.json``."""
+    return not key.endswith("zarr.json")

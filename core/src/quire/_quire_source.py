@@ -17,11 +17,12 @@ import numpy as np
 from quire import _handlers
 from quire._budget import ByteBudget
 from quire._config import current
+from quire._crc import ChunkError
 from quire._io import submit
 from quire._lazy import LazyArray, Region, region_shape
 from quire._tree import Node, from_json, keystr
 from quire._url import open_backend
-from quire._zarr import ChunkError, read_region
+from quire._zarr import read_region
 from quire.backends import Backend
 from quire.errors import CorruptCheckpointError
 from quire.handlers import LoadContext, LoadEntry

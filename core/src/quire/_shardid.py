@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import numpy as np
 
 from quire._chunkid import Ref, ViewBytes, crc_hex, le_hex
-from quire._zarr_layout import _U64_MAX, ChunkError, crc32c
+from quire._crc import U64_MAX, ChunkError, crc32c
 
 SHARD_ROWS = 1 << 19  # checked shard-index rows a reader keeps (40 bytes each: 20 MiB)
 
@@ -37,7 +37,7 @@ def shard_binding(views: Sequence[memoryview], n: int, n_inner: int) -> str | No
     rows = np.frombuffer(data.take(n - ilen, ilen - 4), dtype="<u8").reshape(-1, 2)
     out = [data.trailer(n)]
     for off, nb in rows.tolist():
-        if off == _U64_MAX or nb < 4 or off + nb > n - ilen:
+        if off == U64_MAX or nb < 4 or off + nb > n - ilen:
             return None
         out.append(data.trailer(off + nb))
     return "".join(out)

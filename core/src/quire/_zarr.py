@@ -19,17 +19,12 @@ from typing import Any
 import numpy as np
 
 from quire import _progress
+from quire._crc import U64_MAX, ChunkError, bytes_view, crc_bytes
 from quire._io import run_blocking
 from quire._tasks import for_each
 from quire._zarr_layout import (
-    _U64_MAX,
     MAX_OPEN_CHUNKS,
     ArrayLayout,
-    ChunkError,
-    _bytes_view,
-    crc32c,  # noqa: F401
-    crc_bytes,
-    inner_chunks_for,  # noqa: F401
     pad_to,
 )
 from quire.backends import Backend, Buffer
@@ -81,7 +76,7 @@ async def _read_raw_into(
     backend: Backend, key: str, layout: ArrayLayout, dest: np.ndarray, offset: int | None = None
 ) -> None:
     """Read an uncompressed (inner) chunk straight into C-contiguous ``dest`` and verify."""
-    body = _bytes_view(dest)
+    body = bytes_view(dest)
     # A whole object is read one byte long, to tell a too-long object; a range of a zarr
     # shard is read exactly (the shard index gave its length).
     tail = bytearray((4 if layout.checksum else 0) + (1 if offset is None else 0))
@@ -159,7 +154,7 @@ def _shard_index(layout: ArrayLayout, raw: bytes) -> np.ndarray:
 def _inner_span(row: Any, which: Any, limit: int) -> tuple[int, int]:
     """``(offset, nbytes)`` of an inner chunk from its index row, inside ``limit`` bytes."""
     off, nb = (int(v) for v in row)
-    if off == _U64_MAX and nb == _U64_MAX:
+    if off == U64_MAX and nb == U64_MAX:
         raise ChunkError(f"inner chunk {which} missing from shard")
     if off + nb > limit:
         raise ChunkError(f"inner chunk {which} lies outside the shard")

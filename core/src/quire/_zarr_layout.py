@@ -11,39 +11,11 @@ from typing import Any
 
 import numpy as np
 
+from quire._crc import ChunkError, bytes_view, crc_bytes
 from quire._dtypes import dtype_name
 from quire.backends import Buffer
 
-_crc32c: Any
-try:
-    from crc32c import crc32c as _crc32c
-except ImportError:  # pragma: no cover - crc32c is a dependency; google-crc32c comes with zarr
-    import google_crc32c
-
-    _crc32c = google_crc32c.value
-
-
-_U64_MAX = 2**64 - 1
 MAX_OPEN_CHUNKS = 64  # concurrent chunk reads/writes per array operation
-
-
-class ChunkError(ValueError):
-    """A chunk failed verification (bad checksum, wrong size, missing, undecodable)."""
-
-
-def _bytes_view(arr: np.ndarray) -> memoryview:
-    """A flat byte view of a C-contiguous array (no copy)."""
-    if not arr.size:
-        return memoryview(bytearray())
-    return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-
-
-def crc32c(data: Any) -> int:
-    return int(_crc32c(memoryview(data).cast("B")))
-
-
-def crc_bytes(data: Any) -> bytes:
-    return crc32c(data).to_bytes(4, "little")
 
 
 def _le(arr: np.ndarray) -> np.ndarray:
@@ -178,7 +150,7 @@ class ArrayLayout:
     def _encode_one(self, arr: np.ndarray) -> list[Buffer]:
         """Encode one (inner) chunk of exactly its chunk shape; returns buffers."""
         arr = np.ascontiguousarray(_le(arr))
-        raw = _bytes_view(arr)
+        raw = bytes_view(arr)
         if not self.compressors:
             return [raw, crc_bytes(raw)] if self.checksum else [raw]
         from zarr.core.buffer.cpu import Buffer as ZBuffer

@@ -31,6 +31,8 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from quire._crc import crc_bytes
+
 if TYPE_CHECKING:
     from quire.backends import Backend
 
@@ -63,7 +65,6 @@ class UnitIO:
 
     def write(self, name: str, data: bytes) -> None:
         """Store ``data`` as ``name`` (with a crc32c appended and checked on read)."""
-        from quire._zarr import crc_bytes
 
         key = self._key(name)
         self._run(self.backend.put(key, [data, crc_bytes(data)]))
@@ -71,7 +72,6 @@ class UnitIO:
 
     def read(self, name: str) -> bytes:
         """The bytes stored as ``name``; ``CorruptCheckpointError`` if they fail their crc."""
-        from quire._zarr import crc_bytes
         from quire.errors import CorruptCheckpointError
 
         raw = self._run(self.backend.get(self._key(name)))

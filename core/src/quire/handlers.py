@@ -44,6 +44,8 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from quire import _progress
+from quire._paths import is_chunk
 from quire.options import StorageOptions
 
 if TYPE_CHECKING:
@@ -300,9 +302,6 @@ async def check_objects(
                 raise ValueError(f"{len(data)} bytes at {obj.offset}, expected {obj.length}")
             if obj.check is not None:
                 await asyncio.to_thread(obj.check, data)
-            from quire import _progress
-            from quire._copy import is_chunk
-
             _progress.advance(len(data), int(is_chunk(obj.key)))  # chunks, as cp counts
             return data
 

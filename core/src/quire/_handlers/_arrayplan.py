@@ -13,7 +13,7 @@ import numpy as np
 from quire import _codecs
 from quire._dtypes import dtype_from_name, dtype_name
 from quire._tree import keystr
-from quire._zarr import ArrayLayout, inner_chunks_for
+from quire._zarr_layout import ArrayLayout, inner_chunks_for
 from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
 
 # A claimed array larger than this is refused as corrupt before anything is allocated.
