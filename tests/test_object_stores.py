@@ -216,7 +216,7 @@ def test_packs_stream_in_multipart_parts_and_roll_over(store: Store) -> None:
     upload of unknown size whose 16 MiB chunks go up in turn as they fill), with one chunk
     index; a byte budget of 16 MiB does not cut the packs short (nothing holds a whole
     pack); everything loads and verifies."""
-    from quire import _engine, _io
+    from quire import _io, _load
 
     rng = np.random.default_rng(7)
     tree = {f"a{i}": rng.standard_normal((1 << 20) // 2).astype(np.float32) for i in range(20)}
@@ -240,7 +240,7 @@ def test_packs_stream_in_multipart_parts_and_roll_over(store: Store) -> None:
     got = quire.load(url, storage_options=opts)
     assert all(np.array_equal(got[k], v) for k, v in tree.items())
     # every chunk and every array's zarr.json
-    assert _io.submit(_engine.verify(url, opts)).result() == (40, [])
+    assert _io.submit(_load.verify(url, opts)).result() == (40, [])
 
 
 def test_small_pack_is_one_request_and_a_load_reads_packs_in_windows(store: Store) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import quire
-from quire import _api, _gc
+from quire import _api, _root
 from quire._backends.local import LocalBackend
 from quire._backends.memory import MemoryBackend
 from quire._cli import main as cli
@@ -49,7 +49,7 @@ def mem() -> str:
 
 
 def name(step: int) -> str:
-    return _gc.DEFAULT_STEP_FORMAT.format(step)
+    return _root.DEFAULT_STEP_FORMAT.format(step)
 
 
 def age(path: Path, seconds: float) -> None:
@@ -111,16 +111,16 @@ def test_keep_policies() -> None:
 
 
 def test_step_format() -> None:
-    f = _gc.StepFormat("step_{:08d}")
+    f = _root.StepFormat("step_{:08d}")
     assert f.name(42) == "step_00000042" and f.parse("step_00000042") == 42
     for bad in ("step_42", "step_0000004a", "step_-0000042", "xstep_00000042", "step_00000042x"):
         assert f.parse(bad) is None, bad
-    g = _gc.StepFormat("{}")
+    g = _root.StepFormat("{}")
     assert g.parse("17") == 17 and g.parse("017") is None and g.parse("-1") is None
-    assert _gc.StepFormat("ckpt-{}.q").parse("ckpt-5.q") == 5
+    assert _root.StepFormat("ckpt-{}.q").parse("ckpt-5.q") == 5
     for bad in ("step", "{}/{}", "a/{}", "{name}", "{!r}", "{:s}", "{0}{0}"):
         with pytest.raises(ValueError):
-            _gc.StepFormat(bad)
+            _root.StepFormat(bad)
 
 
 # ============================================================================= basics

@@ -23,12 +23,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import quire
-from quire import _gc, _io
+from quire import _gc, _io, _root
 from quire._backends.memory import forget
 from quire._url import open_backend
 
 STEPS = [1, 2, 3]
-FMT = _gc.StepFormat(_gc.DEFAULT_STEP_FORMAT)
+FMT = _root.StepFormat(_root.DEFAULT_STEP_FORMAT)
 
 
 def _run(coro: Any) -> Any:
@@ -86,7 +86,7 @@ class CommitMachine(RuleBasedStateMachine):
     def matches_model(self) -> None:
         if not hasattr(self, "root"):
             return
-        assert _run(_gc.committed_steps(self.backend, FMT)) == sorted(self.model)
+        assert _run(_root.committed_steps(self.backend, FMT)) == sorted(self.model)
         for step in STEPS:
             keys = _run(self.backend.list(f"{FMT.name(step)}/d"))
             on_disk = {k.split("/")[2] for k in keys}

@@ -72,9 +72,9 @@ def _plain_zarr_open(root: str, index: dict[str, Any], location: str) -> zarr.Ar
 
 
 def _verify(url: str) -> tuple[int, list[Any]]:
-    from quire import _engine, _io
+    from quire import _io, _load
 
-    return _io.submit(_engine.verify(url)).result()
+    return _io.submit(_load.verify(url)).result()
 
 
 def test_plain_zarr_reads_every_leaf_kind_through_the_reference_filesystem(tmp_path: Path) -> None:
@@ -250,7 +250,7 @@ def test_partial_save_journal_on_packs(tmp_path: Path) -> None:
 def test_load_reads_only_its_own_index(tmp_path: Path) -> None:
     """An index naming a second process's (absent) index object is never read when the
     loader finds every chunk in its own."""
-    from quire import _chunkindex, _engine, _io
+    from quire import _chunkindex, _io, _load
     from quire._url import open_backend
 
     url = str(tmp_path / "c")
@@ -267,7 +267,7 @@ def test_load_reads_only_its_own_index(tmp_path: Path) -> None:
     # A key its own index lacks sends it to the others' (here: absent -> corrupt).
     with pytest.raises(_chunkindex.ChunkError, match="missing"):
         _io.submit(idx.lookup(f"{loc}/c/9")).result()
-    assert _engine.packed_view(backend, url, {}) is backend
+    assert _load.packed_view(backend, url, {}) is backend
 
 
 def test_adjacent_chunk_reads_are_coalesced(tmp_path: Path) -> None:

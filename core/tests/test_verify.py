@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import quire
-from quire import _engine, _io
+from quire import _io, _load
 
 
 @pytest.fixture(autouse=True)
@@ -29,8 +29,8 @@ STORAGE = {
 }
 
 
-def _verify(url: str) -> tuple[int, list[_engine.VerifyProblem]]:
-    return _io.submit(_engine.verify(url)).result(timeout=60)
+def _verify(url: str) -> tuple[int, list[_load.VerifyProblem]]:
+    return _io.submit(_load.verify(url)).result(timeout=60)
 
 
 def _save(tmp_path: Path, storage: quire.StorageOptions) -> Path:

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict, Unpack
 
-from quire import _engine, _io, _progress
+from quire import _engine, _format, _io, _load, _progress
 from quire._async import AsyncResponse, chain
 from quire._url import normalize
 from quire.errors import CheckpointNotFoundError
@@ -124,7 +124,7 @@ def save(url: str | os.PathLike[str], tree: Any, **options: Unpack[SaveOptions])
         committed.
     """
     # The streaming path: no host copy of the tree, shards are read while writing.
-    _start_save("save", url, {_engine.PYTREE: tree}, False, options).result()
+    _start_save("save", url, {_format.PYTREE: tree}, False, options).result()
 
 
 def save_async(
@@ -150,7 +150,7 @@ def save_async(
     UnsupportedLeafError
         A leaf has a type no installed leaf handler saves (raised at once).
     """
-    return _start_save("save_async", url, {_engine.PYTREE: tree}, True, options)
+    return _start_save("save_async", url, {_format.PYTREE: tree}, True, options)
 
 
 def save_checkpointables(
@@ -244,7 +244,7 @@ def load_checkpointables(
     """
     u = normalize(url)
     return _io.submit(
-        _engine.load_units(u, checkpointables, partial=partial, storage_options=storage_options)
+        _load.load_units(u, checkpointables, partial=partial, storage_options=storage_options)
     ).result()
 
 
@@ -282,11 +282,11 @@ def load_async(
             try:
                 from quire import _describe
 
-                m = await _engine.metadata(u, storage_options)
+                m = await _load.metadata(u, storage_options)
                 rep.add_total(_describe.array_bytes(m.tree))
             except Exception:
                 pass  # the load itself reports what is wrong
-        return await _engine.load(u, abstract, partial=partial, storage_options=storage_options)
+        return await _load.load(u, abstract, partial=partial, storage_options=storage_options)
 
     return AsyncResponse(
         _io.submit(_progress.tracked(rep, run, close=rep is not progress)),
@@ -407,4 +407,4 @@ def metadata(
         A leaf needs a handler that is not installed or fails to load.
     """
     u = normalize(url)
-    return _io.submit(_engine.metadata(u, storage_options)).result()
+    return _io.submit(_load.metadata(u, storage_options)).result()

@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from quire import _api, _exit, _gc
+from quire import _api, _exit, _gc, _root
 from quire._checkpointer_retain import (
     _as_step,
     _await_response,
@@ -161,7 +161,7 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
         self._gc_done = False
         self._closed = False
 
-        doc = self._run(_gc.read_root_record(self._backend, self.root))
+        doc = self._run(_root.read_root_record(self._backend, self.root))
         if doc is not None and step_format is not None and doc["step_format"] != step_format:
             raise ValueError(
                 f"{self.root} was written with step_format {doc['step_format']!r}, not "
@@ -174,8 +174,8 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
                 self.root,
             )
         self._root_doc = doc
-        self._fmt = _gc.StepFormat(
-            step_format or (doc["step_format"] if doc else _gc.DEFAULT_STEP_FORMAT)
+        self._fmt = _root.StepFormat(
+            step_format or (doc["step_format"] if doc else _root.DEFAULT_STEP_FORMAT)
         )
         self._relist()
         self._last_saved_step: int | None = self._latest()
@@ -194,7 +194,7 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
             return max(live) if live else None
 
     def _relist(self) -> None:
-        found = set(self._run(_gc.committed_steps(self._backend, self._fmt)))
+        found = set(self._run(_root.committed_steps(self._backend, self._fmt)))
         with self._lock:
             self._committed = {s: self._committed.get(s) for s in sorted(found)}
 
@@ -209,7 +209,7 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
                     self._committed.pop(step, None)
                 elif step in self._committed:
                     self._committed[step] = StepInfo(
-                        step, doc["_created"].timestamp(), _gc.record_metrics(doc)
+                        step, doc["_created"].timestamp(), _root.record_metrics(doc)
                     )
 
         await asyncio.gather(*(one(s) for s in todo))
@@ -359,13 +359,13 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
             )
             return False
         user = dict(metadata or {})
-        if _gc.METRICS_KEY in user:
+        if _root.METRICS_KEY in user:
             raise ValueError(
-                f"metadata key {_gc.METRICS_KEY!r} is reserved; pass metrics=... instead"
+                f"metadata key {_root.METRICS_KEY!r} is reserved; pass metrics=... instead"
             )
         clean = _clean_metrics(metrics, step)
         if metrics is not None:
-            user[_gc.METRICS_KEY] = clean
+            user[_root.METRICS_KEY] = clean
         self._wait_save()  # at most one save in flight
         with self._lock:
             being_deleted = step in self._deleting
@@ -374,7 +374,7 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
             self._raise_background()
         if self._primary and self._root_doc is None:
             self._run(_gc.create_root_record(self._backend, self._fmt.pattern, self._metadata))
-            self._root_doc = self._run(_gc.read_root_record(self._backend, self.root))
+            self._root_doc = self._run(_root.read_root_record(self._backend, self.root))
         url = self._url(step)
         if single:
             resp = _api.save_async(

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, overload
 
-from quire import _api, _gc
+from quire import _api, _gc, _root
 from quire.errors import CheckpointNotFoundError, QuireError
 from quire.policies import KeepPolicy, StepInfo
 
@@ -102,7 +102,7 @@ class _RetainLoadMixin:
         _deferred: bool
         _inflight_step: int | None
         _root_doc: dict[str, Any] | None
-        _fmt: _gc.StepFormat
+        _fmt: _root.StepFormat
 
         def _run(self, coro: Coroutine[Any, Any, Any]) -> Any: ...
         def _schedule(self, make: Callable[[], Coroutine[Any, Any, Any]]) -> None: ...
@@ -350,7 +350,7 @@ class _RetainLoadMixin:
         Waits for this Checkpointer's background work first (see :meth:`wait`).
         """
         self.wait()
-        self._root_doc = self._run(_gc.read_root_record(self._backend, self.root))
+        self._root_doc = self._run(_root.read_root_record(self._backend, self.root))
         self._relist()
 
     @overload
@@ -411,7 +411,7 @@ class _RetainLoadMixin:
             doc = self._run(_gc.read_step_record(self._backend, self.root, self._fmt.name(s)))
             if doc is None:
                 raise CheckpointNotFoundError(f"no committed step {s} under {self.root}")
-            return _gc.record_metrics(doc)
+            return _root.record_metrics(doc)
         return dict(info.metrics)
 
     def best_step(self, metric: str, *, mode: str = "max") -> int | None:

@@ -190,9 +190,9 @@ def _open(url: str, so: dict[str, Any] | None) -> tuple[Any, str, Any]:
 
 
 def _is_root(backend: Any) -> bool:
-    from quire import _gc, _io
+    from quire import _io, _root
 
-    return bool(_io.submit(backend.exists(_gc.ROOT_RECORD)).result())
+    return bool(_io.submit(backend.exists(_root.ROOT_RECORD)).result())
 
 
 def _nothing_at(backend: Any) -> bool:
@@ -206,7 +206,7 @@ def _nothing_at(backend: Any) -> bool:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from quire import _describe, _engine, _gc_cli, _io, _scan
+    from quire import _describe, _gc_cli, _io, _load, _scan
 
     so = storage_options(args)
     backend, u, opener = _open(args.root, so)
@@ -228,7 +228,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         row["step"] = f.step
         if f.state == "committed":
             try:
-                m = _io.submit(_engine.metadata(f"{u}/{f.path}" if f.path else u, so)).result()
+                m = _io.submit(_load.metadata(f"{u}/{f.path}" if f.path else u, so)).result()
                 row["bytes"] = _describe.array_bytes(m.tree)
                 row["created"] = m.created.isoformat(timespec="seconds")
             except Exception as e:  # a damaged record: shown, not fatal

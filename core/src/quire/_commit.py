@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from quire import _format
 from quire._paths import is_safe_location
+from quire._root import root_hint
 from quire._tree import from_json, keystr
 from quire.backends import Backend, PreconditionFailed
 from quire.errors import (
@@ -123,8 +124,6 @@ async def _read(backend: Backend, url: str, *, under: str, missing_ok: bool) -> 
         except Exception:  # listing is only for the hint
             pass
         if not hint and not under:
-            from quire._scan import root_hint
-
             hint = await root_hint(backend)
         raise CheckpointNotFoundError(f"no checkpoint at {where} (no {RECORD}).{hint}") from None
     doc = _format.parse(raw, where)

@@ -120,7 +120,7 @@ def convert(
     replace).  ``progress`` is as for :func:`quire.save` (the operation is ``"cp"``, then
     ``"verify"``).  Returns (bytes of array data, objects verified).
     """
-    from quire import _engine
+    from quire import _engine, _format, _load
     from quire._url import normalize
     from quire.errors import CorruptCheckpointError
     from quire.sources import open as open_source
@@ -143,7 +143,7 @@ def convert(
     nbytes = sum(v.nbytes for v in lazy.values())
     meta = {"converted_from": source.url, "source_format": source.format}
     rep = _progress.make(progress, "cp", u, bytes_total=nbytes)
-    prep = _engine.prepare_save({_engine.PYTREE: tree}, None, copy=False, url=u, layout=layout)
+    prep = _engine.prepare_save({_format.PYTREE: tree}, None, copy=False, url=u, layout=layout)
     prep.feed = _feed(lazy, max(1, current().byte_budget // 2))
 
     def save() -> Any:
@@ -156,7 +156,7 @@ def convert(
     checked = 0
     if verify:
         with _progress.reporting(progress, "verify", u):
-            checked, problems = submit(_engine.verify(u, dst_options)).result()
+            checked, problems = submit(_load.verify(u, dst_options)).result()
         if problems:
             raise CorruptCheckpointError(
                 f"{u}: {len(problems)} object(s) failed verification after conversion: "

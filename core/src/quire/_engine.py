@@ -25,21 +25,10 @@ from typing import Any
 
 import jax
 
-from quire import _checkpointables, _commit, _format, _handlers, _load, _registry
+from quire import _checkpointables, _commit, _format, _handlers, _registry
 from quire._budget import ByteBudget
 from quire._config import current
 from quire._format import PYTREE
-from quire._load import (  # noqa: F401  (re-exported: imported from here)
-    VerifyProblem,
-    _diff_message,
-    _is_abstract_leaf,
-    load,
-    load_tree,
-    load_units,
-    packed_view,
-    pytree_unit,
-    verify,
-)
 from quire._multihost import Coordinator, digest
 from quire._paths import assign_locations, escape_component
 from quire._tree import KeyPath, Node, from_json, keystr, to_json, walk
@@ -315,7 +304,3 @@ def _structure(node: dict[str, Any]) -> Any:
     if node["kind"] == "leaf":
         return None
     return [node["kind"], node.get("keys"), [_structure(c) for c in node["children"]]]
-
-
-# The read side lives in quire._load; callers use it from here too.
-metadata = _load.metadata

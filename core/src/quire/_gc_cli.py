@@ -5,14 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from quire._gc import (
-    DEFAULT_GRACE_PERIOD,
-    GcReport,
-    StepFormat,
-    collect,
-    describe,
-    root_step_format,
-)
+from quire._gc import DEFAULT_GRACE_PERIOD, GcReport, collect, describe
+from quire._root import StepFormat, root_step_format
 from quire._text import human_bytes as _human
 from quire.backends import Backend
 from quire.errors import QuireError

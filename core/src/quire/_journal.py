@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from quire import _commit, _engine, _format, _packrewrite, _schema
+from quire import _commit, _engine, _format, _load, _multihost, _packrewrite, _schema
 from quire._config import current
 from quire._journal_replay import (
     drop_dead,
@@ -223,7 +223,7 @@ async def append(
         if prep is None:
             return None
         units = await _engine.write_units(url, backend, prep)
-        frag: dict[str, Any] = units[_engine.PYTREE]["tree"]
+        frag: dict[str, Any] = units[_format.PYTREE]["tree"]
         return frag
 
     async def create(frag: dict[str, Any] | None) -> int:
@@ -245,8 +245,8 @@ async def append(
 
     def digests(frag: dict[str, Any] | None) -> dict[str, str]:
         if frag is None:
-            return {"<deleted>": _engine.digest([list(p) for p in deleted])}
-        return _engine.unit_digests({_engine.PYTREE: {"kind": "pytree", "tree": frag}})
+            return {"<deleted>": _multihost.digest([list(p) for p in deleted])}
+        return _engine.unit_digests({_format.PYTREE: {"kind": "pytree", "tree": frag}})
 
     return await _commit.collective(coord, url, work, create, cleanup, digests)
 
@@ -352,7 +352,7 @@ async def load(
                 f"partial-save version {version} is no longer readable: load it without "
                 "version="
             )
-        return await _engine.load(url, abstract, partial=partial, storage_options=storage_options)
+        return await _load.load(url, abstract, partial=partial, storage_options=storage_options)
     records = await read_records(backend, url)
     if not records:
         raise CheckpointNotFoundError(f"no partial-save journal at {url}")
@@ -364,8 +364,8 @@ async def load(
         records = records[:version]
     state, _ = replay(records)
     tree = state if state is not None else {"kind": "dict", "keys": [], "children": []}
-    view = _engine.packed_view(backend, url, {"indexes": _indexes(records, txids_of(state))})
-    return await _engine.load_tree(url, tree, view, abstract, partial=partial)
+    view = _load.packed_view(backend, url, {"indexes": _indexes(records, txids_of(state))})
+    return await _load.load_tree(url, tree, view, abstract, partial=partial)
 
 
 def _indexes(records: list[dict[str, Any]], live: set[str]) -> list[dict[str, Any]]:
@@ -408,7 +408,7 @@ async def _finalize(url: str, storage_options: dict[str, Any] | None = None) -> 
     # Format v2: packs less than half live are rewritten (docs/format.md, _packrewrite).
     plan = await _packrewrite.finalize_plan(backend, url, tree, records)
     data = _format.build(
-        units={_engine.PYTREE: {"kind": "pytree", "tree": plan.tree}},
+        units={_format.PYTREE: {"kind": "pytree", "tree": plan.tree}},
         txids=sorted(plan.txids),
         metadata=meta,
         process_count=_engine.process_layout()[1],

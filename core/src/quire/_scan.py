@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from quire import _format, _gc
+from quire import _format, _gc, _root
 from quire.backends import Backend
 from quire.errors import QuireError
 
@@ -72,14 +72,14 @@ async def scan(backend: Backend, opener: Opener) -> Scan:
                 found.append(Found(prefix, "incomplete", root, step))
                 continue
         sub_root, sub_fmt = root, fmt
-        if _gc.ROOT_RECORD in files:
+        if _root.ROOT_RECORD in files:
             roots.append(prefix)
             sub_root = prefix
             try:
-                doc = await _gc.read_root_record(opener(prefix) if prefix else backend, "")
+                doc = await _root.read_root_record(opener(prefix) if prefix else backend, "")
             except QuireError:
                 doc = None
-            sub_fmt = _gc.StepFormat(doc["step_format"] if doc else _gc.DEFAULT_STEP_FORMAT)
+            sub_fmt = _root.StepFormat(doc["step_format"] if doc else _root.DEFAULT_STEP_FORMAT)
         elif root is not None:
             sub_root, sub_fmt = None, None  # a folder inside a root that is not a step
         if depth < MAX_DEPTH:
@@ -87,36 +87,6 @@ async def scan(backend: Backend, opener: Opener) -> Scan:
                 todo.append((_join(prefix, d), depth + 1, sub_root, sub_fmt))
     found.sort(key=lambda f: f.path)
     return Scan(found, sorted(roots))
-
-
-async def root_hint(backend: Backend) -> str:
-    """For a 'no checkpoint here' error: what the URL is instead (a Checkpointer root,
-    a folder of checkpoints), naming the steps or checkpoints; "" when nothing is known."""
-    try:
-        doc = await _gc.read_root_record(backend, "")
-        _, dirs = await backend.list_dir("")
-    except Exception:  # only for the hint
-        return ""
-    if doc is not None:
-        fmt = _gc.StepFormat(doc["step_format"])
-        steps = await _gc.committed_steps(backend, fmt)
-        if not steps:
-            return " It is a quire.Checkpointer root with no committed step yet"
-        shown = ", ".join(map(str, steps[-10:]))
-        more = f" ({len(steps)} in all)" if len(steps) > 10 else ""
-        return (
-            f" It is a quire.Checkpointer root; its committed steps are {shown}{more}. Load "
-            f"one with quire.Checkpointer(url).load({steps[-1]}) or from "
-            f"<url>/{fmt.name(steps[-1])}; `quire ls <url>` lists them"
-        )
-    try:
-        have = [d for d in dirs if await backend.exists(f"{d}/{_format.RECORD}")]
-    except Exception:
-        return ""
-    if have:
-        shown = ", ".join(have[:10]) + (" ..." if len(have) > 10 else "")
-        return f" It holds checkpoints in sub-folders: {shown} (`quire ls <url>` lists them)"
-    return ""
 
 
 # ----------------------------------------------------------------------------- gc
@@ -135,10 +105,10 @@ async def _txid_garbage(
     for txid, keys in sorted(by_txid.items()):
         if txid in live:
             continue
-        t = await _gc.newest(backend, keys)
+        t = await _root.newest(backend, keys)
         age = None if t is None else max(0.0, now - t)
         g = _gc.Garbage(f"{base}/{txid}", -1, "superseded" if live else "uncommitted",
-                        await _gc.sizes(backend, keys), age)  # fmt: skip
+                        await _root.sizes(backend, keys), age)  # fmt: skip
         old = grace <= 0 or (age is not None and age >= grace)
         (removable if old else kept).append(g)
     return removable, kept
@@ -166,7 +136,7 @@ async def collect_any(
     kept: list[_gc.Garbage] = []
     for r in s.roots:
         sub = opener(r) if r else backend
-        fmt = await _gc.root_step_format(sub, _join(url, r))
+        fmt = await _root.root_step_format(sub, _join(url, r))
         rep = await _gc.collect(sub, _join(url, r), fmt, grace_period=grace_period,
                                 dry_run=dry_run)  # fmt: skip
         for lst, into in ((rep.removable, removable), (rep.kept, kept)):
@@ -197,10 +167,10 @@ async def _unfinished(
     keys = await backend.list(_join(path, _gc.JOURNAL_DIR))
     if not keys:
         return [], []
-    t = await _gc.newest(backend, keys)
+    t = await _root.newest(backend, keys)
     age = None if t is None else max(0.0, now - t)
     g = _gc.Garbage(_join(path, _gc.JOURNAL_DIR), -1, "unfinished",
-                    await _gc.sizes(backend, keys), age)  # fmt: skip
+                    await _root.sizes(backend, keys), age)  # fmt: skip
     old = grace <= 0 or (age is not None and age >= grace)
     return ([g], []) if old else ([], [g])
 

@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict, Unpack
 
-from quire import _api, _engine, _io, _journal
+from quire import _api, _engine, _format, _io, _journal
 from quire._journal import JournalConflictError, JournalVersion
 from quire._url import normalize
 from quire.options import StorageSpec
@@ -65,7 +65,7 @@ def _start_save(
     if unknown:
         raise TypeError(f"quire.partial.{fn}() got an unexpected keyword argument {unknown[0]!r}")
     u = normalize(url)
-    prep = _engine.prepare_save({_engine.PYTREE: tree}, options.get("storage"), copy=copy, url=u)
+    prep = _engine.prepare_save({_format.PYTREE: tree}, options.get("storage"), copy=copy, url=u)
     md = dict(options.get("metadata") or {})
     so = options.get("storage_options")
     return _api.chain(

@@ -197,7 +197,7 @@ def _root_hint(url: str, storage_options: dict[str, Any]) -> str:
     """What ``url`` is instead of a checkpoint (a Checkpointer root naming its steps, a
     folder of checkpoints), as ``quire.load`` says; "" when nothing is known."""
     from quire import _io
-    from quire._scan import root_hint
+    from quire._root import root_hint
     from quire._url import open_backend
 
     try:
