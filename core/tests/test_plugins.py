@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import quire
-from quire import _handlers
 from quire._format import record_checksum
+from quire._handlers import select as _handlers
 from quire._registry import clear_caches, codecs, leaf_handlers, registries
 
 # -- fake installed distributions -----------------------------------------------------------

@@ -21,7 +21,7 @@ from quire.errors import CheckpointNotFoundError, QuireError
 from quire.policies import KeepPolicy, StepInfo
 
 if TYPE_CHECKING:
-    from quire.backends import Backend
+    from quire._store.base import Backend
     from quire.metadata import CheckpointMetadata
 
 log = logging.getLogger("quire")

@@ -17,17 +17,17 @@ it, one of two ways:
   message followed by its own crc32c, crc32c is one constant (the CRC residue).
 
 Where the crc32c of a trailer-bound chunk read through the index is checked (a new reader
-of array chunks must decode them through ``quire._zarr`` or call :func:`check_stored`):
+of array chunks must decode them through ``quire._zarr`` or call ``quire._chunkcheck.check_stored``):
 
 * loads, by every array handler (numpy, jax, prng_key; quire-torch through numpy), whole
   or resharded, and ``quire.open`` regions: ``_zarr.read_region`` -> ``_read_raw_into``
   (raw chunks read into place) or ``_decode_one`` (compressed chunks, partial chunks);
 * ``quire verify``: ``handlers.check_objects`` runs ``_zarr.chunk_checker`` on each chunk;
 * ``quire cp`` (packs copied as objects) and a finalize's pack rewrite, which need not
-  decode: :func:`check_stored`, the crc32c of the message against the trailer and the
+  decode: ``quire._chunkcheck.check_stored``, the crc32c of the message against the trailer and the
   index, one pass as for a CRC-32 (then ``chunk_checker``, as before).
 
-``PackedReader`` (``quire._chunkindex``) compares the trailer (:func:`check_read`) on every
+``PackedReader`` (``quire._chunkindex``) compares the trailer (``quire._chunkcheck.check_read``) on every
 whole-object read; the tests in ``core/tests/test_chunkid.py`` forge a chunk whose trailer
 still matches and check that each of these paths refuses it.
 
@@ -57,8 +57,6 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from quire._crc import ChunkError, crc32c
 
 try:  # the same CRC-32 as zlib.crc32, several times faster (SIMD); zlib is the fallback
     from zlib_ng.zlib_ng import crc32 as _crc32
@@ -137,42 +135,6 @@ def trailer_hex(views: Sequence[memoryview], n: int | None = None) -> str | None
     writes a crc32c trailer; None when there are fewer than 4."""
     total = sum(v.nbytes for v in views) if n is None else n
     return ViewBytes(views).trailer(total) if total >= 4 else None
-
-
-def _mismatch(ref: Ref, key: str) -> ChunkError:
-    return ChunkError(
-        f"{key}: bytes at {ref.target}[{ref.offset}:{ref.offset + ref.length}] do not match "
-        "the chunk index (a moved, swapped or foreign chunk)"
-    )
-
-
-def check_read(ref: Ref, key: str, views: Sequence[memoryview], n: int) -> None:
-    """The check of a whole object read through the index, for a caller that decodes it
-    (a trailer-bound chunk through its crc32c codec): the 4-byte trailer against the index,
-    or the CRC-32 of the bytes (and a zarr shard's trailers, :func:`check_shard_range`)."""
-    if ref.trailer:
-        if trailer_hex(views, n) != ref.crc:
-            raise _mismatch(ref, key)
-    elif crc_hex(chunk_crc(views, n)) != ref.crc:
-        raise _mismatch(ref, key)
-    if ref.shard is not None and n == ref.length:
-        from quire._shardid import check_whole
-
-        check_whole(ref, key, views, n)
-
-
-def check_stored(ref: Ref, key: str, data: memoryview) -> None:
-    """The check of a whole object for a caller that may not decode it (copies): for a
-    trailer-bound chunk the crc32c of its message against its trailer and the index, else
-    the CRC-32 of the bytes.  One pass either way."""
-    if not ref.trailer:
-        check_read(ref, key, [data], data.nbytes)  # a zarr shard's trailers included
-        return
-    data = data.cast("B")
-    if trailer_hex([data]) != ref.crc:
-        raise _mismatch(ref, key)
-    if crc_hex(crc32c(data[:-4])) != ref.crc:
-        raise ChunkError(f"{key}: crc32c checksum mismatch")
 
 
 def index_bytes(

@@ -44,18 +44,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from quire._chunkid import (
-    FORMATS,
-    TRAILER_FORMAT,
-    Ref,
-    check_read,
-    crc_hex,
-)
+from quire._chunkcheck import check_read
+from quire._chunkid import FORMATS, TRAILER_FORMAT, Ref, crc_hex
 from quire._crc import ChunkError, crc32c
 from quire._paths import is_safe_location
 from quire._shardid import ShardChecks, valid_shard_binding
+from quire._store.base import Backend
 from quire._wrapped import Wrapped
-from quire.backends import Backend
 from quire.errors import CorruptCheckpointError
 
 PACK_DIR = "%packs"  # never produced by key escaping ('%' is always followed by two hex digits)

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from quire import _format
 from quire._paths import is_safe_location
 from quire._root import root_hint
+from quire._store.base import Backend, PreconditionFailed
 from quire._tree import from_json, keystr
-from quire.backends import Backend, PreconditionFailed
 from quire.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,

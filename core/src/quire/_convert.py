@@ -18,10 +18,10 @@ import numpy as np
 from quire import _progress
 from quire._async import chain
 from quire._config import current
+from quire._handlers.base import SaveEntry
 from quire._io import submit
 from quire._lazy import LazyValue, full_region
 from quire._tasks import gather_cancelling
-from quire.handlers import SaveEntry
 from quire.sources import Source
 
 __all__ = ["add_export_parser", "convert", "side_options"]

@@ -28,13 +28,13 @@ from quire import _commit, _format
 from quire._budget import ByteBudget
 from quire._config import current
 from quire._crc import crc_bytes
+from quire._handlers.base import StoredObject
 from quire._io import run_blocking
 from quire._paths import is_chunk, is_safe_location
+from quire._store.base import Backend
 from quire._tree import from_json, keystr
 from quire._url import normalize, open_backend
-from quire.backends import Backend
 from quire.errors import CorruptCheckpointError
-from quire.handlers import StoredObject
 
 __all__ = ["CopyResult", "copy_checkpoint"]
 

@@ -25,17 +25,18 @@ from typing import Any
 
 import jax
 
-from quire import _checkpointables, _commit, _format, _handlers, _registry
+from quire import _checkpointables, _commit, _format, _registry
 from quire._budget import ByteBudget
 from quire._config import current
 from quire._format import PYTREE
+from quire._handlers import select as _handlers
+from quire._handlers.base import SaveContext, SaveEntry
 from quire._multihost import Coordinator, digest
 from quire._paths import assign_locations, escape_component
+from quire._store.base import Backend
 from quire._tree import KeyPath, Node, from_json, keystr, to_json, walk
 from quire._url import open_backend
-from quire.backends import Backend
 from quire.errors import UnsupportedLeafError
-from quire.handlers import SaveContext, SaveEntry
 from quire.options import StorageOptions, StorageSpec
 
 log = logging.getLogger("quire")

@@ -25,7 +25,7 @@ from quire._io import run_blocking, submit
 from quire._lazy import LazyValue, full_region
 from quire._progress import _current, advance, reporting
 from quire._safetensors import INDEX, dtype_code
-from quire.backends import QUIRE_STORAGE_OPTIONS
+from quire._store.base import QUIRE_STORAGE_OPTIONS
 from quire.sources import Source
 
 __all__ = ["export"]

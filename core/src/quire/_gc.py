@@ -31,7 +31,7 @@ from quire._root import (
     root_record_bytes,
     sizes,
 )
-from quire.backends import Backend
+from quire._store.base import Backend
 from quire.errors import QuireError
 
 DEFAULT_GRACE_PERIOD = 3600.0

@@ -7,8 +7,8 @@ from typing import Any
 
 from quire._gc import DEFAULT_GRACE_PERIOD, GcReport, collect, describe
 from quire._root import StepFormat, root_step_format
+from quire._store.base import Backend
 from quire._text import human_bytes as _human
-from quire.backends import Backend
 from quire.errors import QuireError
 
 

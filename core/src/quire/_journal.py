@@ -41,9 +41,9 @@ from quire._journal_replay import (
     txids_of,
 )
 from quire._multihost import Coordinator
+from quire._store.base import Backend
 from quire._tree import KeyPath, keystr
 from quire._url import open_backend
-from quire.backends import Backend
 from quire.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,

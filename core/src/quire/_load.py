@@ -13,14 +13,16 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from quire import _checkpointables, _commit, _handlers, _registry
+from quire import _checkpointables, _commit, _registry
 from quire._budget import ByteBudget
 from quire._config import current
 from quire._format import PYTREE
+from quire._handlers import select as _handlers
+from quire._handlers.base import LoadContext, LoadEntry
+from quire._store.base import Backend
 from quire._tasks import gather_cancelling
 from quire._tree import Node, from_json, keystr, walk
 from quire._url import open_backend
-from quire.backends import Backend
 from quire.errors import (
     CheckpointChangedError,
     CheckpointNotFoundError,
@@ -29,7 +31,6 @@ from quire.errors import (
     QuireError,
     TreeMismatchError,
 )
-from quire.handlers import LoadContext, LoadEntry
 from quire.metadata import CheckpointMetadata
 
 log = logging.getLogger("quire")

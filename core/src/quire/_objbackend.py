@@ -32,7 +32,7 @@ from quire._objstore import (
     strip_userinfo,
 )
 from quire._objwrites import UploadHelpers
-from quire.backends import Backend, Buffer, Capabilities, PreconditionFailed
+from quire._store.base import Backend, Buffer, Capabilities, PreconditionFailed
 
 T = TypeVar("T")
 MiB = 1 << 20

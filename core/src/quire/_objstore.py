@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from quire import _io
-from quire.backends import Buffer
+from quire._store.base import Buffer
 
 T = TypeVar("T")
 

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from quire import _objstore as objstore
-from quire.backends import PreconditionFailed
+from quire._store.base import PreconditionFailed
 
 if TYPE_CHECKING:
     from quire._budget import ByteBudget

@@ -12,19 +12,14 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from quire import _format, _handlers
+from quire import _format
+from quire._handlers import select as _handlers
+from quire._handlers.base import LoadContext, LoadEntry, ObjectProblem, StoredObject
+from quire._handlers.objects import check_objects, default_objects
 from quire._paths import is_safe_location
+from quire._store.base import Backend
 from quire._tree import Node, keystr
-from quire.backends import Backend
 from quire.errors import CorruptCheckpointError
-from quire.handlers import (
-    LoadContext,
-    LoadEntry,
-    ObjectProblem,
-    StoredObject,
-    check_objects,
-    default_objects,
-)
 
 
 def _by_handler(url: str, leaves: Sequence[Node]) -> dict[str, list[Node]]:

@@ -33,8 +33,8 @@ from quire._chunkindex import index_entry, index_key
 from quire._chunkindex import pack_key as _pack_key
 from quire._io import run_blocking
 from quire._shardid import shard_binding
+from quire._store.base import Backend, Buffer
 from quire._wrapped import Wrapped
-from quire.backends import Backend, Buffer
 
 INLINE_SUFFIX = "/zarr.json"
 INLINE_MAX = 64 << 10

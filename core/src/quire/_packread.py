@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from quire.backends import Backend
+from quire._store.base import Backend
 
 MAX_GAP = 256 << 10  # unexpected bytes between two chunks read rather than split the window
 

@@ -15,7 +15,7 @@ of the versions that lost a leaf since (the others are wholly live and kept unre
   different versions at the same list index never collide), its zarr keys the same way.
   Chunks that sat in a rewritten pack are copied into new packs ``d/R/%packs/p<f>-<seq>``
   of the finalizing process ``f``: streamed, within the byte budget, each checked against
-  the old index (``quire._chunkid.check_stored``) and its own codec chain as it is copied,
+  the old index (``quire._chunkcheck.check_stored``) and its own codec chain as it is copied,
   and bound in the new index the way the old one bound it.  Chunks in
   kept packs are not copied: ``R``'s index points at the old pack, in place;
 * ``R`` gets one index per original process (``d/R/%packs/p<p>.index.json``, what process
@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quire._budget import ByteBudget
-from quire._chunkid import check_stored, index_bytes
+from quire._chunkcheck import check_stored
+from quire._chunkid import index_bytes
 from quire._chunkindex import (
     MAX_COALESCED,
     ChunkError,
@@ -55,8 +56,8 @@ from quire._chunkindex import (
 )
 from quire._io import run_blocking
 from quire._pack import PackWriter
+from quire._store.base import Backend
 from quire._tree import from_json
-from quire.backends import Backend
 from quire.errors import CheckpointExistsError, CorruptCheckpointError
 
 log = logging.getLogger("quire")

@@ -55,7 +55,7 @@ _generation = itertools.count(1)
 generation = 0
 
 
-# Run when the leaf handlers change or the caches are cleared: quire._handlers registers
+# Run when the leaf handlers change or the caches are cleared: quire._handlers.select registers
 # its instance cache here, so that this module never imports it (no import cycle).
 _listeners: list[Callable[[], None]] = []
 

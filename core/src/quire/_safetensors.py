@@ -29,8 +29,8 @@ import numpy as np
 from quire._backends.local import LocalBackend
 from quire._io import submit
 from quire._lazy import LazyArray, Region, region_shape
+from quire._store.base import Backend
 from quire._url import open_backend, protocol_of
-from quire.backends import Backend
 from quire.errors import CheckpointNotFoundError, CorruptCheckpointError
 from quire.sources import Source
 from quire.surgery import unflatten

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quire import _format, _gc, _root
-from quire.backends import Backend
+from quire._store.base import Backend
 from quire.errors import QuireError
 
 TXID = re.compile(r"^[0-9a-f]{16}$")

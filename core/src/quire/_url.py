@@ -7,7 +7,7 @@ from typing import Any
 
 from quire._config import current
 from quire._registry import INSTALL_HINTS, backends
-from quire.backends import Backend
+from quire._store.base import Backend
 from quire.errors import PluginError
 
 

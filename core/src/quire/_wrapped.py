@@ -9,7 +9,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import Sequence
 
-from quire.backends import Backend, Buffer
+from quire._store.base import Backend, Buffer
 
 
 class Wrapped(Backend):

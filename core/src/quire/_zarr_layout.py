@@ -13,7 +13,7 @@ import numpy as np
 
 from quire._crc import ChunkError, bytes_view, crc_bytes
 from quire._dtypes import dtype_name
-from quire.backends import Buffer
+from quire._store.base import Buffer
 
 MAX_OPEN_CHUNKS = 64  # concurrent chunk reads/writes per array operation
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from quire._crc import crc_bytes
 
 if TYPE_CHECKING:
-    from quire.backends import Backend
+    from quire._store.base import Backend
 
 __all__ = ["Checkpointable", "CheckpointableHandler", "JsonHandler", "UnitIO"]
 

@@ -14,7 +14,7 @@ from typing import Any
 import fsspec
 
 from quire._io import run_blocking
-from quire.backends import Backend, Buffer, Capabilities, PreconditionFailed
+from quire._store.base import Backend, Buffer, Capabilities, PreconditionFailed
 
 
 class FsspecBackend(Backend):

@@ -18,7 +18,7 @@ from urllib.parse import unquote, urlsplit
 
 from quire._backends._openfiles import OpenFiles, keepable
 from quire._io import run_blocking
-from quire.backends import Backend, Buffer, Capabilities, PreconditionFailed
+from quire._store.base import Backend, Buffer, Capabilities, PreconditionFailed
 
 _libc: Any = None
 if sys.platform.startswith("linux"):

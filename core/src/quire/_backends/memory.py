@@ -14,7 +14,7 @@ from typing import Any
 
 from fsspec.implementations.memory import MemoryFileSystem
 
-from quire.backends import Backend, Buffer, Capabilities, PreconditionFailed
+from quire._store.base import Backend, Buffer, Capabilities, PreconditionFailed
 
 _lock = threading.RLock()
 _generation = itertools.count(1)

@@ -23,6 +23,7 @@ from quire._handlers._arrayplan import (
     _plan,
     layout_from_record,
 )
+from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
 from quire._hostbuf import aligned_empty, for_device, is_aligned
 from quire._io import pool, run_blocking
 from quire._tasks import gather_cancelling
@@ -35,7 +36,6 @@ from quire._zarr import (
     write_chunk,
 )
 from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
-from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
 from quire.metadata import LeafMetadata
 
 

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from quire._dtypes import dtype_from_name, dtype_name
+from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
 from quire.errors import CorruptCheckpointError, UnsupportedLeafError
-from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
 
 _PY = {"bool": bool, "int": int, "float": float, "complex": complex}
 

@@ -12,9 +12,9 @@ import numpy as np
 
 from quire._handlers._arrayplan import _Plan
 from quire._handlers.arrays import ArrayHandler
+from quire._handlers.base import LoadContext, LoadEntry, SaveEntry
 from quire._tree import keystr
 from quire.errors import CorruptCheckpointError
-from quire.handlers import LoadContext, LoadEntry, SaveEntry
 
 
 class JaxArrayHandler(ArrayHandler):

@@ -86,7 +86,7 @@ class LeafHandlerSuite(UrlFixture):
     # -- helpers ----------------------------------------------------------------------
     @pytest.fixture
     def handler(self) -> Any:
-        from quire import _handlers
+        from quire._handlers import select as _handlers
 
         return _handlers.get(self.handler_id)
 
@@ -136,7 +136,7 @@ class LeafHandlerSuite(UrlFixture):
 
     def test_chosen_for_its_values(self, handler: Any, values: list[Any]) -> None:
         """Handler choice picks this handler for each sample (no other handler wins)."""
-        from quire import _handlers
+        from quire._handlers import select as _handlers
 
         assert values, "the values fixture must give at least one leaf"
         for v in values:
