@@ -76,7 +76,7 @@ def test_golden_loads(name: str, version: str) -> None:
             assert np.array_equal(jax.random.key_data(key), jax.random.key_data(jax.random.key(5)))
             assert quire.metadata(path).custom == {"golden": True}
         same(want, got)
-        from quire._cli import main
+        from quire._cli.main import main
 
         assert main(["verify", path]) == 0
         assert quire.metadata(path).format_version == int(version[1])
@@ -138,7 +138,7 @@ def test_golden_v2_rewritten_journal(version: str) -> None:
         foreign += [v[0] for v in refs.values() if isinstance(v, list) and e["txid"] not in v[0]]
     assert foreign, "the golden rewrite has no index pointing at a kept pack of version 1"
     same(rewritten_expected(), quire.load(path))
-    from quire._cli import main
+    from quire._cli.main import main
 
     assert main(["verify", path]) == 0
     assert quire.metadata(path).format_version == 2

@@ -636,7 +636,7 @@ class Cursor:
 
 
 def cli(*args: str) -> int:
-    from quire._cli import main
+    from quire._cli.main import main
 
     return main(list(args))
 

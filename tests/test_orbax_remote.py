@@ -15,7 +15,7 @@ import pytest
 from object_store_servers import GCS_BUCKET, S3_BUCKET, S3_SECRET, GcsEmulator, MotoS3
 
 import quire
-from quire._cli import main
+from quire._cli.main import main
 from quire.errors import ObjectStorePermissionError, PluginError
 
 ocp = pytest.importorskip("orbax.checkpoint", reason="quire-orbax's tests need orbax-checkpoint")

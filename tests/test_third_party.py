@@ -118,7 +118,7 @@ def test_checkpointable_handler_for_a_type_it_does_not_own(service: str) -> None
 
 
 def test_quire_plugins_lists_the_distribution() -> None:
-    from quire._cli import main
+    from quire._cli.main import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -181,7 +181,7 @@ class TestTapeHandler(LeafHandlerSuite):
 
 def test_verify_and_cp_check_a_third_party_handlers_data(acme: Any, tmp_path: Path) -> None:
     """``quire verify`` and ``quire cp`` know the acme-tape format only through its handler."""
-    from quire._cli import main
+    from quire._cli.main import main
 
     src, dst = tmp_path / "src", tmp_path / "dst"
     # Format v1 keeps the tape as its own file, which the test damages; in format v2 it

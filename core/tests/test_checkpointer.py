@@ -22,7 +22,7 @@ import quire
 from quire import _api, _root
 from quire._backends.local import LocalBackend
 from quire._backends.memory import MemoryBackend
-from quire._cli import main as cli
+from quire._cli.main import main as cli
 from quire.errors import CheckpointNotFoundError, QuireError
 from quire.policies import (
     AnyKeep,

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 import quire
 from quire import _chunkid, _format, _journal, partial
 from quire._backends.memory import MemoryBackend
-from quire._cli import main
+from quire._cli.main import main
 from quire._crc import crc32c
 from quire.errors import CorruptCheckpointError
 

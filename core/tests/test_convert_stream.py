@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import quire
-from quire._cli import main
+from quire._cli.main import main
 from quire._convert import convert
 from quire.errors import CheckpointNotFoundError
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 import quire
-from quire._cli import main as cli
+from quire._cli.main import main as cli
 from quire._diff import blocks
 from quire.sources import LazyArray, Region, Source
 

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 import quire
-from quire._cli import main
+from quire._cli.main import main
 
 
 def _read_all(path: Path) -> dict[str, np.ndarray]:

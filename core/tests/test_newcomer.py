@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 import quire
-from quire._cli import main as cli
+from quire._cli.main import main as cli
 from quire.progress import Progress, ProgressEvent
 
 REPO = Path(__file__).resolve().parents[2]
-QUIRE = [sys.executable, "-m", "quire._cli"]
+QUIRE = [sys.executable, "-m", "quire._cli.main"]
 
 
 def _tree(scale: float = 1.0) -> dict:
@@ -58,7 +58,7 @@ def test_broken_pipe_is_quiet(tmp_path: Path) -> None:
 
 
 def test_storage_options_forms(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from quire._cli import parser, storage_options
+    from quire._cli.main import parser, storage_options
 
     args = parser().parse_args(
         ["info", "x", "-o", "anon=true", "-o", "endpoint_url=http://h:1",

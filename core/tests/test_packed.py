@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from zarr.storage import FsspecStore
 
 import quire
-from quire._cli import main
+from quire._cli.main import main
 from quire.errors import CorruptCheckpointError
 
 

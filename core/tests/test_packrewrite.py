@@ -24,7 +24,7 @@ from test_partial import assert_tidy, pack_report, stored
 
 import quire
 from quire import _io, _packrewrite, partial
-from quire._cli import main
+from quire._cli.main import main
 from quire._url import open_backend
 
 

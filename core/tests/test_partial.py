@@ -135,7 +135,7 @@ def test_errors(url: str) -> None:
 
 
 def test_finalized_checkpoint_is_ordinary(tmp_path: Path) -> None:
-    from quire._cli import main
+    from quire._cli.main import main
 
     url = str(tmp_path / "c")
     for i in range(3):
@@ -590,6 +590,6 @@ def test_finalize_cleanup_lists_a_packed_txid_once(
 
 
 def main_verify(url: str) -> int:
-    from quire._cli import main
+    from quire._cli.main import main
 
     return main(["verify", url])

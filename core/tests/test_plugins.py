@@ -87,7 +87,7 @@ HANDLER_MODULE = """
 
 
 def _plugins_output() -> str:
-    from quire._cli import main
+    from quire._cli.main import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -230,7 +230,7 @@ def test_import_quire_with_a_broken_plugin_in_a_fresh_process(
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "JAX_PLATFORMS": "cpu"}
     r = subprocess.run(
-        [sys.executable, "-m", "quire._cli", "plugins"], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "quire._cli.main", "plugins"], capture_output=True, text=True, env=env
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("failed: RuntimeError: boom") == len(registries)  # one per group

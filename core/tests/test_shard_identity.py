@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import quire
 from quire import _chunkid, _chunkindex, _format, _shardid, partial
-from quire._cli import main
+from quire._cli.main import main
 from quire._crc import crc32c
 from quire.errors import CorruptCheckpointError
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from quire._cli import main
+from quire._cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

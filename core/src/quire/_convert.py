@@ -1,13 +1,11 @@
 """Writing any source as a quire checkpoint (:func:`convert`, behind ``quire.copy`` and
-``quire cp``), and ``quire export``: the CLI side of sources (:func:`add_export_parser`).
+``quire cp``).  The command line's side of sources is in ``quire._cli`` (``export``, ``diff``).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
-import time
 from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import replace
@@ -24,7 +22,7 @@ from quire._lazy import LazyValue, full_region
 from quire._tasks import gather_cancelling
 from quire.sources import Source
 
-__all__ = ["add_export_parser", "convert", "side_options"]
+__all__ = ["convert"]
 
 
 def _placeholders(node: Any, lazy: dict[int, LazyValue]) -> Any:
@@ -163,66 +161,3 @@ def convert(
                 + "; ".join(f"{p.path}: {p.error}" for p in problems[:5])
             )
     return nbytes, checked
-
-
-def side_options(args: argparse.Namespace) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """Storage options for SRC and DST: ``-o`` / ``--storage-options`` for both, updated
-    by ``--src-options`` / ``--dst-options`` (JSON objects)."""
-    from quire._cli import storage_options
-    from quire._cli_sources import side_options as one_side
-
-    so = storage_options(args) or {}
-    out = [
-        one_side(so, args.src_options, "--src-options") or None,
-        one_side(so, args.dst_options, "--dst-options") or None,
-    ]
-    return out[0], out[1]
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from quire._cli import _progress_on
-    from quire._export import export
-    from quire.sources import open as open_source
-
-    src_opts, dst_opts = side_options(args)
-    t0 = time.perf_counter()
-    bar = _progress_on(args) and not args.quiet
-    with (
-        open_source(args.src, **(src_opts or {})) as src,
-        _progress.Progress("export", args.dst, bar=bar) as rep,
-    ):
-        written = export(
-            src,
-            args.dst,
-            select=args.select,
-            dtype=args.dtype,
-            max_shard_bytes=args.max_shard_bytes,
-            storage_options=dst_opts,
-            progress=rep,
-        )
-    if not args.quiet:
-        print(
-            f"exported {src.format} {src.url} -> {args.dst}: {len(written)} file(s), "
-            f"{rep.bytes_done / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s"
-        )
-    return 0
-
-
-def add_export_parser(sub: Any, parents: list[argparse.ArgumentParser] | None = None) -> None:
-    p = sub.add_parser(
-        "export",
-        help="write any checkpoint (quire, safetensors, Orbax with quire-orbax) as safetensors: "
-        "one file, or HF-style shards + model.safetensors.index.json",
-        parents=parents or [],
-    )
-    p.add_argument("src")
-    p.add_argument("dst", help="a .safetensors URL, or a directory / prefix")
-    p.add_argument("--select", metavar="REGEX", help="only tensors whose dotted name matches")
-    p.add_argument("--dtype", help="cast floating-point tensors, e.g. bfloat16")
-    p.add_argument(
-        "--max-shard-bytes", type=int, default=None, help="largest shard (default 5 GiB)"
-    )
-    p.add_argument("--src-options", metavar="JSON", help="storage options for SRC only")
-    p.add_argument("--dst-options", metavar="JSON", help="storage options for DST only")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
-    p.set_defaults(fn=cmd_export)

@@ -14,47 +14,16 @@ import os
 import sys
 from typing import Any
 
-from quire._text import human_bytes as _human
-
-EXIT_OK, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
-
-
-class UsageError(Exception):
-    """A bad command line (exit 2)."""
-
-
-# ----------------------------------------------------------------------------- options
-def _value(text: str) -> Any:
-    """``-o key=value`` values: JSON when they parse (true, 3, {"a": 1}), else the string."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
-    """fsspec storage options from ``--storage-options JSON`` and ``-o key=value``."""
-    opts: dict[str, Any] = {}
-    if getattr(args, "storage_options", None):
-        try:
-            doc = json.loads(args.storage_options)
-        except ValueError as e:
-            raise UsageError(f"--storage-options takes a JSON object: {e}") from None
-        if not isinstance(doc, dict):
-            raise UsageError("--storage-options takes a JSON object, e.g. '{\"anon\": true}'")
-        opts.update(doc)
-    for item in getattr(args, "option", None) or []:
-        key, sep, val = item.partition("=")
-        if not sep or not key:
-            raise UsageError(f"-o takes KEY=VALUE (e.g. -o anon=true), got {item!r}")
-        opts[key] = _value(val)
-    return opts or None
-
-
-def _progress_on(args: argparse.Namespace) -> bool:
-    if args.progress is not None:
-        return bool(args.progress)
-    return bool(getattr(sys.stderr, "isatty", lambda: False)())
+from quire._cli.common import (
+    EXIT_DAMAGED,
+    EXIT_OK,
+    EXIT_USAGE,
+    UsageError,
+    progress_on,
+    side_options,
+    storage_options,
+)
+from quire._cli.text import human_bytes as _human
 
 
 # ----------------------------------------------------------------------------- info
@@ -141,7 +110,7 @@ def _summary(c: Any) -> str:
 def cmd_verify(args: argparse.Namespace) -> int:
     from quire import _ops
 
-    r = _ops.verify(args.url, storage_options=storage_options(args), progress=_progress_on(args))
+    r = _ops.verify(args.url, storage_options=storage_options(args), progress=progress_on(args))
     url, problems, c = r.url, r.problems, r
     for p in problems:
         err = str(p.error)
@@ -166,11 +135,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- cp
 def cmd_cp(args: argparse.Namespace) -> int:
     from quire import _ops
-    from quire._convert import side_options
 
     sides = side_options(args)  # a bad -o / --src-options is a usage error first
     res = _ops.copy(args.src, args.dst, overwrite=args.overwrite, storage_options=sides[0],
-                    dst_options=sides[1], progress=_progress_on(args) and not args.quiet)  # fmt: skip
+                    dst_options=sides[1], progress=progress_on(args) and not args.quiet)  # fmt: skip
     if not args.quiet:
         if res.format == "quire":  # copied object by object
             what = f"copied {res.src} -> {res.dst}"
@@ -206,7 +174,8 @@ def _nothing_at(backend: Any) -> bool:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from quire import _describe, _gc_cli, _io, _load, _scan
+    from quire import _describe, _io, _load, _scan
+    from quire._cli import lsgc as _gc_cli
 
     so = storage_options(args)
     backend, u, opener = _open(args.root, so)
@@ -261,12 +230,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from quire import _gc_cli, _io, _progress, _scan
+    from quire import _io, _progress, _scan
+    from quire._cli import lsgc as _gc_cli
 
     so = storage_options(args)
     backend, u, opener = _open(args.root, so)
     if args.step_format is not None or _is_root(backend):
-        with _progress.reporting(_progress_on(args) and args.yes, "gc", u):
+        with _progress.reporting(progress_on(args) and args.yes, "gc", u):
             return _gc_cli.cli_gc(
                 u, yes=args.yes, grace_period=args.grace, step_format=args.step_format,
                 storage_options=so,
@@ -274,7 +244,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if _nothing_at(backend):
         print(f"quire gc: {u}: not found (nothing is stored there)", file=sys.stderr)
         return EXIT_USAGE
-    with _progress.reporting(_progress_on(args) and args.yes, "gc", u):
+    with _progress.reporting(progress_on(args) and args.yes, "gc", u):
         report = _io.submit(
             _scan.collect_any(backend, u, opener, grace_period=args.grace, dry_run=not args.yes)
         ).result()
@@ -302,7 +272,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- parser
 def parser() -> argparse.ArgumentParser:
-    from quire import __version__
+    from quire._version import __version__
 
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("storage and display")
@@ -380,10 +350,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dst-options", metavar="JSON", help="storage options for DST only")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     p.set_defaults(fn=cmd_cp)
-    from quire._cli_sources import add_diff_parser
+    from quire._cli.diff import add_diff_parser
 
     add_diff_parser(add)
-    from quire._convert import add_export_parser
+    from quire._cli.export import add_export_parser
 
     add_export_parser(sub, [common])
     return p0

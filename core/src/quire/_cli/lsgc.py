@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from quire._cli.text import human_bytes as _human
 from quire._gc import DEFAULT_GRACE_PERIOD, GcReport, collect, describe
 from quire._root import StepFormat, root_step_format
 from quire._store.base import Backend
-from quire._text import human_bytes as _human
 from quire.errors import QuireError
 
 

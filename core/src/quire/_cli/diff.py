@@ -6,11 +6,9 @@ and win)."""
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
-from typing import Any
 
-from quire._cli import EXIT_DAMAGED, EXIT_OK, UsageError, _progress_on, storage_options
+from quire._cli.common import EXIT_DAMAGED, EXIT_OK, one_side_options, progress_on, storage_options
 
 
 # ----------------------------------------------------------------------------- diff
@@ -19,15 +17,15 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from quire.sources import open as open_source
 
     so = storage_options(args) or {}
-    sides = [side_options(so, args.a_options, "--a-options"),
-             side_options(so, args.b_options, "--b-options")]  # fmt: skip
+    sides = [one_side_options(so, args.a_options, "--a-options"),
+             one_side_options(so, args.b_options, "--b-options")]  # fmt: skip
     srcs = []
     try:
         for url, opts in zip((args.a, args.b), sides):
             srcs.append(open_source(url, **opts))
         r = quire.diff(
             srcs[0], srcs[1], values=args.values, atol=args.atol, rtol=args.rtol,
-            metadata=args.metadata, progress=_progress_on(args),
+            metadata=args.metadata, progress=progress_on(args),
         )  # fmt: skip
     finally:
         for s in srcs:
@@ -57,17 +55,3 @@ def add_diff_parser(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     p.add_argument("--a-options", metavar="JSON", help="storage options for A only")
     p.add_argument("--b-options", metavar="JSON", help="storage options for B only")
     p.set_defaults(fn=cmd_diff)
-
-
-# ----------------------------------------------------------------------------- options
-def side_options(so: dict[str, Any], text: str | None, what: str) -> dict[str, Any]:
-    """``so`` updated with one side's ``--x-options JSON``."""
-    if not text:
-        return dict(so)
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise UsageError(f"{what} takes a JSON object, e.g. '{{\"anon\": true}}'")
-    return {**so, **value}
