@@ -29,7 +29,7 @@ import tempfile
 CHILD = r"""
 import json, os, sys, time
 import quire
-from quire import _io
+from quire._runtime import ioloop as _io
 from quire._convert import convert
 from quire._materialize import materialize_tree
 

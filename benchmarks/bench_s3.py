@@ -288,7 +288,7 @@ def run_config(
     args: argparse.Namespace, config: dict[str, Any], tree: dict[str, Any], chosen: list[str]
 ) -> Results:
     import quire
-    from quire import _io
+    from quire._runtime import ioloop as _io
     from quire._url import open_backend
 
     h = Harness(args, config)

@@ -95,7 +95,7 @@ async def simulate(name: str, hosts: int, devices: int, local: bool) -> dict[str
     from quire import _format, _pack
     from quire._backends.memory import MemoryBackend
     from quire._chunkindex import index_entry
-    from quire._config import current
+    from quire._runtime.config import current
 
     lay = layout(name, hosts, devices)
     large_bytes = TB // lay["large"]

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, settings
 from object_store_servers import GcsEmulator, MotoS3
 
 import quire
-from quire import _io, partial
+from quire import partial
+from quire._runtime import ioloop as _io
 
 _spec = importlib.util.spec_from_file_location(
     "_quire_journal_model", Path(__file__).parent.parent / "core" / "tests" / "test_partial.py"
@@ -53,7 +54,8 @@ def test_concurrent_appends_on_s3_never_lose_a_version(moto: MotoS3) -> None:
     partial.save(url, {"init": np.zeros(1)}, storage_options=opts)
     errors: list[BaseException] = []
 
-    from quire import _engine, _io, _journal
+    from quire import _engine, _journal
+    from quire._runtime import ioloop as _io
 
     def writer(who: str) -> None:
         for i in range(6):

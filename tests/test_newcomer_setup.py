@@ -29,7 +29,7 @@ def _members() -> dict[str, str]:
 def test_install_docs_cover_every_distribution() -> None:
     """docs/install.md says how to install every member from a checkout and by its
     published name; quire's install hints know every member's folder."""
-    from quire._install import MEMBERS, install_hint
+    from quire._runtime.install import MEMBERS, install_hint
 
     members = _members()
     assert set(members) >= {"quire", "quire-s3", "quire-gcs", "quire-torch", "quire-orbax"}

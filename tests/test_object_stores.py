@@ -39,7 +39,7 @@ from object_store_servers import (
 from object_store_worker import assert_tree, build_tree
 
 import quire
-from quire import _io
+from quire._runtime import ioloop as _io
 from quire._url import open_backend
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="subprocess + SIGKILL")
@@ -216,7 +216,8 @@ def test_packs_stream_in_multipart_parts_and_roll_over(store: Store) -> None:
     upload of unknown size whose 16 MiB chunks go up in turn as they fill), with one chunk
     index; a byte budget of 16 MiB does not cut the packs short (nothing holds a whole
     pack); everything loads and verifies."""
-    from quire import _io, _load
+    from quire import _load
+    from quire._runtime import ioloop as _io
 
     rng = np.random.default_rng(7)
     tree = {f"a{i}": rng.standard_normal((1 << 20) // 2).astype(np.float32) for i in range(20)}
@@ -602,7 +603,7 @@ def test_configuration_the_fsspec_way(moto: MotoS3, gcs: GcsEmulator, tmp_path: 
 
 
 def test_s3_url_without_the_plugin_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    from quire import _registry
+    from quire._runtime import registry as _registry
 
     real = _registry.entry_points
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import quire
-from quire._registry import clear_caches
+from quire._runtime.registry import clear_caches
 from quire.testing import (
     BackendSuite,
     CheckpointableHandlerSuite,
@@ -98,11 +98,11 @@ def test_save_and_load_through_backend_codec_and_handler(acme: Any, service: str
     assert not any(k.startswith("quire.leaf_handlers:numpy") for k in plugins)
     # The data is in the acme service, XOR-ed: not the raw float bytes.
     backend = quire._url.open_backend(url)
-    keys = quire._io.submit(backend.list("")).result()
+    keys = quire._runtime.ioloop.submit(backend.list("")).result()
     assert "quire.json" in keys
     packs = [k for k in keys if "/%packs/p00000-" in k]  # format v2: the chunks are in packs
     assert (
-        packs and tree["w"].tobytes()[:64] not in quire._io.submit(backend.get(packs[0])).result()
+        packs and tree["w"].tobytes()[:64] not in quire._runtime.ioloop.submit(backend.get(packs[0])).result()
     )
 
 

@@ -40,7 +40,7 @@ def quire_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 @pytest.fixture
 def quire_fresh_registry() -> Iterator[None]:
     """Clear quire's entry-point and handler caches around the test."""
-    from quire._registry import clear_caches
+    from quire._runtime.registry import clear_caches
 
     clear_caches()
     yield

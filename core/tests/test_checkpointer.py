@@ -229,7 +229,7 @@ def test_latest_n_and_best_n(url: str) -> None:
         c.wait()
         assert c.steps() == [5, 6, 7]
     backend = MemoryBackend(url) if url.startswith("memory") else LocalBackend(url)
-    left = {k.split("/")[0] for k in quire._io.submit(backend.list("")).result()}
+    left = {k.split("/")[0] for k in quire._runtime.ioloop.submit(backend.list("")).result()}
     assert left == {"checkpointer.json", name(5), name(6), name(7)}  # data is gone too
 
 
@@ -299,7 +299,7 @@ def test_a_step_being_loaded_is_not_deleted(monkeypatch: pytest.MonkeyPatch) -> 
     c.wait()
     # LatestN(1) wants only step 3, but step 1 is being loaded.
     assert c.steps() == [1, 3]
-    assert quire._io.submit(MemoryBackend(url).exists(f"{name(1)}/quire.json")).result()
+    assert quire._runtime.ioloop.submit(MemoryBackend(url).exists(f"{name(1)}/quire.json")).result()
     release.set()
     t.join(30)
     assert result["got"]["i"] == 1
@@ -380,7 +380,7 @@ def test_one_save_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
         if key == "quire.json":
             active[0] += 1
             peak[0] = max(peak[0], active[0])
-            await quire._io.run_blocking(gate.wait, 30)
+            await quire._runtime.ioloop.run_blocking(gate.wait, 30)
             active[0] -= 1
         return await real(self, key, data)
 
@@ -533,11 +533,11 @@ def test_automatic_gc_after_first_commit(tmp_path: Path) -> None:
 
 def test_modified_times(tmp_path: Path) -> None:
     for b in (LocalBackend(str(tmp_path / "b")), MemoryBackend(mem())):
-        quire._io.submit(b.put("k", [b"x"])).result()
-        t = quire._io.submit(b.modified("k")).result()
+        quire._runtime.ioloop.submit(b.put("k", [b"x"])).result()
+        t = quire._runtime.ioloop.submit(b.modified("k")).result()
         assert t is not None and abs(t - time.time()) < 60
         with pytest.raises(FileNotFoundError):
-            quire._io.submit(b.modified("absent")).result()
+            quire._runtime.ioloop.submit(b.modified("absent")).result()
 
 
 # ============================================================================= CLI

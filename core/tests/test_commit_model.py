@@ -23,8 +23,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import quire
-from quire import _gc, _io, _root
+from quire import _gc, _root
 from quire._backends.memory import forget
+from quire._runtime import ioloop as _io
 from quire._url import open_backend
 
 STEPS = [1, 2, 3]

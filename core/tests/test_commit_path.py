@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import quire
-from quire import _commit, _format, _io
+from quire import _commit, _format
 from quire._backends.memory import MemoryBackend, forget
+from quire._runtime import ioloop as _io
 from quire.backends import Capabilities
 
 SRC = Path(quire.__file__).parent

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import quire
-from quire._config import OPTIONS, current
+from quire._runtime.config import OPTIONS, current
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +44,7 @@ class Recorder:
         return list(entries)
 
     async def save(self, entries: Any, ctx: Any) -> list[dict[str, Any]]:
-        from quire import _io
+        from quire._runtime import ioloop as _io
 
         if self.gate is not None:
             await _io.run_blocking(self.gate.wait, 30)
@@ -281,7 +281,7 @@ def test_primary_process_and_timeout_reach_the_engine(monkeypatch: pytest.Monkey
     with quire.Context(primary_process=3):
         assert _engine.process_layout()[2] == 3
     seen: list[tuple[int, float | None]] = []
-    import quire._multihost as mh
+    import quire._runtime.multihost as mh
 
     class Probe(mh.Coordinator):
         def __init__(self, url: str, what: str, *, primary: int, timeout: float | None) -> None:

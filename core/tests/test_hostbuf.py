@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import quire
-from quire._hostbuf import ALIGN, aligned_empty, for_device, is_aligned
+from quire._runtime.hostbuf import ALIGN, aligned_empty, for_device, is_aligned
 
 
 @pytest.mark.parametrize("shape", [(), (0,), (3,), (5, 7), (1000, 33)])

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 
 import quire
-from quire import _config
+from quire._runtime import config as _config
 
 MiB = 1 << 20
 

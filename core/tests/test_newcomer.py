@@ -402,12 +402,12 @@ def test_cli_progress_bar_in_a_real_terminal(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- install
 def test_install_hints_name_the_distribution_and_the_checkout_path() -> None:
-    from quire._install import install_hint
+    from quire._runtime.install import install_hint
 
     hint = install_hint("quire-s3")
     assert hint.startswith("pip install quire-s3")
     assert f"pip install -e {REPO / 'backends' / 's3'}" in hint
-    from quire._registry import registries
+    from quire._runtime.registry import registries
 
     err = registries["quire.backends"]._missing("s3", "")
     assert "pip install -e" in str(err) or "quire-s3" not in str(err)

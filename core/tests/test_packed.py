@@ -72,7 +72,8 @@ def _plain_zarr_open(root: str, index: dict[str, Any], location: str) -> zarr.Ar
 
 
 def _verify(url: str) -> tuple[int, list[Any]]:
-    from quire import _io, _load
+    from quire import _load
+    from quire._runtime import ioloop as _io
 
     return _io.submit(_load.verify(url)).result()
 
@@ -250,7 +251,8 @@ def test_partial_save_journal_on_packs(tmp_path: Path) -> None:
 def test_load_reads_only_its_own_index(tmp_path: Path) -> None:
     """An index naming a second process's (absent) index object is never read when the
     loader finds every chunk in its own."""
-    from quire import _chunkindex, _io, _load
+    from quire import _chunkindex, _load
+    from quire._runtime import ioloop as _io
     from quire._url import open_backend
 
     url = str(tmp_path / "c")

@@ -23,8 +23,9 @@ import pytest
 from test_partial import assert_tidy, pack_report, stored
 
 import quire
-from quire import _io, _packrewrite, partial
+from quire import _packrewrite, partial
 from quire._cli.main import main
+from quire._runtime import ioloop as _io
 from quire._url import open_backend
 
 

@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import quire
-from quire import _commit, _io, _packrewrite, partial
+from quire import _commit, _packrewrite, partial
 from quire._chunkindex import parse_index
+from quire._runtime import ioloop as _io
 from quire._url import open_backend
 
 
@@ -208,7 +209,8 @@ def test_conflicting_concurrent_writer_fails_clearly(
     ta.start()
     assert gate.wait(30)
     # Writer B goes through the engine directly (quire.partial.save would queue it behind A).
-    from quire import _engine, _io
+    from quire import _engine
+    from quire._runtime import ioloop as _io
 
     prep = _engine.prepare_save({"pytree": {"w": np.full(2, 5.0)}}, None, copy=False, url=url)
     assert _io.submit(_journal.append(url, prep=prep)).result() == 2
@@ -225,7 +227,8 @@ def test_conflicting_concurrent_writer_fails_clearly(
 def test_non_conflicting_concurrent_writer_lands_on_top(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from quire import _engine, _io, _journal
+    from quire import _engine, _journal
+    from quire._runtime import ioloop as _io
 
     partial.save(url, {"a": np.zeros(1)})
     real = _journal._engine.write_units

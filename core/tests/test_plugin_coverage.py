@@ -91,7 +91,7 @@ def coverage_base(name: str) -> type:
 @pytest.fixture
 def install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
     """A fake installed distribution (a .dist-info folder on sys.path)."""
-    from quire._registry import clear_caches
+    from quire._runtime.registry import clear_caches
 
     def _install(dist: str, entry_points: dict[str, dict[str, str]]) -> None:
         info = tmp_path / dist / f"{dist.replace('-', '_')}-1.0.dist-info"

@@ -123,7 +123,8 @@ def test_third_party_handler_failures_name_the_key_path(tmp_path: Path, flaky: N
 
 
 def test_multiprocess_error_is_a_quire_runtime_error() -> None:
-    from quire import _multihost, errors
+    from quire import errors
+    from quire._runtime import multihost as _multihost
 
     assert errors.MultiProcessError is _multihost.MultiProcessError is quire.MultiProcessError
     assert issubclass(errors.MultiProcessError, errors.QuireError)
@@ -145,10 +146,10 @@ def _imports(path: Path) -> set[str]:
 def test_no_import_cycle_between_registry_handlers_and_config() -> None:
     src = Path(quire.__file__).parent
     files = {
-        "quire._registry": src / "_registry.py",
+        "quire._runtime.registry": src / "_runtime" / "registry.py",
         "quire._handlers.select": src / "_handlers" / "select.py",
-        "quire._config": src / "_config.py",
+        "quire._runtime.config": src / "_runtime" / "config.py",
     }
     graph = {m: {n for n in files if n != m and n in _imports(p)} for m, p in files.items()}
-    assert graph["quire._config"] == set()
-    assert graph["quire._registry"] <= {"quire._config"}
+    assert graph["quire._runtime.config"] == set()
+    assert graph["quire._runtime.registry"] <= {"quire._runtime.config"}

@@ -19,7 +19,7 @@ import pytest
 import quire
 from quire._format import record_checksum
 from quire._handlers import select as _handlers
-from quire._registry import clear_caches, codecs, leaf_handlers, registries
+from quire._runtime.registry import clear_caches, codecs, leaf_handlers, registries
 
 # -- fake installed distributions -----------------------------------------------------------
 
@@ -169,7 +169,7 @@ def test_two_distributions_claiming_a_name(install: Callable[..., None], tmp_pat
         pytest.raises(quire.PluginError, match="'quire-dup-c' is neither"),
     ):
         leaf_handlers.get("dup")
-    saved = quire._config.current()
+    saved = quire._runtime.config.current()
     try:
         quire.configure(plugins={"quire.leaf_handlers:dup": "quire-dup-a"})
         assert leaf_handlers.get("dup").__module__ == "dup_a"

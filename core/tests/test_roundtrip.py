@@ -357,7 +357,7 @@ def test_exists_and_overwrite(url: str) -> None:
     quire.save(url, {"b": np.zeros(2)}, overwrite=True)
     assert_same({"b": np.zeros(2)}, quire.load(url))
     # The old data is gone; only the new txid remains.
-    from quire import _io
+    from quire._runtime import ioloop as _io
     from quire._url import open_backend
 
     keys = _io.submit(open_backend(url).list("d")).result()

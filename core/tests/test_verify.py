@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import quire
-from quire import _io, _load
+from quire import _load
+from quire._runtime import ioloop as _io
 
 
 @pytest.fixture(autouse=True)

@@ -15,20 +15,20 @@ from quire._api import (
     save_checkpointables_async,
 )
 from quire._checkpointer import Checkpointer
-from quire._config import Config, Context, configure
 from quire._diff import DiffReport, diff
 from quire._dtypes import register_with_zarr as _register_with_zarr
 from quire._export import export
 from quire._materialize import load_and_transform
 from quire._ops import CopyResult, VerifyProblem, VerifyReport, copy, verify
 from quire._partition import PartitionRules, partition_rules
-from quire._registry import (
+from quire._runtime.config import Config, Context, configure
+from quire._runtime.registry import (
     register_checkpointable_handler,
     register_leaf_handler,
     unregister_checkpointable_handler,
     unregister_leaf_handler,
 )
-from quire._version import __version__
+from quire._runtime.version import __version__
 from quire._zarrstore import zarr_store
 from quire.checkpointables import Checkpointable, CheckpointableHandler
 from quire.errors import (

@@ -6,8 +6,10 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict, Unpack
 
-from quire import _engine, _format, _io, _load, _progress
-from quire._async import AsyncResponse, chain
+from quire import _engine, _format, _load
+from quire._runtime import ioloop as _io
+from quire._runtime import progress as _progress
+from quire._runtime.responses import AsyncResponse, chain
 from quire._url import normalize
 from quire.errors import CheckpointNotFoundError
 from quire.metadata import CheckpointMetadata
@@ -363,7 +365,7 @@ def load(
 
 def _other_source(url: Any, storage_options: dict[str, Any] | None) -> bool:
     """Whether a source other than quire's own recognises ``url`` (after a failed load)."""
-    from quire._registry import sources
+    from quire._runtime.registry import sources
     from quire._url import effective_options
 
     u = normalize(url)

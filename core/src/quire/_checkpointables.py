@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy as _copy
 from typing import Any
 
-from quire import _io
-from quire._registry import checkpointables as _registry
+from quire._runtime import ioloop as _io
+from quire._runtime.registry import checkpointables as _registry
 from quire.checkpointables import Checkpointable, JsonHandler, UnitIO
 from quire.errors import PluginError, QuireError
 

@@ -13,7 +13,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from quire import _exit, _io
+from quire._runtime import exithook as _exit
+from quire._runtime import ioloop as _io
 
 log = logging.getLogger("quire")
 

@@ -255,7 +255,7 @@ async def _check_async(ref: Ref, key: str, views: Sequence[memoryview], n: int) 
     if ref.trailer or n < (1 << 16):
         check_read(ref, key, views, n)
     else:  # the CRC releases the GIL: checks of big chunks run in parallel, off the loop
-        from quire._io import run_blocking
+        from quire._runtime.ioloop import run_blocking
 
         await run_blocking(check_read, ref, key, views, n)
 
@@ -309,8 +309,8 @@ class PackedReader(Wrapped):
         return await asyncio.shield(self._planning)
 
     async def _plan(self) -> Any:
-        from quire._config import current
         from quire._packread import Windows, expected_refs
+        from quire._runtime.config import current
 
         windows = Windows(self.base, self.base.read_part_size, current().byte_budget)  # type: ignore[attr-defined]
         for m in await self.index.own_refs():

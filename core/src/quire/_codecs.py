@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from quire._registry import codecs as _registry
+from quire._runtime.registry import codecs as _registry
 from quire.errors import PluginError
 
 

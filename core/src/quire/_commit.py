@@ -42,7 +42,7 @@ from quire.errors import (
 )
 
 if TYPE_CHECKING:
-    from quire._multihost import Coordinator
+    from quire._runtime.multihost import Coordinator
 
 log = logging.getLogger("quire")
 

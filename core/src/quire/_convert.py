@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from quire import _progress
-from quire._async import chain
-from quire._config import current
 from quire._handlers.base import SaveEntry
-from quire._io import submit
 from quire._lazy import LazyValue, full_region
-from quire._tasks import gather_cancelling
+from quire._runtime import progress as _progress
+from quire._runtime.config import current
+from quire._runtime.ioloop import submit
+from quire._runtime.responses import chain
+from quire._runtime.tasks import gather_cancelling
 from quire.sources import Source
 
 __all__ = ["convert"]

@@ -25,12 +25,12 @@ from collections.abc import Callable
 from typing import Any
 
 from quire import _commit, _format
-from quire._budget import ByteBudget
-from quire._config import current
 from quire._crc import crc_bytes
 from quire._handlers.base import StoredObject
-from quire._io import run_blocking
 from quire._paths import is_chunk, is_safe_location
+from quire._runtime.budget import ByteBudget
+from quire._runtime.config import current
+from quire._runtime.ioloop import run_blocking
 from quire._store.base import Backend
 from quire._tree import from_json, keystr
 from quire._url import normalize, open_backend

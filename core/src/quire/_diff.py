@@ -278,7 +278,8 @@ def _values(
     r: DiffReport, pairs: list[tuple[str, Any, Any]], atol: float | None,
     rtol: float | None, block_bytes: int, progress: Any,
 ) -> None:  # fmt: skip
-    from quire import _io, _progress
+    from quire._runtime import ioloop as _io
+    from quire._runtime import progress as _progress
 
     arrays = [(k, x, y) for k, x, y in pairs if _describe(x)[0] == "array"]
     for k, x, y in pairs:

@@ -25,14 +25,15 @@ from typing import Any
 
 import jax
 
-from quire import _checkpointables, _commit, _format, _registry
-from quire._budget import ByteBudget
-from quire._config import current
+from quire import _checkpointables, _commit, _format
 from quire._format import PYTREE
 from quire._handlers import select as _handlers
 from quire._handlers.base import SaveContext, SaveEntry
-from quire._multihost import Coordinator, digest
 from quire._paths import assign_locations, escape_component
+from quire._runtime import registry as _registry
+from quire._runtime.budget import ByteBudget
+from quire._runtime.config import current
+from quire._runtime.multihost import Coordinator, digest
 from quire._store.base import Backend
 from quire._tree import KeyPath, Node, from_json, keystr, to_json, walk
 from quire._url import open_backend

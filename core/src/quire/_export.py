@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from quire._config import current
-from quire._io import run_blocking, submit
 from quire._lazy import LazyValue, full_region
-from quire._progress import _current, advance, reporting
+from quire._runtime.config import current
+from quire._runtime.ioloop import run_blocking, submit
+from quire._runtime.progress import _current, advance, reporting
 from quire._safetensors import INDEX, dtype_code
 from quire._store.base import QUIRE_STORAGE_OPTIONS
 from quire.sources import Source

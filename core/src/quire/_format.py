@@ -23,7 +23,7 @@ from typing import Any
 
 from quire import _schema
 from quire._crc import crc32c
-from quire._version import __version__
+from quire._runtime.version import __version__
 from quire.errors import CorruptCheckpointError
 
 FORMAT = "quire"
@@ -118,7 +118,7 @@ def record_checksum(doc: dict[str, Any]) -> str:
 
 def verify_record() -> bool:
     """Whether records must carry a valid checksum here (the ``verify_record`` option)."""
-    from quire._config import current
+    from quire._runtime.config import current
 
     return current().verify_record
 

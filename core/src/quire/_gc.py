@@ -181,7 +181,7 @@ async def remove(backend: Backend, url: str, g: Garbage) -> bool:
         if doc is None or txid in doc["txids"]:
             return False
         await backend.delete_prefix(g.prefix)
-    from quire._progress import advance
+    from quire._runtime.progress import advance
 
     advance(g.nbytes)  # `quire gc --yes` on a terminal: the bar counts what is removed
     return True

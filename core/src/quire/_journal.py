@@ -29,8 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from quire import _commit, _engine, _format, _load, _multihost, _packrewrite, _schema
-from quire._config import current
+from quire import _commit, _engine, _format, _load, _packrewrite, _schema
 from quire._journal_replay import (
     drop_dead,
     find,
@@ -40,7 +39,9 @@ from quire._journal_replay import (
     replay,
     txids_of,
 )
-from quire._multihost import Coordinator
+from quire._runtime import multihost as _multihost
+from quire._runtime.config import current
+from quire._runtime.multihost import Coordinator
 from quire._store.base import Backend
 from quire._tree import KeyPath, keystr
 from quire._url import open_backend
@@ -196,7 +197,7 @@ async def append(
     """Write a partial save's data, then create its journal record; returns its version.
 
     With several processes every process writes its shards, and the primary creates the
-    record once all have succeeded (see ``quire._multihost``).
+    record once all have succeeded (see ``quire._runtime.multihost``).
     """
     backend = open_backend(url, storage_options)
     if coord is None:

@@ -141,8 +141,8 @@ class LazyValue:
         -------
         numpy.ndarray or jax.Array
         """
-        from quire import _io
         from quire._materialize import materialize_leaf
+        from quire._runtime import ioloop as _io
 
         return _io.submit(materialize_leaf(self, dtype, sharding)).result()
 

@@ -13,14 +13,15 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from quire import _checkpointables, _commit, _registry
-from quire._budget import ByteBudget
-from quire._config import current
+from quire import _checkpointables, _commit
 from quire._format import PYTREE
 from quire._handlers import select as _handlers
 from quire._handlers.base import LoadContext, LoadEntry
+from quire._runtime import registry as _registry
+from quire._runtime.budget import ByteBudget
+from quire._runtime.config import current
+from quire._runtime.tasks import gather_cancelling
 from quire._store.base import Backend
-from quire._tasks import gather_cancelling
 from quire._tree import Node, from_json, keystr, walk
 from quire._url import open_backend
 from quire.errors import (

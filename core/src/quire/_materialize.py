@@ -18,12 +18,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from quire._budget import ByteBudget
-from quire._config import current
-from quire._io import run_blocking
 from quire._lazy import LazyArray, LazyValue, Region, full_region
 from quire._partition import sharding_for, sharding_table
-from quire._tasks import for_each
+from quire._runtime.budget import ByteBudget
+from quire._runtime.config import current
+from quire._runtime.ioloop import run_blocking
+from quire._runtime.tasks import for_each
 from quire._tree import Node, keystr, walk
 from quire.errors import QuireError, TreeMismatchError
 from quire.sources import Source
@@ -333,7 +333,7 @@ def load_and_transform(
     Exception
         Whatever ``transform_fn`` raised, with a note naming the source URLs.
     """
-    from quire import _io
+    from quire._runtime import ioloop as _io
 
     shaped, opened = open_sources(sources, storage_options)
     fn = transform_fn or (lambda *a, **k: a[0] if a else k)

@@ -18,8 +18,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from quire import _objstore as objstore
-from quire._budget import ByteBudget
-from quire._config import current
 from quire._objerrors import ErrorMapping
 from quire._objstore import (
     NO_SUCH_NAME,
@@ -32,6 +30,8 @@ from quire._objstore import (
     strip_userinfo,
 )
 from quire._objwrites import UploadHelpers
+from quire._runtime.budget import ByteBudget
+from quire._runtime.config import current
 from quire._store.base import Backend, Buffer, Capabilities, PreconditionFailed
 
 T = TypeVar("T")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from quire import _io
+from quire._runtime import ioloop as _io
 from quire._store.base import Buffer
 
 T = TypeVar("T")

@@ -13,7 +13,7 @@ from quire import _objstore as objstore
 from quire._store.base import PreconditionFailed
 
 if TYPE_CHECKING:
-    from quire._budget import ByteBudget
+    from quire._runtime.budget import ByteBudget
 
 T = TypeVar("T")
 

@@ -7,10 +7,11 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from quire import _describe, _progress
+from quire import _describe
 from quire._copy import CopyResult
-from quire._io import submit
 from quire._load import VerifyProblem
+from quire._runtime import progress as _progress
+from quire._runtime.ioloop import submit
 from quire._url import normalize
 from quire.errors import CorruptCheckpointError
 

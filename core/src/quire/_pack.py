@@ -31,7 +31,7 @@ from typing import Any
 from quire._chunkid import chunk_crc, crc_hex, index_bytes, trailer_hex
 from quire._chunkindex import index_entry, index_key
 from quire._chunkindex import pack_key as _pack_key
-from quire._io import run_blocking
+from quire._runtime.ioloop import run_blocking
 from quire._shardid import shard_binding
 from quire._store.base import Backend, Buffer
 from quire._wrapped import Wrapped

@@ -43,7 +43,6 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequen
 from dataclasses import dataclass, field
 from typing import Any
 
-from quire._budget import ByteBudget
 from quire._chunkcheck import check_stored
 from quire._chunkid import index_bytes
 from quire._chunkindex import (
@@ -54,8 +53,9 @@ from quire._chunkindex import (
     index_key,
     parse_index,
 )
-from quire._io import run_blocking
 from quire._pack import PackWriter
+from quire._runtime.budget import ByteBudget
+from quire._runtime.ioloop import run_blocking
 from quire._store.base import Backend
 from quire._tree import from_json
 from quire.errors import CheckpointExistsError, CorruptCheckpointError
@@ -364,8 +364,8 @@ async def finalize_plan(
     and ``byte_budget``; removes its own data on failure.  It reads only the indexes of
     versions that lost a leaf (replaced or deleted since): the others are wholly live."""
     from quire._commit import drop_txids
-    from quire._config import current
     from quire._engine import new_txid, process_layout
+    from quire._runtime.config import current
 
     live = set(leaf_records(tree))
     live_txids = {loc.split("/")[1] for loc in live}

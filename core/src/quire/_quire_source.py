@@ -14,13 +14,13 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
-from quire._budget import ByteBudget
-from quire._config import current
 from quire._crc import ChunkError
 from quire._handlers import select as _handlers
 from quire._handlers.base import LoadContext, LoadEntry
-from quire._io import submit
 from quire._lazy import LazyArray, Region, region_shape
+from quire._runtime.budget import ByteBudget
+from quire._runtime.config import current
+from quire._runtime.ioloop import submit
 from quire._store.base import Backend
 from quire._tree import Node, from_json, keystr
 from quire._url import open_backend

@@ -29,8 +29,8 @@ from typing import Any
 
 from quire import _format
 from quire._format import JOURNAL_DIR
+from quire._runtime.version import __version__
 from quire._store.base import Backend
-from quire._version import __version__
 from quire.errors import CorruptCheckpointError
 
 ROOT_RECORD = "checkpointer.json"

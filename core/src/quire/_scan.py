@@ -181,7 +181,7 @@ async def _remove(backend: Backend, url: str, g: _gc.Garbage) -> bool:
         path = g.prefix.rpartition("/")[0] if "/" in g.prefix else ""
         if not await _gc.finish_unfinished(backend, url, path):
             return False
-        from quire._progress import advance
+        from quire._runtime.progress import advance
 
         advance(g.nbytes)
         return True
@@ -190,7 +190,7 @@ async def _remove(backend: Backend, url: str, g: _gc.Garbage) -> bool:
     live = await _live(backend, url, path)
     if live is None or txid in live:
         return False
-    from quire._progress import advance
+    from quire._runtime.progress import advance
 
     await backend.delete_prefix(g.prefix)
     advance(g.nbytes)

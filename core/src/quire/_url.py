@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from quire._config import current
-from quire._registry import INSTALL_HINTS, backends
+from quire._runtime.config import current
+from quire._runtime.registry import INSTALL_HINTS, backends
 from quire._store.base import Backend
 from quire.errors import PluginError
 
@@ -48,7 +48,7 @@ def open_backend(url: str, storage_options: dict[str, Any] | None = None) -> Bac
         return cls(url, opts)  # type: ignore[no-any-return]
     hint = INSTALL_HINTS.get(("quire.backends", proto))
     if hint:
-        from quire._install import install_hint
+        from quire._runtime.install import install_hint
 
         raise PluginError(
             f"no quire backend for {proto}:// URLs ({url}); install {hint} ({install_hint(hint)})"

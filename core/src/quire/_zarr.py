@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from quire import _progress
 from quire._crc import U64_MAX, ChunkError, bytes_view, crc_bytes
 from quire._handlers.base import StoredObject
-from quire._io import run_blocking
+from quire._runtime import progress as _progress
+from quire._runtime.ioloop import run_blocking
+from quire._runtime.tasks import for_each
 from quire._store.base import Backend, Buffer
-from quire._tasks import for_each
 from quire._zarr_layout import (
     MAX_OPEN_CHUNKS,
     ArrayLayout,

@@ -15,7 +15,8 @@ import json
 import os
 from typing import Any
 
-from quire import _format, _io
+from quire import _format
+from quire._runtime import ioloop as _io
 from quire._url import normalize, open_backend
 
 

@@ -26,7 +26,6 @@ and the buffer helpers :func:`byte_slice`, :func:`read_into`, :func:`gather_all`
 
 from __future__ import annotations
 
-from quire._budget import ByteBudget
 from quire._objbackend import ObjectStoreBackend
 from quire._objstore import (
     ObjectInfo,
@@ -38,6 +37,7 @@ from quire._objstore import (
     read_into,
     retrying,
 )
+from quire._runtime.budget import ByteBudget
 from quire._store.base import (
     QUIRE_STORAGE_OPTIONS,
     Backend,

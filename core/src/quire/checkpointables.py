@@ -59,7 +59,7 @@ class UnitIO:
         return f"{self.prefix}/{escape_path(tuple(name.split('/')))}"
 
     def _run(self, coro: Any) -> Any:
-        from quire import _io
+        from quire._runtime import ioloop as _io
 
         return _io.submit(coro).result()
 

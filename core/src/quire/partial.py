@@ -23,8 +23,9 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict, Unpack
 
-from quire import _api, _engine, _format, _io, _journal
+from quire import _api, _engine, _format, _journal
 from quire._journal import JournalConflictError, JournalVersion
+from quire._runtime import ioloop as _io
 from quire._url import normalize
 from quire.options import StorageSpec
 
@@ -42,8 +43,8 @@ __all__ = [
 
 
 def _coordinator(url: str, what: str) -> Any:
-    from quire._config import current
-    from quire._multihost import Coordinator
+    from quire._runtime.config import current
+    from quire._runtime.multihost import Coordinator
 
     cfg = current()
     return Coordinator(url, what, primary=cfg.primary_process, timeout=cfg.timeout)

@@ -16,6 +16,6 @@ Code that implements another operation (an export, a copy) reports through
 
 from __future__ import annotations
 
-from quire._progress import Progress, ProgressEvent, advance, current, reporting
+from quire._runtime.progress import Progress, ProgressEvent, advance, current, reporting
 
 __all__ = ["Progress", "ProgressEvent", "advance", "current", "reporting"]

@@ -127,7 +127,7 @@ def _is_source_leaf(x: Any) -> bool:
 
 def available() -> list[str]:
     """Format ids of the installed sources (``quire`` first)."""
-    from quire._registry import sources
+    from quire._runtime.registry import sources
 
     names = sources.names()
     return sorted(names, key=lambda n: (n != "quire", n))
@@ -156,7 +156,7 @@ def open(
     PluginError
         ``format`` names a source that is not installed or fails to import.
     """
-    from quire._registry import sources
+    from quire._runtime.registry import sources
     from quire._url import effective_options, normalize
 
     u = normalize(url)
@@ -196,8 +196,8 @@ def open(
 def _root_hint(url: str, storage_options: dict[str, Any]) -> str:
     """What ``url`` is instead of a checkpoint (a Checkpointer root naming its steps, a
     folder of checkpoints), as ``quire.load`` says; "" when nothing is known."""
-    from quire import _io
     from quire._root import root_hint
+    from quire._runtime import ioloop as _io
     from quire._url import open_backend
 
     try:
@@ -207,7 +207,7 @@ def _root_hint(url: str, storage_options: dict[str, Any]) -> str:
 
 
 def _orbax_hint() -> str:
-    from quire._install import install_hint
+    from quire._runtime.install import install_hint
 
     return install_hint("quire-orbax")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import fsspec
 
-from quire._io import run_blocking
+from quire._runtime.ioloop import run_blocking
 from quire._store.base import Backend, Buffer, Capabilities, PreconditionFailed
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from quire._backends._openfiles import OpenFiles, keepable
-from quire._io import run_blocking
+from quire._runtime.ioloop import run_blocking
 from quire._store.base import Backend, Buffer, Capabilities, PreconditionFailed
 
 _libc: Any = None

@@ -6,8 +6,8 @@ import argparse
 import time
 from typing import Any
 
-from quire import _progress
 from quire._cli.common import progress_on, side_options
+from quire._runtime import progress as _progress
 
 
 def cmd_export(args: argparse.Namespace) -> int:

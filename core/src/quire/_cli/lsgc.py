@@ -34,7 +34,7 @@ def metrics_text(m: dict[str, Any]) -> str:
 def _open(
     url: str, step_format: str | None, storage_options: dict[str, Any] | None = None
 ) -> tuple[Backend, str, StepFormat]:
-    from quire import _io
+    from quire._runtime import ioloop as _io
     from quire._url import normalize, open_backend
 
     u = normalize(url)
@@ -56,7 +56,7 @@ def cli_ls(
     storage_options: dict[str, Any] | None = None,
 ) -> int:
     """``quire ls ROOT``: one line per step directory; exit 0 (2 on errors)."""
-    from quire import _io
+    from quire._runtime import ioloop as _io
 
     backend, u, fmt = _open(url, step_format, storage_options)
     reports = _io.submit(describe(backend, u, fmt)).result()
@@ -113,7 +113,7 @@ def cli_gc(
     storage_options: dict[str, Any] | None = None,
 ) -> int:
     """``quire gc ROOT``: report (or with ``yes``, remove) garbage; exit 0 (2 on errors)."""
-    from quire import _io
+    from quire._runtime import ioloop as _io
 
     backend, u, fmt = _open(url, step_format, storage_options)
     report = _io.submit(

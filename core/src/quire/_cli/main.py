@@ -158,13 +158,14 @@ def _open(url: str, so: dict[str, Any] | None) -> tuple[Any, str, Any]:
 
 
 def _is_root(backend: Any) -> bool:
-    from quire import _io, _root
+    from quire import _root
+    from quire._runtime import ioloop as _io
 
     return bool(_io.submit(backend.exists(_root.ROOT_RECORD)).result())
 
 
 def _nothing_at(backend: Any) -> bool:
-    from quire import _io
+    from quire._runtime import ioloop as _io
 
     try:
         files, dirs = _io.submit(backend.list_dir("")).result()
@@ -174,8 +175,9 @@ def _nothing_at(backend: Any) -> bool:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from quire import _describe, _io, _load, _scan
+    from quire import _describe, _load, _scan
     from quire._cli import lsgc as _gc_cli
+    from quire._runtime import ioloop as _io
 
     so = storage_options(args)
     backend, u, opener = _open(args.root, so)
@@ -230,8 +232,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from quire import _io, _progress, _scan
+    from quire import _scan
     from quire._cli import lsgc as _gc_cli
+    from quire._runtime import ioloop as _io
+    from quire._runtime import progress as _progress
 
     so = storage_options(args)
     backend, u, opener = _open(args.root, so)
@@ -254,7 +258,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- plugins
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from quire._registry import registries
+    from quire._runtime.registry import registries
 
     reports = {group: reg.report(load=True) for group, reg in registries.items()}
     rows = [i for infos in reports.values() for i in infos]
@@ -272,7 +276,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- parser
 def parser() -> argparse.ArgumentParser:
-    from quire._version import __version__
+    from quire._runtime.version import __version__
 
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("storage and display")

@@ -107,7 +107,7 @@ def _plan(value: Any, storage: Any, path: tuple[Any, ...]) -> _Plan:
     plan.chunk_shape = tuple(max(1, c) for c in plan.chunk_shape)
     local = not isinstance(value, jax.Array) or value.is_fully_addressable
     if local and jax.process_count() > 1:
-        from quire._config import current
+        from quire._runtime.config import current
 
         if jax.process_index() != current().primary_process:
             # Every process holds its own copy of a process-local value (numpy array,

@@ -12,8 +12,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from quire._budget import ByteBudget
-from quire._config import current
 from quire._dtypes import dtype_from_name, dtype_name
 from quire._handlers._arrayplan import (
     _const,
@@ -24,9 +22,11 @@ from quire._handlers._arrayplan import (
     layout_from_record,
 )
 from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
-from quire._hostbuf import aligned_empty, for_device, is_aligned
-from quire._io import pool, run_blocking
-from quire._tasks import gather_cancelling
+from quire._runtime.budget import ByteBudget
+from quire._runtime.config import current
+from quire._runtime.hostbuf import aligned_empty, for_device, is_aligned
+from quire._runtime.ioloop import pool, run_blocking
+from quire._runtime.tasks import gather_cancelling
 from quire._tree import keystr
 from quire._zarr import (
     ArrayLayout,

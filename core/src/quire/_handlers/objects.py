@@ -8,9 +8,9 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
-from quire import _progress
 from quire._handlers.base import KeyPath, LoadContext, LoadEntry, ObjectProblem, StoredObject
 from quire._paths import is_chunk
+from quire._runtime import progress as _progress
 
 
 async def default_objects(

@@ -20,9 +20,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from quire import _registry
-from quire._config import current
-from quire._registry import leaf_handlers
+from quire._runtime import registry as _registry
+from quire._runtime.config import current
+from quire._runtime.registry import leaf_handlers
 from quire.errors import PluginError
 
 __all__ = ["all_handlers", "clear_instances", "for_value", "get", "ranked"]

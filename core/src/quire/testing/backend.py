@@ -38,8 +38,8 @@ import numpy as np
 import pytest
 
 import quire
-from quire import _io
-from quire._registry import backends as _backends
+from quire._runtime import ioloop as _io
+from quire._runtime.registry import backends as _backends
 from quire._url import open_backend, protocol_of
 from quire.backends import Backend, Buffer, Capabilities, PreconditionFailed
 

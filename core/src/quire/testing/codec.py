@@ -68,7 +68,7 @@ class CodecSuite(UrlFixture):
         ]
 
     def test_factory_is_registered(self) -> None:
-        from quire._registry import codecs
+        from quire._runtime.registry import codecs
 
         factory = codecs.get(self.codec_id)
         assert callable(factory)

@@ -43,7 +43,7 @@ class Installed:
 
 def installed(groups: Iterable[str] | None = None) -> list[Installed]:
     """Every installed entry point of quire's groups (a fresh scan, not the cache)."""
-    from quire._registry import GROUPS, _dist
+    from quire._runtime.registry import GROUPS, _dist
 
     out = set()
     for g in groups or GROUPS:
@@ -95,7 +95,7 @@ def uncovered(
     classes: Iterable[type], *, ignore_distributions: Iterable[str] = ()
 ) -> list[Installed]:
     """Installed entry points no suite class in ``classes`` covers."""
-    from quire._registry import canonical
+    from quire._runtime.registry import canonical
 
     ignore = {canonical(d) for d in ignore_distributions}
     covered = {pair for c in classes for pair in covered_by(c)}

@@ -101,7 +101,7 @@ class LeafHandlerSuite(UrlFixture):
         return [SaveEntry(("leaves", i), v, location=f"d/t/leaf{i}") for i, v in enumerate(values)]
 
     async def _save_direct(self, handler: Any, entries: list[Any], backend: Any) -> list[Any]:
-        from quire._budget import ByteBudget
+        from quire._runtime.budget import ByteBudget
         from quire.handlers import SaveContext
 
         ctx = SaveContext(backend.url, backend, "t", budget=ByteBudget(64 << 20))
@@ -119,7 +119,7 @@ class LeafHandlerSuite(UrlFixture):
         return list(await handler.load(entries, LoadContext(backend.url, backend)))
 
     def _run(self, coro: Any) -> Any:
-        from quire import _io
+        from quire._runtime import ioloop as _io
 
         return _io.submit(coro).result(timeout=120)
 

@@ -72,7 +72,7 @@ class SourceSuite:
         raise NotImplementedError("a SourceSuite subclass writes checkpoints in its format")
 
     def _cls(self) -> Any:
-        from quire._registry import sources
+        from quire._runtime.registry import sources
 
         return sources.get(self.source_format)
 
@@ -117,7 +117,7 @@ class SourceSuite:
         async def read_all() -> list[np.ndarray]:
             return list(await asyncio.gather(*(leaf.reader.read_region(r) for r in regions)))
 
-        from quire._io import submit
+        from quire._runtime.ioloop import submit
 
         for r, got in zip(regions, submit(read_all()).result()):
             assert got.shape == want[r].shape, r

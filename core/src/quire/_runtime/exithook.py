@@ -84,7 +84,7 @@ def _at_exit() -> None:
             "quire's threads (every committed checkpoint stays whole)",
             n,
         )
-        from quire import _io
+        from quire._runtime import ioloop as _io
 
         _io.shutdown()
 

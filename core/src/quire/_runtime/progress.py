@@ -299,7 +299,7 @@ def make(
 ) -> Progress | None:
     """The reporter ``progress=spec`` asks for (None: the configured default), or None."""
     if spec is None:
-        from quire._config import current as config
+        from quire._runtime.config import current as config
 
         spec = config().progress
     if spec is None or spec is False:

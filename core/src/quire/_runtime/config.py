@@ -22,7 +22,7 @@ from typing import Any
 
 __all__ = ["GROUPS", "Config", "Context", "configure", "current"]
 
-# The plugin entry-point groups (quire._registry has one registry per group); here because
+# The plugin entry-point groups (quire._runtime.registry has one registry per group); here because
 # the ``plugins=`` option names them, and configuration sits below the registries.
 GROUPS = (
     "quire.backends",

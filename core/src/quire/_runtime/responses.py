@@ -9,7 +9,8 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
-from quire import _exit, _io
+from quire._runtime import exithook as _exit
+from quire._runtime import ioloop as _io
 
 T = TypeVar("T")
 

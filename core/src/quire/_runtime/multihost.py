@@ -44,7 +44,7 @@ import threading
 import time
 from typing import Any
 
-from quire._io import run_blocking
+from quire._runtime.ioloop import run_blocking
 from quire.errors import MultiProcessError
 
 __all__ = ["COMMIT", "Coordinator", "MultiProcessError", "digest"]

@@ -20,8 +20,8 @@ MEMBERS = {
 def checkout_root() -> pathlib.Path | None:
     """The repository root when quire is imported from a source checkout, else None."""
     here = pathlib.Path(__file__).resolve()
-    # <root>/core/src/quire/_install.py
-    root = here.parents[3] if len(here.parents) > 3 else None
+    # <root>/core/src/quire/_runtime/install.py
+    root = here.parents[4] if len(here.parents) > 4 else None
     if root is not None and (root / "core" / "pyproject.toml").is_file():
         return root
     return None

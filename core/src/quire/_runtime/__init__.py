@@ -1,0 +1,9 @@
+"""How quire runs, below everything that knows a checkpoint: the background event loop and
+I/O pool (``ioloop``), async responses (``responses``), the byte budget (``budget``),
+configuration and contexts (``config``), the plugin registries (``registry``, with install hints
+from ``install``), the interpreter-exit hook (``exithook``), progress reporting (``progress``),
+bounded fan-out (``tasks``), host buffers ``jax.device_put`` adopts (``hostbuf``), the multi-process
+coordinator (``multihost``) and the library version (``version``).
+
+May import: only quire's contract modules (``errors``, ``options``, ``metadata``).
+"""
