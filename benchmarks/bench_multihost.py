@@ -65,7 +65,7 @@ def worker(pid: int, nproc: int, port: int, opts: dict[str, Any]) -> None:
     from jax.sharding import PartitionSpec as P
 
     import quire
-    from quire._backends.local import LocalBackend
+    from quire._store.local import LocalBackend
 
     lock = threading.Lock()
     counts = {"written": 0, "read": 0}

@@ -289,7 +289,7 @@ def run_config(
 ) -> Results:
     import quire
     from quire._runtime import ioloop as _io
-    from quire._url import open_backend
+    from quire._store.url import open_backend
 
     h = Harness(args, config)
     res = Results()

@@ -93,9 +93,9 @@ def layout(name: str, hosts: int, devices: int) -> dict[str, Any]:
 
 async def simulate(name: str, hosts: int, devices: int, local: bool) -> dict[str, Any]:
     from quire import _format, _pack
-    from quire._backends.memory import MemoryBackend
     from quire._chunkindex import index_entry
     from quire._runtime.config import current
+    from quire._store.memory import MemoryBackend
 
     lay = layout(name, hosts, devices)
     large_bytes = TB // lay["large"]

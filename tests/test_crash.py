@@ -199,7 +199,7 @@ def _install_hooks(kill_at: int | None, when: str, calls: list[str]) -> None:
     """Count calls of HOOKED LocalBackend methods; SIGKILL this process at call ``kill_at``."""
     import asyncio
 
-    from quire._backends.local import LocalBackend
+    from quire._store.local import LocalBackend
 
     lock = threading.Lock()
 
@@ -215,7 +215,7 @@ def _install_hooks(kill_at: int | None, when: str, calls: list[str]) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(60)  # never reached
 
-    from quire._backends.local import _StreamWriter
+    from quire._store.local import _StreamWriter
 
     targets = [(LocalBackend, n, n) for n in HOOKED]
     targets += [(_StreamWriter, n, f"pack_{n}") for n in STREAM_HOOKED]
@@ -312,7 +312,7 @@ def _zygote_main() -> None:
     import jax  # noqa: F401
 
     import quire
-    import quire._backends.local  # noqa: F401
+    import quire._store.local  # noqa: F401
 
     assert threading.active_count() == 1, threading.enumerate()
     _emit(event="zygote-ready", pid=os.getpid())

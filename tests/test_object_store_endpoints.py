@@ -17,7 +17,7 @@ import pytest
 from object_store_servers import S3_KEY, S3_SECRET, FaultProxy, GcsEmulator, MotoS3
 
 import quire
-from quire._url import open_backend
+from quire._store.url import open_backend
 from quire.errors import EndpointUnreachableError
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="real servers on 127.0.0.1")

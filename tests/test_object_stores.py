@@ -40,7 +40,7 @@ from object_store_worker import assert_tree, build_tree
 
 import quire
 from quire._runtime import ioloop as _io
-from quire._url import open_backend
+from quire._store.url import open_backend
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="subprocess + SIGKILL")
 

@@ -97,7 +97,7 @@ def test_save_and_load_through_backend_codec_and_handler(acme: Any, service: str
     assert plugins["quire.codecs:acme-xor"] == "acme-quire-plugin"
     assert not any(k.startswith("quire.leaf_handlers:numpy") for k in plugins)
     # The data is in the acme service, XOR-ed: not the raw float bytes.
-    backend = quire._url.open_backend(url)
+    backend = quire._store.url.open_backend(url)
     keys = quire._runtime.ioloop.submit(backend.list("")).result()
     assert "quire.json" in keys
     packs = [k for k in keys if "/%packs/p00000-" in k]  # format v2: the chunks are in packs

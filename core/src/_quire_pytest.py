@@ -32,7 +32,7 @@ def quire_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         return
     url = f"memory://quire-tests/{uuid.uuid4().hex}"
     yield url
-    from quire._backends.memory import forget
+    from quire._store.memory import forget
 
     forget(url)
 

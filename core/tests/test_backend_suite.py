@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from quire._backends.memory import forget
+from quire._store.memory import forget
 from quire.testing import BackendSuite
 
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import quire
-from quire._backends import local
 from quire._format import record_checksum
+from quire._store import local
 from quire.errors import CorruptCheckpointError, QuireError
 
 

@@ -20,9 +20,9 @@ import pytest
 
 import quire
 from quire import _api, _root
-from quire._backends.local import LocalBackend
-from quire._backends.memory import MemoryBackend
 from quire._cli.main import main as cli
+from quire._store.local import LocalBackend
+from quire._store.memory import MemoryBackend
 from quire.errors import CheckpointNotFoundError, QuireError
 from quire.policies import (
     AnyKeep,

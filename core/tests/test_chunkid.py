@@ -28,9 +28,9 @@ from jax.sharding import PartitionSpec as P
 
 import quire
 from quire import _chunkid, _format, _journal, partial
-from quire._backends.memory import MemoryBackend
 from quire._cli.main import main
 from quire._crc import crc32c
+from quire._store.memory import MemoryBackend
 from quire.errors import CorruptCheckpointError
 
 W = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)

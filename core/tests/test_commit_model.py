@@ -24,9 +24,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import quire
 from quire import _gc, _root
-from quire._backends.memory import forget
 from quire._runtime import ioloop as _io
-from quire._url import open_backend
+from quire._store.memory import forget
+from quire._store.url import open_backend
 
 STEPS = [1, 2, 3]
 FMT = _root.StepFormat(_root.DEFAULT_STEP_FORMAT)

@@ -314,7 +314,7 @@ def test_config_fields_are_all_known() -> None:
 
 
 def test_max_concurrency_bounds_requests_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
-    from quire._backends.memory import MemoryBackend
+    from quire._store.memory import MemoryBackend
 
     in_flight = peak = 0
     real_put, real_get = MemoryBackend.put, MemoryBackend.get

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import quire
-from quire._backends import local
-from quire._backends.local import LocalBackend
+from quire._store import local
+from quire._store.local import LocalBackend
 
 
 @pytest.fixture(params=["openat2", "walk"])
@@ -113,7 +113,7 @@ def test_a_load_opens_each_pack_once_and_closes_it(
 
 
 def test_kept_descriptors_are_bounded_and_outlive_no_read(tmp_path: Path) -> None:
-    from quire._backends import _openfiles
+    from quire._store import openfiles as _openfiles
 
     (tmp_path / "f").write_bytes(b"x")
     files = _openfiles.OpenFiles()

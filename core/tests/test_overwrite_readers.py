@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import quire
-from quire._backends import local
+from quire._store import local
 from quire.errors import CheckpointChangedError, CheckpointNotFoundError, CorruptCheckpointError
 
 

@@ -253,7 +253,7 @@ def test_load_reads_only_its_own_index(tmp_path: Path) -> None:
     loader finds every chunk in its own."""
     from quire import _chunkindex, _load
     from quire._runtime import ioloop as _io
-    from quire._url import open_backend
+    from quire._store.url import open_backend
 
     url = str(tmp_path / "c")
     quire.save(url, {"w": np.arange(10.0)})

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import quire
-from quire._backends.memory import MemoryBackend
+from quire._store.memory import MemoryBackend
 from quire.errors import CorruptCheckpointError
 
 KiB = 1 << 10

@@ -26,7 +26,7 @@ import quire
 from quire import _packrewrite, partial
 from quire._cli.main import main
 from quire._runtime import ioloop as _io
-from quire._url import open_backend
+from quire._store.url import open_backend
 
 
 def _verify(url: str) -> tuple[int, list[Any]]:
@@ -237,7 +237,7 @@ CHILD = textwrap.dedent(
     import asyncio, os, signal, sys
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import quire
-    from quire._backends import local as L
+    from quire._store import local as L
     url, kill_at = sys.argv[1], int(sys.argv[2])
     calls = []
     def die(name):

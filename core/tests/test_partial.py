@@ -22,7 +22,7 @@ import quire
 from quire import _commit, _packrewrite, partial
 from quire._chunkindex import parse_index
 from quire._runtime import ioloop as _io
-from quire._url import open_backend
+from quire._store.url import open_backend
 
 
 # ----------------------------------------------------------------------------- packs (format v2)
@@ -402,7 +402,7 @@ CHILD = textwrap.dedent(
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import numpy as np
     import quire
-    from quire._backends import local as L
+    from quire._store import local as L
     url, op, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
     count = [0]
     def wrap(name):

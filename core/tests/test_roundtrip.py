@@ -358,7 +358,7 @@ def test_exists_and_overwrite(url: str) -> None:
     assert_same({"b": np.zeros(2)}, quire.load(url))
     # The old data is gone; only the new txid remains.
     from quire._runtime import ioloop as _io
-    from quire._url import open_backend
+    from quire._store.url import open_backend
 
     keys = _io.submit(open_backend(url).list("d")).result()
     txids = {k.split("/")[1] for k in keys}

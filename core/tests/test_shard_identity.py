@@ -232,7 +232,7 @@ def test_an_inner_chunk_read_before_its_shard_index_is_still_bound(tmp_path: Pat
 
     url, (key, _) = _damaged(tmp_path, "swapped-in-array")
     rec = _record(url)
-    from quire._url import open_backend
+    from quire._store.url import open_backend
 
     async def go() -> None:
         base = open_backend(url)

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 import quire
 from quire import surgery
-from quire._backends.local import LocalBackend
+from quire._store.local import LocalBackend
 from quire.testing import SourceSuite
 
 P = jax.sharding.PartitionSpec

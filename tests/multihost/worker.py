@@ -68,7 +68,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import quire  # noqa: E402
-from quire._backends.local import LocalBackend  # noqa: E402
+from quire._store.local import LocalBackend  # noqa: E402
 
 T0 = time.monotonic()
 T_READY = time.time() - T_START

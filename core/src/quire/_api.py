@@ -10,7 +10,7 @@ from quire import _engine, _format, _load
 from quire._runtime import ioloop as _io
 from quire._runtime import progress as _progress
 from quire._runtime.responses import AsyncResponse, chain
-from quire._url import normalize
+from quire._store.url import normalize
 from quire.errors import CheckpointNotFoundError
 from quire.metadata import CheckpointMetadata
 from quire.options import StorageSpec
@@ -366,7 +366,7 @@ def load(
 def _other_source(url: Any, storage_options: dict[str, Any] | None) -> bool:
     """Whether a source other than quire's own recognises ``url`` (after a failed load)."""
     from quire._runtime.registry import sources
-    from quire._url import effective_options
+    from quire._store.url import effective_options
 
     u = normalize(url)
     opts = effective_options(u, storage_options)

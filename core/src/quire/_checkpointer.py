@@ -39,7 +39,7 @@ from quire._checkpointer_tasks import _BackgroundTasks
 from quire._format import PYTREE
 from quire._runtime import exithook as _exit
 from quire._runtime.config import current
-from quire._url import normalize, open_backend
+from quire._store.url import normalize, open_backend
 from quire.policies import KeepPolicy, OnPreemption, SaveContext, SavePolicy, StepInfo
 
 if TYPE_CHECKING:

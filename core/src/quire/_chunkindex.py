@@ -50,7 +50,7 @@ from quire._crc import ChunkError, crc32c
 from quire._paths import is_safe_location
 from quire._shardid import ShardChecks, valid_shard_binding
 from quire._store.base import Backend
-from quire._wrapped import Wrapped
+from quire._store.wrapped import Wrapped
 from quire.errors import CorruptCheckpointError
 
 PACK_DIR = "%packs"  # never produced by key escaping ('%' is always followed by two hex digits)

@@ -119,7 +119,7 @@ def convert(
     ``"verify"``).  Returns (bytes of array data, objects verified).
     """
     from quire import _engine, _format, _load
-    from quire._url import normalize
+    from quire._store.url import normalize
     from quire.errors import CorruptCheckpointError
     from quire.sources import open as open_source
 

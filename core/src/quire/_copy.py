@@ -32,8 +32,8 @@ from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking
 from quire._store.base import Backend
+from quire._store.url import normalize, open_backend
 from quire._tree import from_json, keystr
-from quire._url import normalize, open_backend
 from quire.errors import CorruptCheckpointError
 
 __all__ = ["CopyResult", "copy_checkpoint"]

@@ -35,8 +35,8 @@ from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator, digest
 from quire._store.base import Backend
+from quire._store.url import open_backend
 from quire._tree import KeyPath, Node, from_json, keystr, to_json, walk
-from quire._url import open_backend
 from quire.errors import UnsupportedLeafError
 from quire.options import StorageOptions, StorageSpec
 

@@ -274,7 +274,7 @@ def export(
     list of str
         The URLs written (the index last).
     """
-    from quire._url import normalize
+    from quire._store.url import normalize
     from quire.sources import open as open_source
 
     if format != "safetensors":

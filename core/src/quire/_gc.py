@@ -192,7 +192,7 @@ async def finish_unfinished(backend: Backend, url: str, path: str) -> bool:
     whose finalize was killed before it removed its journal and what it superseded):
     finish that clean-up.  False when there is nothing to finish any more."""
     from quire import _journal
-    from quire._url import open_backend
+    from quire._store.url import open_backend
 
     where = f"{url}/{path}" if path else url
     sub = open_backend(where, backend.storage_options) if path else backend

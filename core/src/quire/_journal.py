@@ -43,8 +43,8 @@ from quire._runtime import multihost as _multihost
 from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator
 from quire._store.base import Backend
+from quire._store.url import open_backend
 from quire._tree import KeyPath, keystr
-from quire._url import open_backend
 from quire.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,

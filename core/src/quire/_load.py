@@ -22,8 +22,8 @@ from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._runtime.tasks import gather_cancelling
 from quire._store.base import Backend
+from quire._store.url import open_backend
 from quire._tree import Node, from_json, keystr, walk
-from quire._url import open_backend
 from quire.errors import (
     CheckpointChangedError,
     CheckpointNotFoundError,

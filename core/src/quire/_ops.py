@@ -12,7 +12,7 @@ from quire._copy import CopyResult
 from quire._load import VerifyProblem
 from quire._runtime import progress as _progress
 from quire._runtime.ioloop import submit
-from quire._url import normalize
+from quire._store.url import normalize
 from quire.errors import CorruptCheckpointError
 
 __all__ = ["CopyResult", "VerifyProblem", "VerifyReport", "copy", "verify"]

@@ -34,7 +34,7 @@ from quire._chunkindex import pack_key as _pack_key
 from quire._runtime.ioloop import run_blocking
 from quire._shardid import shard_binding
 from quire._store.base import Backend, Buffer
-from quire._wrapped import Wrapped
+from quire._store.wrapped import Wrapped
 
 INLINE_SUFFIX = "/zarr.json"
 INLINE_MAX = 64 << 10

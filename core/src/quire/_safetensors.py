@@ -26,11 +26,11 @@ from typing import Any, ClassVar
 import ml_dtypes
 import numpy as np
 
-from quire._backends.local import LocalBackend
 from quire._lazy import LazyArray, Region, region_shape
 from quire._runtime.ioloop import submit
 from quire._store.base import Backend
-from quire._url import open_backend, protocol_of
+from quire._store.local import LocalBackend
+from quire._store.url import open_backend, protocol_of
 from quire.errors import CheckpointNotFoundError, CorruptCheckpointError
 from quire.sources import Source
 from quire.surgery import unflatten

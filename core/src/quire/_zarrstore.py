@@ -17,7 +17,7 @@ from typing import Any
 
 from quire import _format
 from quire._runtime import ioloop as _io
-from quire._url import normalize, open_backend
+from quire._store.url import normalize, open_backend
 
 
 def _async_fs(fs: Any) -> Any:

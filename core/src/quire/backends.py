@@ -26,8 +26,16 @@ and the buffer helpers :func:`byte_slice`, :func:`read_into`, :func:`gather_all`
 
 from __future__ import annotations
 
-from quire._objbackend import ObjectStoreBackend
-from quire._objstore import (
+from quire._runtime.budget import ByteBudget
+from quire._store.base import (
+    QUIRE_STORAGE_OPTIONS,
+    Backend,
+    Buffer,
+    Capabilities,
+    PreconditionFailed,
+)
+from quire._store.objbackend import ObjectStoreBackend
+from quire._store.objstore import (
     ObjectInfo,
     PartBuffers,
     RetriesExhausted,
@@ -36,14 +44,6 @@ from quire._objstore import (
     gather_all,
     read_into,
     retrying,
-)
-from quire._runtime.budget import ByteBudget
-from quire._store.base import (
-    QUIRE_STORAGE_OPTIONS,
-    Backend,
-    Buffer,
-    Capabilities,
-    PreconditionFailed,
 )
 
 __all__ = [

@@ -26,7 +26,7 @@ from typing import Any, TypedDict, Unpack
 from quire import _api, _engine, _format, _journal
 from quire._journal import JournalConflictError, JournalVersion
 from quire._runtime import ioloop as _io
-from quire._url import normalize
+from quire._store.url import normalize
 from quire.options import StorageSpec
 
 __all__ = [

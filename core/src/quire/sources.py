@@ -157,7 +157,7 @@ def open(
         ``format`` names a source that is not installed or fails to import.
     """
     from quire._runtime.registry import sources
-    from quire._url import effective_options, normalize
+    from quire._store.url import effective_options, normalize
 
     u = normalize(url)
     # Sources see the options a backend for ``u`` would: the Context's for the protocol too.
@@ -198,7 +198,7 @@ def _root_hint(url: str, storage_options: dict[str, Any]) -> str:
     folder of checkpoints), as ``quire.load`` says; "" when nothing is known."""
     from quire._root import root_hint
     from quire._runtime import ioloop as _io
-    from quire._url import open_backend
+    from quire._store.url import open_backend
 
     try:
         return _io.submit(root_hint(open_backend(url, dict(storage_options)))).result()

@@ -35,7 +35,7 @@ def _open(
     url: str, step_format: str | None, storage_options: dict[str, Any] | None = None
 ) -> tuple[Backend, str, StepFormat]:
     from quire._runtime import ioloop as _io
-    from quire._url import normalize, open_backend
+    from quire._store.url import normalize, open_backend
 
     u = normalize(url)
     backend = open_backend(u, storage_options)

@@ -151,7 +151,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- ls / gc
 def _open(url: str, so: dict[str, Any] | None) -> tuple[Any, str, Any]:
-    from quire._url import normalize, open_backend
+    from quire._store.url import normalize, open_backend
 
     u = normalize(url)
     return open_backend(u, so), u, (lambda rel: open_backend(f"{u}/{rel}", so))

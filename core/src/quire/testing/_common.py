@@ -24,7 +24,7 @@ class UrlFixture:
             return
         u = f"memory://quire-suite/{uuid.uuid4().hex}"
         yield u
-        from quire._backends.memory import forget
+        from quire._store.memory import forget
 
         forget(u)
 

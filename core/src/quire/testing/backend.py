@@ -16,7 +16,7 @@ root URL per test::
         def storage_options(self, my_server):
             return {"endpoint_url": my_server.url}
 
-Everything goes through :func:`quire._url.open_backend`, so the suite also checks that the
+Everything goes through :func:`quire._store.url.open_backend`, so the suite also checks that the
 protocol resolves to the backend through the ``quire.backends`` entry points.
 
 Backends whose *test server* does not enforce preconditions (gcp-storage-emulator ignores
@@ -40,7 +40,7 @@ import pytest
 import quire
 from quire._runtime import ioloop as _io
 from quire._runtime.registry import backends as _backends
-from quire._url import open_backend, protocol_of
+from quire._store.url import open_backend, protocol_of
 from quire.backends import Backend, Buffer, Capabilities, PreconditionFailed
 
 __all__ = ["BackendSuite"]

@@ -91,7 +91,7 @@ class LeafHandlerSuite(UrlFixture):
         return _handlers.get(self.handler_id)
 
     def _backend(self) -> Any:
-        from quire._backends.memory import MemoryBackend
+        from quire._store.memory import MemoryBackend
 
         return MemoryBackend(f"memory://quire-leaf-suite/{uuid.uuid4().hex}")
 

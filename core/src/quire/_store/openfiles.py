@@ -2,7 +2,7 @@
 
 A format-v2 load reads hundreds of ranges out of a few pack files; opening the file for
 each (the symlink-safe ``openat2`` walk, plus the close) costs more than many of those
-reads.  While :meth:`quire._backends.local.LocalBackend.keep_open` is in effect, reads of
+reads.  While :meth:`quire._store.local.LocalBackend.keep_open` is in effect, reads of
 pack objects share one descriptor per pack, closed when the load ends, or, for a read
 still in flight then (a cancelled load's worker thread), by that read when it finishes.
 Only pack objects are kept (data under ``d/<txid>/`` is written once, so a kept

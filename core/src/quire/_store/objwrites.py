@@ -1,7 +1,7 @@
 """Upload helpers of :class:`quire.backends.ObjectStoreBackend`: multipart-style part
 uploads held in the byte budget, and the retried conditional write a commit makes.
 
-A mixin of :class:`~quire._objbackend.ObjectStoreBackend` (published through it).
+A mixin of :class:`~quire._store.objbackend.ObjectStoreBackend` (published through it).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from quire import _objstore as objstore
+from quire._store import objstore
 from quire._store.base import PreconditionFailed
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ def normalize(url: str | os.PathLike[str]) -> str:
     if "\x00" in s:
         raise ValueError(f"checkpoint URL {s!r} contains a NUL byte")
     if protocol_of(s) == "file":
-        from quire._backends.local import local_path
+        from quire._store.local import local_path
 
         return local_path(s)
     return s.rstrip("/")
@@ -60,6 +60,6 @@ def open_backend(url: str, storage_options: dict[str, Any] | None = None) -> Bac
             f"no quire backend and no fsspec file system for {proto}:// ({url}); "
             "install a package that provides one"
         )
-    from quire._backends.fsspec_generic import FsspecBackend
+    from quire._store.fsspec_generic import FsspecBackend
 
     return FsspecBackend(url, opts)

@@ -17,9 +17,12 @@ import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from quire import _objstore as objstore
-from quire._objerrors import ErrorMapping
-from quire._objstore import (
+from quire._runtime.budget import ByteBudget
+from quire._runtime.config import current
+from quire._store import objstore
+from quire._store.base import Backend, Buffer, Capabilities, PreconditionFailed
+from quire._store.objerrors import ErrorMapping
+from quire._store.objstore import (
     NO_SUCH_NAME,
     RESOLVE_DEADLINE,
     ObjectInfo,
@@ -29,10 +32,7 @@ from quire._objstore import (
     retrying,
     strip_userinfo,
 )
-from quire._objwrites import UploadHelpers
-from quire._runtime.budget import ByteBudget
-from quire._runtime.config import current
-from quire._store.base import Backend, Buffer, Capabilities, PreconditionFailed
+from quire._store.objwrites import UploadHelpers
 
 T = TypeVar("T")
 MiB = 1 << 20

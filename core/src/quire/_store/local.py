@@ -16,9 +16,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from quire._backends._openfiles import OpenFiles, keepable
 from quire._runtime.ioloop import run_blocking
 from quire._store.base import Backend, Buffer, Capabilities, PreconditionFailed
+from quire._store.openfiles import OpenFiles, keepable
 
 _libc: Any = None
 if sys.platform.startswith("linux"):

@@ -1,1 +1,0 @@
-"""First-party backends (registered through the ``quire.backends`` entry points)."""
