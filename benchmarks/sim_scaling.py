@@ -5,7 +5,7 @@ Run from the repository root::
     .venv/bin/python benchmarks/sim_scaling.py              # 1024 hosts (a few minutes)
     .venv/bin/python benchmarks/sim_scaling.py --quick      # 32 hosts, seconds
 
-Every simulated process runs quire's real pack writer (``quire._pack.PackWriter``) over a
+Every simulated process runs quire's real pack writer (``quire._format.pack.PackWriter``) over a
 backend that counts objects and bytes but keeps only the chunk indexes (in ``memory://``):
 each process appends the chunks it owns (the zarr keys quire would write, one per device
 shard with ``replica_id == 0``), packs are sealed as in a real save on an object store
@@ -92,8 +92,9 @@ def layout(name: str, hosts: int, devices: int) -> dict[str, Any]:
 
 
 async def simulate(name: str, hosts: int, devices: int, local: bool) -> dict[str, Any]:
-    from quire import _format, _pack
-    from quire._chunkindex import index_entry
+    from quire._format import pack as _pack
+    from quire._format import record as _format
+    from quire._format.chunkindex import index_entry
     from quire._runtime.config import current
     from quire._store.memory import MemoryBackend
 

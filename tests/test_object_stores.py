@@ -710,7 +710,7 @@ def test_cp_progress_counts_chunks_as_verify_does(tmp_path: Path) -> None:
     """``copy_checkpoint(progress=)`` reports array chunks (a pack holds many, a zarr.json
     none): the unit ``quire verify`` and ``quire info`` count, in both layouts."""
     from quire._copy import copy_checkpoint
-    from quire._describe import counts
+    from quire._format.describe import counts
 
     for layout in ("packed", "chunks"):
         src = str(tmp_path / f"src-{layout}")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import quire
-from quire._format import record_checksum
+from quire._format.record import record_checksum
 from quire._store import local
 from quire.errors import CorruptCheckpointError, QuireError
 

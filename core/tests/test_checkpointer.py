@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 import quire
-from quire import _api, _root
+from quire import _api
 from quire._cli.main import main as cli
+from quire._format import root as _root
 from quire._store.local import LocalBackend
 from quire._store.memory import MemoryBackend
 from quire.errors import CheckpointNotFoundError, QuireError

@@ -1,4 +1,4 @@
-"""Format v2 chunk identity (``quire._chunkid``): a plain array chunk is bound to its key by
+"""Format v2 chunk identity (``quire._format.chunkid``): a plain array chunk is bound to its key by
 its own crc32c trailer (index format 3, ``quire.crc32c``), everything else by a CRC-32.
 
 The trailer binding is only as good as the crc32c check of the readers, so every path
@@ -27,9 +27,11 @@ from jax.sharding import NamedSharding as NS
 from jax.sharding import PartitionSpec as P
 
 import quire
-from quire import _chunkid, _format, _journal, partial
+from quire import _journal, partial
 from quire._cli.main import main
-from quire._crc import crc32c
+from quire._format import chunkid as _chunkid
+from quire._format import record as _format
+from quire._format.crc import crc32c
 from quire._store.memory import MemoryBackend
 from quire.errors import CorruptCheckpointError
 
@@ -251,7 +253,7 @@ def _path_finalize_rewrite(tmp_path: Path) -> None:
 
 
 def _path_object_store_windows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Loads on object stores read chunks out of planned windows (quire._packread)."""
+    """Loads on object stores read chunks out of planned windows (quire._format.packread)."""
     monkeypatch.setattr(MemoryBackend, "read_part_size", 1 << 20, raising=False)
     url = f"memory://quire-tests/{uuid.uuid4().hex}"
     quire.save(url, {"w": W, "v": np.arange(5, dtype=np.int64)})

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import quire
-from quire import _commit, _format
+from quire import _commit
+from quire._format import record as _format
 from quire._runtime import ioloop as _io
 from quire._store.memory import MemoryBackend, forget
 from quire.backends import Capabilities

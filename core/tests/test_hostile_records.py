@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 
 import quire
 import quire.partial
-from quire._format import record_checksum
+from quire._format.record import record_checksum
 from quire.errors import CorruptCheckpointError, QuireError
 
 

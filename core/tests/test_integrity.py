@@ -135,7 +135,7 @@ def _write_record(ckpt: Path, doc: Any) -> None:
     """Write an edited record as a (buggy) writer would: with a matching checksum, so the
     structural validation is what must catch it (a stale checksum is tested separately)."""
     if isinstance(doc, dict) and "checksum" in doc:
-        from quire._format import record_checksum
+        from quire._format.record import record_checksum
 
         try:
             doc = {**doc, "checksum": record_checksum(doc)}

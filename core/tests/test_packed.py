@@ -251,7 +251,8 @@ def test_partial_save_journal_on_packs(tmp_path: Path) -> None:
 def test_load_reads_only_its_own_index(tmp_path: Path) -> None:
     """An index naming a second process's (absent) index object is never read when the
     loader finds every chunk in its own."""
-    from quire import _chunkindex, _load
+    from quire import _load
+    from quire._format import chunkindex as _chunkindex
     from quire._runtime import ioloop as _io
     from quire._store.url import open_backend
 
@@ -275,7 +276,7 @@ def test_load_reads_only_its_own_index(tmp_path: Path) -> None:
 def test_adjacent_chunk_reads_are_coalesced(tmp_path: Path) -> None:
     """A load of an array whose 8 chunks lie back to back in one pack sends few range
     requests (the concurrent reads of adjacent ranges are merged), not one per chunk."""
-    from quire import _chunkindex
+    from quire._format import chunkindex as _chunkindex
 
     url = str(tmp_path / "c")
     x = jnp.arange(8 * 1024, dtype=jnp.float32).reshape(8, 1024)

@@ -1,4 +1,4 @@
-"""Format v2 loads on object stores read packs in planned windows (``quire._packread``):
+"""Format v2 loads on object stores read packs in planned windows (``quire._format.packread``):
 few large requests instead of one per chunk, staging within the byte budget, every chunk
 still checked, and nothing read for arrays the load does not ask for.
 
@@ -66,7 +66,7 @@ def test_small_leaves_load_in_few_window_requests(reads: list[tuple[str, int, in
 def test_without_read_part_size_no_windows_are_planned(monkeypatch: Any) -> None:
     """The local and memory backends (no ``read_part_size``) plan no windows (a window
     would only add a copy there): reads stay per chunk, merged only when queued together."""
-    from quire import _chunkindex
+    from quire._format import chunkindex as _chunkindex
 
     made: list[Any] = []
     orig = _chunkindex.reader
@@ -104,7 +104,7 @@ def test_partial_load_reads_only_the_asked_leaves(
     """A load of 3 of 40 leaves plans windows over those 3 only.  Gaps of up to
     ``MAX_GAP`` bytes between planned chunks are read rather than split (a round trip
     costs more); with no gap allowed, exactly the 3 chunks are read."""
-    from quire import _packread
+    from quire._format import packread as _packread
 
     tree = _tree()
     url = _url()

@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import quire
 from quire import _commit, _packrewrite, partial
-from quire._chunkindex import parse_index
+from quire._format.chunkindex import parse_index
 from quire._runtime import ioloop as _io
 from quire._store.url import open_backend
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import quire
-from quire._format import record_checksum
+from quire._format.record import record_checksum
 
 
 def _craft(url: str, handler: str, plugins: dict[str, str]) -> None:

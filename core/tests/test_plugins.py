@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import quire
-from quire._format import record_checksum
+from quire._format.record import record_checksum
 from quire._handlers import select as _handlers
 from quire._runtime.registry import clear_caches, codecs, leaf_handlers, registries
 

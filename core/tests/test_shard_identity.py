@@ -1,4 +1,4 @@
-"""Format v2 identity of zarr shards (``quire._chunkid``, ``quire.shards``).
+"""Format v2 identity of zarr shards (``quire._format.chunkid``, ``quire.shards``).
 
 A zarr-sharded array's stored object (one shard: inner chunks + shard index) is read by
 byte ranges on load, so the whole-object CRC-32 of ``quire.crc32`` is never computed
@@ -26,9 +26,13 @@ from jax.sharding import NamedSharding as NS
 from jax.sharding import PartitionSpec as P
 
 import quire
-from quire import _chunkid, _chunkindex, _format, _shardid, partial
+from quire import partial
 from quire._cli.main import main
-from quire._crc import crc32c
+from quire._format import chunkid as _chunkid
+from quire._format import chunkindex as _chunkindex
+from quire._format import record as _format
+from quire._format import shardid as _shardid
+from quire._format.crc import crc32c
 from quire.errors import CorruptCheckpointError
 
 W = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)

@@ -212,8 +212,8 @@ def _root_of(b: Any) -> str:
 def _install_packed() -> None:
     """Format v2: record the zarr keys written into packs and read out of them, so the
     ownership and byte-count checks stay per chunk."""
-    from quire._chunkindex import PackedReader
-    from quire._pack import PackWriter
+    from quire._format.chunkindex import PackedReader
+    from quire._format.pack import PackWriter
 
     put, get, get_into = PackWriter.put_bound, PackedReader.get, PackedReader.get_into
 

@@ -16,8 +16,8 @@ from quire._api import (
 )
 from quire._checkpointer import Checkpointer
 from quire._diff import DiffReport, diff
-from quire._dtypes import register_with_zarr as _register_with_zarr
 from quire._export import export
+from quire._format.dtypes import register_with_zarr as _register_with_zarr
 from quire._materialize import load_and_transform
 from quire._ops import CopyResult, VerifyProblem, VerifyReport, copy, verify
 from quire._partition import PartitionRules, partition_rules

@@ -6,7 +6,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict, Unpack
 
-from quire import _engine, _format, _load
+from quire import _engine, _load
+from quire._format import record as _format
 from quire._runtime import ioloop as _io
 from quire._runtime import progress as _progress
 from quire._runtime.responses import AsyncResponse, chain
@@ -282,7 +283,7 @@ def load_async(
     async def run() -> Any:
         if rep is not None and rep.bytes_total is None:
             try:
-                from quire import _describe
+                from quire._format import describe as _describe
 
                 m = await _load.metadata(u, storage_options)
                 rep.add_total(_describe.array_bytes(m.tree))

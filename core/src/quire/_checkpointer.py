@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from quire import _api, _gc, _root
+from quire import _api, _gc
 from quire._checkpointer_retain import (
     _as_step,
     _await_response,
@@ -36,7 +36,8 @@ from quire._checkpointer_retain import (
     _RetainLoadMixin,
 )
 from quire._checkpointer_tasks import _BackgroundTasks
-from quire._format import PYTREE
+from quire._format import root as _root
+from quire._format.record import PYTREE
 from quire._runtime import exithook as _exit
 from quire._runtime.config import current
 from quire._store.url import normalize, open_backend

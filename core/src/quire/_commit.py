@@ -29,11 +29,11 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from quire import _format
-from quire._paths import is_safe_location
-from quire._root import root_hint
+from quire._format import record as _format
+from quire._format.paths import is_safe_location
+from quire._format.root import root_hint
+from quire._format.tree import from_json, keystr
 from quire._store.base import Backend, PreconditionFailed
-from quire._tree import from_json, keystr
 from quire.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,

@@ -118,7 +118,8 @@ def convert(
     replace).  ``progress`` is as for :func:`quire.save` (the operation is ``"cp"``, then
     ``"verify"``).  Returns (bytes of array data, objects verified).
     """
-    from quire import _engine, _format, _load
+    from quire import _engine, _load
+    from quire._format import record as _format
     from quire._store.url import normalize
     from quire.errors import CorruptCheckpointError
     from quire.sources import open as open_source

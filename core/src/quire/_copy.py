@@ -24,16 +24,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from quire import _commit, _format
-from quire._crc import crc_bytes
+from quire import _commit
+from quire._format import record as _format
+from quire._format.crc import crc_bytes
+from quire._format.paths import is_chunk, is_safe_location
+from quire._format.tree import from_json, keystr
 from quire._handlers.base import StoredObject
-from quire._paths import is_chunk, is_safe_location
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking
 from quire._store.base import Backend
 from quire._store.url import normalize, open_backend
-from quire._tree import from_json, keystr
 from quire.errors import CorruptCheckpointError
 
 __all__ = ["CopyResult", "copy_checkpoint"]

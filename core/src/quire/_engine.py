@@ -25,18 +25,19 @@ from typing import Any
 
 import jax
 
-from quire import _checkpointables, _commit, _format
-from quire._format import PYTREE
+from quire import _checkpointables, _commit
+from quire._format import record as _format
+from quire._format.paths import assign_locations, escape_component
+from quire._format.record import PYTREE
+from quire._format.tree import KeyPath, Node, from_json, keystr, to_json, walk
 from quire._handlers import select as _handlers
 from quire._handlers.base import SaveContext, SaveEntry
-from quire._paths import assign_locations, escape_component
 from quire._runtime import registry as _registry
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator, digest
 from quire._store.base import Backend
 from quire._store.url import open_backend
-from quire._tree import KeyPath, Node, from_json, keystr, to_json, walk
 from quire.errors import UnsupportedLeafError
 from quire.options import StorageOptions, StorageSpec
 
@@ -156,7 +157,7 @@ async def write_units(
     unit_records: dict[str, dict[str, Any]] = {}
     sink = None
     if prep.layout == "packed":  # format v2: chunks go into this process's packs
-        from quire._pack import PackWriter
+        from quire._format.pack import PackWriter
 
         sink = PackWriter(backend, prep.txid, pidx, cfg.pack_bytes, cfg.byte_budget)
         ctx.backend = sink
@@ -260,7 +261,7 @@ async def index_entries(
     """Format v2: the commit record's ``indexes`` (every process's chunk index)."""
     if prep.layout != "packed":
         return None
-    from quire._pack import gather_entries
+    from quire._format.pack import gather_entries
 
     return await gather_entries(backend, prep.txid, count, prep.index, jax.process_index())
 

@@ -77,7 +77,7 @@ def _renamer(rename: Any) -> Callable[[str], str | None]:
 
 
 def _plan(src: Source, select: Any, rename: Any, dtype: Any) -> list[_Tensor]:
-    from quire._dtypes import dtype_from_name
+    from quire._format.dtypes import dtype_from_name
     from quire.surgery import as_lazy, astype
 
     keep, new_name = _selector(select), _renamer(rename)

@@ -1,5 +1,5 @@
 """Garbage of a Checkpointer root (and ``quire ls``'s step reports); the root's layout is
-``quire._root``'s.
+``quire._format.root``'s.
 
 Garbage (removed by :func:`collect`, never younger than the grace period):
 
@@ -19,9 +19,10 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from quire import _commit, _format
-from quire._format import JOURNAL_DIR
-from quire._root import (
+from quire import _commit
+from quire._format import record as _format
+from quire._format.record import JOURNAL_DIR
+from quire._format.root import (
     ROOT_RECORD,
     StepDir,
     StepFormat,

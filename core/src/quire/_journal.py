@@ -29,7 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from quire import _commit, _engine, _format, _load, _packrewrite, _schema
+from quire import _commit, _engine, _load, _packrewrite
+from quire._format import record as _format
+from quire._format import schema as _schema
+from quire._format.tree import KeyPath, keystr
 from quire._journal_replay import (
     drop_dead,
     find,
@@ -44,7 +47,6 @@ from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator
 from quire._store.base import Backend
 from quire._store.url import open_backend
-from quire._tree import KeyPath, keystr
 from quire.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -130,7 +132,7 @@ def _parse(raw: bytes, url: str, n: int) -> dict[str, Any]:
         _commit.check_tree_locations(doc["tree"], where)
     _schema.check_journal(doc, where)
     if "indexes" in doc:  # format v2: this version's chunk indexes
-        from quire._chunkindex import check_entries
+        from quire._format.chunkindex import check_entries
 
         if any(e["txid"] != doc.get("txid") for e in check_entries(doc["indexes"], where)):
             raise CorruptCheckpointError(f"{where} names chunk indexes of another save")

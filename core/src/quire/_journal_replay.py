@@ -12,8 +12,8 @@ import copy
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from quire._format.tree import KeyPath, from_json
 from quire._store.base import Backend
-from quire._tree import KeyPath, from_json
 
 
 def merge(base: dict[str, Any] | None, frag: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,8 @@ import jax
 import numpy as np
 
 from quire import _checkpointables, _commit
-from quire._format import PYTREE
+from quire._format.record import PYTREE
+from quire._format.tree import Node, from_json, keystr, walk
 from quire._handlers import select as _handlers
 from quire._handlers.base import LoadContext, LoadEntry
 from quire._runtime import registry as _registry
@@ -23,7 +24,6 @@ from quire._runtime.config import current
 from quire._runtime.tasks import gather_cancelling
 from quire._store.base import Backend
 from quire._store.url import open_backend
-from quire._tree import Node, from_json, keystr, walk
 from quire.errors import (
     CheckpointChangedError,
     CheckpointNotFoundError,
@@ -39,7 +39,7 @@ log = logging.getLogger("quire")
 
 def packed_view(backend: Backend, url: str, doc: Mapping[str, Any]) -> Backend:
     """A backend that reads format-v2 chunks out of packs (``backend`` itself for v1)."""
-    from quire._chunkindex import reader
+    from quire._format.chunkindex import reader
 
     return reader(backend, url, doc.get("indexes"), jax.process_index())
 

@@ -18,13 +18,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from quire._format.tree import Node, keystr, walk
 from quire._lazy import LazyArray, LazyValue, Region, full_region
 from quire._partition import sharding_for, sharding_table
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.tasks import for_each
-from quire._tree import Node, keystr, walk
 from quire.errors import QuireError, TreeMismatchError
 from quire.sources import Source
 

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from quire import _describe
 from quire._copy import CopyResult
+from quire._format import describe as _describe
 from quire._load import VerifyProblem
 from quire._runtime import progress as _progress
 from quire._runtime.ioloop import submit

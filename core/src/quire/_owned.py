@@ -12,13 +12,13 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from quire import _format
+from quire._format import record as _format
+from quire._format.paths import is_safe_location
+from quire._format.tree import Node, keystr
 from quire._handlers import select as _handlers
 from quire._handlers.base import LoadContext, LoadEntry, ObjectProblem, StoredObject
 from quire._handlers.objects import check_objects, default_objects
-from quire._paths import is_safe_location
 from quire._store.base import Backend
-from quire._tree import Node, keystr
 from quire.errors import CorruptCheckpointError
 
 

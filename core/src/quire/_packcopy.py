@@ -1,6 +1,6 @@
 """``quire cp`` of format-v2 data: index objects and packs are copied as objects, and each is
 verified as it is read: an index against the commit record (size, crc32c), a pack chunk by
-chunk against its index (``quire._chunkcheck.check_stored``: the CRC-32 bound to the key, or
+chunk against its index (``quire._format.chunkcheck.check_stored``: the CRC-32 bound to the key, or
 for a trailer-bound chunk the crc32c of its message against its trailer and the index) and
 the chunk's own codec chain."""
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from quire._chunkcheck import check_stored
-from quire._chunkid import Ref
-from quire._chunkindex import ChunkError, parse_index
+from quire._format.chunkcheck import check_stored
+from quire._format.chunkid import Ref
+from quire._format.chunkindex import ChunkError, parse_index
 from quire._store.base import Backend
 from quire.errors import CorruptCheckpointError
 

@@ -15,7 +15,7 @@ of the versions that lost a leaf since (the others are wholly live and kept unre
   different versions at the same list index never collide), its zarr keys the same way.
   Chunks that sat in a rewritten pack are copied into new packs ``d/R/%packs/p<f>-<seq>``
   of the finalizing process ``f``: streamed, within the byte budget, each checked against
-  the old index (``quire._chunkcheck.check_stored``) and its own codec chain as it is copied,
+  the old index (``quire._format.chunkcheck.check_stored``) and its own codec chain as it is copied,
   and bound in the new index the way the old one bound it.  Chunks in
   kept packs are not copied: ``R``'s index points at the old pack, in place;
 * ``R`` gets one index per original process (``d/R/%packs/p<p>.index.json``, what process
@@ -43,9 +43,9 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequen
 from dataclasses import dataclass, field
 from typing import Any
 
-from quire._chunkcheck import check_stored
-from quire._chunkid import index_bytes
-from quire._chunkindex import (
+from quire._format.chunkcheck import check_stored
+from quire._format.chunkid import index_bytes
+from quire._format.chunkindex import (
     MAX_COALESCED,
     ChunkError,
     Ref,
@@ -53,11 +53,11 @@ from quire._chunkindex import (
     index_key,
     parse_index,
 )
-from quire._pack import PackWriter
+from quire._format.pack import PackWriter
+from quire._format.tree import from_json
 from quire._runtime.budget import ByteBudget
 from quire._runtime.ioloop import run_blocking
 from quire._store.base import Backend
-from quire._tree import from_json
 from quire.errors import CheckpointExistsError, CorruptCheckpointError
 
 log = logging.getLogger("quire")

@@ -119,7 +119,7 @@ class PartitionRules:
         pytree
             The same structure with a ``NamedSharding`` at each leaf.
         """
-        from quire._tree import keystr, walk
+        from quire._format.tree import keystr, walk
 
         root = walk(tree, lambda x: hasattr(x, "shape"), what="tree")
         return root.rebuild(lambda n: self.sharding_for(keystr(n.path), n.value.shape))
@@ -160,7 +160,7 @@ def partition_rules(rules: Sequence[tuple[str, Any]], mesh: Any) -> PartitionRul
 def sharding_for(shardings: Any, path: tuple[Any, ...], shape: Sequence[int]) -> Any:
     """The sharding for one leaf from ``shardings`` (rules, a single Sharding, or a lookup
     table ``{key path: sharding}`` made by :func:`sharding_table`)."""
-    from quire._tree import keystr
+    from quire._format.tree import keystr
 
     if shardings is None:
         return None
@@ -175,7 +175,7 @@ def sharding_for(shardings: Any, path: tuple[Any, ...], shape: Sequence[int]) ->
 
 def sharding_table(shardings: Any) -> Any:
     """Normalise ``shardings=``: rules / a Sharding / None pass through; a tree becomes a table."""
-    from quire._tree import walk
+    from quire._format.tree import walk
 
     if shardings is None or isinstance(shardings, PartitionRules | jax.sharding.Sharding):
         return shardings

@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
-from quire._crc import ChunkError
+from quire._format.crc import ChunkError
+from quire._format.tree import Node, from_json, keystr
 from quire._handlers import select as _handlers
 from quire._handlers.base import LoadContext, LoadEntry
 from quire._lazy import LazyArray, Region, region_shape
@@ -23,7 +24,6 @@ from quire._runtime.config import current
 from quire._runtime.ioloop import submit
 from quire._store.base import Backend
 from quire._store.url import open_backend
-from quire._tree import Node, from_json, keystr
 from quire._zarr import read_region
 from quire.errors import CorruptCheckpointError
 from quire.sources import Source
@@ -73,7 +73,7 @@ class QuireSource(Source):
 
     @classmethod
     def detect(cls, url: str, storage_options: dict[str, Any]) -> bool:
-        from quire._format import RECORD
+        from quire._format.record import RECORD
 
         async def probe() -> bool:
             return await open_backend(url, storage_options).exists(RECORD)

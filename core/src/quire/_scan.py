@@ -16,7 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from quire import _format, _gc, _root
+from quire import _gc
+from quire._format import record as _format
+from quire._format import root as _root
 from quire._store.base import Backend
 from quire.errors import QuireError
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from quire._crc import U64_MAX, ChunkError, bytes_view, crc_bytes
+from quire._format.crc import U64_MAX, ChunkError, bytes_view, crc_bytes
 from quire._handlers.base import StoredObject
 from quire._runtime import progress as _progress
 from quire._runtime.ioloop import run_blocking
@@ -41,10 +41,10 @@ async def write_chunk(
 
     bufs = await run_blocking(enc)
     key = f"{location}/{layout.chunk_key(coords)}"
-    bound = getattr(backend, "put_bound", None)  # format v2's pack writer (quire._pack)
+    bound = getattr(backend, "put_bound", None)  # format v2's pack writer (quire._format.pack)
     if bound is not None and layout.checksum and layout.inner_shape is None:
         # The chunk ends with its crc32c and every reader checks it: the index binds it
-        # by that trailer (quire._chunkid), so no identity pass over its bytes.
+        # by that trailer (quire._format.chunkid), so no identity pass over its bytes.
         await bound(key, bufs, trailer=True)
     elif bound is not None and layout.checksum:  # a zarr shard: its trailers bound too
         await bound(key, bufs, shard=math.prod(layout.inner_grid))

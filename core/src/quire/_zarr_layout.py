@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from quire._crc import ChunkError, bytes_view, crc_bytes
-from quire._dtypes import dtype_name
+from quire._format.crc import ChunkError, bytes_view, crc_bytes
+from quire._format.dtypes import dtype_name
 from quire._store.base import Buffer
 
 MAX_OPEN_CHUNKS = 64  # concurrent chunk reads/writes per array operation

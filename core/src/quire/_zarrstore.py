@@ -15,7 +15,7 @@ import json
 import os
 from typing import Any
 
-from quire import _format
+from quire._format import record as _format
 from quire._runtime import ioloop as _io
 from quire._store.url import normalize, open_backend
 
@@ -56,7 +56,8 @@ def zarr_store(
     from fsspec.implementations.dirfs import DirFileSystem
     from zarr.storage import FsspecStore
 
-    from quire import _chunkindex, _commit
+    from quire import _commit
+    from quire._format import chunkindex as _chunkindex
 
     u = normalize(url)
     backend = open_backend(u, storage_options)

@@ -31,7 +31,7 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from quire._crc import crc_bytes
+from quire._format.crc import crc_bytes
 
 if TYPE_CHECKING:
     from quire._store.base import Backend
@@ -54,7 +54,7 @@ class UnitIO:
         self.written: list[str] = []
 
     def _key(self, name: str) -> str:
-        from quire._paths import escape_path
+        from quire._format.paths import escape_path
 
         return f"{self.prefix}/{escape_path(tuple(name.split('/')))}"
 

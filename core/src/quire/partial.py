@@ -23,7 +23,8 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict, Unpack
 
-from quire import _api, _engine, _format, _journal
+from quire import _api, _engine, _journal
+from quire._format import record as _format
 from quire._journal import JournalConflictError, JournalVersion
 from quire._runtime import ioloop as _io
 from quire._store.url import normalize

@@ -112,7 +112,7 @@ class Source(abc.ABC):
 
     def leaves(self) -> list[tuple[str, Any]]:
         """``("/"-joined key path, leaf)`` for every leaf of :attr:`tree`, in tree order."""
-        from quire._tree import keystr, walk
+        from quire._format.tree import keystr, walk
 
         root = walk(self.tree, _is_source_leaf, what=f"source {self.url}")
         return [(keystr(n.path), n.value) for n in root.leaves()]
@@ -196,7 +196,7 @@ def open(
 def _root_hint(url: str, storage_options: dict[str, Any]) -> str:
     """What ``url`` is instead of a checkpoint (a Checkpointer root naming its steps, a
     folder of checkpoints), as ``quire.load`` says; "" when nothing is known."""
-    from quire._root import root_hint
+    from quire._format.root import root_hint
     from quire._runtime import ioloop as _io
     from quire._store.url import open_backend
 

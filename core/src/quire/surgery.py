@@ -160,7 +160,7 @@ def astype(x: Any, dtype: Any) -> LazyValue:
     LazyValue
         Reads only what a region of it needs.
     """
-    from quire._dtypes import dtype_from_name
+    from quire._format.dtypes import dtype_from_name
 
     dt = dtype_from_name(dtype) if isinstance(dtype, str) else np.dtype(dtype)
     return _AsType(as_lazy(x), dt)

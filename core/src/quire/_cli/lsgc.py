@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 from quire._cli.text import human_bytes as _human
+from quire._format.root import StepFormat, root_step_format
 from quire._gc import DEFAULT_GRACE_PERIOD, GcReport, collect, describe
-from quire._root import StepFormat, root_step_format
 from quire._store.base import Backend
 from quire.errors import QuireError
 

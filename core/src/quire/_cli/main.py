@@ -89,7 +89,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"  format v{m.format_version}, written by quire {m.library_version}, "
         f"{m.process_count} process(es), created {m.created.isoformat()}"
     )
-    from quire._describe import counts
+    from quire._format.describe import counts
 
     print(f"  {_summary(counts(m.tree))}, {totals['inline']} inline leaves")
     others = {n: k for n, k in m.units.items() if k != "pytree"}
@@ -118,7 +118,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             err = err[len(prefix) :] if err.startswith(prefix) else err
         print(f"BAD  {p.path}: {p.object}: {err}")
     if problems:
-        from quire._paths import is_chunk
+        from quire._format.paths import is_chunk
 
         bad = sum(is_chunk(p.object) for p in problems)
         headers = len(problems) - bad
@@ -158,7 +158,7 @@ def _open(url: str, so: dict[str, Any] | None) -> tuple[Any, str, Any]:
 
 
 def _is_root(backend: Any) -> bool:
-    from quire import _root
+    from quire._format import root as _root
     from quire._runtime import ioloop as _io
 
     return bool(_io.submit(backend.exists(_root.ROOT_RECORD)).result())
@@ -175,8 +175,9 @@ def _nothing_at(backend: Any) -> bool:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from quire import _describe, _load, _scan
+    from quire import _load, _scan
     from quire._cli import lsgc as _gc_cli
+    from quire._format import describe as _describe
     from quire._runtime import ioloop as _io
 
     so = storage_options(args)

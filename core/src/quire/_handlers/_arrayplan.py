@@ -11,8 +11,8 @@ import jax
 import numpy as np
 
 from quire import _codecs
-from quire._dtypes import dtype_from_name, dtype_name
-from quire._tree import keystr
+from quire._format.dtypes import dtype_from_name, dtype_name
+from quire._format.tree import keystr
 from quire._zarr_layout import ArrayLayout, inner_chunks_for
 from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
 

@@ -12,7 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from quire._dtypes import dtype_from_name, dtype_name
+from quire._format.dtypes import dtype_from_name, dtype_name
+from quire._format.tree import keystr
 from quire._handlers._arrayplan import (
     _const,
     _layout,
@@ -27,7 +28,6 @@ from quire._runtime.config import current
 from quire._runtime.hostbuf import aligned_empty, for_device, is_aligned
 from quire._runtime.ioloop import pool, run_blocking
 from quire._runtime.tasks import gather_cancelling
-from quire._tree import keystr
 from quire._zarr import (
     ArrayLayout,
     ChunkError,

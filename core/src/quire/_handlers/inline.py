@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from quire._dtypes import dtype_from_name, dtype_name
+from quire._format.dtypes import dtype_from_name, dtype_name
 from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
 from quire.errors import CorruptCheckpointError, UnsupportedLeafError
 

@@ -8,8 +8,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
+from quire._format.paths import is_chunk
 from quire._handlers.base import KeyPath, LoadContext, LoadEntry, ObjectProblem, StoredObject
-from quire._paths import is_chunk
 from quire._runtime import progress as _progress
 
 

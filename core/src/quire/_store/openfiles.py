@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 
 MAX_OPEN = 64
-_PACKS = "/%packs/"  # quire._chunkindex.PACK_DIR, between the txid and the pack name
+_PACKS = "/%packs/"  # quire._format.chunkindex.PACK_DIR, between the txid and the pack name
 
 
 def keepable(key: str) -> bool:

@@ -1,6 +1,6 @@
 """Format v2: how the chunk index binds each stored object to its key (chunk identity).
 
-Every key of a chunk index (``quire._chunkindex``) is bound to the exact bytes stored for
+Every key of a chunk index (``quire._format.chunkindex``) is bound to the exact bytes stored for
 it, one of two ways:
 
 * **trailer** (``quire.crc32c``, index format 3): a chunk whose array's codec chain ends
@@ -17,17 +17,17 @@ it, one of two ways:
   message followed by its own crc32c, crc32c is one constant (the CRC residue).
 
 Where the crc32c of a trailer-bound chunk read through the index is checked (a new reader
-of array chunks must decode them through ``quire._zarr`` or call ``quire._chunkcheck.check_stored``):
+of array chunks must decode them through ``quire._zarr`` or call ``quire._format.chunkcheck.check_stored``):
 
 * loads, by every array handler (numpy, jax, prng_key; quire-torch through numpy), whole
   or resharded, and ``quire.open`` regions: ``_zarr.read_region`` -> ``_read_raw_into``
   (raw chunks read into place) or ``_decode_one`` (compressed chunks, partial chunks);
 * ``quire verify``: ``handlers.check_objects`` runs ``_zarr.chunk_checker`` on each chunk;
 * ``quire cp`` (packs copied as objects) and a finalize's pack rewrite, which need not
-  decode: ``quire._chunkcheck.check_stored``, the crc32c of the message against the trailer and the
+  decode: ``quire._format.chunkcheck.check_stored``, the crc32c of the message against the trailer and the
   index, one pass as for a CRC-32 (then ``chunk_checker``, as before).
 
-``PackedReader`` (``quire._chunkindex``) compares the trailer (``quire._chunkcheck.check_read``) on every
+``PackedReader`` (``quire._format.chunkindex``) compares the trailer (``quire._format.chunkcheck.check_read``) on every
 whole-object read; the tests in ``core/tests/test_chunkid.py`` forge a chunk whose trailer
 still matches and check that each of these paths refuses it.
 

@@ -1,14 +1,14 @@
 """The identity check of a whole stored object read through a chunk index: a plain chunk's
-binding (:mod:`quire._chunkid`) and, for a zarr shard, its shard binding
-(:mod:`quire._shardid`).  Kept apart from both so that neither imports the other."""
+binding (:mod:`quire._format.chunkid`) and, for a zarr shard, its shard binding
+(:mod:`quire._format.shardid`).  Kept apart from both so that neither imports the other."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from quire._chunkid import Ref, chunk_crc, crc_hex, trailer_hex
-from quire._crc import ChunkError, crc32c
-from quire._shardid import check_whole
+from quire._format.chunkid import Ref, chunk_crc, crc_hex, trailer_hex
+from quire._format.crc import ChunkError, crc32c
+from quire._format.shardid import check_whole
 
 
 def mismatch(ref: Ref, key: str) -> ChunkError:

@@ -27,8 +27,8 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from quire import _format
-from quire._format import JOURNAL_DIR
+from quire._format import record as _format
+from quire._format.record import JOURNAL_DIR
 from quire._runtime.version import __version__
 from quire._store.base import Backend
 from quire.errors import CorruptCheckpointError

@@ -6,7 +6,7 @@ import hashlib
 from typing import Any
 from urllib.parse import quote
 
-from quire._tree import KeyPath
+from quire._format.tree import KeyPath
 
 MAX_COMPONENT = 120
 MAX_PATH = 700

@@ -1,5 +1,5 @@
 """Format v2: the identity of zarr shards read by ranges (``quire.shards``, see
-``quire._chunkid``).
+``quire._format.chunkid``).
 
 A load reads a zarr shard by ranges: its shard index (the last ``16 n + 4`` bytes), then
 the inner chunks it needs.  The chunk index binds each shard key, besides the CRC-32 of the
@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from quire._chunkid import Ref, ViewBytes, crc_hex, le_hex
-from quire._crc import U64_MAX, ChunkError, crc32c
+from quire._format.chunkid import Ref, ViewBytes, crc_hex, le_hex
+from quire._format.crc import U64_MAX, ChunkError, crc32c
 
 SHARD_ROWS = 1 << 19  # checked shard-index rows a reader keeps (40 bytes each: 20 MiB)
 

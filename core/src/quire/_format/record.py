@@ -10,9 +10,9 @@ Layout::
         "data":   {"kind": "handler", "handler": id, "location": "d/<txid>/data",
                    "record": <handler JSON>}}}
 
-``<node>`` is described in ``quire._tree``.  Version 2 (packed data) adds
+``<node>`` is described in ``quire._format.tree``.  Version 2 (packed data) adds
 ``"indexes": [{"txid", "process", "object", "size", "crc32c"}]``, one per process and
-txid, naming the chunk-index objects (``quire._chunkindex``); everything else is as in 1.
+txid, naming the chunk-index objects (``quire._format.chunkindex``); everything else is as in 1.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import datetime
 import json
 from typing import Any
 
-from quire import _schema
-from quire._crc import crc32c
+from quire._format import schema as _schema
+from quire._format.crc import crc32c
 from quire._runtime.version import __version__
 from quire.errors import CorruptCheckpointError
 
@@ -176,7 +176,7 @@ def parse(raw: bytes, url: str) -> dict[str, Any]:
         raise _bad(url, "'created' is not an ISO timestamp") from e
     doc["_created"] = created
     if v == PACKED_VERSION:
-        from quire._chunkindex import check_entries
+        from quire._format.chunkindex import check_entries
 
         for entry in check_entries(doc.get("indexes"), url):
             if entry["txid"] not in txids:

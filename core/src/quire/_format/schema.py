@@ -147,7 +147,7 @@ def _complex(v: Any, where: str) -> tuple[float, float]:
 
 
 def _scalar_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
-    from quire._dtypes import SUPPORTED
+    from quire._format.dtypes import SUPPORTED
 
     t = _req(rec, "type", where)
     v = _req(rec, "value", where)
@@ -215,7 +215,7 @@ def _shape(v: Any, where: str, low: int) -> tuple[int, ...]:
 
 
 def _location(v: Any, where: str, ctx: _Ctx) -> str:
-    from quire._paths import is_safe_location
+    from quire._format.paths import is_safe_location
 
     loc = _str(v, where, MAX_LOCATION)
     parts = loc.split("/")
@@ -261,7 +261,7 @@ def _sharding(v: Any, where: str, shape: tuple[int, ...]) -> int | None:
 
 
 def _array_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
-    from quire._dtypes import SUPPORTED
+    from quire._format.dtypes import SUPPORTED
 
     shape = _shape(_req(rec, "shape", where), where + "/shape", 0)
     chunk = _shape(_req(rec, "chunk_shape", where), where + "/chunk_shape", 1)

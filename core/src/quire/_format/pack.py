@@ -5,8 +5,8 @@ place of the backend.  Every ``put`` of a zarr key under ``d/<txid>/`` is append
 process's current pack object ``d/<txid>/%packs/p<process>-<seq>`` instead of becoming
 an object of its own; small text objects (``zarr.json``) go inline into the chunk index.
 ``finish`` uploads the last pack and writes the process's chunk index (see
-``quire._chunkindex``) while the last packs complete, returning its description for the
-commit record.  Each key is bound in the index (``quire._chunkid``) by the CRC-32 of its
+``quire._format.chunkindex``) while the last packs complete, returning its description for the
+commit record.  Each key is bound in the index (``quire._format.chunkid``) by the CRC-32 of its
 bytes, computed here, or — a chunk written with :meth:`PackWriter.put_bound` and
 ``trailer=True`` (quire's array chunks whose codec chain ends with crc32c) — by its own
 crc32c trailer, taken from its last 4 bytes without a pass over the rest.
@@ -28,11 +28,11 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from quire._chunkid import chunk_crc, crc_hex, index_bytes, trailer_hex
-from quire._chunkindex import index_entry, index_key
-from quire._chunkindex import pack_key as _pack_key
+from quire._format.chunkid import chunk_crc, crc_hex, index_bytes, trailer_hex
+from quire._format.chunkindex import index_entry, index_key
+from quire._format.chunkindex import pack_key as _pack_key
+from quire._format.shardid import shard_binding
 from quire._runtime.ioloop import run_blocking
-from quire._shardid import shard_binding
 from quire._store.base import Backend, Buffer
 from quire._store.wrapped import Wrapped
 
@@ -59,7 +59,7 @@ class PackWriter(Wrapped):
         self.pack_bytes = max(1, pack_bytes)
         self.flush_at = max(1 << 20, min(self.pack_bytes, budget_bytes // 4))
         self.refs: dict[str, Any] = {}
-        self.binds: dict[str, tuple[str, bool]] = {}  # key -> (hex, trailer): quire._chunkid
+        self.binds: dict[str, tuple[str, bool]] = {}  # key -> (hex, trailer): quire._format.chunkid
         self.shards: dict[str, str] = {}  # zarr shard key -> its trailers (quire.shards)
         self._seq = 0
         self._pending: list[memoryview] = []

@@ -17,7 +17,7 @@ Zarr keys are relative to the checkpoint root (``d/<txid>/pytree/params/w/c/0/1`
 remote_options={"path": <checkpoint root>, ...})`` serves it to zarr with no quire code.
 
 Every key is in exactly one of two maps that bind it to its stored bytes, in an index
-whose size and crc32c are in the commit record (``quire._chunkid``): ``quire.crc32c`` holds
+whose size and crc32c are in the commit record (``quire._format.chunkid``): ``quire.crc32c`` holds
 the crc32c trailer of a chunk whose codec chain ends with ``crc32c`` (compared with the
 chunk's last 4 bytes; the decoder's crc32c check binds the rest, so identity costs no
 pass of its own), ``quire.crc32`` the CRC-32 (zlib's polynomial) of the exact bytes of
@@ -44,11 +44,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from quire._chunkcheck import check_read
-from quire._chunkid import FORMATS, TRAILER_FORMAT, Ref, crc_hex
-from quire._crc import ChunkError, crc32c
-from quire._paths import is_safe_location
-from quire._shardid import ShardChecks, valid_shard_binding
+from quire._format.chunkcheck import check_read
+from quire._format.chunkid import FORMATS, TRAILER_FORMAT, Ref, crc_hex
+from quire._format.crc import ChunkError, crc32c
+from quire._format.paths import is_safe_location
+from quire._format.shardid import ShardChecks, valid_shard_binding
 from quire._store.base import Backend
 from quire._store.wrapped import Wrapped
 from quire.errors import CorruptCheckpointError
@@ -275,7 +275,7 @@ class PackedReader(Wrapped):
     """A read view of a checkpoint root in which indexed zarr keys resolve into packs.
 
     Whole-chunk reads are checked against the index (``_check_async``), range reads of a
-    zarr shard against its ``quire.shards`` binding (``quire._shardid.ShardChecks``); keys
+    zarr shard against its ``quire.shards`` binding (``quire._format.shardid.ShardChecks``); keys
     it does not know are read from the underlying backend unchanged (version-1 data, other
     units).
     """
@@ -289,12 +289,12 @@ class PackedReader(Wrapped):
         self.requests = 0  # range requests sent to the backend (tests count them)
         self._expect: builtins.list[str] = []
         self._planning: asyncio.Future[Any] | None = None
-        self.windows: Any = None  # quire._packread.Windows once planned
+        self.windows: Any = None  # quire._format.packread.Windows once planned
         self.shards = ShardChecks(self._shard_bytes)  # range reads of zarr shards
 
     def expect(self, locations: Iterable[str]) -> None:
         """Declare that this load reads every chunk of the arrays at ``locations`` that
-        this process's index holds: they are read in large windows (``quire._packread``)
+        this process's index holds: they are read in large windows (``quire._format.packread``)
         on backends with ``read_part_size`` (object stores).  Only for loads that need
         all of them (a single-process load)."""
         span = getattr(self.base, "read_part_size", 0)
@@ -309,7 +309,7 @@ class PackedReader(Wrapped):
         return await asyncio.shield(self._planning)
 
     async def _plan(self) -> Any:
-        from quire._packread import Windows, expected_refs
+        from quire._format.packread import Windows, expected_refs
         from quire._runtime.config import current
 
         windows = Windows(self.base, self.base.read_part_size, current().byte_budget)  # type: ignore[attr-defined]

@@ -1,0 +1,11 @@
+"""The layout under a checkpoint URL, without transactions: checksums (``crc``), the JSON
+tree and key paths (``tree``, ``paths``), dtype names (``dtypes``), the commit record
+``quire.json`` (``record`` builds and parses it, ``schema`` validates every value in it),
+format v2's chunk identity (``chunkid``, ``shardid``, ``chunkcheck``), chunk index
+(``chunkindex``), pack writer (``pack``) and read windows (``packread``), a Checkpointer
+root's layout (``root``) and what a metadata tree counts (``describe``).
+
+Nothing here writes a commit record or decides what is garbage: that is ``quire._engine``.
+
+May import: ``quire._runtime``, ``quire._store`` and quire's contract modules.
+"""
