@@ -180,7 +180,7 @@ def save_checkpointables(
     CheckpointExistsError, UnsupportedLeafError, MultiProcessError
         As for :func:`save` (a unit, too, may have a type no installed handler saves).
     """
-    from quire.checkpointables import as_mapping
+    from quire._handlers.units import as_mapping
 
     _start_save("save_checkpointables", url, as_mapping(checkpointables), False, options).result()
 
@@ -203,7 +203,7 @@ def save_checkpointables_async(
         ``.result()`` waits for the commit and raises what
         :func:`save_checkpointables` would.
     """
-    from quire.checkpointables import as_mapping
+    from quire._handlers.units import as_mapping
 
     return _start_save(
         "save_checkpointables_async", url, as_mapping(checkpointables), True, options

@@ -114,7 +114,7 @@ def _range_checks(objs: list[StoredObject]) -> Callable[[bytes], None] | None:
 
 async def plan(backend: Backend, url: str, doc: dict[str, Any]) -> list[_Item]:
     """Every object SRC's record references, with its check (leaves: their handlers')."""
-    from quire._owned import leaf_objects
+    from quire._handlers.owned import leaf_objects
 
     items: list[_Item] = []
     listed: list[tuple[str, str, Callable[[bytes], None] | None]] = []
@@ -134,7 +134,7 @@ async def plan(backend: Backend, url: str, doc: dict[str, Any]) -> list[_Item]:
                 if "chunk_shape" in rec and loc is not None and loc.split("/")[1] in packed:
                     # format v2: the leaf's chunks are copied and verified inside its packs
                     from quire._handlers.arrays import layout_from_record
-                    from quire._zarr import chunk_checker
+                    from quire._handlers.zarr_io import chunk_checker
 
                     checkers[loc] = chunk_checker(layout_from_record(rec, url))
                 else:

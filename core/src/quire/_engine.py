@@ -25,12 +25,13 @@ from typing import Any
 
 import jax
 
-from quire import _checkpointables, _commit
+from quire import _commit
 from quire._format import record as _format
 from quire._format.paths import assign_locations, escape_component
 from quire._format.record import PYTREE
 from quire._format.tree import KeyPath, Node, from_json, keystr, to_json, walk
 from quire._handlers import select as _handlers
+from quire._handlers import unit_ops as _checkpointables
 from quire._handlers.base import SaveContext, SaveEntry
 from quire._runtime import registry as _registry
 from quire._runtime.budget import ByteBudget

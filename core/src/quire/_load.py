@@ -13,10 +13,11 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from quire import _checkpointables, _commit
+from quire import _commit
 from quire._format.record import PYTREE
 from quire._format.tree import Node, from_json, keystr, walk
 from quire._handlers import select as _handlers
+from quire._handlers import unit_ops as _checkpointables
 from quire._handlers.base import LoadContext, LoadEntry
 from quire._runtime import registry as _registry
 from quire._runtime.budget import ByteBudget
@@ -397,7 +398,7 @@ async def verify(
     progress: Callable[[int], None] | None = None,
 ) -> tuple[int, list[VerifyProblem]]:
     """Have every leaf's handler check every object it owns; (objects checked, problems)."""
-    from quire._owned import verify_leaves
+    from quire._handlers.owned import verify_leaves
 
     doc, backend = await read_for_data(url, storage_options)
     all_leaves = []

@@ -291,8 +291,8 @@ async def _copy(
 ) -> int:
     """Copy the chunks of ``copies`` (per old pack: new key, old ref, process) into
     ``writer``, reading adjacent chunks together in ranges of up to ``MAX_COALESCED``."""
-    from quire._handlers._arrayplan import layout_from_record
-    from quire._zarr import chunk_checker
+    from quire._handlers.arrayplan import layout_from_record
+    from quire._handlers.zarr_io import chunk_checker
 
     budget = ByteBudget(byte_budget)
     sem = asyncio.Semaphore(CONCURRENCY)

@@ -18,13 +18,13 @@ from quire._format.crc import ChunkError
 from quire._format.tree import Node, from_json, keystr
 from quire._handlers import select as _handlers
 from quire._handlers.base import LoadContext, LoadEntry
+from quire._handlers.zarr_io import read_region
 from quire._lazy import LazyArray, Region, region_shape
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._runtime.ioloop import submit
 from quire._store.base import Backend
 from quire._store.url import open_backend
-from quire._zarr import read_region
 from quire.errors import CorruptCheckpointError
 from quire.sources import Source
 

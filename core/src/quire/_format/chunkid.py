@@ -17,7 +17,7 @@ it, one of two ways:
   message followed by its own crc32c, crc32c is one constant (the CRC residue).
 
 Where the crc32c of a trailer-bound chunk read through the index is checked (a new reader
-of array chunks must decode them through ``quire._zarr`` or call ``quire._format.chunkcheck.check_stored``):
+of array chunks must decode them through ``quire._handlers.zarr_io`` or call ``quire._format.chunkcheck.check_stored``):
 
 * loads, by every array handler (numpy, jax, prng_key; quire-torch through numpy), whole
   or resharded, and ``quire.open`` regions: ``_zarr.read_region`` -> ``_read_raw_into``

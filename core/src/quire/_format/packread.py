@@ -231,7 +231,7 @@ def expected_refs(
 
 def _sharded(meta: Any) -> bool:
     """Whether the inline ``zarr.json`` ``meta`` (a Ref, or None) describes a sharded array:
-    its codec chain is the ``sharding_indexed`` codec (``quire._zarr_layout``)."""
+    its codec chain is the ``sharding_indexed`` codec (``quire._handlers.zarr_layout``)."""
     inline = getattr(meta, "inline", None)
     if inline is None:
         return False

@@ -14,7 +14,7 @@ import numpy as np
 
 from quire._format.dtypes import dtype_from_name, dtype_name
 from quire._format.tree import keystr
-from quire._handlers._arrayplan import (
+from quire._handlers.arrayplan import (
     _const,
     _layout,
     _norm_index,
@@ -23,18 +23,18 @@ from quire._handlers._arrayplan import (
     layout_from_record,
 )
 from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
-from quire._runtime.budget import ByteBudget
-from quire._runtime.config import current
-from quire._runtime.hostbuf import aligned_empty, for_device, is_aligned
-from quire._runtime.ioloop import pool, run_blocking
-from quire._runtime.tasks import gather_cancelling
-from quire._zarr import (
+from quire._handlers.zarr_io import (
     ArrayLayout,
     ChunkError,
     array_objects,
     read_region,
     write_chunk,
 )
+from quire._runtime.budget import ByteBudget
+from quire._runtime.config import current
+from quire._runtime.hostbuf import aligned_empty, for_device, is_aligned
+from quire._runtime.ioloop import pool, run_blocking
+from quire._runtime.tasks import gather_cancelling
 from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
 from quire.metadata import LeafMetadata
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from quire._format.tree import keystr
-from quire._handlers._arrayplan import _Plan
+from quire._handlers.arrayplan import _Plan
 from quire._handlers.arrays import ArrayHandler
 from quire._handlers.base import LoadContext, LoadEntry, SaveEntry
 from quire.errors import CorruptCheckpointError

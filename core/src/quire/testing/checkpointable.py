@@ -79,7 +79,7 @@ class CheckpointableHandlerSuite(UrlFixture):
         assert restored == original
 
     def _get(self) -> Any:
-        from quire import _checkpointables
+        from quire._handlers import unit_ops as _checkpointables
 
         return _checkpointables.get(self.handler_id)
 
@@ -91,7 +91,7 @@ class CheckpointableHandlerSuite(UrlFixture):
             assert callable(getattr(h, m, None)), f"handler {self.handler_id!r} lacks {m}"
 
     def test_chosen_for_its_object(self, obj: Any) -> None:
-        from quire import _checkpointables
+        from quire._handlers import unit_ops as _checkpointables
 
         assert self._get().handles(obj)
         assert _checkpointables.handler_for(obj) == self.handler_id

@@ -60,7 +60,7 @@ class CodecSuite(UrlFixture):
 
     def codecs(self) -> list[Any]:
         """The codec objects for :attr:`codec_id` with each of :attr:`configurations`."""
-        from quire import _codecs
+        from quire._handlers import codecs as _codecs
 
         return [
             _codecs.resolve({"name": self.codec_id, "configuration": dict(c)})
@@ -83,7 +83,7 @@ class CodecSuite(UrlFixture):
 
     def test_to_dict_names_the_codec_id(self) -> None:
         """The stored form resolves back to the same codec (the id is the entry-point name)."""
-        from quire import _codecs
+        from quire._handlers import codecs as _codecs
 
         for c in self.codecs():
             d = c.to_dict()

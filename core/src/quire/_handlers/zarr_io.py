@@ -20,15 +20,15 @@ import numpy as np
 
 from quire._format.crc import U64_MAX, ChunkError, bytes_view, crc_bytes
 from quire._handlers.base import StoredObject
-from quire._runtime import progress as _progress
-from quire._runtime.ioloop import run_blocking
-from quire._runtime.tasks import for_each
-from quire._store.base import Backend, Buffer
-from quire._zarr_layout import (
+from quire._handlers.zarr_layout import (
     MAX_OPEN_CHUNKS,
     ArrayLayout,
     pad_to,
 )
+from quire._runtime import progress as _progress
+from quire._runtime.ioloop import run_blocking
+from quire._runtime.tasks import for_each
+from quire._store.base import Backend, Buffer
 
 
 async def write_chunk(

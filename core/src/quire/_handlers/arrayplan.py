@@ -10,10 +10,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from quire import _codecs
 from quire._format.dtypes import dtype_from_name, dtype_name
 from quire._format.tree import keystr
-from quire._zarr_layout import ArrayLayout, inner_chunks_for
+from quire._handlers import codecs as _codecs
+from quire._handlers.zarr_layout import ArrayLayout, inner_chunks_for
 from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
 
 # A claimed array larger than this is refused as corrupt before anything is allocated.

@@ -1,5 +1,5 @@
 """zarr v3 array layout: ``ArrayLayout`` (metadata, chunk encoding) and its helpers
-(split out of ``quire._zarr``, which re-exports what others import from there)."""
+(split out of ``quire._handlers.zarr_io``, which re-exports what others import from there)."""
 
 from __future__ import annotations
 

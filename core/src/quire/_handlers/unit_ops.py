@@ -5,9 +5,10 @@ from __future__ import annotations
 import copy as _copy
 from typing import Any
 
+from quire._handlers.json_unit import JsonHandler
+from quire._handlers.units import Checkpointable, UnitIO
 from quire._runtime import ioloop as _io
 from quire._runtime.registry import checkpointables as _registry
-from quire.checkpointables import Checkpointable, JsonHandler, UnitIO
 from quire.errors import PluginError, QuireError
 
 _SELF = "self"  # units that implement the Checkpointable protocol themselves

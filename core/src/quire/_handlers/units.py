@@ -1,0 +1,194 @@
+"""The checkpointable-unit contract (published by :mod:`quire.checkpointables`): the
+:class:`Checkpointable` and :class:`CheckpointableHandler` protocols and the :class:`UnitIO`
+a handler writes through.
+
+``quire.save_checkpointables(url, {"state": tree, "data": it, "config": {...}})`` stores
+each named unit in one checkpoint, committed together.  A unit is one of
+
+* a pytree (the default: arrays, scalars, ... as with ``quire.save``),
+* a plain JSON config (dicts / lists of str, int, float, bool, None), stored inline in
+  ``quire.json`` by the ``json`` handler,
+* an object implementing :class:`Checkpointable` (it saves itself under its own
+  sub-prefix), or
+* an object for which a :class:`CheckpointableHandler` is registered (entry-point group
+  ``quire.checkpointables``, or :func:`quire.register_checkpointable_handler`) — the way to
+  checkpoint types you do not own.
+
+``quire.save(url, tree)`` is the single-unit case: the unit is named ``"pytree"``.
+
+Call order of a handler during a save (in quire's I/O thread pool, after every array
+is written, before the commit)::
+
+    handles(obj) -> save(obj, io) -> JSON record      # files go through io.write(...)
+
+and during a load::
+
+    load(io, record, target) -> object
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from quire._format.crc import crc_bytes
+
+if TYPE_CHECKING:
+    from quire._store.base import Backend
+
+PYTREE = "pytree"
+
+
+class UnitIO:
+    """Blocking byte access under one unit's sub-prefix (``d/<txid>/<unit>/``).
+
+    Handlers run in quire's I/O threads, so these calls may block.
+    """
+
+    def __init__(self, backend: Backend, prefix: str, url: str) -> None:
+        self.backend = backend
+        self.prefix = prefix
+        self.url = url
+        self.written: list[str] = []
+
+    def _key(self, name: str) -> str:
+        from quire._format.paths import escape_path
+
+        return f"{self.prefix}/{escape_path(tuple(name.split('/')))}"
+
+    def _run(self, coro: Any) -> Any:
+        from quire._runtime import ioloop as _io
+
+        return _io.submit(coro).result()
+
+    def write(self, name: str, data: bytes) -> None:
+        """Store ``data`` as ``name`` (with a crc32c appended and checked on read)."""
+
+        key = self._key(name)
+        self._run(self.backend.put(key, [data, crc_bytes(data)]))
+        self.written.append(name)
+
+    def read(self, name: str) -> bytes:
+        """The bytes stored as ``name``; ``CorruptCheckpointError`` if they fail their crc."""
+        from quire.errors import CorruptCheckpointError
+
+        raw = self._run(self.backend.get(self._key(name)))
+        body, crc = raw[:-4], raw[-4:]
+        if len(raw) < 4 or crc_bytes(body) != crc:
+            raise CorruptCheckpointError(
+                f"{self.url}: object {self._key(name)!r} fails its checksum; the checkpoint is damaged"
+            )
+        return bytes(body)
+
+    def write_json(self, name: str, value: Any) -> None:
+        self.write(name, json.dumps(value, allow_nan=False).encode())
+
+    def read_json(self, name: str) -> Any:
+        return json.loads(self.read(name))
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """An object that saves and restores itself (e.g. a data iterator's position).
+
+    ``quire_save`` writes through ``io`` and returns a small JSON record;
+    ``quire_restore`` reads it back and returns the restored object (often ``self``,
+    restored in place).  When loading, pass the object (or anything with
+    ``quire_restore``) as the unit's target.
+    """
+
+    def quire_save(self, io: UnitIO) -> Any:
+        """Write this object's state through ``io`` (before the commit point).
+
+        Parameters
+        ----------
+        io : UnitIO
+            Reads and writes objects under the unit's own prefix in the checkpoint.
+
+        Returns
+        -------
+        object
+            A small JSON-serialisable record, stored in ``quire.json``.
+        """
+        ...
+
+    def quire_restore(self, io: UnitIO, record: Any) -> Any:
+        """Restore the state written by :meth:`quire_save`.
+
+        Parameters
+        ----------
+        io : UnitIO
+            Reads and writes objects under the unit's own prefix in the checkpoint.
+        record : object
+            The record ``quire_save`` returned.
+
+        Returns
+        -------
+        object
+            The restored object (often ``self``).
+        """
+        ...
+
+
+@runtime_checkable
+class CheckpointableHandler(Protocol):
+    """Saves and loads objects of types you do not own, as a named unit."""
+
+    id: str
+
+    def handles(self, obj: Any) -> bool:
+        """Whether this handler saves the unit ``obj``.
+
+        Parameters
+        ----------
+        obj : object
+            A unit given to ``save_checkpointables``.
+
+        Returns
+        -------
+        bool
+        """
+        ...
+
+    def save(self, obj: Any, io: UnitIO) -> Any:
+        """Write ``obj`` through ``io`` (before the commit point).
+
+        Parameters
+        ----------
+        obj : object
+            The unit.
+        io : UnitIO
+            Reads and writes objects under the unit's own prefix in the checkpoint.
+
+        Returns
+        -------
+        object
+            A small JSON-serialisable record, stored in ``quire.json``.
+        """
+        ...
+
+    def load(self, io: UnitIO, record: Any, target: Any) -> Any:
+        """Read the unit back.
+
+        Parameters
+        ----------
+        io : UnitIO
+            Reads and writes objects under the unit's own prefix in the checkpoint.
+        record : object
+            The record :meth:`save` returned.
+        target : object or None
+            The caller's target for this unit (None: as saved).
+
+        Returns
+        -------
+        object
+            The loaded unit.
+        """
+        ...
+
+
+def as_mapping(units: Any) -> Mapping[str, Any]:
+    if not isinstance(units, Mapping) or not all(isinstance(k, str) and k for k in units):
+        raise TypeError("checkpointables must be a dict of {non-empty str name: object}")
+    return units
