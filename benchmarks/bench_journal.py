@@ -35,7 +35,7 @@ def tree_bytes(path: str) -> tuple[int, int]:
 
 
 def run(kind: str, base: str, versions: int, mib: int, rewrite: bool = True) -> None:
-    from quire import _packrewrite
+    from quire._engine import packrewrite as _packrewrite
 
     url = os.path.join(base, kind)
     shutil.rmtree(url, ignore_errors=True)

@@ -54,7 +54,8 @@ def test_concurrent_appends_on_s3_never_lose_a_version(moto: MotoS3) -> None:
     partial.save(url, {"init": np.zeros(1)}, storage_options=opts)
     errors: list[BaseException] = []
 
-    from quire import _engine, _journal
+    from quire._engine import journal as _journal
+    from quire._engine import save as _engine
     from quire._runtime import ioloop as _io
 
     def writer(who: str) -> None:
@@ -87,7 +88,7 @@ def test_concurrent_appends_on_s3_never_lose_a_version(moto: MotoS3) -> None:
 def test_finalize_rewrites_mostly_dead_packs_on_s3(moto: MotoS3) -> None:
     """Format v2 on S3: versions left mostly dead are rewritten into one new pack at
     finalize (ranged GETs, a multipart pack), an index that keeps a pack in place too."""
-    from quire._load import verify
+    from quire._engine.load import verify
 
     url = moto.fresh_url()
     with quire.Context(storage_options={"s3": moto.options()}):

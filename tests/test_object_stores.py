@@ -216,7 +216,7 @@ def test_packs_stream_in_multipart_parts_and_roll_over(store: Store) -> None:
     upload of unknown size whose 16 MiB chunks go up in turn as they fill), with one chunk
     index; a byte budget of 16 MiB does not cut the packs short (nothing holds a whole
     pack); everything loads and verifies."""
-    from quire import _load
+    from quire._engine import load as _load
     from quire._runtime import ioloop as _io
 
     rng = np.random.default_rng(7)
@@ -709,7 +709,7 @@ def test_cp_verifies_checksums_and_commits_nothing_on_damage(
 def test_cp_progress_counts_chunks_as_verify_does(tmp_path: Path) -> None:
     """``copy_checkpoint(progress=)`` reports array chunks (a pack holds many, a zarr.json
     none): the unit ``quire verify`` and ``quire info`` count, in both layouts."""
-    from quire._copy import copy_checkpoint
+    from quire._engine.copying import copy_checkpoint
     from quire._format.describe import counts
 
     for layout in ("packed", "chunks"):

@@ -27,8 +27,9 @@ from jax.sharding import NamedSharding as NS
 from jax.sharding import PartitionSpec as P
 
 import quire
-from quire import _journal, partial
+from quire import partial
 from quire._cli.main import main
+from quire._engine import journal as _journal
 from quire._format import chunkid as _chunkid
 from quire._format import record as _format
 from quire._format.crc import crc32c

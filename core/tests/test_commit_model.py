@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import quire
-from quire import _gc
+from quire._engine import garbage as _gc
 from quire._format import root as _root
 from quire._runtime import ioloop as _io
 from quire._store.memory import forget

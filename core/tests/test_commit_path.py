@@ -1,4 +1,4 @@
-"""One commit path: only ``quire/_commit.py`` writes records; it honours declared
+"""One commit path: only ``quire/_engine/commit.py`` writes records; it honours declared
 capabilities, drops superseded data itself and announces the multi-process outcome."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import quire
-from quire import _commit
+from quire._engine import commit as _commit
 from quire._format import record as _format
 from quire._runtime import ioloop as _io
 from quire._store.memory import MemoryBackend, forget
@@ -23,7 +23,7 @@ COMMIT = Path(_commit.__file__)
 # The storage layer (the Backend contract, its implementations, the object-store toolkit and
 # the wrapped view format v2's read and pack-writing views build on, which only delegates
 # conditional writes to the backend it wraps) and the backend conformance suite call the
-# primitives themselves; everything else must go through quire._commit.
+# primitives themselves; everything else must go through quire._engine.commit.
 ALLOWED = {COMMIT}
 ALLOWED_DIRS = (SRC / "_store", SRC / "testing")
 CONDITIONAL = {"put_if_absent", "replace_if_match"}

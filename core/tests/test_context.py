@@ -276,7 +276,7 @@ def test_byte_budget_bounds_a_save(tmp_path: Path) -> None:
 
 
 def test_primary_process_and_timeout_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    from quire import _engine
+    from quire._engine import save as _engine
 
     with quire.Context(primary_process=3):
         assert _engine.process_layout()[2] == 3

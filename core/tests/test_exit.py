@@ -79,7 +79,7 @@ def test_checkpointer_wait_says_what_it_waits_for(
 ) -> None:
     import asyncio
 
-    from quire import _engine
+    from quire._engine import save as _engine
 
     orig = _engine.save_prepared
 

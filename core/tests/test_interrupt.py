@@ -75,7 +75,7 @@ def test_exit_says_what_it_waits_for(tmp_path: Path) -> None:
         """
         import sys, time
         import numpy as np, quire
-        from quire import _engine
+        from quire._engine import save as _engine
         orig = _engine.save_prepared
         async def slow(*a, **k):
             import asyncio

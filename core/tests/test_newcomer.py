@@ -257,7 +257,7 @@ def test_diff(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 # ----------------------------------------------------------------------------- gc
 KILLED_SAVE = textwrap.dedent(
     """
-    import os, sys, numpy as np, quire, quire._commit as c
+    import os, sys, numpy as np, quire, quire._engine.commit as c
 
     async def die(*a, **k):
         os._exit(9)  # killed after the data, before the commit record
@@ -328,7 +328,7 @@ def test_gc_of_a_checkpointer_root_shows_progress(
 def test_drop_warning_says_why_and_names_gc(caplog: pytest.LogCaptureFixture) -> None:
     import asyncio
 
-    from quire import _commit
+    from quire._engine import commit as _commit
 
     class Failing:
         async def delete_prefix(self, prefix: str) -> None:

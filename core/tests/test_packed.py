@@ -72,7 +72,7 @@ def _plain_zarr_open(root: str, index: dict[str, Any], location: str) -> zarr.Ar
 
 
 def _verify(url: str) -> tuple[int, list[Any]]:
-    from quire import _load
+    from quire._engine import load as _load
     from quire._runtime import ioloop as _io
 
     return _io.submit(_load.verify(url)).result()
@@ -251,7 +251,7 @@ def test_partial_save_journal_on_packs(tmp_path: Path) -> None:
 def test_load_reads_only_its_own_index(tmp_path: Path) -> None:
     """An index naming a second process's (absent) index object is never read when the
     loader finds every chunk in its own."""
-    from quire import _load
+    from quire._engine import load as _load
     from quire._format import chunkindex as _chunkindex
     from quire._runtime import ioloop as _io
     from quire._store.url import open_backend

@@ -1,4 +1,4 @@
-"""Format v2: ``quire.partial.finalize`` rewrites packs less than half live (quire._packrewrite).
+"""Format v2: ``quire.partial.finalize`` rewrites packs less than half live (quire._engine.packrewrite).
 
 Checked on memory and local disk here (S3 / GCS: tests/test_journal_object_stores.py):
 mostly-overwritten versions shrink to fewer objects and bytes and load equal; a pack at
@@ -23,14 +23,15 @@ import pytest
 from test_partial import assert_tidy, pack_report, stored
 
 import quire
-from quire import _packrewrite, partial
+from quire import partial
 from quire._cli.main import main
+from quire._engine import packrewrite as _packrewrite
 from quire._runtime import ioloop as _io
 from quire._store.url import open_backend
 
 
 def _verify(url: str) -> tuple[int, list[Any]]:
-    from quire._load import verify
+    from quire._engine.load import verify
 
     return _io.submit(verify(url)).result()
 
@@ -329,7 +330,7 @@ def test_gc_finishes_a_finalize_killed_after_its_commit(
     packs its rewrite superseded (inside a live txid, so not gc's per-txid garbage):
     ``quire gc`` reports it as unfinished and finishes the clean-up, on a plain URL and on
     a Checkpointer step."""
-    from quire import _journal as journal_module
+    from quire._engine import journal as journal_module
 
     root = str(tmp_path / "run")
     url = f"{root}/step_00000007" if under_root else root

@@ -19,7 +19,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import quire
-from quire import _commit, _packrewrite, partial
+from quire import partial
+from quire._engine import commit as _commit
+from quire._engine import packrewrite as _packrewrite
 from quire._format.chunkindex import parse_index
 from quire._runtime import ioloop as _io
 from quire._store.url import open_backend
@@ -64,7 +66,7 @@ def assert_tidy(url: str) -> None:
 
 def collect_garbage(url: str) -> None:
     """``quire gc URL --yes --grace 0``, with the current Context's storage options."""
-    from quire import _scan
+    from quire._engine import scan as _scan
 
     def opener(path: str) -> Any:
         return open_backend(f"{url}/{path}")
@@ -175,7 +177,7 @@ def test_conflicting_concurrent_writer_fails_clearly(
 ) -> None:
     """A writer whose base is stale and who touches the same key loses with a clear error;
     one touching other keys lands on top."""
-    from quire import _journal
+    from quire._engine import journal as _journal
 
     partial.save(url, {"w": np.zeros(2), "other": np.zeros(1)})
     gate = threading.Event()
@@ -209,7 +211,7 @@ def test_conflicting_concurrent_writer_fails_clearly(
     ta.start()
     assert gate.wait(30)
     # Writer B goes through the engine directly (quire.partial.save would queue it behind A).
-    from quire import _engine
+    from quire._engine import save as _engine
     from quire._runtime import ioloop as _io
 
     prep = _engine.prepare_save({"pytree": {"w": np.full(2, 5.0)}}, None, copy=False, url=url)
@@ -227,7 +229,8 @@ def test_conflicting_concurrent_writer_fails_clearly(
 def test_non_conflicting_concurrent_writer_lands_on_top(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from quire import _engine, _journal
+    from quire._engine import journal as _journal
+    from quire._engine import save as _engine
     from quire._runtime import ioloop as _io
 
     partial.save(url, {"a": np.zeros(1)})
@@ -557,7 +560,7 @@ def test_finalize_cleanup_lists_a_packed_txid_once(
     """Leaves replaced inside a txid that stays live (its pack is more than half live, so
     finalize keeps it): v1 deletes each dead location's
     prefix; v2 (whose chunks are in packs) lists the txid once instead of once per leaf."""
-    from quire import _journal
+    from quire._engine import journal as _journal
 
     calls: list[tuple[str, str]] = []
 

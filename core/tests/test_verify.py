@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import quire
-from quire import _load
+from quire._engine import load as _load
 from quire._runtime import ioloop as _io
 
 

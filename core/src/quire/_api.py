@@ -6,7 +6,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict, Unpack
 
-from quire import _engine, _load
+from quire._engine import load as _load
+from quire._engine import save as _engine
 from quire._format import record as _format
 from quire._runtime import ioloop as _io
 from quire._runtime import progress as _progress

@@ -1,6 +1,6 @@
 """``quire.Checkpointer``: a sequence of step checkpoints under one root, for training loops.
 
-Layout and garbage rules: see ``quire._gc``.  Threads and ordering:
+Layout and garbage rules: see ``quire._engine.garbage``.  Threads and ordering:
 
 * ``save`` runs the device-to-host copy in the caller's thread (``quire.save_async``),
   then the write and the commit on quire's event loop.  One save is in flight at a time:
@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from quire import _api, _gc
+from quire import _api
 from quire._checkpointer_retain import (
     _as_step,
     _await_response,
@@ -36,6 +36,7 @@ from quire._checkpointer_retain import (
     _RetainLoadMixin,
 )
 from quire._checkpointer_tasks import _BackgroundTasks
+from quire._engine import garbage as _gc
 from quire._format import root as _root
 from quire._format.record import PYTREE
 from quire._runtime import exithook as _exit

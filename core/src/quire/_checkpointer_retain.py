@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, overload
 
-from quire import _api, _gc
+from quire import _api
+from quire._engine import garbage as _gc
 from quire._format import root as _root
 from quire.errors import CheckpointNotFoundError, QuireError
 from quire.policies import KeepPolicy, StepInfo

@@ -118,7 +118,8 @@ def convert(
     replace).  ``progress`` is as for :func:`quire.save` (the operation is ``"cp"``, then
     ``"verify"``).  Returns (bytes of array data, objects verified).
     """
-    from quire import _engine, _load
+    from quire._engine import load as _load
+    from quire._engine import save as _engine
     from quire._format import record as _format
     from quire._store.url import normalize
     from quire.errors import CorruptCheckpointError

@@ -219,7 +219,7 @@ async def materialize_tree(
     what: str = "transform result",
 ) -> Any:
     """Place each leaf of ``value_tree`` into ``abstract`` (or its own structure when None)."""
-    from quire._load import _diff_message, _is_abstract_leaf
+    from quire._engine.load import _diff_message, _is_abstract_leaf
 
     vroot = walk(value_tree, _is_value_leaf, what=what)
     vleaves = {n.path: n.value for n in vroot.leaves()}

@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from quire._copy import CopyResult
+from quire._engine.copying import CopyResult
+from quire._engine.load import VerifyProblem
 from quire._format import describe as _describe
-from quire._load import VerifyProblem
 from quire._runtime import progress as _progress
 from quire._runtime.ioloop import submit
 from quire._store.url import normalize
@@ -89,7 +89,7 @@ def verify(
         The commit record itself is damaged (damaged data is reported, not raised).
     """
     from quire._api import metadata
-    from quire._load import verify as verify_leaves
+    from quire._engine.load import verify as verify_leaves
 
     u = normalize(url)
     c = _describe.counts(metadata(u, storage_options=storage_options).tree)
@@ -147,7 +147,7 @@ def copy(
     """
     from quire._api import metadata
     from quire._convert import convert
-    from quire._copy import copy_checkpoint
+    from quire._engine.copying import copy_checkpoint
     from quire._quire_source import QuireSource
     from quire.sources import open as open_source
 

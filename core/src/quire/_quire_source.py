@@ -89,7 +89,7 @@ class QuireSource(Source):
 
     @classmethod
     async def _open(cls, url: str, storage_options: dict[str, Any]) -> QuireSource:
-        from quire._load import pytree_unit, read_for_data, rebuild_saved
+        from quire._engine.load import pytree_unit, read_for_data, rebuild_saved
 
         src = cls(url)
         # The semaphore must belong to quire's loop: make it here, on that loop.

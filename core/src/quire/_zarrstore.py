@@ -56,7 +56,7 @@ def zarr_store(
     from fsspec.implementations.dirfs import DirFileSystem
     from zarr.storage import FsspecStore
 
-    from quire import _commit
+    from quire._engine import commit as _commit
     from quire._format import chunkindex as _chunkindex
 
     u = normalize(url)

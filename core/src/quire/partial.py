@@ -23,9 +23,11 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict, Unpack
 
-from quire import _api, _engine, _journal
+from quire import _api
+from quire._engine import journal as _journal
+from quire._engine import save as _engine
+from quire._engine.journal import JournalConflictError, JournalVersion
 from quire._format import record as _format
-from quire._journal import JournalConflictError, JournalVersion
 from quire._runtime import ioloop as _io
 from quire._store.url import normalize
 from quire.options import StorageSpec

@@ -1,4 +1,4 @@
-"""``quire ls`` / ``quire gc`` over a Checkpointer root: rendering of :mod:`quire._gc`'s reports."""
+"""``quire ls`` / ``quire gc`` over a Checkpointer root: rendering of :mod:`quire._engine.garbage`'s reports."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 from quire._cli.text import human_bytes as _human
+from quire._engine.garbage import DEFAULT_GRACE_PERIOD, GcReport, collect, describe
 from quire._format.root import StepFormat, root_step_format
-from quire._gc import DEFAULT_GRACE_PERIOD, GcReport, collect, describe
 from quire._store.base import Backend
 from quire.errors import QuireError
 

@@ -175,8 +175,9 @@ def _nothing_at(backend: Any) -> bool:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from quire import _load, _scan
     from quire._cli import lsgc as _gc_cli
+    from quire._engine import load as _load
+    from quire._engine import scan as _scan
     from quire._format import describe as _describe
     from quire._runtime import ioloop as _io
 
@@ -233,8 +234,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from quire import _scan
     from quire._cli import lsgc as _gc_cli
+    from quire._engine import scan as _scan
     from quire._runtime import ioloop as _io
     from quire._runtime import progress as _progress
 

@@ -5,7 +5,7 @@ format v2's chunk identity (``chunkid``, ``shardid``, ``chunkcheck``), chunk ind
 (``chunkindex``), pack writer (``pack``) and read windows (``packread``), a Checkpointer
 root's layout (``root``) and what a metadata tree counts (``describe``).
 
-Nothing here writes a commit record or decides what is garbage: that is ``quire._engine``.
+Nothing here writes a commit record or decides what is garbage: that is ``quire._engine.save``.
 
 May import: ``quire._runtime``, ``quire._store`` and quire's contract modules.
 """

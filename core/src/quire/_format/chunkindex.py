@@ -68,7 +68,7 @@ def pack_key(txid: str, process: int, seq: int) -> str:
 def is_pack_key(key: object) -> bool:
     """Whether ``key`` names a pack object ``d/<txid>/%packs/<name>``.  An index usually
     points at packs of its own txid only; one written by a finalize that rewrote packs
-    also points at kept packs of the older versions (see ``quire._packrewrite``)."""
+    also points at kept packs of the older versions (see ``quire._engine.packrewrite``)."""
     if not isinstance(key, str) or not is_safe_location(key):
         return False
     parts = key.split("/")

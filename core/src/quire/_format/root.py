@@ -13,7 +13,7 @@ A step directory is in one of three states:
 * ``incomplete`` - neither: a save that never committed, or a half-finished deletion.
 
 Reading only: creating the root record (a conditional create) and collecting garbage are
-``quire._gc``'s.
+``quire._engine.garbage``'s.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ async def read_root_record(backend: Backend, url: str) -> dict[str, Any] | None:
 
 
 def root_record_bytes(step_format: str, metadata: dict[str, Any]) -> bytes:
-    """The root record of a new root, serialised (created by ``quire._gc.create_root_record``)."""
+    """The root record of a new root, serialised (created by ``quire._engine.garbage.create_root_record``)."""
     doc = {
         "format": ROOT_FORMAT,
         "version": ROOT_VERSION,

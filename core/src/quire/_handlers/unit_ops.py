@@ -78,7 +78,7 @@ async def save_unit(
 async def load_unit(unit: dict[str, Any], backend: Any, url: str, target: Any) -> Any:
     if unit["kind"] == "json":
         return unit["value"]
-    # The unit's location was checked when the record was read (quire._commit.read).
+    # The unit's location was checked when the record was read (quire._engine.commit.read).
     io = UnitIO(backend, unit["location"], url)
     hid = unit["handler"]
     if hid == _SELF:

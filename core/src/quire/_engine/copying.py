@@ -8,7 +8,7 @@ Order (the commit protocol, as for a save):
 3. copy those objects, at most ``max_concurrency`` at a time within ``byte_budget`` bytes,
    checking each chunk's crc32c (and size, and decodability) as it is read - a damaged
    source fails the copy and names the chunk - then ``sync`` DST;
-4. COMMIT: ``quire._commit.publish`` writes the very same record at DST (a conditional
+4. COMMIT: ``quire._engine.commit.publish`` writes the very same record at DST (a conditional
    create or, with ``overwrite``, a compare-and-swap over DST's record, after which DST's
    superseded data is deleted).
 
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from quire import _commit
+from quire._engine import commit as _commit
 from quire._format import record as _format
 from quire._format.crc import crc_bytes
 from quire._format.paths import is_chunk, is_safe_location
@@ -156,7 +156,7 @@ async def plan(backend: Backend, url: str, doc: dict[str, Any]) -> list[_Item]:
         chunks = sum(is_chunk(o.key) for o in objs)
         items.append(_Item(key, owner, _range_checks(objs), whole, chunks))
     if packed:
-        from quire._packcopy import plan_packed
+        from quire._engine.packcopy import plan_packed
 
         items += await plan_packed(backend, url, doc["indexes"], checkers, _Item, is_chunk)
     found = await asyncio.gather(*(backend.list(loc) for loc, _, _ in listed))

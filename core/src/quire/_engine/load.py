@@ -1,4 +1,4 @@
-"""Load, metadata and verify: the read side of ``quire._engine`` (re-exported there)."""
+"""Load, metadata and verify: the read side of ``quire._engine.save`` (re-exported there)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from quire import _commit
+from quire._engine import commit as _commit
 from quire._format.record import PYTREE
 from quire._format.tree import Node, from_json, keystr, walk
 from quire._handlers import select as _handlers

@@ -363,8 +363,8 @@ async def finalize_plan(
     ``tree``, on this (the finalizing) process, with the current Context's ``pack_bytes``
     and ``byte_budget``; removes its own data on failure.  It reads only the indexes of
     versions that lost a leaf (replaced or deleted since): the others are wholly live."""
-    from quire._commit import drop_txids
-    from quire._engine import new_txid, process_layout
+    from quire._engine.commit import drop_txids
+    from quire._engine.save import new_txid, process_layout
     from quire._runtime.config import current
 
     live = set(leaf_records(tree))
@@ -393,7 +393,7 @@ async def finalize_plan(
 async def committing(backend: Backend, url: str, p: Plan) -> AsyncIterator[None]:
     """Around the commit of ``p``'s record: when another finalize won the race, remove the
     rewrite's data (nothing references it); once committed, delete what it superseded."""
-    from quire._commit import drop_txids
+    from quire._engine.commit import drop_txids
 
     try:
         yield

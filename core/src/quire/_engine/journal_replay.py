@@ -1,7 +1,7 @@
 """Replaying the partial-save journal: version N's tree is the merge of records 1..N.
 
 Fragments merge into the state (dicts by key, lists by index, the later version wins),
-then deletions apply.  Pure functions over tree JSON (see :mod:`quire._journal`), plus
+then deletions apply.  Pure functions over tree JSON (see :mod:`quire._engine.journal`), plus
 :func:`drop_dead`, which deletes the data a finalize or discard left unreferenced.
 """
 

@@ -5,7 +5,7 @@ owned shard to host memory there), then runs the rest on quire's event loop:
 
 1. every leaf handler writes its data under ``d/<txid>/`` (a fresh random id),
 2. ``backend.sync()`` makes the data durable,
-3. COMMIT: ``quire._commit.publish`` creates ``quire.json`` (or swaps it for
+3. COMMIT: ``quire._engine.commit.publish`` creates ``quire.json`` (or swaps it for
    ``overwrite=True``) and only then deletes the old checkpoint's data.
 
 A crash before 3 leaves only unreferenced garbage under a fresh txid; a crash after 3
@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from quire import _commit
+from quire._engine import commit as _commit
 from quire._format import record as _format
 from quire._format.paths import assign_locations, escape_component
 from quire._format.record import PYTREE

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from quire import _gc
+from quire._engine import garbage as _gc
 from quire._format import record as _format
 from quire._format import root as _root
 from quire._store.base import Backend

@@ -19,7 +19,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from quire import _commit
+from quire._engine import commit as _commit
 from quire._format import record as _format
 from quire._format.record import JOURNAL_DIR
 from quire._format.root import (
@@ -192,7 +192,7 @@ async def finish_unfinished(backend: Backend, url: str, path: str) -> bool:
     """Garbage of kind ``"unfinished"`` at ``path`` (a checkpoint that was finalized, but
     whose finalize was killed before it removed its journal and what it superseded):
     finish that clean-up.  False when there is nothing to finish any more."""
-    from quire import _journal
+    from quire._engine import journal as _journal
     from quire._store.url import open_backend
 
     where = f"{url}/{path}" if path else url

@@ -29,11 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from quire import _commit, _engine, _load, _packrewrite
-from quire._format import record as _format
-from quire._format import schema as _schema
-from quire._format.tree import KeyPath, keystr
-from quire._journal_replay import (
+from quire._engine import commit as _commit
+from quire._engine import load as _load
+from quire._engine import packrewrite as _packrewrite
+from quire._engine import save as _engine
+from quire._engine.journal_replay import (
     drop_dead,
     find,
     leaf_paths,
@@ -42,6 +42,9 @@ from quire._journal_replay import (
     replay,
     txids_of,
 )
+from quire._format import record as _format
+from quire._format import schema as _schema
+from quire._format.tree import KeyPath, keystr
 from quire._runtime import multihost as _multihost
 from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator
@@ -374,7 +377,7 @@ async def load(
 def _indexes(records: list[dict[str, Any]], live: set[str]) -> list[dict[str, Any]]:
     """The chunk indexes (format v2) of the versions whose data is still live.  Until
     finalize, their packs keep the bytes of replaced leaves; finalize rewrites the packs
-    less than half live (``quire._packrewrite``)."""
+    less than half live (``quire._engine.packrewrite``)."""
     return [e for r in records if r.get("txid") in live for e in r.get("indexes", [])]
 
 
