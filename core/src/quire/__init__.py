@@ -14,7 +14,7 @@ from quire._api import (
     save_checkpointables,
     save_checkpointables_async,
 )
-from quire._checkpointer import Checkpointer
+from quire._checkpointer.checkpointer import Checkpointer
 from quire._diff import DiffReport, diff
 from quire._export import export
 from quire._format.dtypes import register_with_zarr as _register_with_zarr

@@ -29,13 +29,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from quire import _api
-from quire._checkpointer_retain import (
+from quire._checkpointer.retain import (
     _as_step,
     _await_response,
     _clean_metrics,
     _RetainLoadMixin,
 )
-from quire._checkpointer_tasks import _BackgroundTasks
+from quire._checkpointer.tasks import _BackgroundTasks
 from quire._engine import garbage as _gc
 from quire._format import root as _root
 from quire._format.record import PYTREE

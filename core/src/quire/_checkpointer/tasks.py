@@ -1,6 +1,6 @@
 """Background work of ``quire.Checkpointer``: one task chain, errors kept until the next call.
 
-Split out of ``quire._checkpointer`` (see there for threads and ordering); the methods
+Split out of ``quire._checkpointer.checkpointer`` (see there for threads and ordering); the methods
 here are mixed into ``Checkpointer``.
 """
 

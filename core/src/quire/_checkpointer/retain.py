@@ -1,6 +1,6 @@
 """Retention, garbage collection, loading and inspection for ``quire.Checkpointer``.
 
-Split out of ``quire._checkpointer`` (see there for threads and ordering); the methods
+Split out of ``quire._checkpointer.checkpointer`` (see there for threads and ordering); the methods
 here are mixed into ``Checkpointer``.
 """
 
