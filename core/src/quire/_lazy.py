@@ -1,18 +1,24 @@
 """Lazy arrays: a shape, a dtype and a reader of regions; nothing is read until asked.
 
-Every lazy value (a source's :class:`LazyArray`, a view of one, or an operation from
-:mod:`quire.surgery`) answers :meth:`LazyValue.read_region` for any step-1 region of its own
-coordinates by reading only the parts of its inputs that region needs.
+Every lazy value (a source's :class:`LazyArray`, a view of one, or an operation node: constants,
+stacks, transposes, reshapes, casts) answers :meth:`LazyValue.read_region` for any step-1
+region by reading only the parts of its inputs it needs.  :meth:`LazyValue.read` runs the
+materialiser that :mod:`quire._materialize` (above this module) installs at its import
+(:func:`install_materializer`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+
+from quire import _io
+from quire._dtypes import dtype_from_name
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
@@ -65,6 +71,23 @@ def region_shape(region: Region) -> tuple[int, ...]:
 
 def full_region(shape: Sequence[int]) -> Region:
     return tuple(slice(0, int(n)) for n in shape)
+
+
+# The materialiser behind LazyValue.read: ``fn(value, dtype, sharding)``, a coroutine reading
+# ``value`` whole.  quire._materialize installs it at import, and ``import quire`` imports that.
+_materialize: Callable[[LazyValue, Any, Any], Coroutine[Any, Any, Any]] | None = None
+
+
+def install_materializer(fn: Callable[[LazyValue, Any, Any], Coroutine[Any, Any, Any]]) -> None:
+    """Set the coroutine function that :meth:`LazyValue.read` runs on quire's event loop."""
+    global _materialize
+    _materialize = fn
+
+
+def _axis(axis: int, ndim: int) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} is out of bounds for {ndim} dimensions")
+    return axis % ndim
 
 
 class LazyValue:
@@ -141,38 +164,31 @@ class LazyValue:
         -------
         numpy.ndarray or jax.Array
         """
-        from quire import _io
-        from quire._materialize import materialize_leaf
-
-        return _io.submit(materialize_leaf(self, dtype, sharding)).result()
+        if _materialize is None:
+            raise RuntimeError("quire._materialize is not imported (import quire first)")
+        return _io.submit(_materialize(self, dtype, sharding)).result()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out: np.ndarray = self.read(dtype)
         return out
 
     def __getitem__(self, index: Any) -> LazyValue:
-        from quire._lazyops import _index
-
         return _index(self, index)
 
     @property
     def T(self) -> LazyValue:
         """The lazy transpose (:func:`quire.surgery.transpose`)."""
-        from quire.surgery import transpose
-
-        return transpose(self)
+        return _Transpose(self, None)
 
     def astype(self, dtype: Any) -> LazyValue:
         """A lazy cast (:func:`quire.surgery.astype`).
 
         Parameters
         ----------
-        dtype : numpy dtype
-            The dtype to cast to when read.
+        dtype : numpy dtype or str
+            The dtype to cast to when read (``ml_dtypes`` names such as ``"bfloat16"`` work).
         """
-        from quire.surgery import astype
-
-        return astype(self, dtype)
+        return _AsType(self, dtype)
 
     def reshape(self, *shape: Any) -> LazyValue:
         """A lazy reshape (:func:`quire.surgery.reshape`).
@@ -182,11 +198,9 @@ class LazyValue:
         *shape : int or tuple of int
             The new shape, as ints or one tuple (as for ``numpy.reshape``).
         """
-        from quire.surgery import reshape
-
         if len(shape) == 1 and not isinstance(shape[0], int):
             shape = tuple(shape[0])
-        return reshape(self, shape)
+        return _Reshape(self, shape)
 
     def __len__(self) -> int:
         if not self.shape:
@@ -276,3 +290,206 @@ class LazyArray(LazyValue):
 
     def __repr__(self) -> str:
         return f"LazyArray({self.key!r}, shape={self.shape}, dtype={self.dtype}, url={self.url!r})"
+
+
+# ----------------------------------------------------------------------------- operation nodes
+class _Const(LazyValue):
+    """A concrete array taking part in a lazy operation."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = np.asarray(value)
+        self.shape = self.value.shape
+        self.dtype = self.value.dtype
+
+    async def _read(self, region: Region) -> np.ndarray:
+        return np.array(self.value[region or ...], order="C")
+
+
+def as_lazy(x: Any) -> LazyValue:
+    """``x`` itself if lazy, else a constant node around ``np.asarray(x)``."""
+    return x if isinstance(x, LazyValue) else _Const(x)
+
+
+class _View(LazyValue):
+    """``base[region]`` with the integer-indexed axes dropped."""
+
+    def __init__(self, base: LazyValue, region: Region, keep: tuple[bool, ...]) -> None:
+        self.base, self.region, self.keep = base, region, keep
+        self.shape = tuple(s.stop - s.start for s, k in zip(region, keep) if k)
+        self.dtype = base.dtype
+
+    def sources(self) -> list[LazyArray]:
+        return self.base.sources()
+
+    async def _read(self, region: Region) -> np.ndarray:
+        it = iter(region)
+        sub = []
+        for s, k in zip(self.region, self.keep):
+            if k:
+                r = next(it)
+                sub.append(slice(s.start + r.start, s.start + r.stop))
+            else:
+                sub.append(s)
+        out = await self.base.read_region(tuple(sub))
+        return out.reshape(region_shape(region))
+
+    def __repr__(self) -> str:
+        return f"{self.base!r}[{self.region}]"
+
+
+def _index(x: LazyValue, index: Any) -> LazyValue:
+    idx = index if isinstance(index, tuple) else (index,)
+    n_ell = sum(1 for i in idx if i is Ellipsis)
+    if n_ell > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    if n_ell:
+        at = next(j for j, i in enumerate(idx) if i is Ellipsis)
+        fill = (slice(None),) * (x.ndim - len(idx) + 1)
+        idx = idx[:at] + fill + idx[at + 1 :]
+    if len(idx) > x.ndim:
+        raise IndexError(f"too many indices for a lazy array of shape {x.shape}")
+    idx = idx + (slice(None),) * (x.ndim - len(idx))
+    region, keep = [], []
+    for i, n in zip(idx, x.shape):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(n)
+            if step != 1:
+                raise IndexError(
+                    f"lazy arrays support step-1 slices only (got {i}); read the slice and "
+                    "step the result: x[a:b].read()[::step]"
+                )
+            region.append(slice(start, max(start, stop)))
+            keep.append(True)
+        else:
+            try:
+                j = operator.index(i)
+            except TypeError:
+                raise IndexError(
+                    f"lazy arrays take ints, step-1 slices and '...' as indices, not {i!r}"
+                ) from None
+            if not -n <= j < n:
+                raise IndexError(f"index {j} is out of bounds for an axis of size {n}")
+            j %= n
+            region.append(slice(j, j + 1))
+            keep.append(False)
+    if isinstance(x, _View):  # fold views of views
+        it = iter(zip(region, keep))
+        base_region, base_keep = [], []
+        for s, k in zip(x.region, x.keep):
+            if k:
+                r, kk = next(it)
+                base_region.append(slice(s.start + r.start, s.start + r.stop))
+                base_keep.append(kk)
+            else:
+                base_region.append(s)
+                base_keep.append(False)
+        return _View(x.base, tuple(base_region), tuple(base_keep))
+    return _View(x, tuple(region), tuple(keep))
+
+
+class _Stack(LazyValue):
+    def __init__(self, xs: Sequence[LazyValue], axis: int, concat: bool) -> None:
+        self.xs, self.axis, self.concat = list(xs), axis, concat
+        self.dtype = np.result_type(*(x.dtype for x in xs))
+        if concat:
+            self.offsets = [0]
+            for x in xs:
+                self.offsets.append(self.offsets[-1] + x.shape[axis])
+            s = list(xs[0].shape)
+            s[axis] = self.offsets[-1]
+            self.shape = tuple(s)
+        else:
+            s = list(xs[0].shape)
+            s.insert(axis, len(xs))
+            self.shape = tuple(s)
+
+    def sources(self) -> list[LazyArray]:
+        return [s for x in self.xs for s in x.sources()]
+
+    async def _read(self, region: Region) -> np.ndarray:
+        ax = self.axis
+        r = region[ax]
+        parts: list[Any] = []
+        if self.concat:
+            for i, x in enumerate(self.xs):
+                lo, hi = max(r.start, self.offsets[i]), min(r.stop, self.offsets[i + 1])
+                if hi > lo:
+                    sub = list(region)
+                    sub[ax] = slice(lo - self.offsets[i], hi - self.offsets[i])
+                    parts.append(x.read_region(tuple(sub)))
+        else:
+            rest = region[:ax] + region[ax + 1 :]
+            parts = [self.xs[i].read_region(rest) for i in range(r.start, r.stop)]
+        if not parts:
+            return np.empty(region_shape(region), self.dtype)
+        got = [a.astype(self.dtype, copy=False) for a in await asyncio.gather(*parts)]
+        return np.concatenate(got, axis=ax) if self.concat else np.stack(got, axis=ax)
+
+
+class _Transpose(LazyValue):
+    """``np.transpose(x, axes)``; ``axes`` None reverses them."""
+
+    def __init__(self, x: LazyValue, axes: Sequence[int] | None) -> None:
+        n = x.ndim
+        ax = tuple(reversed(range(n))) if axes is None else tuple(_axis(a, n) for a in axes)
+        if sorted(ax) != list(range(n)):
+            raise ValueError(f"transpose: {axes} is not a permutation of {n} axes")
+        self.x, self.axes = x, ax
+        self.shape = tuple(x.shape[a] for a in ax)
+        self.dtype = x.dtype
+
+    def sources(self) -> list[LazyArray]:
+        return self.x.sources()
+
+    async def _read(self, region: Region) -> np.ndarray:
+        src: list[slice] = [slice(0, 0)] * len(self.axes)
+        for out_ax, in_ax in enumerate(self.axes):
+            src[in_ax] = region[out_ax]
+        a = await self.x.read_region(tuple(src))
+        return np.array(np.transpose(a, self.axes), order="C")
+
+
+class _Reshape(LazyValue):
+    """A C-order reshape (one ``-1`` allowed); reads the input rows the output rows need."""
+
+    def __init__(self, x: LazyValue, shape: Sequence[int]) -> None:
+        shp = [int(n) for n in shape]
+        if shp.count(-1) > 1:
+            raise ValueError("reshape: only one -1 allowed")
+        if -1 in shp:
+            rest = math.prod(n for n in shp if n != -1)
+            shp[shp.index(-1)] = x.size // rest if rest else 0
+        if math.prod(shp) != x.size:
+            raise ValueError(f"reshape: cannot reshape {x.shape} into {tuple(shape)}")
+        self.x, self.shape, self.dtype = x, tuple(shp), x.dtype
+
+    def sources(self) -> list[LazyArray]:
+        return self.x.sources()
+
+    async def _read(self, region: Region) -> np.ndarray:
+        if not self.shape or not self.x.shape or self.size == 0:
+            a = await self.x.read_region(full_region(self.x.shape))
+            return a.reshape(self.shape)[region or ...].copy()
+        oi = math.prod(self.shape[1:])
+        ii = math.prod(self.x.shape[1:])
+        r0, r1 = region[0].start, region[0].stop
+        f, g = r0 * oi, r1 * oi
+        i0, i1 = (f // ii, -(-g // ii)) if ii else (0, 0)
+        rows = await self.x.read_region((slice(i0, i1), *full_region(self.x.shape[1:])))
+        flat = rows.reshape(-1)[f - i0 * ii : g - i0 * ii]
+        block = flat.reshape((r1 - r0, *self.shape[1:]))
+        return np.array(block[(slice(None), *region[1:])], order="C")
+
+
+class _AsType(LazyValue):
+    """A cast when read; ``dtype`` may be an ``ml_dtypes`` name such as ``"bfloat16"``."""
+
+    def __init__(self, x: LazyValue, dtype: Any) -> None:
+        self.x, self.shape = x, x.shape
+        self.dtype = dtype_from_name(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+
+    def sources(self) -> list[LazyArray]:
+        return self.x.sources()
+
+    async def _read(self, region: Region) -> np.ndarray:
+        return (await self.x.read_region(region)).astype(self.dtype)

@@ -21,7 +21,7 @@ import numpy as np
 from quire._budget import ByteBudget
 from quire._config import current
 from quire._io import run_blocking
-from quire._lazy import LazyArray, LazyValue, Region, full_region
+from quire._lazy import LazyArray, LazyValue, Region, full_region, install_materializer
 from quire._partition import sharding_for, sharding_table
 from quire._tasks import for_each
 from quire._tree import Node, keystr, walk
@@ -155,6 +155,9 @@ async def materialize_leaf(
 
         await asyncio.gather(*(one(r, d) for r, d in regions))
     return jax.make_array_from_single_device_arrays(shape, sharding, [arrays[d] for d in idx_map])
+
+
+install_materializer(materialize_leaf)  # LazyValue.read runs it: _lazy sits below this module
 
 
 # ----------------------------------------------------------------------------- transform

@@ -12,15 +12,13 @@ Tree helpers work on any nested dict / list / tuple tree (lazy or concrete leave
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from quire._lazy import LazyArray, LazyValue
-from quire._lazyops import _AsType, _Reshape, _Stack, _Transpose, as_lazy
+from quire._lazy import LazyArray, LazyValue, _AsType, _axis, _Reshape, _Stack, _Transpose, as_lazy
 
 __all__ = [
     "LazyArray",
@@ -40,12 +38,6 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- operations
-def _axis(axis: int, ndim: int) -> int:
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"axis {axis} is out of bounds for {ndim} dimensions")
-    return axis % ndim
-
-
 def stack(xs: Sequence[Any], axis: int = 0) -> LazyValue:
     """Lazy ``np.stack``: all inputs of one shape; a region reads only the inputs it covers.
 
@@ -111,11 +103,7 @@ def transpose(x: Any, axes: Sequence[int] | None = None) -> LazyValue:
     LazyValue
         Reads only what a region of it needs.
     """
-    v = as_lazy(x)
-    ax = tuple(reversed(range(v.ndim))) if axes is None else tuple(_axis(a, v.ndim) for a in axes)
-    if sorted(ax) != list(range(v.ndim)):
-        raise ValueError(f"transpose: {axes} is not a permutation of {v.ndim} axes")
-    return _Transpose(v, ax)
+    return _Transpose(as_lazy(x), axes)
 
 
 def reshape(x: Any, shape: Sequence[int]) -> LazyValue:
@@ -133,16 +121,7 @@ def reshape(x: Any, shape: Sequence[int]) -> LazyValue:
     LazyValue
         Reads only what a region of it needs.
     """
-    v = as_lazy(x)
-    shp = [int(n) for n in shape]
-    if shp.count(-1) > 1:
-        raise ValueError("reshape: only one -1 allowed")
-    if -1 in shp:
-        rest = math.prod(n for n in shp if n != -1)
-        shp[shp.index(-1)] = v.size // rest if rest else 0
-    if math.prod(shp) != v.size:
-        raise ValueError(f"reshape: cannot reshape {v.shape} into {tuple(shape)}")
-    return _Reshape(v, tuple(shp))
+    return _Reshape(as_lazy(x), shape)
 
 
 def astype(x: Any, dtype: Any) -> LazyValue:
@@ -160,10 +139,7 @@ def astype(x: Any, dtype: Any) -> LazyValue:
     LazyValue
         Reads only what a region of it needs.
     """
-    from quire._dtypes import dtype_from_name
-
-    dt = dtype_from_name(dtype) if isinstance(dtype, str) else np.dtype(dtype)
-    return _AsType(as_lazy(x), dt)
+    return _AsType(as_lazy(x), dtype)
 
 
 def torch_linear(x: Any) -> Any:
