@@ -21,7 +21,7 @@ import numpy as np
 from quire._budget import ByteBudget
 from quire._config import current
 from quire._io import run_blocking
-from quire._lazy import LazyArray, LazyValue, Region, full_region, install_materializer
+from quire._lazy import LazyValue, Region, full_region, install_materializer
 from quire._partition import sharding_for, sharding_table
 from quire._tasks import for_each
 from quire._tree import Node, keystr, walk
@@ -121,7 +121,7 @@ async def materialize_leaf(
         for d in devs:
             arrays[d] = await run_blocking(jax.device_put, host, d)
 
-    read = v.blocking(box) if box == full_region(shape) and isinstance(v, LazyArray) else None
+    read = v.blocking(box) if box == full_region(shape) else None  # a source array's, or None
     if read is not None:
         # One hop: a worker thread reads the whole array and places it on the devices.
         n = math.prod(shape) * v.dtype.itemsize

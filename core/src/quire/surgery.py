@@ -1,9 +1,10 @@
 """Model surgery: lazy operations and tree helpers for ``quire.load(..., transform=fn)``.
 
 Lazy operations (``stack``, ``concatenate``, ``transpose``, ``reshape``, ``astype``) take
-:class:`quire.LazyArray` values (or slices of them, other lazy values, or concrete arrays)
-and return lazy values: nothing is read until quire materialises the result, and then each
-device shard reads only the regions of the inputs it needs.
+:class:`quire.LazyArray` values (a source's arrays, slices of them, results of other lazy
+operations) or concrete arrays, and return a :class:`quire.LazyArray`: nothing is read until
+it is read or quire materialises it, and then each device shard reads only the regions of
+the inputs it needs.
 
 Tree helpers work on any nested dict / list / tuple tree (lazy or concrete leaves):
 :func:`rename`, :func:`flatten`, :func:`unflatten`, :func:`stack_layers`,
@@ -38,19 +39,19 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- operations
-def stack(xs: Sequence[Any], axis: int = 0) -> LazyValue:
+def stack(xs: Sequence[Any], axis: int = 0) -> LazyArray:
     """Lazy ``np.stack``: all inputs of one shape; a region reads only the inputs it covers.
 
     Parameters
     ----------
-    xs : sequence of array or LazyValue
+    xs : sequence of array or LazyArray
         The inputs, all of one shape and dtype.
     axis : int
         The new axis.
 
     Returns
     -------
-    LazyValue
+    LazyArray
         Reads only what a region of it needs.
     """
     vals = [as_lazy(x) for x in xs]
@@ -61,19 +62,19 @@ def stack(xs: Sequence[Any], axis: int = 0) -> LazyValue:
     return _Stack(vals, _axis(axis, vals[0].ndim + 1), concat=False)
 
 
-def concatenate(xs: Sequence[Any], axis: int = 0) -> LazyValue:
+def concatenate(xs: Sequence[Any], axis: int = 0) -> LazyArray:
     """Lazy ``np.concatenate`` along ``axis``.
 
     Parameters
     ----------
-    xs : sequence of array or LazyValue
+    xs : sequence of array or LazyArray
         The inputs, equal but along ``axis``.
     axis : int
         The axis to join along.
 
     Returns
     -------
-    LazyValue
+    LazyArray
         Reads only what a region of it needs.
     """
     vals = [as_lazy(x) for x in xs]
@@ -88,55 +89,55 @@ def concatenate(xs: Sequence[Any], axis: int = 0) -> LazyValue:
     return _Stack(vals, ax, concat=True)
 
 
-def transpose(x: Any, axes: Sequence[int] | None = None) -> LazyValue:
+def transpose(x: Any, axes: Sequence[int] | None = None) -> LazyArray:
     """Lazy ``np.transpose`` (reverses the axes by default).
 
     Parameters
     ----------
-    x : array or LazyValue
+    x : array or LazyArray
         The input (a numpy/jax array is wrapped as a lazy value).
     axes : sequence of int, optional
         The permutation (default: reversed).
 
     Returns
     -------
-    LazyValue
+    LazyArray
         Reads only what a region of it needs.
     """
     return _Transpose(as_lazy(x), axes)
 
 
-def reshape(x: Any, shape: Sequence[int]) -> LazyValue:
+def reshape(x: Any, shape: Sequence[int]) -> LazyArray:
     """Lazy C-order reshape (one ``-1`` allowed).
 
     Parameters
     ----------
-    x : array or LazyValue
+    x : array or LazyArray
         The input (a numpy/jax array is wrapped as a lazy value).
     shape : sequence of int
         The new shape, of the same size.
 
     Returns
     -------
-    LazyValue
+    LazyArray
         Reads only what a region of it needs.
     """
     return _Reshape(as_lazy(x), shape)
 
 
-def astype(x: Any, dtype: Any) -> LazyValue:
+def astype(x: Any, dtype: Any) -> LazyArray:
     """Lazy cast (``ml_dtypes`` names such as ``"bfloat16"`` work).
 
     Parameters
     ----------
-    x : array or LazyValue
+    x : array or LazyArray
         The input (a numpy/jax array is wrapped as a lazy value).
     dtype : numpy dtype or str
         The dtype to cast to when read.
 
     Returns
     -------
-    LazyValue
+    LazyArray
         Reads only what a region of it needs.
     """
     return _AsType(as_lazy(x), dtype)
@@ -147,12 +148,12 @@ def torch_linear(x: Any) -> Any:
 
     Parameters
     ----------
-    x : array or LazyValue
+    x : array or LazyArray
         The ``[out, in]`` weight.
 
     Returns
     -------
-    LazyValue
+    LazyArray
         The ``[in, out]`` kernel.
     """
     if getattr(x, "ndim", 2) != 2:
@@ -369,7 +370,7 @@ def split_layers(tree: Any, axis: int = 0) -> list[Any]:
 
     def take(v: Any, i: int) -> Any:
         idx = (slice(None),) * (axis % v.ndim) + (i,)
-        return v[idx] if isinstance(v, LazyValue) else np.asarray(v)[idx]
+        return v[idx] if isinstance(v, LazyArray) else np.asarray(v)[idx]
 
     out = []
     for i in range(n):
