@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Any
 
+from quire._describe import chain_text
 from quire._text import human_bytes as _human
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
@@ -66,7 +67,10 @@ def _layout(v: Any) -> list[str]:
     shape, chunk = tuple(v.shape), tuple(v.chunk_shape or v.shape)
     grid = [-(-s // max(1, c)) for s, c in zip(shape, chunk)]
     extras.append(f"chunks={list(chunk)} grid={grid}" if chunk != shape else "1 chunk")
-    extras.append("codecs=" + ("+".join(v.codecs) if v.codecs else "raw"))
+    if v.codec_chain:  # the chain as stored: bytes first, crc32c last, sharding around it
+        extras.append(f"codecs=[{chain_text(v.codec_chain)}]")
+    elif v.codecs:  # a handler that names only its compressors
+        extras.append(f"codecs={'+'.join(v.codecs)}")
     if not v.checksum:
         extras.append("no checksum")
     if v.sharding and v.sharding.get("type") == "named":

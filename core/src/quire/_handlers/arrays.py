@@ -34,6 +34,7 @@ from quire._zarr import (
     read_region,
     write_chunk,
 )
+from quire._zarr_layout import codec_chain
 from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
 from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
 from quire.metadata import LeafMetadata
@@ -444,6 +445,7 @@ class ArrayHandler:
             layout_from_record({**r, "codecs": []})  # validates shape, dtype, chunks
             dt = dtype_from_name(r["dtype"])
             shape = tuple(r["shape"])
+            checksum = bool(r.get("checksum", True))
             out.append(
                 LeafMetadata(
                     shape=shape,
@@ -452,9 +454,12 @@ class ArrayHandler:
                     handler=r["handler"],
                     chunk_shape=tuple(r.get("chunk_shape", shape)),
                     codecs=tuple(c.get("name", "?") for c in r.get("codecs", [])),
-                    checksum=bool(r.get("checksum", True)),
+                    checksum=checksum,
                     sharding=r.get("sharding"),
                     location=r.get("location"),
+                    codec_chain=tuple(
+                        codec_chain(r.get("codecs", []), checksum, r.get("inner_shape"))
+                    ),
                 )
             )
         return out
