@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from quire._format.tree import Node, keystr, walk
-from quire._lazy import LazyArray, LazyValue, Region, full_region
+from quire._lazy import LazyValue, Region, full_region, install_materializer
 from quire._partition import sharding_for, sharding_table
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
@@ -121,7 +121,7 @@ async def materialize_leaf(
         for d in devs:
             arrays[d] = await run_blocking(jax.device_put, host, d)
 
-    read = v.blocking(box) if box == full_region(shape) and isinstance(v, LazyArray) else None
+    read = v.blocking(box) if box == full_region(shape) else None  # a source array's, or None
     if read is not None:
         # One hop: a worker thread reads the whole array and places it on the devices.
         n = math.prod(shape) * v.dtype.itemsize
@@ -155,6 +155,9 @@ async def materialize_leaf(
 
         await asyncio.gather(*(one(r, d) for r, d in regions))
     return jax.make_array_from_single_device_arrays(shape, sharding, [arrays[d] for d in idx_map])
+
+
+install_materializer(materialize_leaf)  # LazyValue.read runs it: _lazy sits below this module
 
 
 # ----------------------------------------------------------------------------- transform

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import ml_dtypes
 import numpy as np
 
-from quire._lazy import LazyArray, Region, region_shape
+from quire._lazy import Region, SourceArray, region_shape
 from quire._runtime.ioloop import submit
 from quire._store.base import Backend
 from quire._store.local import LocalBackend
@@ -294,7 +294,7 @@ class SafetensorsSource(Source):
                 )
         src = cls(url, None, {})
         headers = await asyncio.gather(*(cls._header(src, backend, url, f) for f in files))
-        flat: dict[str, LazyArray] = {}
+        flat: dict[str, SourceArray] = {}
         merged: dict[str, str] = {}
         for f, (start, doc) in zip(files, headers):
             merged.update(
@@ -310,7 +310,7 @@ class SafetensorsSource(Source):
                 dt = DTYPES[info["dtype"]]
                 shape = tuple(info["shape"])
                 reader = _Reader(src, backend, f, start + info["data_offsets"][0], shape, dt)
-                flat[name] = LazyArray(shape, dt, tuple(name.split(".")), reader, url)
+                flat[name] = SourceArray(shape, dt, tuple(name.split(".")), reader, url)
         if weight_map is not None:
             lost = sorted(set(weight_map) - set(flat))
             if lost:

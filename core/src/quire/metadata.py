@@ -35,6 +35,11 @@ class LeafMetadata:
         The saved sharding (mesh axes and spec), for ``jax`` leaves.
     location : str, optional
         The array's directory under the checkpoint root.
+    codec_chain : tuple of dict
+        The whole codec chain as the array's ``zarr.json`` holds it (``{"name",
+        "configuration"}`` objects): ``bytes``, the ``codecs``, then ``crc32c`` when
+        checksummed; or one ``sharding_indexed`` holding that chain (its ``"codecs"``) when the
+        array has inner chunks.  Empty where the leaf's handler does not say.
     """
 
     shape: tuple[int, ...]
@@ -46,6 +51,7 @@ class LeafMetadata:
     checksum: bool = True
     sharding: dict[str, Any] | None = None
     location: str | None = None
+    codec_chain: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Model surgery: lazy operations and tree helpers for ``quire.load(..., transform=fn)``.
 
 Lazy operations (``stack``, ``concatenate``, ``transpose``, ``reshape``, ``astype``) take
-:class:`quire.LazyArray` values (or slices of them, other lazy values, or concrete arrays)
-and return lazy values: nothing is read until quire materialises the result, and then each
-device shard reads only the regions of the inputs it needs.
+:class:`quire.LazyArray` values (a source's arrays, slices of them, results of other lazy
+operations) or concrete arrays, and return a :class:`quire.LazyArray`: nothing is read until
+it is read or quire materialises it, and then each device shard reads only the regions of
+the inputs it needs.
 
 Tree helpers work on any nested dict / list / tuple tree (lazy or concrete leaves):
 :func:`rename`, :func:`flatten`, :func:`unflatten`, :func:`stack_layers`,
@@ -12,15 +13,13 @@ Tree helpers work on any nested dict / list / tuple tree (lazy or concrete leave
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from quire._lazy import LazyArray, LazyValue
-from quire._lazyops import _AsType, _Reshape, _Stack, _Transpose, as_lazy
+from quire._lazy import LazyArray, LazyValue, _AsType, _axis, _Reshape, _Stack, _Transpose, as_lazy
 
 __all__ = [
     "LazyArray",
@@ -40,25 +39,19 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- operations
-def _axis(axis: int, ndim: int) -> int:
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"axis {axis} is out of bounds for {ndim} dimensions")
-    return axis % ndim
-
-
-def stack(xs: Sequence[Any], axis: int = 0) -> LazyValue:
+def stack(xs: Sequence[Any], axis: int = 0) -> LazyArray:
     """Lazy ``np.stack``: all inputs of one shape; a region reads only the inputs it covers.
 
     Parameters
     ----------
-    xs : sequence of array or LazyValue
+    xs : sequence of array or LazyArray
         The inputs, all of one shape and dtype.
     axis : int
         The new axis.
 
     Returns
     -------
-    LazyValue
+    LazyArray
         Reads only what a region of it needs.
     """
     vals = [as_lazy(x) for x in xs]
@@ -69,19 +62,19 @@ def stack(xs: Sequence[Any], axis: int = 0) -> LazyValue:
     return _Stack(vals, _axis(axis, vals[0].ndim + 1), concat=False)
 
 
-def concatenate(xs: Sequence[Any], axis: int = 0) -> LazyValue:
+def concatenate(xs: Sequence[Any], axis: int = 0) -> LazyArray:
     """Lazy ``np.concatenate`` along ``axis``.
 
     Parameters
     ----------
-    xs : sequence of array or LazyValue
+    xs : sequence of array or LazyArray
         The inputs, equal but along ``axis``.
     axis : int
         The axis to join along.
 
     Returns
     -------
-    LazyValue
+    LazyArray
         Reads only what a region of it needs.
     """
     vals = [as_lazy(x) for x in xs]
@@ -96,74 +89,58 @@ def concatenate(xs: Sequence[Any], axis: int = 0) -> LazyValue:
     return _Stack(vals, ax, concat=True)
 
 
-def transpose(x: Any, axes: Sequence[int] | None = None) -> LazyValue:
+def transpose(x: Any, axes: Sequence[int] | None = None) -> LazyArray:
     """Lazy ``np.transpose`` (reverses the axes by default).
 
     Parameters
     ----------
-    x : array or LazyValue
+    x : array or LazyArray
         The input (a numpy/jax array is wrapped as a lazy value).
     axes : sequence of int, optional
         The permutation (default: reversed).
 
     Returns
     -------
-    LazyValue
+    LazyArray
         Reads only what a region of it needs.
     """
-    v = as_lazy(x)
-    ax = tuple(reversed(range(v.ndim))) if axes is None else tuple(_axis(a, v.ndim) for a in axes)
-    if sorted(ax) != list(range(v.ndim)):
-        raise ValueError(f"transpose: {axes} is not a permutation of {v.ndim} axes")
-    return _Transpose(v, ax)
+    return _Transpose(as_lazy(x), axes)
 
 
-def reshape(x: Any, shape: Sequence[int]) -> LazyValue:
+def reshape(x: Any, shape: Sequence[int]) -> LazyArray:
     """Lazy C-order reshape (one ``-1`` allowed).
 
     Parameters
     ----------
-    x : array or LazyValue
+    x : array or LazyArray
         The input (a numpy/jax array is wrapped as a lazy value).
     shape : sequence of int
         The new shape, of the same size.
 
     Returns
     -------
-    LazyValue
+    LazyArray
         Reads only what a region of it needs.
     """
-    v = as_lazy(x)
-    shp = [int(n) for n in shape]
-    if shp.count(-1) > 1:
-        raise ValueError("reshape: only one -1 allowed")
-    if -1 in shp:
-        rest = math.prod(n for n in shp if n != -1)
-        shp[shp.index(-1)] = v.size // rest if rest else 0
-    if math.prod(shp) != v.size:
-        raise ValueError(f"reshape: cannot reshape {v.shape} into {tuple(shape)}")
-    return _Reshape(v, tuple(shp))
+    return _Reshape(as_lazy(x), shape)
 
 
-def astype(x: Any, dtype: Any) -> LazyValue:
+def astype(x: Any, dtype: Any) -> LazyArray:
     """Lazy cast (``ml_dtypes`` names such as ``"bfloat16"`` work).
 
     Parameters
     ----------
-    x : array or LazyValue
+    x : array or LazyArray
         The input (a numpy/jax array is wrapped as a lazy value).
     dtype : numpy dtype or str
         The dtype to cast to when read.
 
     Returns
     -------
-    LazyValue
+    LazyArray
         Reads only what a region of it needs.
     """
-    from quire._format.dtypes import dtype_from_name
-
-    dt = dtype_from_name(dtype) if isinstance(dtype, str) else np.dtype(dtype)
-    return _AsType(as_lazy(x), dt)
+    return _AsType(as_lazy(x), dtype)
 
 
 def torch_linear(x: Any) -> Any:
@@ -171,12 +148,12 @@ def torch_linear(x: Any) -> Any:
 
     Parameters
     ----------
-    x : array or LazyValue
+    x : array or LazyArray
         The ``[out, in]`` weight.
 
     Returns
     -------
-    LazyValue
+    LazyArray
         The ``[in, out]`` kernel.
     """
     if getattr(x, "ndim", 2) != 2:
@@ -393,7 +370,7 @@ def split_layers(tree: Any, axis: int = 0) -> list[Any]:
 
     def take(v: Any, i: int) -> Any:
         idx = (slice(None),) * (axis % v.ndim) + (i,)
-        return v[idx] if isinstance(v, LazyValue) else np.asarray(v)[idx]
+        return v[idx] if isinstance(v, LazyArray) else np.asarray(v)[idx]
 
     out = []
     for i in range(n):

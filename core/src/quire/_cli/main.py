@@ -24,6 +24,7 @@ from quire._cli.common import (
     storage_options,
 )
 from quire._cli.text import human_bytes as _human
+from quire._format.describe import chain_text
 
 
 # ----------------------------------------------------------------------------- info
@@ -35,7 +36,10 @@ def _layout(v: Any) -> list[str]:
     shape, chunk = tuple(v.shape), tuple(v.chunk_shape or v.shape)
     grid = [-(-s // max(1, c)) for s, c in zip(shape, chunk)]
     extras.append(f"chunks={list(chunk)} grid={grid}" if chunk != shape else "1 chunk")
-    extras.append("codecs=" + ("+".join(v.codecs) if v.codecs else "raw"))
+    if v.codec_chain:  # the chain as stored: bytes first, crc32c last, sharding around it
+        extras.append(f"codecs=[{chain_text(v.codec_chain)}]")
+    elif v.codecs:  # a handler that names only its compressors
+        extras.append(f"codecs={'+'.join(v.codecs)}")
     if not v.checksum:
         extras.append("no checksum")
     if v.sharding and v.sharding.get("type") == "named":

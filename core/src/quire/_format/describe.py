@@ -5,7 +5,7 @@ count (arrays, chunks, bytes).  ``quire diff`` works on sources instead (:mod:`q
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,18 @@ def keystr(path: tuple[str, ...]) -> str:
     for p in path:
         out += p if p.startswith("[") else (f".{p}" if out else p)
     return out or "<root>"
+
+
+def chain_text(chain: Sequence[Mapping[str, Any]]) -> str:
+    """A codec chain (:attr:`LeafMetadata.codec_chain`) as ``quire info`` shows it: names in
+    order, ``bytes, zstd, crc32c``; a sharding codec with its inner chain in parentheses,
+    ``sharding_indexed(bytes, crc32c)``."""
+    out = []
+    for c in chain:
+        inner = (c.get("configuration") or {}).get("codecs")
+        name = str(c.get("name", "?"))
+        out.append(f"{name}({chain_text(inner)})" if isinstance(inner, list) else name)
+    return ", ".join(out)
 
 
 def array_bytes(tree: Any) -> int:

@@ -30,6 +30,7 @@ from quire._handlers.zarr_io import (
     read_region,
     write_chunk,
 )
+from quire._handlers.zarr_layout import codec_chain
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._runtime.hostbuf import aligned_empty, for_device, is_aligned
@@ -444,6 +445,7 @@ class ArrayHandler:
             layout_from_record({**r, "codecs": []})  # validates shape, dtype, chunks
             dt = dtype_from_name(r["dtype"])
             shape = tuple(r["shape"])
+            checksum = bool(r.get("checksum", True))
             out.append(
                 LeafMetadata(
                     shape=shape,
@@ -452,9 +454,12 @@ class ArrayHandler:
                     handler=r["handler"],
                     chunk_shape=tuple(r.get("chunk_shape", shape)),
                     codecs=tuple(c.get("name", "?") for c in r.get("codecs", [])),
-                    checksum=bool(r.get("checksum", True)),
+                    checksum=checksum,
                     sharding=r.get("sharding"),
                     location=r.get("location"),
+                    codec_chain=tuple(
+                        codec_chain(r.get("codecs", []), checksum, r.get("inner_shape"))
+                    ),
                 )
             )
         return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,36 @@ def fill_json(dtype: np.dtype[Any]) -> Any:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def codec_chain(
+    compressors: Sequence[Mapping[str, Any]], checksum: bool, inner_shape: Sequence[int] | None
+) -> list[dict[str, Any]]:
+    """The codec chain of an array's ``zarr.json``: ``bytes`` (little endian), the compressors,
+    ``crc32c`` when checksummed; all that inside ``sharding_indexed`` when there are inner
+    chunks.  A leaf record holds the three arguments (``codecs``, ``checksum``,
+    ``inner_shape``), so the chain is known from ``quire.json`` alone.
+    """
+    chain: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    chain += [dict(c) for c in compressors]
+    if checksum:
+        chain.append({"name": "crc32c"})
+    if inner_shape is None:
+        return chain
+    index = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if checksum:
+        index.append({"name": "crc32c"})
+    return [
+        {
+            "name": "sharding_indexed",
+            "configuration": {
+                "chunk_shape": list(inner_shape),
+                "codecs": chain,
+                "index_codecs": index,
+                "index_location": "end",
+            },
+        }
+    ]
 
 
 @dataclass(frozen=True)
@@ -92,30 +122,9 @@ class ArrayLayout:
         return math.prod(shape) * self.dtype.itemsize + (4 if self.checksum else 0)
 
     # -- metadata ------------------------------------------------------------------
-    def _chain(self) -> list[dict[str, Any]]:
-        chain: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
-        chain += [c.to_dict() for c in self.compressors]
-        if self.checksum:
-            chain.append({"name": "crc32c"})
-        return chain
-
     def codecs_json(self) -> list[dict[str, Any]]:
-        if self.inner_shape is None:
-            return self._chain()
-        index = [{"name": "bytes", "configuration": {"endian": "little"}}]
-        if self.checksum:
-            index.append({"name": "crc32c"})
-        return [
-            {
-                "name": "sharding_indexed",
-                "configuration": {
-                    "chunk_shape": list(self.inner_shape),
-                    "codecs": self._chain(),
-                    "index_codecs": index,
-                    "index_location": "end",
-                },
-            }
-        ]
+        comps = [c.to_dict() for c in self.compressors]
+        return codec_chain(comps, self.checksum, self.inner_shape)
 
     def zarr_json(self, attributes: dict[str, Any] | None = None) -> dict[str, Any]:
         return {
