@@ -57,7 +57,7 @@ def test_the_scanner_sees_every_form_of_private_import() -> None:
     assert [n for _, n in private_imports(src)] == [
         "quire._runtime.ioloop",
         "quire._store.objstore",
-        "quire._runtime.config",
+        "quire._config",
         "quire._handlers.arrays",
     ]
 
