@@ -29,12 +29,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from quire import _api
+from quire._checkpointer.keep_policies import KeepPolicy, StepInfo
 from quire._checkpointer.retain import (
     _as_step,
     _await_response,
     _clean_metrics,
     _RetainLoadMixin,
 )
+from quire._checkpointer.save_policies import OnPreemption, SaveContext, SavePolicy
 from quire._checkpointer.tasks import _BackgroundTasks
 from quire._engine import garbage as _gc
 from quire._format import root as _root
@@ -42,7 +44,6 @@ from quire._format.record import PYTREE
 from quire._runtime import exithook as _exit
 from quire._runtime.config import current
 from quire._store.url import normalize, open_backend
-from quire.policies import KeepPolicy, OnPreemption, SaveContext, SavePolicy, StepInfo
 
 if TYPE_CHECKING:
     import os

@@ -17,10 +17,10 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, overload
 
 from quire import _api
+from quire._checkpointer.keep_policies import KeepPolicy, StepInfo
 from quire._engine import garbage as _gc
 from quire._format import root as _root
 from quire.errors import CheckpointNotFoundError, QuireError
-from quire.policies import KeepPolicy, StepInfo
 
 if TYPE_CHECKING:
     from quire._store.base import Backend
@@ -431,7 +431,7 @@ class _RetainLoadMixin:
         int or None
             The best step, or None when no committed step has ``metric``.
         """
-        from quire.policies import BestN
+        from quire._checkpointer.keep_policies import BestN
 
         self._raise_background()
         ranker = BestN(1, metric=metric, mode=mode)
