@@ -7,7 +7,7 @@ Each side runs in a fresh process, which reports its peak RSS (``VmHWM``, reset 
 conversion) minus its RSS before it (so JAX and the imports do not count; ``ru_maxrss`` would
 not do: Linux carries it over from the parent across fork and exec):
 
-* ``stream``: ``quire cp`` (``quire._convert.convert``), batches within the byte budget;
+* ``stream``: ``quire cp`` (``quire._sources.convert.convert``), batches within the byte budget;
 * ``whole``: the reference the streaming replaced — read the whole tree into host memory
   (``materialize_tree``), then ``quire.save`` it.
 
@@ -30,8 +30,8 @@ CHILD = r"""
 import json, os, sys, time
 import quire
 from quire._runtime import ioloop as _io
-from quire._convert import convert
-from quire._materialize import materialize_tree
+from quire._sources.convert import convert
+from quire._sources.materialize import materialize_tree
 
 side, src_path, dst, budget = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 import jax

@@ -7,7 +7,7 @@ Rows:
 1. load: quire.load(dir, shardings=partition_rules(...)) vs safetensors load_file (every shard)
    + jax.device_put with the same shardings, in the same run (ratio = theirs / ours).
 2. laziness: a transform using ~10 % of the bytes (a slice of the layers) — bytes read / total.
-3. Orbax -> quire: ``quire cp`` (``quire._convert.convert`` with verify off, as the peer does
+3. Orbax -> quire: ``quire cp`` (``quire._sources.convert.convert`` with verify off, as the peer does
    not verify; ``quire.copy``, which verifies after, is timed beside it) of a checkpoint written by orbax-checkpoint, OCDBT on and
    off, vs orbax's own restore + quire.save, in the same run (only when quire-orbax and
    orbax-checkpoint are installed; otherwise the row says why it is skipped).
@@ -176,7 +176,7 @@ def bench_orbax(base: str, quick: bool, repeat: int) -> None:
         print("orbax -> quire: skipped (quire-orbax not installed)")
         ROWS.append("| Orbax -> quire | skipped: quire-orbax not installed | | |")
         return
-    from quire._convert import convert  # what `quire cp SRC DST` runs for a non-quire SRC
+    from quire._sources.convert import convert  # what `quire cp SRC DST` runs for a non-quire SRC
 
     n = 8 if quick else 64
     tree = {

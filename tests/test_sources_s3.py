@@ -77,7 +77,7 @@ def test_single_file_on_s3_and_quire_cp_to_s3(moto: MotoS3, tmp_path: Path) -> N
     src = quire.open(f"{url}/one.safetensors", **opts)
     assert src.metadata["__metadata__"] == {"k": "v"}
     np.testing.assert_array_equal(src.tree["a"]["w"].read(), t["a.w"])
-    from quire._convert import convert
+    from quire._sources.convert import convert
 
     dst = moto.fresh_url()
     nbytes, checked = convert(src, dst, dst_options=opts)

@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 
 import quire
 from quire._cli.main import main
-from quire._convert import convert
+from quire._sources.convert import convert
 from quire.errors import CheckpointNotFoundError
 
 KIB = 1024
@@ -104,7 +104,7 @@ def test_interrupted_cp_leaves_no_checkpoint_and_keeps_the_old_one(tmp_path: Pat
 KILLED_SCRIPT = """
 import asyncio, sys
 import quire
-from quire._convert import convert
+from quire._sources.convert import convert
 from quire.sources import LazyArray
 
 orig, n = LazyArray.read_region, [0]

@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 
 import quire
 from quire._cli.main import main as cli
-from quire._diff import blocks
+from quire._sources.diff import blocks
 from quire.sources import LazyArray, Region, Source
 
 

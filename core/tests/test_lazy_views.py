@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import quire
 from quire import surgery
-from quire._lazy import Region
+from quire._sources.lazy import Region, as_lazy
 
 W = np.arange(40, dtype=np.float32).reshape(10, 4)
 B = np.arange(100, 140, dtype=np.float32).reshape(10, 4)
@@ -62,7 +62,7 @@ CASES: list[tuple[str, Callable[[Any, Any], Any], Callable[[Any, Any], Any]]] = 
     ),
     ("transpose", lambda w, b: surgery.transpose(w, (1, 0)), lambda w, b: w.T),
     ("torch_linear", lambda w, b: surgery.torch_linear(w[:4]), lambda w, b: w[:4].T),
-    ("const", lambda w, b: surgery.as_lazy(np.ones((2, 3))), lambda w, b: np.ones((2, 3))),
+    ("const", lambda w, b: as_lazy(np.ones((2, 3))), lambda w, b: np.ones((2, 3))),
     (
         "chain",
         lambda w, b: surgery.stack([w, b], axis=1)[2:7].T.astype(np.float64),
@@ -103,7 +103,7 @@ def test_sources_lists_only_the_source_arrays() -> None:
     assert w[3:9].sources() == [w] and w.T[1].sources() == [w]
     assert surgery.stack([w, b[0:10]]).sources() == [w, b]
     assert surgery.concatenate([w, np.zeros((1, 4), np.float32)]).sources() == [w]
-    assert surgery.as_lazy(np.ones(3)).sources() == []
+    assert as_lazy(np.ones(3)).sources() == []
     # Only a source's array carries a key path, URL and reader.
     assert (w.key, w.url, w.key_path) == ("w", "memory://views", ("w",))
     assert not hasattr(w[3:9], "url") and not hasattr(w.T, "reader")
@@ -121,7 +121,7 @@ def test_repr_names_the_source_and_the_operation() -> None:
     assert "stack([" in repr(surgery.stack([w, b])) and "LazyArray('b'" in repr(
         surgery.stack([w, b])
     )
-    assert repr(surgery.as_lazy(np.ones(3))) == "const(shape=(3,), dtype=float64)"
+    assert repr(as_lazy(np.ones(3))) == "const(shape=(3,), dtype=float64)"
 
 
 def test_a_view_reads_only_what_it_covers_and_never_the_leaf_blocking_path() -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import quire
-from quire._lazy import LazyArray, Region, region_shape
+from quire._sources.lazy import LazyArray, Region, region_shape
 
 
 class _Reader:

@@ -15,12 +15,8 @@ from quire._api import (
     save_checkpointables_async,
 )
 from quire._checkpointer.checkpointer import Checkpointer
-from quire._diff import DiffReport, diff
-from quire._export import export
 from quire._format.dtypes import register_with_zarr as _register_with_zarr
-from quire._materialize import load_and_transform
 from quire._ops import CopyResult, VerifyProblem, VerifyReport, copy, verify
-from quire._partition import PartitionRules, partition_rules
 from quire._runtime.config import Config, Context, configure
 from quire._runtime.registry import (
     register_checkpointable_handler,
@@ -29,7 +25,11 @@ from quire._runtime.registry import (
     unregister_leaf_handler,
 )
 from quire._runtime.version import __version__
-from quire._zarrstore import zarr_store
+from quire._sources.diff import DiffReport, diff
+from quire._sources.export import export
+from quire._sources.materialize import load_and_transform
+from quire._sources.partition import PartitionRules, partition_rules
+from quire._sources.zarrstore import zarr_store
 from quire.checkpointables import Checkpointable, CheckpointableHandler
 from quire.errors import (
     CheckpointChangedError,

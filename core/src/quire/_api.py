@@ -341,7 +341,7 @@ def load(
     CorruptCheckpointError
         A chunk fails its checksum or the commit record is malformed.
     """
-    from quire.sources import Source
+    from quire._sources.base import Source
 
     if transform is None and shardings is None and not isinstance(url, Source):
         try:
@@ -349,11 +349,11 @@ def load(
                 url, abstract, partial=partial, storage_options=storage_options, progress=progress
             ).result()
         except (CheckpointNotFoundError, NotADirectoryError):
-            from quire.sources import available
+            from quire._sources.opening import available
 
             if available() == ["quire"] or not _other_source(url, storage_options):
                 raise
-    from quire._materialize import load_and_transform
+    from quire._sources.materialize import load_and_transform
 
     return load_and_transform(
         url,

@@ -146,10 +146,10 @@ def copy(
         An object of ``src`` failed its check (nothing is committed at ``dst``).
     """
     from quire._api import metadata
-    from quire._convert import convert
     from quire._engine.copying import copy_checkpoint
-    from quire._quire_source import QuireSource
-    from quire.sources import open as open_source
+    from quire._sources.convert import convert
+    from quire._sources.native import QuireSource
+    from quire._sources.opening import open as open_source
 
     s, d = normalize(src), normalize(dst)
     so = storage_options

@@ -14,7 +14,7 @@ from quire._cli.common import EXIT_DAMAGED, EXIT_OK, one_side_options, progress_
 # ----------------------------------------------------------------------------- diff
 def cmd_diff(args: argparse.Namespace) -> int:
     import quire
-    from quire.sources import open as open_source
+    from quire._sources.opening import open as open_source
 
     so = storage_options(args) or {}
     sides = [one_side_options(so, args.a_options, "--a-options"),

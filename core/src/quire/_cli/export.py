@@ -11,8 +11,8 @@ from quire._runtime import progress as _progress
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from quire._export import export
-    from quire.sources import open as open_source
+    from quire._sources.export import export
+    from quire._sources.opening import open as open_source
 
     src_opts, dst_opts = side_options(args)
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """Walking a checkpoint's metadata tree: what ``quire info``, ``verify``, ``cp`` and ``ls``
-count (arrays, chunks, bytes).  ``quire diff`` works on sources instead (:mod:`quire._diff`).
+count (arrays, chunks, bytes).  ``quire diff`` works on sources instead (:mod:`quire._sources.diff`).
 """
 
 from __future__ import annotations

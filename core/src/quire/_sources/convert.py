@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 
 from quire._handlers.base import SaveEntry
-from quire._lazy import LazyValue, full_region
 from quire._runtime import progress as _progress
 from quire._runtime.config import current
 from quire._runtime.ioloop import submit
 from quire._runtime.responses import chain
 from quire._runtime.tasks import gather_cancelling
-from quire.sources import Source
+from quire._sources.base import Source
+from quire._sources.lazy import LazyValue, full_region
 
 __all__ = ["convert"]
 
@@ -121,9 +121,9 @@ def convert(
     from quire._engine import load as _load
     from quire._engine import save as _engine
     from quire._format import record as _format
+    from quire._sources.opening import open as open_source
     from quire._store.url import normalize
     from quire.errors import CorruptCheckpointError
-    from quire.sources import open as open_source
 
     if not isinstance(src, Source):  # opened here: closed here
         with open_source(src, **(storage_options or {})) as opened:

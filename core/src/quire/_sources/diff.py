@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from quire._lazy import LazyValue, Region
-from quire.sources import Source
+from quire._sources.base import Source
+from quire._sources.lazy import LazyValue, Region
 
 __all__ = ["DiffReport", "diff"]
 
@@ -154,7 +154,7 @@ def diff(
     >>> report = quire.diff("run/step_100", "model.safetensors", atol=1e-6)  # doctest: +SKIP
     >>> print("\\n".join(report.lines()))  # doctest: +SKIP
     """
-    from quire.sources import open as open_source
+    from quire._sources.opening import open as open_source
 
     if block_bytes < 1:
         raise ValueError(f"block_bytes must be positive, got {block_bytes}")

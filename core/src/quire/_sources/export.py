@@ -20,13 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from quire._lazy import LazyValue, full_region
 from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking, submit
 from quire._runtime.progress import _current, advance, reporting
-from quire._safetensors import INDEX, dtype_code
+from quire._sources.base import Source
+from quire._sources.lazy import LazyValue, full_region
+from quire._sources.safetensors import INDEX, dtype_code
 from quire._store.base import QUIRE_STORAGE_OPTIONS
-from quire.sources import Source
 
 __all__ = ["export"]
 
@@ -78,7 +78,8 @@ def _renamer(rename: Any) -> Callable[[str], str | None]:
 
 def _plan(src: Source, select: Any, rename: Any, dtype: Any) -> list[_Tensor]:
     from quire._format.dtypes import dtype_from_name
-    from quire.surgery import as_lazy, astype
+    from quire._sources.lazy import as_lazy
+    from quire._sources.surgery import astype
 
     keep, new_name = _selector(select), _renamer(rename)
     out: list[_Tensor] = []
@@ -274,8 +275,8 @@ def export(
     list of str
         The URLs written (the index last).
     """
+    from quire._sources.opening import open as open_source
     from quire._store.url import normalize
-    from quire.sources import open as open_source
 
     if format != "safetensors":
         raise ValueError(f"export: unknown format {format!r}; quire exports 'safetensors'")

@@ -3,7 +3,7 @@
 Every lazy value is a :class:`LazyArray`: a source's array (:class:`SourceArray`), a view of
 one, or an operation node (constants, stacks, transposes, reshapes, casts).  Each answers
 :meth:`LazyArray.read_region` for any step-1 region by reading only the parts of its inputs it
-needs.  :meth:`LazyArray.read` runs the materialiser that :mod:`quire._materialize` (above this
+needs.  :meth:`LazyArray.read` runs the materialiser that :mod:`quire._sources.materialize` (above this
 module) installs at its import (:func:`install_materializer`).
 """
 
@@ -72,7 +72,7 @@ def full_region(shape: Sequence[int]) -> Region:
 
 
 # The materialiser behind LazyArray.read: ``fn(value, dtype, sharding)``, a coroutine reading
-# ``value`` whole.  quire._materialize installs it at import, and ``import quire`` imports that.
+# ``value`` whole.  quire._sources.materialize installs it at import, and ``import quire`` imports that.
 _materialize: Callable[[LazyArray, Any, Any], Coroutine[Any, Any, Any]] | None = None
 
 
@@ -194,7 +194,7 @@ class LazyArray:
         numpy.ndarray or jax.Array
         """
         if _materialize is None:
-            raise RuntimeError("quire._materialize is not imported (import quire first)")
+            raise RuntimeError("quire._sources.materialize is not imported (import quire first)")
         return _io.submit(_materialize(self, dtype, sharding)).result()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:

@@ -19,14 +19,14 @@ import jax
 import numpy as np
 
 from quire._format.tree import Node, keystr, walk
-from quire._lazy import LazyValue, Region, full_region, install_materializer
-from quire._partition import sharding_for, sharding_table
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.tasks import for_each
+from quire._sources.base import Source
+from quire._sources.lazy import LazyValue, Region, full_region, install_materializer
+from quire._sources.partition import sharding_for, sharding_table
 from quire.errors import QuireError, TreeMismatchError
-from quire.sources import Source
 
 __all__ = ["load_and_transform", "materialize_leaf"]
 
@@ -167,7 +167,7 @@ def _is_value_leaf(x: Any) -> bool:
 
 def open_sources(sources: Any, storage_options: dict[str, Any] | None) -> tuple[Any, list[Source]]:
     """URLs → Sources, keeping the shape (one, a sequence, a mapping) of ``sources``."""
-    from quire.sources import open as open_source
+    from quire._sources.opening import open as open_source
 
     opened: list[Source] = []
 

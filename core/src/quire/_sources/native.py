@@ -19,14 +19,14 @@ from quire._format.tree import Node, from_json, keystr
 from quire._handlers import select as _handlers
 from quire._handlers.base import LoadContext, LoadEntry
 from quire._handlers.zarr_io import read_region
-from quire._lazy import LazyArray, Region, region_shape
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._runtime.ioloop import submit
+from quire._sources.base import Source
+from quire._sources.lazy import LazyArray, Region, region_shape
 from quire._store.base import Backend
 from quire._store.url import open_backend
 from quire.errors import CorruptCheckpointError
-from quire.sources import Source
 
 __all__ = ["QuireSource"]
 

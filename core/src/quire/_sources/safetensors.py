@@ -26,14 +26,14 @@ from typing import Any, ClassVar
 import ml_dtypes
 import numpy as np
 
-from quire._lazy import Region, SourceArray, region_shape
 from quire._runtime.ioloop import submit
+from quire._sources.base import Source
+from quire._sources.lazy import Region, SourceArray, region_shape
+from quire._sources.surgery import unflatten
 from quire._store.base import Backend
 from quire._store.local import LocalBackend
 from quire._store.url import open_backend, protocol_of
 from quire.errors import CheckpointNotFoundError, CorruptCheckpointError
-from quire.sources import Source
-from quire.surgery import unflatten
 
 __all__ = ["DTYPES", "INDEX", "MAX_HEADER", "SafetensorsSource", "dtype_code", "parse_header"]
 

@@ -19,23 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from quire._lazy import LazyArray, LazyValue, _AsType, _axis, _Reshape, _Stack, _Transpose, as_lazy
-
-__all__ = [
-    "LazyArray",
-    "LazyValue",
-    "astype",
-    "concatenate",
-    "flatten",
-    "rename",
-    "reshape",
-    "split_layers",
-    "stack",
-    "stack_layers",
-    "torch_linear",
-    "transpose",
-    "unflatten",
-]
+from quire._sources.lazy import (
+    LazyArray,
+    _AsType,
+    _axis,
+    _Reshape,
+    _Stack,
+    _Transpose,
+    as_lazy,
+)
 
 
 # ----------------------------------------------------------------------------- operations

@@ -1,0 +1,225 @@
+"""The package's architecture, checked: subpackages in one declared order, no import circle.
+
+``ORDER`` (lowest first) is the one declaration of the order ``docs/architecture.md`` draws.
+A module may import its own room and the rooms below it, never one above.  Imports inside
+functions count (they run); imports under ``if TYPE_CHECKING:`` do not.  The source is read
+with ``ast``: nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import quire
+
+SRC = Path(quire.__file__).parent
+
+#: The rooms, lowest first; each is a set of module prefixes.  The contract modules of the
+#: bottom room import nothing of quire; the faces only re-export what rooms below define.
+ORDER: list[tuple[str, frozenset[str]]] = [
+    ("contracts", frozenset({"quire.errors", "quire.options", "quire.metadata"})),
+    ("runtime", frozenset({"quire._runtime"})),
+    ("store", frozenset({"quire._store"})),
+    ("format", frozenset({"quire._format"})),
+    ("handlers", frozenset({"quire._handlers"})),
+    ("engine", frozenset({"quire._engine"})),
+    ("sources", frozenset({"quire._sources"})),
+    ("api", frozenset({"quire._api", "quire._ops", "quire.partial", "quire._checkpointer"})),
+    (
+        "faces",
+        frozenset(
+            {
+                "quire.backends",
+                "quire.handlers",
+                "quire.checkpointables",
+                "quire.sources",
+                "quire.surgery",
+                "quire.progress",
+                "quire.policies",
+            }
+        ),
+    ),
+    ("package", frozenset({"quire"})),
+    ("cli", frozenset({"quire._cli", "quire.__main__"})),
+    ("testing", frozenset({"quire.testing"})),
+]
+
+#: Private modules allowed at the top of the package (everything else lives in a room).
+TOP_PRIVATE = {"quire._api", "quire._ops"}
+
+
+def modules(root: Path) -> dict[str, Path]:
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("").parts
+        if rel[-1] == "__init__":
+            rel = rel[:-1]
+        out[".".join(("quire", *rel))] = path
+    return out
+
+
+def _type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    p = parents.get(node)
+    while p is not None:
+        if isinstance(p, ast.If) and "TYPE_CHECKING" in ast.unparse(p.test):
+            return True
+        p = parents.get(p)
+    return False
+
+
+def imports(mod: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[str, int]]:
+    """(imported quire module, line) for every import in ``path`` that runs."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+
+    def resolve(name: str) -> str | None:
+        parts = name.split(".")
+        while parts:
+            if ".".join(parts) in known:
+                return ".".join(parts)
+            parts.pop()
+        return None
+
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Import | ast.ImportFrom) or _type_checking(node, parents):
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            assert node.level == 0, f"{path}: relative import"
+            base = node.module or ""
+            # `from quire._x import y` imports the module quire._x.y if there is one, else
+            # takes the name y from quire._x
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
+        for name in names:
+            if name.split(".")[0] == "quire" and (target := resolve(name)) and target != mod:
+                yield target, node.lineno
+
+
+def graph(root: Path) -> dict[str, dict[str, int]]:
+    known = modules(root)
+    return {m: dict(imports(m, p, known)) for m, p in known.items()}
+
+
+def room(mod: str) -> int | None:
+    best: tuple[int, int] | None = None
+    for i, (_, prefixes) in enumerate(ORDER):
+        for p in prefixes:
+            inside = mod == p or (p != "quire" and mod.startswith(p + "."))  # the face: itself
+            if inside and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    return None if best is None else best[0]
+
+
+def circles(g: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Strongly connected sets of two or more modules (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def violations(root: Path) -> list[str]:
+    g = graph(root)
+    out = []
+    for mod in sorted(g):
+        if room(mod) is None:
+            out.append(f"{mod} is in no room of ORDER: move it into the subpackage that owns it")
+    for mod, targets in sorted(g.items()):
+        a = room(mod)
+        for target, line in sorted(targets.items()):
+            b = room(target)
+            if a is not None and b is not None and b > a:
+                out.append(
+                    f"{mod}:{line} imports {target}: {ORDER[a][0]} may not import "
+                    f"{ORDER[b][0]}, which is above it"
+                )
+    for comp in circles(g):
+        out.append("import circle: " + " -> ".join(comp))
+    return out
+
+
+def test_no_circle_and_no_import_against_the_order() -> None:
+    assert violations(SRC) == []
+
+
+def test_the_check_fails_on_an_added_circle(tmp_path: Path) -> None:
+    copy = tmp_path / "quire"
+    shutil.copytree(SRC, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    budget = copy / "_runtime" / "budget.py"
+    budget.write_text(
+        budget.read_text() + "\n\ndef _up():\n    from quire._engine.save import new_txid\n"
+    )
+    found = violations(copy)
+    assert any("quire._runtime.budget" in v and "runtime may not import engine" in v for v in found)
+    assert any(v.startswith("import circle:") and "quire._runtime.budget" in v for v in found)
+
+
+def test_a_type_checking_import_is_not_counted(tmp_path: Path) -> None:
+    copy = tmp_path / "quire"
+    shutil.copytree(SRC, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    errors = copy / "errors.py"
+    errors.write_text(
+        errors.read_text()
+        + "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import quire._api\n"
+    )
+    assert violations(copy) == []
+
+
+def test_subpackage_faces_hold_only_their_docstring() -> None:
+    """Each room's ``__init__`` says what it owns and what it may import, and nothing else:
+    its modules are imported by their full names."""
+    for init in sorted(SRC.glob("_*/__init__.py")):
+        body = ast.parse(init.read_text()).body
+        assert len(body) == 1 and isinstance(body[0], ast.Expr), init
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "May import" in doc or "may import" in doc, f"{init}: say what it may import"
+
+
+def test_few_private_modules_at_the_top() -> None:
+    top = {m for m in modules(SRC) if m.count(".") == 1 and m.split(".")[1].startswith("_")} - {
+        "quire.__main__"
+    }
+    assert top <= TOP_PRIVATE | {m for _, ps in ORDER for m in ps if m.count(".") == 1}
+    assert not {m for m in top if (SRC / (m.split(".")[1] + ".py")).is_file()} - TOP_PRIVATE
+
+
+def test_no_module_over_500_lines() -> None:
+    long = {
+        str(p.relative_to(SRC)): n
+        for p in SRC.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert long == {}
