@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 import quire
 from quire import surgery
+from quire._sources.lazy import as_lazy
 from quire._store.local import LocalBackend
 from quire.testing import SourceSuite
 
@@ -362,7 +363,7 @@ def test_lazy_operations_equal_numpy() -> None:
     rng = np.random.default_rng(4)
     a = rng.standard_normal((6, 4, 5)).astype(np.float32)
     b = rng.standard_normal((6, 4, 5)).astype(np.float32)
-    la, lb = surgery.as_lazy(a), surgery.as_lazy(b)
+    la, lb = as_lazy(a), as_lazy(b)
     cases = [
         (surgery.stack([la, lb], 1), np.stack([a, b], 1)),
         (surgery.concatenate([la, lb], 2), np.concatenate([a, b], 2)),
@@ -393,7 +394,7 @@ def test_tree_helpers() -> None:
     assert surgery.rename(tree, {"model/emb": None}) == {
         "model": {"layers": tree["model"]["layers"]}
     }
-    layers = {str(i): {"w": surgery.as_lazy(np.full((2, 3), i))} for i in range(3)}
+    layers = {str(i): {"w": as_lazy(np.full((2, 3), i))} for i in range(3)}
     stacked = surgery.stack_layers(layers)
     assert stacked["w"].shape == (3, 2, 3)
     back = surgery.split_layers(stacked)

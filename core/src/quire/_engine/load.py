@@ -15,7 +15,7 @@ import numpy as np
 
 from quire._engine import commit as _commit
 from quire._format.record import PYTREE
-from quire._format.tree import Node, from_json, keystr, walk
+from quire._format.tree import KeyPath, Node, from_json, keystr, walk
 from quire._handlers import select as _handlers
 from quire._handlers import unit_ops as _checkpointables
 from quire._handlers.base import LoadContext, LoadEntry
@@ -66,8 +66,8 @@ def _is_abstract_leaf(x: Any) -> bool:
     return _handlers.for_value(x) is not None
 
 
-def _diff_message(url: str, missing: list[str], extra: list[str], bad: list[str]) -> str:
-    lines = [f"checkpoint {url} does not match the target tree:"]
+def _diff_message(subject: str, missing: list[str], extra: list[str], bad: list[str]) -> str:
+    lines = [f"{subject} does not match the target tree:"]
     if missing:
         lines.append(
             f"  in the checkpoint, missing from the target ({len(missing)}): " + ", ".join(missing)
@@ -83,6 +83,38 @@ def _diff_message(url: str, missing: list[str], extra: list[str], bad: list[str]
         fix = "pass partial=True to load only the keys in the target, or " + fix
     lines.append(f"  To fix: {fix}.")
     return "\n".join(lines)
+
+
+def pair_with_target(
+    leaves: Mapping[KeyPath, Any],
+    abstract: Any,
+    *,
+    partial: bool,
+    check: Callable[[Node, Any], str | None],
+    subject: str,
+) -> tuple[Node, list[tuple[Node, Any, Any]]]:
+    """Pair each leaf of ``abstract`` with the value at its key path in ``leaves`` (a saved
+    tree's records, or a transform's values): ``(target root, [(target node, value, target)])``.
+
+    Strict: a key of ``leaves`` missing from the target (unless ``partial``), a key of the
+    target missing from ``leaves``, and every pair ``check`` objects to (it returns why) are
+    reported together in one :class:`~quire.errors.TreeMismatchError` about ``subject``.
+    """
+    root = walk(abstract, _is_abstract_leaf, what="abstract tree")
+    tleaves = list(root.leaves())
+    tpaths = {t.path for t in tleaves}
+    missing = [] if partial else [keystr(p) for p in leaves if p not in tpaths]
+    extra = [keystr(t.path) for t in tleaves if t.path not in leaves]
+    pairs = [(t, leaves[t.path], t.value) for t in tleaves if t.path in leaves]
+    bad = [f"{keystr(t.path)!r}: {why}" for t, v, _ in pairs if (why := check(t, v))]
+    if missing or extra or bad:
+        raise TreeMismatchError(
+            _diff_message(subject, missing, extra, bad),
+            missing=missing,
+            extra=extra,
+            mismatched=bad,
+        )
+    return root, pairs
 
 
 def pytree_unit(doc: dict[str, Any], url: str, name: str = PYTREE) -> dict[str, Any]:
@@ -145,34 +177,22 @@ async def _load_tree(
     partial: bool,
 ) -> Any:
     saved = from_json(tree_json)
-    saved_leaves = {leaf.path: leaf for leaf in saved.leaves()}
     if abstract is None:
         target_root = saved
         pairs = [(leaf, leaf.value, None) for leaf in saved.leaves()]
     else:
-        target_root = walk(abstract, _is_abstract_leaf, what="abstract tree")
-        tleaves = list(target_root.leaves())
-        tpaths = {t.path for t in tleaves}
-        missing = [] if partial else [keystr(p) for p in saved_leaves if p not in tpaths]
-        extra = [keystr(t.path) for t in tleaves if t.path not in saved_leaves]
-        pairs = [
-            (t, saved_leaves[t.path].value, t.value) for t in tleaves if t.path in saved_leaves
-        ]
         handler_cache: dict[str, Any] = {}
-        bad = []
-        for t, rec, target in pairs:
+
+        def check(t: Node, rec: Any) -> str | None:
             h = handler_cache.get(rec["handler"]) or _handlers.get(rec["handler"], url=url)
             handler_cache[rec["handler"]] = h
-            why = h.check(LoadEntry(t.path, rec, target))
-            if why:
-                bad.append(f"{keystr(t.path)!r}: {why}")
-        if missing or extra or bad:
-            raise TreeMismatchError(
-                _diff_message(url, missing, extra, bad),
-                missing=missing,
-                extra=extra,
-                mismatched=bad,
-            )
+            why: str | None = h.check(LoadEntry(t.path, rec, t.value))
+            return why
+
+        leaves = {leaf.path: leaf.value for leaf in saved.leaves()}
+        target_root, pairs = pair_with_target(
+            leaves, abstract, partial=partial, check=check, subject=f"checkpoint {url}"
+        )
     expect = getattr(backend, "expect", None)  # format v2: plan large pack reads
     if expect is not None and jax.process_count() == 1:
         expect(rec.get("location") for _, rec, _ in pairs)
@@ -186,15 +206,9 @@ async def _load_tree(
 
     async def run(hid: str, items: list[tuple[Node, LoadEntry]]) -> None:
         h = _handlers.get(hid, url=url)
-        try:
-            got = await h.load([e for _, e in items], ctx)
-        except Exception as e:
-            wrapped = _handlers.wrap_failure(
-                h, e, [keystr(x.path) for _, x in items], url, "loading"
-            )
-            if wrapped is e:
-                raise
-            raise wrapped from e
+        entries = [e for _, e in items]
+        with _handlers.failures_named(h, entries, url, "loading"):
+            got = await h.load(entries, ctx)
         for (node, _), v in zip(items, got):
             values[id(node)] = v
 

@@ -165,22 +165,16 @@ async def write_units(
     try:
         for hid, items in prep.groups.items():
             h = _handlers.get(hid, url=url)
-            try:
+            entries = [e for _, e in items]
+            with _handlers.failures_named(h, entries, url, "saving"):
                 if prep.feed is None:
-                    recs = await h.save([e for _, e in items], ctx)
+                    recs = await h.save(entries, ctx)
                 else:
                     recs = []
-                    async with contextlib.aclosing(prep.feed([e for _, e in items])) as batches:
+                    async with contextlib.aclosing(prep.feed(entries)) as batches:
                         async for b in batches:
                             recs += await h.save(b, ctx)
                             del b  # not held while the next batch is read
-            except Exception as e:
-                wrapped = _handlers.wrap_failure(
-                    h, e, [keystr(x.path) for _, x in items], url, "saving"
-                )
-                if wrapped is e:
-                    raise
-                raise wrapped from e
             for (node, _), rec in zip(items, recs):
                 if rec.get("handler") != hid:
                     rec = {**rec, "handler": hid}

@@ -85,10 +85,4 @@ def _resolve(spec: Any, *, url: str | None = None) -> Any:
     try:
         return factory(**config)
     except ImportError as e:  # the plugin loaded, the library it wraps did not
-        dist = _registry.distribution(name) or "the package that provides it"
-        raise PluginError(
-            f"codec {name!r} from {dist} cannot be created ({type(e).__name__}: {e}); "
-            f"reinstall or fix {dist}",
-            group=_registry.group,
-            name=name,
-        ) from e
+        raise _registry.creation_error(name, "codec", e) from e

@@ -17,13 +17,16 @@ class, so it is computed once per class and registry state.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+from quire._format.tree import keystr
 from quire._runtime import registry as _registry
 from quire._runtime.config import current
 from quire._runtime.registry import leaf_handlers
-from quire.errors import PluginError
+from quire.errors import PluginError, QuireError
 
 __all__ = ["all_handlers", "clear_instances", "for_value", "get", "ranked"]
 
@@ -54,13 +57,7 @@ def _instance(handler_id: str, obj: Any) -> Any:
         try:
             h = obj() if isinstance(obj, type) else obj
         except Exception as e:  # e.g. the plugin imports its framework when instantiated
-            dist = leaf_handlers.distribution(handler_id) or "the package that provides it"
-            raise PluginError(
-                f"leaf handler {handler_id!r} from {dist} cannot be created "
-                f"({type(e).__name__}: {e}); reinstall or fix {dist}",
-                group=leaf_handlers.group,
-                name=handler_id,
-            ) from e
+            raise leaf_handlers.creation_error(handler_id, "leaf handler", e) from e
         _instances[key] = (obj, h)  # obj kept alive, so its id is not reused meanwhile
         return h
 
@@ -130,6 +127,19 @@ def for_value(value: Any) -> Any | None:
     return None
 
 
+@contextlib.contextmanager
+def failures_named(h: Any, entries: Sequence[Any], url: str, doing: str) -> Iterator[None]:
+    """Run a handler's batch call, re-raising a third-party handler's failure with the key
+    paths of ``entries`` in it (:func:`wrap_failure`); quire's own errors pass unchanged."""
+    try:
+        yield
+    except Exception as e:
+        wrapped = wrap_failure(h, e, [keystr(x.path) for x in entries], url, doing)
+        if wrapped is e:
+            raise
+        raise wrapped from e
+
+
 def wrap_failure(h: Any, e: Exception, paths: list[str], url: str, doing: str) -> Exception:
     """A third-party handler's own exception, re-typed with the leaves' key paths.
 
@@ -137,8 +147,6 @@ def wrap_failure(h: Any, e: Exception, paths: list[str], url: str, doing: str) -
     has the same type as ``e`` when that type takes a message (so ``except ValueError``
     still works), else is a :class:`~quire.errors.QuireError`.  Raise it ``from e``.
     """
-    from quire.errors import QuireError
-
     if isinstance(e, QuireError) or type(h).__module__.startswith("quire."):
         return e
     shown = ", ".join(repr(p) for p in paths[:5]) + (", ..." if len(paths) > 5 else "")

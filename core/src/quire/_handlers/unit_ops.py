@@ -21,13 +21,7 @@ def get(hid: str, *, url: str | None = None) -> Any:
     try:
         return obj() if isinstance(obj, type) else obj
     except Exception as e:
-        dist = _registry.distribution(hid) or "the package that provides it"
-        raise PluginError(
-            f"checkpointable handler {hid!r} from {dist} cannot be created "
-            f"({type(e).__name__}: {e}); reinstall or fix {dist}",
-            group=_registry.group,
-            name=hid,
-        ) from e
+        raise _registry.creation_error(hid, "checkpointable handler", e) from e
 
 
 def handler_for(obj: Any) -> str | None:

@@ -1,30 +1,6 @@
-"""The checkpointable-unit contract (published by :mod:`quire.checkpointables`): the
-:class:`Checkpointable` and :class:`CheckpointableHandler` protocols and the :class:`UnitIO`
-a handler writes through.
-
-``quire.save_checkpointables(url, {"state": tree, "data": it, "config": {...}})`` stores
-each named unit in one checkpoint, committed together.  A unit is one of
-
-* a pytree (the default: arrays, scalars, ... as with ``quire.save``),
-* a plain JSON config (dicts / lists of str, int, float, bool, None), stored inline in
-  ``quire.json`` by the ``json`` handler,
-* an object implementing :class:`Checkpointable` (it saves itself under its own
-  sub-prefix), or
-* an object for which a :class:`CheckpointableHandler` is registered (entry-point group
-  ``quire.checkpointables``, or :func:`quire.register_checkpointable_handler`) — the way to
-  checkpoint types you do not own.
-
-``quire.save(url, tree)`` is the single-unit case: the unit is named ``"pytree"``.
-
-Call order of a handler during a save (in quire's I/O thread pool, after every array
-is written, before the commit)::
-
-    handles(obj) -> save(obj, io) -> JSON record      # files go through io.write(...)
-
-and during a load::
-
-    load(io, record, target) -> object
-"""
+"""The checkpointable-unit contract: the :class:`Checkpointable` and
+:class:`CheckpointableHandler` protocols and the :class:`UnitIO` a handler writes through.
+Published, with the call order of a save and a load, by :mod:`quire.checkpointables`."""
 
 from __future__ import annotations
 

@@ -238,6 +238,17 @@ class Registry:
         except PluginError:
             return None
 
+    def creation_error(self, name: str, what: str, error: BaseException) -> PluginError:
+        """The error for a plugin that loaded but could not be created (instantiated, or its
+        factory called): it names the plugin, its distribution and the fix."""
+        dist = self.distribution(name) or "the package that provides it"
+        return PluginError(
+            f"{what} {name!r} from {dist} cannot be created ({type(error).__name__}: {error}); "
+            f"reinstall or fix {dist}",
+            group=self.group,
+            name=name,
+        )
+
     def report(self, *, load: bool = True) -> list[PluginInfo]:
         """One row per entry point (and run-time registration) with its status.
 

@@ -13,6 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from quire._engine import load as _load
+from quire._engine import save as _engine
+from quire._format import record as _format
 from quire._handlers.base import SaveEntry
 from quire._runtime import progress as _progress
 from quire._runtime.config import current
@@ -21,6 +24,9 @@ from quire._runtime.responses import chain
 from quire._runtime.tasks import gather_cancelling
 from quire._sources.base import Source
 from quire._sources.lazy import LazyValue, full_region
+from quire._sources.opening import opened
+from quire._store.url import normalize
+from quire.errors import CorruptCheckpointError
 
 __all__ = ["convert"]
 
@@ -118,26 +124,19 @@ def convert(
     replace).  ``progress`` is as for :func:`quire.save` (the operation is ``"cp"``, then
     ``"verify"``).  Returns (bytes of array data, objects verified).
     """
-    from quire._engine import load as _load
-    from quire._engine import save as _engine
-    from quire._format import record as _format
-    from quire._sources.opening import open as open_source
-    from quire._store.url import normalize
-    from quire.errors import CorruptCheckpointError
+    with opened(src, storage_options) as source:
+        return _convert(source, normalize(dst), overwrite, dst_options, progress, verify, layout)
 
-    if not isinstance(src, Source):  # opened here: closed here
-        with open_source(src, **(storage_options or {})) as opened:
-            return convert(
-                opened,
-                dst,
-                overwrite=overwrite,
-                dst_options=dst_options,
-                progress=progress,
-                verify=verify,
-                layout=layout,
-            )
-    source = src
-    u = normalize(dst)
+
+def _convert(
+    source: Source,
+    u: str,
+    overwrite: bool,
+    dst_options: dict[str, Any] | None,
+    progress: Any,
+    verify: bool,
+    layout: str | None,
+) -> tuple[int, int]:
     lazy: dict[int, LazyValue] = {}
     tree = _placeholders(source.tree, lazy)
     nbytes = sum(v.nbytes for v in lazy.values())

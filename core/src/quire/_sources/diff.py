@@ -11,6 +11,7 @@ chunks when the source says what they are), so memory stays bounded whatever the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import os
@@ -22,6 +23,7 @@ import numpy as np
 
 from quire._sources.base import Source
 from quire._sources.lazy import LazyValue, Region
+from quire._sources.opening import opened
 
 __all__ = ["DiffReport", "diff"]
 
@@ -154,28 +156,13 @@ def diff(
     >>> report = quire.diff("run/step_100", "model.safetensors", atol=1e-6)  # doctest: +SKIP
     >>> print("\\n".join(report.lines()))  # doctest: +SKIP
     """
-    from quire._sources.opening import open as open_source
-
     if block_bytes < 1:
         raise ValueError(f"block_bytes must be positive, got {block_bytes}")
-    so = storage_options or {}
-    opened: list[Source] = []
-
-    def side(x: Any) -> Source:
-        if isinstance(x, Source):
-            return x
-        s = open_source(x, **so)
-        opened.append(s)
-        return s
-
-    try:
-        sa = side(a)
-        sb = side(b)
+    with contextlib.ExitStack() as stack:
+        sa = stack.enter_context(opened(a, storage_options))
+        sb = stack.enter_context(opened(b, storage_options))
         return _compare(sa, sb, values or atol is not None or rtol is not None,
                         atol, rtol, metadata, block_bytes, progress)  # fmt: skip
-    finally:
-        for s in opened:
-            s.close()
 
 
 # ----------------------------------------------------------------------------- structure

@@ -25,8 +25,10 @@ from quire._runtime.ioloop import run_blocking, submit
 from quire._runtime.progress import _current, advance, reporting
 from quire._sources.base import Source
 from quire._sources.lazy import LazyValue, full_region
+from quire._sources.opening import opened
 from quire._sources.safetensors import INDEX, dtype_code
 from quire._store.base import QUIRE_STORAGE_OPTIONS
+from quire._store.url import normalize
 
 __all__ = ["export"]
 
@@ -275,27 +277,26 @@ def export(
     list of str
         The URLs written (the index last).
     """
-    from quire._sources.opening import open as open_source
-    from quire._store.url import normalize
-
     if format != "safetensors":
         raise ValueError(f"export: unknown format {format!r}; quire exports 'safetensors'")
-    if not isinstance(src, Source):  # opened here: closed here
-        with open_source(src, **(storage_options or {})) as opened:
-            return export(
-                opened,
-                dst,
-                format=format,
-                select=select,
-                rename=rename,
-                dtype=dtype,
-                max_shard_bytes=max_shard_bytes,
-                metadata=metadata,
-                storage_options=storage_options,
-                progress=progress,
-            )
-    source = src
-    d = normalize(dst)
+    with opened(src, storage_options) as source:
+        return _export(
+            source, normalize(dst), select, rename, dtype, max_shard_bytes, metadata,
+            storage_options, progress,
+        )  # fmt: skip
+
+
+def _export(
+    source: Source,
+    d: str,
+    select: Any,
+    rename: Any,
+    dtype: Any,
+    max_shard_bytes: int | None,
+    metadata: Mapping[str, str] | None,
+    storage_options: dict[str, Any] | None,
+    progress: Any,
+) -> list[str]:
     tensors = _plan(source, select, rename, dtype)
     limit = DEFAULT_SHARD if max_shard_bytes is None else int(max_shard_bytes)
     files = _files(d, _shards(tensors, limit), limit)

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from quire._engine.load import pair_with_target
 from quire._format.tree import Node, keystr, walk
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
@@ -26,7 +27,7 @@ from quire._runtime.tasks import for_each
 from quire._sources.base import Source
 from quire._sources.lazy import LazyValue, Region, full_region, install_materializer
 from quire._sources.partition import sharding_for, sharding_table
-from quire.errors import QuireError, TreeMismatchError
+from quire.errors import QuireError
 
 __all__ = ["load_and_transform", "materialize_leaf"]
 
@@ -222,8 +223,6 @@ async def materialize_tree(
     what: str = "transform result",
 ) -> Any:
     """Place each leaf of ``value_tree`` into ``abstract`` (or its own structure when None)."""
-    from quire._engine.load import _diff_message, _is_abstract_leaf
-
     vroot = walk(value_tree, _is_value_leaf, what=what)
     vleaves = {n.path: n.value for n in vroot.leaves()}
     table = sharding_table(shardings)
@@ -231,33 +230,23 @@ async def materialize_tree(
         troot = vroot
         pairs = [(n, n.value, None) for n in vroot.leaves()]
     else:
-        troot = walk(abstract, _is_abstract_leaf, what="abstract tree")
-        tleaves = list(troot.leaves())
-        tpaths = {t.path for t in tleaves}
-        missing = [] if partial else [keystr(p) for p in vleaves if p not in tpaths]
-        extra = [keystr(t.path) for t in tleaves if t.path not in vleaves]
-        bad = []
-        for t in tleaves:
-            if t.path in vleaves:
-                v, want = vleaves[t.path], getattr(t.value, "shape", None)
-                got = getattr(v, "shape", None)
-                if v is None and want is not None:
-                    bad.append(f"{keystr(t.path)!r}: the transform gave None, target shape {want}")
-                elif (
-                    want is not None
-                    and not isinstance(t.value, type)
-                    and got is not None
-                    and tuple(got) != tuple(want)
-                ):
-                    bad.append(
-                        f"{keystr(t.path)!r}: {what} shape {tuple(got)}, target shape {tuple(want)}"
-                    )
-        if missing or extra or bad:
-            msg = _diff_message(what, missing, extra, bad).replace(
-                f"checkpoint {what}", f"the {what}"
-            )
-            raise TreeMismatchError(msg, missing=missing, extra=extra, mismatched=bad)
-        pairs = [(t, vleaves[t.path], t.value) for t in tleaves]
+
+        def check(t: Node, v: Any) -> str | None:
+            want, got = getattr(t.value, "shape", None), getattr(v, "shape", None)
+            if v is None and want is not None:
+                return f"the transform gave None, target shape {want}"
+            if (
+                want is not None
+                and not isinstance(t.value, type)
+                and got is not None
+                and tuple(got) != tuple(want)
+            ):
+                return f"{what} shape {tuple(got)}, target shape {tuple(want)}"
+            return None
+
+        troot, pairs = pair_with_target(
+            vleaves, abstract, partial=partial, check=check, subject=f"the {what}"
+        )
     budget = ByteBudget(current().byte_budget)
     results: dict[int, Any] = {}
 

@@ -3,7 +3,9 @@ opening it (with the hints a "nothing here" error gives)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from quire._format.root import root_hint
@@ -91,7 +93,6 @@ def _root_hint(url: str, storage_options: dict[str, Any]) -> str:
 
 
 def _orbax_hint() -> str:
-
     return install_hint("quire-orbax")
 
 
@@ -100,3 +101,14 @@ def _open_with(cls: Any, url: str, storage_options: dict[str, Any]) -> Source:
     if not isinstance(src, Source):
         raise PluginError(f"quire.sources plugin {cls!r} returned {src!r}, not a Source")
     return src
+
+
+@contextlib.contextmanager
+def opened(src: Source | str | os.PathLike[str], storage_options: Any = None) -> Iterator[Source]:
+    """``src`` itself when it is an open :class:`Source` (left open: the caller owns it), else
+    the source at that URL, opened here and closed on exit."""
+    if isinstance(src, Source):
+        yield src
+        return
+    with open(src, **(storage_options or {})) as source:
+        yield source

@@ -1,15 +1,6 @@
-"""Model surgery: lazy operations and tree helpers for ``quire.load(..., transform=fn)``.
-
-Lazy operations (``stack``, ``concatenate``, ``transpose``, ``reshape``, ``astype``) take
-:class:`quire.LazyArray` values (a source's arrays, slices of them, results of other lazy
-operations) or concrete arrays, and return a :class:`quire.LazyArray`: nothing is read until
-it is read or quire materialises it, and then each device shard reads only the regions of
-the inputs it needs.
-
-Tree helpers work on any nested dict / list / tuple tree (lazy or concrete leaves):
-:func:`rename`, :func:`flatten`, :func:`unflatten`, :func:`stack_layers`,
-:func:`split_layers` and :func:`torch_linear`.
-"""
+"""Model surgery, published by :mod:`quire.surgery`: the lazy operations (``stack``,
+``concatenate``, ``transpose``, ``reshape``, ``astype``) over the op nodes of
+:mod:`quire._sources.lazy`, and tree helpers over nested dict / list / tuple trees."""
 
 from __future__ import annotations
 

@@ -1,22 +1,7 @@
-"""The storage backend contract: :class:`Backend`, :class:`Capabilities`, :class:`Buffer`,
-:class:`PreconditionFailed` (published by :mod:`quire.backends`).
-
-A backend gives quire byte-level access to one checkpoint root (a URL prefix).  All keys
-are ``/``-separated paths relative to that root.  Third-party backends subclass
-:class:`Backend` and register under the ``quire.backends`` entry-point group, with the
-URL protocol as the name.
-
-Call order during a save (the commit point is marked)::
-
-    put(...)* ; sync()                     # every process writes the chunks it owns
-    put(zarr metadata)* ; sync()           # primary process, after the barrier
-    put_if_absent("quire.json")            # <-- COMMIT (new checkpoint)
-    replace_if_match("quire.json", v)      # <-- COMMIT (overwrite)
-    delete_prefix(old data)                # after the commit only
-
-A backend declares what it guarantees through :class:`Capabilities`; quire never probes
-by trial and error.  This module imports nothing of quire.
-"""
+"""The storage backend contract: :class:`Backend`, :class:`Capabilities`, :data:`Buffer`,
+:class:`PreconditionFailed`, :data:`QUIRE_STORAGE_OPTIONS`.  Published, with the call order
+of a save (commit point marked) and the object-store toolkit, by :mod:`quire.backends`; this
+module imports nothing of quire."""
 
 from __future__ import annotations
 
