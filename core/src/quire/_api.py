@@ -9,10 +9,14 @@ from typing import Any, TypedDict, Unpack
 from quire._engine import load as _load
 from quire._engine import save as _engine
 from quire._format import record as _format
+from quire._handlers.units import as_mapping
 from quire._runtime import ioloop as _io
 from quire._runtime import progress as _progress
+from quire._runtime.registry import sources
 from quire._runtime.responses import AsyncResponse, chain
-from quire._store.url import normalize
+from quire._sources.base import Source
+from quire._sources.materialize import load_and_transform
+from quire._store.url import effective_options, normalize
 from quire.errors import CheckpointNotFoundError
 from quire.metadata import CheckpointMetadata
 from quire.options import StorageSpec
@@ -181,8 +185,6 @@ def save_checkpointables(
     CheckpointExistsError, UnsupportedLeafError, MultiProcessError
         As for :func:`save` (a unit, too, may have a type no installed handler saves).
     """
-    from quire._handlers.units import as_mapping
-
     _start_save("save_checkpointables", url, as_mapping(checkpointables), False, options).result()
 
 
@@ -204,8 +206,6 @@ def save_checkpointables_async(
         ``.result()`` waits for the commit and raises what
         :func:`save_checkpointables` would.
     """
-    from quire._handlers.units import as_mapping
-
     return _start_save(
         "save_checkpointables_async", url, as_mapping(checkpointables), True, options
     )
@@ -341,8 +341,6 @@ def load(
     CorruptCheckpointError
         A chunk fails its checksum or the commit record is malformed.
     """
-    from quire._sources.base import Source
-
     if transform is None and shardings is None and not isinstance(url, Source):
         try:
             return load_async(
@@ -353,7 +351,6 @@ def load(
 
             if available() == ["quire"] or not _other_source(url, storage_options):
                 raise
-    from quire._sources.materialize import load_and_transform
 
     return load_and_transform(
         url,
@@ -367,8 +364,6 @@ def load(
 
 def _other_source(url: Any, storage_options: dict[str, Any] | None) -> bool:
     """Whether a source other than quire's own recognises ``url`` (after a failed load)."""
-    from quire._runtime.registry import sources
-    from quire._store.url import effective_options
 
     u = normalize(url)
     opts = effective_options(u, storage_options)

@@ -7,11 +7,16 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from quire._engine.copying import CopyResult
+from quire._api import metadata
+from quire._engine.copying import CopyResult, copy_checkpoint
 from quire._engine.load import VerifyProblem
+from quire._engine.load import verify as verify_leaves
 from quire._format import describe as _describe
 from quire._runtime import progress as _progress
 from quire._runtime.ioloop import submit
+from quire._sources.convert import convert
+from quire._sources.native import QuireSource
+from quire._sources.opening import open as open_source
 from quire._store.url import normalize
 from quire.errors import CorruptCheckpointError
 
@@ -88,8 +93,6 @@ def verify(
     CorruptCheckpointError
         The commit record itself is damaged (damaged data is reported, not raised).
     """
-    from quire._api import metadata
-    from quire._engine.load import verify as verify_leaves
 
     u = normalize(url)
     c = _describe.counts(metadata(u, storage_options=storage_options).tree)
@@ -145,11 +148,6 @@ def copy(
     CorruptCheckpointError
         An object of ``src`` failed its check (nothing is committed at ``dst``).
     """
-    from quire._api import metadata
-    from quire._engine.copying import copy_checkpoint
-    from quire._sources.convert import convert
-    from quire._sources.native import QuireSource
-    from quire._sources.opening import open as open_source
 
     s, d = normalize(src), normalize(dst)
     so = storage_options

@@ -29,6 +29,8 @@ from quire._engine import save as _engine
 from quire._engine.journal import JournalConflictError, JournalVersion
 from quire._format import record as _format
 from quire._runtime import ioloop as _io
+from quire._runtime.config import current
+from quire._runtime.multihost import Coordinator
 from quire._store.url import normalize
 from quire.options import StorageSpec
 
@@ -46,9 +48,6 @@ __all__ = [
 
 
 def _coordinator(url: str, what: str) -> Any:
-    from quire._runtime.config import current
-    from quire._runtime.multihost import Coordinator
-
     cfg = current()
     return Coordinator(url, what, primary=cfg.primary_process, timeout=cfg.timeout)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, overload
 
 from quire import _api
-from quire._checkpointer.keep_policies import KeepPolicy, StepInfo
+from quire._checkpointer.keep_policies import BestN, KeepPolicy, StepInfo
 from quire._engine import garbage as _gc
 from quire._format import root as _root
 from quire.errors import CheckpointNotFoundError, QuireError
@@ -431,8 +431,6 @@ class _RetainLoadMixin:
         int or None
             The best step, or None when no committed step has ``metric``.
         """
-        from quire._checkpointer.keep_policies import BestN
-
         self._raise_background()
         ranker = BestN(1, metric=metric, mode=mode)
         self._run(self._load_infos())

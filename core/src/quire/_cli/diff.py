@@ -8,14 +8,13 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+import quire
 from quire._cli.common import EXIT_DAMAGED, EXIT_OK, one_side_options, progress_on, storage_options
+from quire._sources.opening import open as open_source
 
 
 # ----------------------------------------------------------------------------- diff
 def cmd_diff(args: argparse.Namespace) -> int:
-    import quire
-    from quire._sources.opening import open as open_source
-
     so = storage_options(args) or {}
     sides = [one_side_options(so, args.a_options, "--a-options"),
              one_side_options(so, args.b_options, "--b-options")]  # fmt: skip

@@ -8,12 +8,11 @@ from typing import Any
 
 from quire._cli.common import progress_on, side_options
 from quire._runtime import progress as _progress
+from quire._sources.export import export
+from quire._sources.opening import open as open_source
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from quire._sources.export import export
-    from quire._sources.opening import open as open_source
-
     src_opts, dst_opts = side_options(args)
     t0 = time.perf_counter()
     bar = progress_on(args) and not args.quiet

@@ -8,7 +8,9 @@ from typing import Any
 from quire._cli.text import human_bytes as _human
 from quire._engine.garbage import DEFAULT_GRACE_PERIOD, GcReport, collect, describe
 from quire._format.root import StepFormat, root_step_format
+from quire._runtime import ioloop as _io
 from quire._store.base import Backend
+from quire._store.url import normalize, open_backend
 from quire.errors import QuireError
 
 
@@ -34,9 +36,6 @@ def metrics_text(m: dict[str, Any]) -> str:
 def _open(
     url: str, step_format: str | None, storage_options: dict[str, Any] | None = None
 ) -> tuple[Backend, str, StepFormat]:
-    from quire._runtime import ioloop as _io
-    from quire._store.url import normalize, open_backend
-
     u = normalize(url)
     backend = open_backend(u, storage_options)
     try:
@@ -56,8 +55,6 @@ def cli_ls(
     storage_options: dict[str, Any] | None = None,
 ) -> int:
     """``quire ls ROOT``: one line per step directory; exit 0 (2 on errors)."""
-    from quire._runtime import ioloop as _io
-
     backend, u, fmt = _open(url, step_format, storage_options)
     reports = _io.submit(describe(backend, u, fmt)).result()
     if as_json:
@@ -113,8 +110,6 @@ def cli_gc(
     storage_options: dict[str, Any] | None = None,
 ) -> int:
     """``quire gc ROOT``: report (or with ``yes``, remove) garbage; exit 0 (2 on errors)."""
-    from quire._runtime import ioloop as _io
-
     backend, u, fmt = _open(url, step_format, storage_options)
     report = _io.submit(
         collect(backend, u, fmt, grace_period=grace_period, dry_run=not yes)

@@ -14,6 +14,9 @@ import os
 import sys
 from typing import Any
 
+import quire
+from quire import _ops
+from quire._cli import lsgc as _gc_cli
 from quire._cli.common import (
     EXIT_DAMAGED,
     EXIT_OK,
@@ -23,8 +26,22 @@ from quire._cli.common import (
     side_options,
     storage_options,
 )
+from quire._cli.diff import add_diff_parser
+from quire._cli.export import add_export_parser
 from quire._cli.text import human_bytes as _human
-from quire._format.describe import chain_text
+from quire._engine import load as _load
+from quire._engine import scan as _scan
+from quire._format import describe as _describe
+from quire._format import root as _root
+from quire._format.describe import chain_text, counts
+from quire._format.paths import is_chunk
+from quire._runtime import ioloop as _io
+from quire._runtime import progress as _progress
+from quire._runtime.registry import registries
+from quire._runtime.version import __version__
+from quire._store.url import normalize, open_backend
+from quire.errors import CorruptCheckpointError, QuireError
+from quire.metadata import LeafMetadata
 
 
 # ----------------------------------------------------------------------------- info
@@ -50,8 +67,6 @@ def _layout(v: Any) -> list[str]:
 
 
 def _print_tree(node: Any, indent: str, out: list[str], totals: dict[str, int]) -> None:
-    from quire.metadata import LeafMetadata
-
     items: list[tuple[str, Any]]
     if isinstance(node, dict):
         items = [(str(k), v) for k, v in node.items()]
@@ -77,8 +92,6 @@ def _print_tree(node: Any, indent: str, out: list[str], totals: dict[str, int]) 
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    import quire
-
     m = quire.metadata(args.url, storage_options=storage_options(args))
     if args.json:
         doc = {k: v for k, v in m.record.items() if not k.startswith("_")}
@@ -93,7 +106,6 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"  format v{m.format_version}, written by quire {m.library_version}, "
         f"{m.process_count} process(es), created {m.created.isoformat()}"
     )
-    from quire._format.describe import counts
 
     print(f"  {_summary(counts(m.tree))}, {totals['inline']} inline leaves")
     others = {n: k for n, k in m.units.items() if k != "pytree"}
@@ -112,8 +124,6 @@ def _summary(c: Any) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from quire import _ops
-
     r = _ops.verify(args.url, storage_options=storage_options(args), progress=progress_on(args))
     url, problems, c = r.url, r.problems, r
     for p in problems:
@@ -122,8 +132,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
             err = err[len(prefix) :] if err.startswith(prefix) else err
         print(f"BAD  {p.path}: {p.object}: {err}")
     if problems:
-        from quire._format.paths import is_chunk
-
         bad = sum(is_chunk(p.object) for p in problems)
         headers = len(problems) - bad
         also = f", and {headers} array header(s) (zarr.json)" if headers else ""
@@ -138,8 +146,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- cp
 def cmd_cp(args: argparse.Namespace) -> int:
-    from quire import _ops
-
     sides = side_options(args)  # a bad -o / --src-options is a usage error first
     res = _ops.copy(args.src, args.dst, overwrite=args.overwrite, storage_options=sides[0],
                     dst_options=sides[1], progress=progress_on(args) and not args.quiet)  # fmt: skip
@@ -155,22 +161,15 @@ def cmd_cp(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- ls / gc
 def _open(url: str, so: dict[str, Any] | None) -> tuple[Any, str, Any]:
-    from quire._store.url import normalize, open_backend
-
     u = normalize(url)
     return open_backend(u, so), u, (lambda rel: open_backend(f"{u}/{rel}", so))
 
 
 def _is_root(backend: Any) -> bool:
-    from quire._format import root as _root
-    from quire._runtime import ioloop as _io
-
     return bool(_io.submit(backend.exists(_root.ROOT_RECORD)).result())
 
 
 def _nothing_at(backend: Any) -> bool:
-    from quire._runtime import ioloop as _io
-
     try:
         files, dirs = _io.submit(backend.list_dir("")).result()
     except (FileNotFoundError, NotADirectoryError):
@@ -179,12 +178,6 @@ def _nothing_at(backend: Any) -> bool:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from quire._cli import lsgc as _gc_cli
-    from quire._engine import load as _load
-    from quire._engine import scan as _scan
-    from quire._format import describe as _describe
-    from quire._runtime import ioloop as _io
-
     so = storage_options(args)
     backend, u, opener = _open(args.root, so)
     if _is_root(backend):
@@ -238,11 +231,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from quire._cli import lsgc as _gc_cli
-    from quire._engine import scan as _scan
-    from quire._runtime import ioloop as _io
-    from quire._runtime import progress as _progress
-
     so = storage_options(args)
     backend, u, opener = _open(args.root, so)
     if args.step_format is not None or _is_root(backend):
@@ -264,8 +252,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- plugins
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from quire._runtime.registry import registries
-
     reports = {group: reg.report(load=True) for group, reg in registries.items()}
     rows = [i for infos in reports.values() for i in infos]
     wn = max([len(i.name) for i in rows] + [12])
@@ -282,8 +268,6 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- parser
 def parser() -> argparse.ArgumentParser:
-    from quire._runtime.version import __version__
-
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("storage and display")
     g.add_argument(
@@ -360,10 +344,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dst-options", metavar="JSON", help="storage options for DST only")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     p.set_defaults(fn=cmd_cp)
-    from quire._cli.diff import add_diff_parser
 
     add_diff_parser(add)
-    from quire._cli.export import add_export_parser
 
     add_export_parser(sub, [common])
     return p0
@@ -371,7 +353,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from quire.errors import CorruptCheckpointError, QuireError
 
     try:
         code = int(args.fn(args))

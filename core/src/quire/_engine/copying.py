@@ -25,11 +25,15 @@ from collections.abc import Callable
 from typing import Any
 
 from quire._engine import commit as _commit
+from quire._engine.packcopy import plan_packed
 from quire._format import record as _format
 from quire._format.crc import crc_bytes
 from quire._format.paths import is_chunk, is_safe_location
 from quire._format.tree import from_json, keystr
+from quire._handlers.arrays import layout_from_record
 from quire._handlers.base import StoredObject
+from quire._handlers.owned import leaf_objects
+from quire._handlers.zarr_io import chunk_checker
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking
@@ -89,7 +93,6 @@ class _Item:
 
 # ----------------------------------------------------------------------------- checks
 def _check_unit_object(data: bytes) -> None:
-
     if len(data) < 4 or crc_bytes(data[:-4]) != data[-4:]:
         raise ValueError("crc32c checksum mismatch")
 
@@ -114,8 +117,6 @@ def _range_checks(objs: list[StoredObject]) -> Callable[[bytes], None] | None:
 
 async def plan(backend: Backend, url: str, doc: dict[str, Any]) -> list[_Item]:
     """Every object SRC's record references, with its check (leaves: their handlers')."""
-    from quire._handlers.owned import leaf_objects
-
     items: list[_Item] = []
     listed: list[tuple[str, str, Callable[[bytes], None] | None]] = []
     leaves = []
@@ -133,8 +134,6 @@ async def plan(backend: Backend, url: str, doc: dict[str, Any]) -> list[_Item]:
                 rec = leaf.value
                 if "chunk_shape" in rec and loc is not None and loc.split("/")[1] in packed:
                     # format v2: the leaf's chunks are copied and verified inside its packs
-                    from quire._handlers.arrays import layout_from_record
-                    from quire._handlers.zarr_io import chunk_checker
 
                     checkers[loc] = chunk_checker(layout_from_record(rec, url))
                 else:
@@ -156,8 +155,6 @@ async def plan(backend: Backend, url: str, doc: dict[str, Any]) -> list[_Item]:
         chunks = sum(is_chunk(o.key) for o in objs)
         items.append(_Item(key, owner, _range_checks(objs), whole, chunks))
     if packed:
-        from quire._engine.packcopy import plan_packed
-
         items += await plan_packed(backend, url, doc["indexes"], checkers, _Item, is_chunk)
     found = await asyncio.gather(*(backend.list(loc) for loc, _, _ in listed))
     for (_, owner, check), keys in zip(listed, found):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quire._engine import commit as _commit
+from quire._engine import journal as _journal
 from quire._format import record as _format
 from quire._format.record import JOURNAL_DIR
 from quire._format.root import (
@@ -32,7 +33,9 @@ from quire._format.root import (
     root_record_bytes,
     sizes,
 )
+from quire._runtime.progress import advance
 from quire._store.base import Backend
+from quire._store.url import open_backend
 from quire.errors import QuireError
 
 DEFAULT_GRACE_PERIOD = 3600.0
@@ -182,7 +185,6 @@ async def remove(backend: Backend, url: str, g: Garbage) -> bool:
         if doc is None or txid in doc["txids"]:
             return False
         await backend.delete_prefix(g.prefix)
-    from quire._runtime.progress import advance
 
     advance(g.nbytes)  # `quire gc --yes` on a terminal: the bar counts what is removed
     return True
@@ -192,8 +194,6 @@ async def finish_unfinished(backend: Backend, url: str, path: str) -> bool:
     """Garbage of kind ``"unfinished"`` at ``path`` (a checkpoint that was finalized, but
     whose finalize was killed before it removed its journal and what it superseded):
     finish that clean-up.  False when there is nothing to finish any more."""
-    from quire._engine import journal as _journal
-    from quire._store.url import open_backend
 
     where = f"{url}/{path}" if path else url
     sub = open_backend(where, backend.storage_options) if path else backend

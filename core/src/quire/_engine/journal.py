@@ -44,6 +44,7 @@ from quire._engine.journal_replay import (
 )
 from quire._format import record as _format
 from quire._format import schema as _schema
+from quire._format.chunkindex import check_entries
 from quire._format.tree import KeyPath, keystr
 from quire._runtime import multihost as _multihost
 from quire._runtime.config import current
@@ -134,11 +135,11 @@ def _parse(raw: bytes, url: str, n: int) -> dict[str, Any]:
         _format._check_tree(url, doc["tree"])
         _commit.check_tree_locations(doc["tree"], where)
     _schema.check_journal(doc, where)
-    if "indexes" in doc:  # format v2: this version's chunk indexes
-        from quire._format.chunkindex import check_entries
-
-        if any(e["txid"] != doc.get("txid") for e in check_entries(doc["indexes"], where)):
-            raise CorruptCheckpointError(f"{where} names chunk indexes of another save")
+    # format v2: this version's chunk indexes
+    if "indexes" in doc and any(
+        e["txid"] != doc.get("txid") for e in check_entries(doc["indexes"], where)
+    ):
+        raise CorruptCheckpointError(f"{where} names chunk indexes of another save")
     return doc
 
 

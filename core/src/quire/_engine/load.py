@@ -14,11 +14,13 @@ import jax
 import numpy as np
 
 from quire._engine import commit as _commit
+from quire._format import chunkindex as _chunkindex
 from quire._format.record import PYTREE
 from quire._format.tree import KeyPath, Node, from_json, keystr, walk
 from quire._handlers import select as _handlers
 from quire._handlers import unit_ops as _checkpointables
 from quire._handlers.base import LoadContext, LoadEntry
+from quire._handlers.owned import verify_leaves
 from quire._runtime import registry as _registry
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
@@ -40,9 +42,7 @@ log = logging.getLogger("quire")
 
 def packed_view(backend: Backend, url: str, doc: Mapping[str, Any]) -> Backend:
     """A backend that reads format-v2 chunks out of packs (``backend`` itself for v1)."""
-    from quire._format.chunkindex import reader
-
-    return reader(backend, url, doc.get("indexes"), jax.process_index())
+    return _chunkindex.reader(backend, url, doc.get("indexes"), jax.process_index())
 
 
 async def read_for_data(
@@ -412,8 +412,6 @@ async def verify(
     progress: Callable[[int], None] | None = None,
 ) -> tuple[int, list[VerifyProblem]]:
     """Have every leaf's handler check every object it owns; (objects checked, problems)."""
-    from quire._handlers.owned import verify_leaves
-
     doc, backend = await read_for_data(url, storage_options)
     all_leaves = []
     for unit in doc["units"].values():

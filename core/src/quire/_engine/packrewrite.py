@@ -43,6 +43,8 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequen
 from dataclasses import dataclass, field
 from typing import Any
 
+from quire._engine.commit import drop_txids
+from quire._engine.save import new_txid, process_layout
 from quire._format.chunkcheck import check_stored
 from quire._format.chunkid import index_bytes
 from quire._format.chunkindex import (
@@ -55,7 +57,10 @@ from quire._format.chunkindex import (
 )
 from quire._format.pack import PackWriter
 from quire._format.tree import from_json
+from quire._handlers.arrayplan import layout_from_record
+from quire._handlers.zarr_io import chunk_checker
 from quire._runtime.budget import ByteBudget
+from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking
 from quire._store.base import Backend
 from quire.errors import CheckpointExistsError, CorruptCheckpointError
@@ -291,8 +296,6 @@ async def _copy(
 ) -> int:
     """Copy the chunks of ``copies`` (per old pack: new key, old ref, process) into
     ``writer``, reading adjacent chunks together in ranges of up to ``MAX_COALESCED``."""
-    from quire._handlers.arrayplan import layout_from_record
-    from quire._handlers.zarr_io import chunk_checker
 
     budget = ByteBudget(byte_budget)
     sem = asyncio.Semaphore(CONCURRENCY)
@@ -363,9 +366,6 @@ async def finalize_plan(
     ``tree``, on this (the finalizing) process, with the current Context's ``pack_bytes``
     and ``byte_budget``; removes its own data on failure.  It reads only the indexes of
     versions that lost a leaf (replaced or deleted since): the others are wholly live."""
-    from quire._engine.commit import drop_txids
-    from quire._engine.save import new_txid, process_layout
-    from quire._runtime.config import current
 
     live = set(leaf_records(tree))
     live_txids = {loc.split("/")[1] for loc in live}
@@ -393,8 +393,6 @@ async def finalize_plan(
 async def committing(backend: Backend, url: str, p: Plan) -> AsyncIterator[None]:
     """Around the commit of ``p``'s record: when another finalize won the race, remove the
     rewrite's data (nothing references it); once committed, delete what it superseded."""
-    from quire._engine.commit import drop_txids
-
     try:
         yield
     except CheckpointExistsError:

@@ -27,6 +27,7 @@ import jax
 
 from quire._engine import commit as _commit
 from quire._format import record as _format
+from quire._format.pack import PackWriter, gather_entries
 from quire._format.paths import assign_locations, escape_component
 from quire._format.record import PYTREE
 from quire._format.tree import KeyPath, Node, from_json, keystr, to_json, walk
@@ -158,8 +159,6 @@ async def write_units(
     unit_records: dict[str, dict[str, Any]] = {}
     sink = None
     if prep.layout == "packed":  # format v2: chunks go into this process's packs
-        from quire._format.pack import PackWriter
-
         sink = PackWriter(backend, prep.txid, pidx, cfg.pack_bytes, cfg.byte_budget)
         ctx.backend = sink
     try:
@@ -256,7 +255,6 @@ async def index_entries(
     """Format v2: the commit record's ``indexes`` (every process's chunk index)."""
     if prep.layout != "packed":
         return None
-    from quire._format.pack import gather_entries
 
     return await gather_entries(backend, prep.txid, count, prep.index, jax.process_index())
 

@@ -19,6 +19,7 @@ from typing import Any
 from quire._engine import garbage as _gc
 from quire._format import record as _format
 from quire._format import root as _root
+from quire._runtime.progress import advance
 from quire._store.base import Backend
 from quire.errors import QuireError
 
@@ -183,7 +184,6 @@ async def _remove(backend: Backend, url: str, g: _gc.Garbage) -> bool:
         path = g.prefix.rpartition("/")[0] if "/" in g.prefix else ""
         if not await _gc.finish_unfinished(backend, url, path):
             return False
-        from quire._runtime.progress import advance
 
         advance(g.nbytes)
         return True
@@ -192,7 +192,6 @@ async def _remove(backend: Backend, url: str, g: _gc.Garbage) -> bool:
     live = await _live(backend, url, path)
     if live is None or txid in live:
         return False
-    from quire._runtime.progress import advance
 
     await backend.delete_prefix(g.prefix)
     advance(g.nbytes)

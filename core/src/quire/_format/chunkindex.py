@@ -47,8 +47,11 @@ from typing import Any
 from quire._format.chunkcheck import check_read
 from quire._format.chunkid import FORMATS, TRAILER_FORMAT, Ref, crc_hex
 from quire._format.crc import ChunkError, crc32c
+from quire._format.packread import Windows, expected_refs
 from quire._format.paths import is_safe_location
 from quire._format.shardid import ShardChecks, valid_shard_binding
+from quire._runtime.config import current
+from quire._runtime.ioloop import run_blocking
 from quire._store.base import Backend
 from quire._store.wrapped import Wrapped
 from quire.errors import CorruptCheckpointError
@@ -255,8 +258,6 @@ async def _check_async(ref: Ref, key: str, views: Sequence[memoryview], n: int) 
     if ref.trailer or n < (1 << 16):
         check_read(ref, key, views, n)
     else:  # the CRC releases the GIL: checks of big chunks run in parallel, off the loop
-        from quire._runtime.ioloop import run_blocking
-
         await run_blocking(check_read, ref, key, views, n)
 
 
@@ -309,9 +310,6 @@ class PackedReader(Wrapped):
         return await asyncio.shield(self._planning)
 
     async def _plan(self) -> Any:
-        from quire._format.packread import Windows, expected_refs
-        from quire._runtime.config import current
-
         windows = Windows(self.base, self.base.read_part_size, current().byte_budget)  # type: ignore[attr-defined]
         for m in await self.index.own_refs():
             windows.plan(expected_refs(m, self._expect))

@@ -22,7 +22,9 @@ import json
 from typing import Any
 
 from quire._format import schema as _schema
+from quire._format.chunkindex import check_entries
 from quire._format.crc import crc32c
+from quire._runtime.config import current
 from quire._runtime.version import __version__
 from quire.errors import CorruptCheckpointError
 
@@ -118,8 +120,6 @@ def record_checksum(doc: dict[str, Any]) -> str:
 
 def verify_record() -> bool:
     """Whether records must carry a valid checksum here (the ``verify_record`` option)."""
-    from quire._runtime.config import current
-
     return current().verify_record
 
 
@@ -176,8 +176,6 @@ def parse(raw: bytes, url: str) -> dict[str, Any]:
         raise _bad(url, "'created' is not an ISO timestamp") from e
     doc["_created"] = created
     if v == PACKED_VERSION:
-        from quire._format.chunkindex import check_entries
-
         for entry in check_entries(doc.get("indexes"), url):
             if entry["txid"] not in txids:
                 raise _bad(url, f"chunk index of txid {entry['txid']!r}, which is not in 'txids'")

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from quire._format.dtypes import SUPPORTED
+from quire._format.paths import is_safe_location
 from quire._format.schema_values import (
     Invalid,
     _dict,
@@ -100,8 +102,6 @@ def _complex(v: Any, where: str) -> tuple[float, float]:
 
 
 def _scalar_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
-    from quire._format.dtypes import SUPPORTED
-
     t = _req(rec, "type", where)
     v = _req(rec, "value", where)
     w = where + "/value"
@@ -168,8 +168,6 @@ def _shape(v: Any, where: str, low: int) -> tuple[int, ...]:
 
 
 def _location(v: Any, where: str, ctx: _Ctx) -> str:
-    from quire._format.paths import is_safe_location
-
     loc = _str(v, where, MAX_LOCATION)
     parts = loc.split("/")
     if not is_safe_location(loc) or max(map(len, parts)) > MAX_COMPONENT:
@@ -214,8 +212,6 @@ def _sharding(v: Any, where: str, shape: tuple[int, ...]) -> int | None:
 
 
 def _array_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
-    from quire._format.dtypes import SUPPORTED
-
     shape = _shape(_req(rec, "shape", where), where + "/shape", 0)
     chunk = _shape(_req(rec, "chunk_shape", where), where + "/chunk_shape", 1)
     if len(chunk) != len(shape):

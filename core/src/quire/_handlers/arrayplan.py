@@ -14,6 +14,7 @@ from quire._format.dtypes import dtype_from_name, dtype_name
 from quire._format.tree import keystr
 from quire._handlers import codecs as _codecs
 from quire._handlers.zarr_layout import ArrayLayout, inner_chunks_for
+from quire._runtime.config import current
 from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
 
 # A claimed array larger than this is refused as corrupt before anything is allocated.
@@ -106,13 +107,10 @@ def _plan(value: Any, storage: Any, path: tuple[Any, ...]) -> _Plan:
         ) from None
     plan.chunk_shape = tuple(max(1, c) for c in plan.chunk_shape)
     local = not isinstance(value, jax.Array) or value.is_fully_addressable
-    if local and jax.process_count() > 1:
-        from quire._runtime.config import current
-
-        if jax.process_index() != current().primary_process:
-            # Every process holds its own copy of a process-local value (numpy array,
-            # single-device jax array): the primary's is saved, no chunk has two writers.
-            plan.owned = []
+    if local and jax.process_count() > 1 and jax.process_index() != current().primary_process:
+        # Every process holds its own copy of a process-local value (numpy array,
+        # single-device jax array): the primary's is saved, no chunk has two writers.
+        plan.owned = []
     if cast is not None and cast != plan.dtype:
         plan.source_dtype = dtype_name(plan.dtype)
         plan.owned = [(c, _cast(f, cast)) for c, f in plan.owned]

@@ -9,6 +9,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from quire._format.crc import crc_bytes
+from quire._format.paths import escape_path
+from quire._runtime import ioloop as _io
+from quire.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
     from quire._store.base import Backend
@@ -29,13 +32,9 @@ class UnitIO:
         self.written: list[str] = []
 
     def _key(self, name: str) -> str:
-        from quire._format.paths import escape_path
-
         return f"{self.prefix}/{escape_path(tuple(name.split('/')))}"
 
     def _run(self, coro: Any) -> Any:
-        from quire._runtime import ioloop as _io
-
         return _io.submit(coro).result()
 
     def write(self, name: str, data: bytes) -> None:
@@ -47,8 +46,6 @@ class UnitIO:
 
     def read(self, name: str) -> bytes:
         """The bytes stored as ``name``; ``CorruptCheckpointError`` if they fail their crc."""
-        from quire.errors import CorruptCheckpointError
-
         raw = self._run(self.backend.get(self._key(name)))
         body, crc = raw[:-4], raw[-4:]
         if len(raw) < 4 or crc_bytes(body) != crc:

@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
+from quire._runtime.config import current as config
+
 __all__ = ["Progress", "ProgressEvent", "ProgressSpec", "advance", "reporting"]
 
 
@@ -299,8 +301,6 @@ def make(
 ) -> Progress | None:
     """The reporter ``progress=spec`` asks for (None: the configured default), or None."""
     if spec is None:
-        from quire._runtime.config import current as config
-
         spec = config().progress
     if spec is None or spec is False:
         return None

@@ -20,6 +20,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from quire._runtime.config import GROUPS, current
+from quire._runtime.install import install_hint
 from quire.errors import PluginError
 
 __all__ = [
@@ -187,8 +188,6 @@ class Registry:
     def _missing(self, name: str, where: str) -> PluginError:
         hint = INSTALL_HINTS.get((self.group, name))
         if hint:
-            from quire._runtime.install import install_hint
-
             fix = f"install {hint} ({install_hint(hint)})"
         else:
             have = ", ".join(self.names()) or "none"
@@ -314,8 +313,6 @@ def record_hint(err: PluginError, plugins: object) -> PluginError:
     if reg is not None:
         known |= {canonical(_dist(ep)[0]) for ep in reg.entry_points(err.name)}
     if canonical(claimed) in known and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", claimed):
-        from quire._runtime.install import install_hint
-
         hint = f"This checkpoint was written with {claimed}: {install_hint(claimed)}"
     else:
         hint = (

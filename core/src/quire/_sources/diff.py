@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from quire._runtime import ioloop as _io
+from quire._runtime import progress as _progress
 from quire._sources.base import Source
 from quire._sources.lazy import LazyValue, Region
 from quire._sources.opening import opened
@@ -265,8 +267,6 @@ def _values(
     r: DiffReport, pairs: list[tuple[str, Any, Any]], atol: float | None,
     rtol: float | None, block_bytes: int, progress: Any,
 ) -> None:  # fmt: skip
-    from quire._runtime import ioloop as _io
-    from quire._runtime import progress as _progress
 
     arrays = [(k, x, y) for k, x, y in pairs if _describe(x)[0] == "array"]
     for k, x, y in pairs:

@@ -20,13 +20,15 @@ from typing import Any
 
 import numpy as np
 
+from quire._format.dtypes import dtype_from_name
 from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking, submit
 from quire._runtime.progress import _current, advance, reporting
 from quire._sources.base import Source
-from quire._sources.lazy import LazyValue, full_region
+from quire._sources.lazy import LazyValue, as_lazy, full_region
 from quire._sources.opening import opened
 from quire._sources.safetensors import INDEX, dtype_code
+from quire._sources.surgery import astype
 from quire._store.base import QUIRE_STORAGE_OPTIONS
 from quire._store.url import normalize
 
@@ -79,10 +81,6 @@ def _renamer(rename: Any) -> Callable[[str], str | None]:
 
 
 def _plan(src: Source, select: Any, rename: Any, dtype: Any) -> list[_Tensor]:
-    from quire._format.dtypes import dtype_from_name
-    from quire._sources.lazy import as_lazy
-    from quire._sources.surgery import astype
-
     keep, new_name = _selector(select), _renamer(rename)
     out: list[_Tensor] = []
     seen: dict[str, str] = {}

@@ -20,12 +20,14 @@ import numpy as np
 
 from quire._engine.load import pair_with_target
 from quire._format.tree import Node, keystr, walk
+from quire._runtime import ioloop as _io
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.tasks import for_each
 from quire._sources.base import Source
 from quire._sources.lazy import LazyValue, Region, full_region, install_materializer
+from quire._sources.opening import open as open_source
 from quire._sources.partition import sharding_for, sharding_table
 from quire.errors import QuireError
 
@@ -168,8 +170,6 @@ def _is_value_leaf(x: Any) -> bool:
 
 def open_sources(sources: Any, storage_options: dict[str, Any] | None) -> tuple[Any, list[Source]]:
     """URLs → Sources, keeping the shape (one, a sequence, a mapping) of ``sources``."""
-    from quire._sources.opening import open as open_source
-
     opened: list[Source] = []
 
     def one(s: Any) -> Source:
@@ -325,8 +325,6 @@ def load_and_transform(
     Exception
         Whatever ``transform_fn`` raised, with a note naming the source URLs.
     """
-    from quire._runtime import ioloop as _io
-
     shaped, opened = open_sources(sources, storage_options)
     fn = transform_fn or (lambda *a, **k: a[0] if a else k)
     result = call_transform(fn, shaped, opened)

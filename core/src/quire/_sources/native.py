@@ -14,9 +14,12 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
+from quire._engine.load import pytree_unit, read_for_data, rebuild_saved
 from quire._format.crc import ChunkError
+from quire._format.record import RECORD
 from quire._format.tree import Node, from_json, keystr
 from quire._handlers import select as _handlers
+from quire._handlers.arrays import layout_from_record
 from quire._handlers.base import LoadContext, LoadEntry
 from quire._handlers.zarr_io import read_region
 from quire._runtime.budget import ByteBudget
@@ -36,8 +39,6 @@ LAZY_HANDLERS = ("numpy", "jax")
 
 class _Reader:
     def __init__(self, src: QuireSource, backend: Backend, rec: dict[str, Any], path: Any) -> None:
-        from quire._handlers.arrays import layout_from_record
-
         self.src, self.backend, self.rec, self.path = src, backend, rec, path
         self.layout = layout_from_record(rec, src.url)
 
@@ -73,8 +74,6 @@ class QuireSource(Source):
 
     @classmethod
     def detect(cls, url: str, storage_options: dict[str, Any]) -> bool:
-        from quire._format.record import RECORD
-
         async def probe() -> bool:
             return await open_backend(url, storage_options).exists(RECORD)
 
@@ -89,8 +88,6 @@ class QuireSource(Source):
 
     @classmethod
     async def _open(cls, url: str, storage_options: dict[str, Any]) -> QuireSource:
-        from quire._engine.load import pytree_unit, read_for_data, rebuild_saved
-
         src = cls(url)
         # The semaphore must belong to quire's loop: make it here, on that loop.
         src.limit = asyncio.Semaphore(max(1, current().max_concurrency))

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 
+from quire._format.tree import keystr, walk
 from quire.errors import TreeMismatchError
 
 __all__ = ["PartitionRules", "partition_rules", "sharding_for"]
@@ -119,8 +120,6 @@ class PartitionRules:
         pytree
             The same structure with a ``NamedSharding`` at each leaf.
         """
-        from quire._format.tree import keystr, walk
-
         root = walk(tree, lambda x: hasattr(x, "shape"), what="tree")
         return root.rebuild(lambda n: self.sharding_for(keystr(n.path), n.value.shape))
 
@@ -160,8 +159,6 @@ def partition_rules(rules: Sequence[tuple[str, Any]], mesh: Any) -> PartitionRul
 def sharding_for(shardings: Any, path: tuple[Any, ...], shape: Sequence[int]) -> Any:
     """The sharding for one leaf from ``shardings`` (rules, a single Sharding, or a lookup
     table ``{key path: sharding}`` made by :func:`sharding_table`)."""
-    from quire._format.tree import keystr
-
     if shardings is None:
         return None
     if isinstance(shardings, PartitionRules):
@@ -175,8 +172,6 @@ def sharding_for(shardings: Any, path: tuple[Any, ...], shape: Sequence[int]) ->
 
 def sharding_table(shardings: Any) -> Any:
     """Normalise ``shardings=``: rules / a Sharding / None pass through; a tree becomes a table."""
-    from quire._format.tree import walk
-
     if shardings is None or isinstance(shardings, PartitionRules | jax.sharding.Sharding):
         return shardings
     root = walk(

@@ -15,6 +15,8 @@ import json
 import os
 from typing import Any
 
+from quire._engine import commit as _commit
+from quire._format import chunkindex as _chunkindex
 from quire._format import record as _format
 from quire._runtime import ioloop as _io
 from quire._store.url import normalize, open_backend
@@ -55,9 +57,6 @@ def zarr_store(
     import fsspec
     from fsspec.implementations.dirfs import DirFileSystem
     from zarr.storage import FsspecStore
-
-    from quire._engine import commit as _commit
-    from quire._format import chunkindex as _chunkindex
 
     u = normalize(url)
     backend = open_backend(u, storage_options)

@@ -6,8 +6,11 @@ import os
 from typing import Any
 
 from quire._runtime.config import current
+from quire._runtime.install import install_hint
 from quire._runtime.registry import INSTALL_HINTS, backends
 from quire._store.base import Backend
+from quire._store.fsspec_generic import FsspecBackend
+from quire._store.local import local_path
 from quire.errors import PluginError
 
 
@@ -25,8 +28,6 @@ def normalize(url: str | os.PathLike[str]) -> str:
     if "\x00" in s:
         raise ValueError(f"checkpoint URL {s!r} contains a NUL byte")
     if protocol_of(s) == "file":
-        from quire._store.local import local_path
-
         return local_path(s)
     return s.rstrip("/")
 
@@ -48,8 +49,6 @@ def open_backend(url: str, storage_options: dict[str, Any] | None = None) -> Bac
         return cls(url, opts)  # type: ignore[no-any-return]
     hint = INSTALL_HINTS.get(("quire.backends", proto))
     if hint:
-        from quire._runtime.install import install_hint
-
         raise PluginError(
             f"no quire backend for {proto}:// URLs ({url}); install {hint} ({install_hint(hint)})"
         )
@@ -60,6 +59,5 @@ def open_backend(url: str, storage_options: dict[str, Any] | None = None) -> Bac
             f"no quire backend and no fsspec file system for {proto}:// ({url}); "
             "install a package that provides one"
         )
-    from quire._store.fsspec_generic import FsspecBackend
 
     return FsspecBackend(url, opts)
