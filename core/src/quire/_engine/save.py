@@ -1,4 +1,4 @@
-"""Save, load and the commit protocol (DESIGN.md "Commit protocol").
+"""Save: the write side of a checkpoint, up to the commit (DESIGN.md "Commit protocol").
 
 A save walks the tree in the caller's thread (and, for ``save_async``, copies every
 owned shard to host memory there), then runs the rest on quire's event loop:
@@ -9,7 +9,8 @@ owned shard to host memory there), then runs the rest on quire's event loop:
    ``overwrite=True``) and only then deletes the old checkpoint's data.
 
 A crash before 3 leaves only unreferenced garbage under a fresh txid; a crash after 3
-leaves the new checkpoint whole.
+leaves the new checkpoint whole.  The read side is ``quire._engine.load``; the commit
+record's one write path is ``quire._engine.commit``.
 """
 
 from __future__ import annotations
