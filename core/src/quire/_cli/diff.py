@@ -1,16 +1,15 @@
-"""The command-line pieces that work on any source: ``quire diff``, and storage options for
-the two sides of ``cp`` conversions and ``export`` (``-o`` / ``--storage-options`` apply to
-both sides; ``--src-options`` / ``--dst-options`` / ``--a-options`` / ``--b-options`` to one,
-and win)."""
+"""``quire diff A B``: any two checkpoints or sources compared (``-o`` / ``--storage-options``
+apply to both sides, ``--a-options`` / ``--b-options`` to one, and win)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Callable
 
 import quire
 from quire._cli.common import EXIT_DAMAGED, EXIT_OK, one_side_options, progress_on, storage_options
-from quire._sources.opening import open as open_source
+from quire._sources.opening import opened
 
 
 # ----------------------------------------------------------------------------- diff
@@ -18,17 +17,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     so = storage_options(args) or {}
     sides = [one_side_options(so, args.a_options, "--a-options"),
              one_side_options(so, args.b_options, "--b-options")]  # fmt: skip
-    srcs = []
-    try:
-        for url, opts in zip((args.a, args.b), sides):
-            srcs.append(open_source(url, **opts))
+    with contextlib.ExitStack() as stack:
+        a, b = (stack.enter_context(opened(u, o)) for u, o in zip((args.a, args.b), sides))
         r = quire.diff(
-            srcs[0], srcs[1], values=args.values, atol=args.atol, rtol=args.rtol,
+            a, b, values=args.values, atol=args.atol, rtol=args.rtol,
             metadata=args.metadata, progress=progress_on(args),
         )  # fmt: skip
-    finally:
-        for s in srcs:
-            s.close()
     print("\n".join(r.lines()))
     return EXIT_OK if r.same else EXIT_DAMAGED
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
+from collections.abc import Callable
 
 from quire._cli.common import progress_on, side_options
 from quire._runtime import progress as _progress
@@ -37,12 +37,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_export_parser(sub: Any, parents: list[argparse.ArgumentParser] | None = None) -> None:
-    p = sub.add_parser(
+def add_export_parser(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    p = add(
         "export",
-        help="write any checkpoint (quire, safetensors, Orbax with quire-orbax) as safetensors: "
+        "write any checkpoint (quire, safetensors, Orbax with quire-orbax) as safetensors: "
         "one file, or HF-style shards + model.safetensors.index.json",
-        parents=parents or [],
     )
     p.add_argument("src")
     p.add_argument("dst", help="a .safetensors URL, or a directory / prefix")

@@ -344,10 +344,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dst-options", metavar="JSON", help="storage options for DST only")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     p.set_defaults(fn=cmd_cp)
-
     add_diff_parser(add)
-
-    add_export_parser(sub, [common])
+    add_export_parser(add)
     return p0
 
 
