@@ -138,9 +138,14 @@ def save(url: str | os.PathLike[str], tree: Any, **options: Unpack[SaveOptions])
 def save_async(
     url: str | os.PathLike[str], tree: Any, **options: Unpack[SaveOptions]
 ) -> AsyncResponse[None]:
-    """Like :func:`save`, but return once every owned shard is copied to host memory.
+    """Like :func:`save`, but return once every owned shard's bytes are safe from the caller.
 
-    The caller may then mutate or donate the arrays. A second save to the same URL
+    The caller may then mutate numpy leaves, and donate or delete ``jax.Array`` leaves: the
+    checkpoint holds the values at the call.  Numpy leaves are copied (into host buffers
+    reused across saves); a ``jax.Array`` shard is its device-to-host transfer, and on a CPU
+    device no copy at all: quire reads the device buffer in place through a numpy view,
+    which keeps XLA from reusing it until the write is done (a jitted step that donates it
+    meanwhile writes its output into a new buffer instead).  A second save to the same URL
     while this one is in flight starts after it finishes.
 
     Parameters

@@ -9,7 +9,7 @@ Call order for a save::
 
     handles(value)                    # choose the handler: most specific `types`, then
                                       # `priority` (docs/writing-a-plugin.md)
-    snapshot(entries)                 # save_async only: host copies, in the caller
+    snapshot(entries)                 # save_async only: bytes safe from the caller
     await save(entries, ctx)          # write data, return one JSON record per leaf
 
 and for a load::

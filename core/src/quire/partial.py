@@ -83,8 +83,8 @@ def save_async(
 ) -> _api.AsyncResponse[int]:
     """Append ``tree`` (its leaves are added or replace earlier ones) as a new version.
 
-    Returns once every owned shard is copied to host memory; async calls on one URL
-    apply in call order.
+    Returns once every owned shard is safe from the caller (as for :func:`quire.save_async`);
+    async calls on one URL apply in call order.
 
     Parameters
     ----------

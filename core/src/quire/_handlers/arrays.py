@@ -15,13 +15,13 @@ import numpy as np
 from quire._format.dtypes import dtype_from_name, dtype_name
 from quire._format.tree import keystr
 from quire._handlers.arrayplan import (
-    _const,
     _layout,
     _norm_index,
     _Plan,
     _plan,
     layout_from_record,
 )
+from quire._handlers.arraysnap import snapshot_plans
 from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
 from quire._handlers.zarr_io import (
     ArrayLayout,
@@ -34,7 +34,7 @@ from quire._handlers.zarr_layout import codec_chain
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._runtime.hostbuf import aligned_empty, for_device, is_aligned
-from quire._runtime.ioloop import pool, run_blocking
+from quire._runtime.ioloop import run_blocking
 from quire._runtime.tasks import gather_cancelling
 from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
 from quire.metadata import LeafMetadata
@@ -114,30 +114,18 @@ class ArrayHandler:
         return True
 
     def snapshot(self, entries: Sequence[SaveEntry]) -> list[SaveEntry]:
-        """Host copies of every owned shard (what ``save_async`` blocks on).
+        """Every owned shard as host bytes the caller can no longer change (what
+        ``save_async`` blocks on): a ``jax.Array`` shard costs its device-to-host transfer
+        only (on a CPU device not even a copy: a view that keeps XLA from reusing the
+        buffer), a numpy leaf a copy into host buffers reused across saves.
 
         Parameters
         ----------
         entries : sequence of SaveEntry
             The leaves this handler saves in one call.
         """
-        for e in entries:
-            if isinstance(e.value, jax.Array):
-                try:
-                    e.value.copy_to_host_async()
-                except Exception:  # not all array types support it; the copy below still works
-                    pass
-        plans = [_plan(self.to_array(e.value), e.storage, e.path) for e in entries]
-        jobs = [(plan, i, f) for plan in plans for i, (_, f) in enumerate(plan.owned)]
-        # Copies release the GIL: run them on every core (this is all save_async blocks on).
-        copies = list(pool().map(lambda job: np.array(job[2](), copy=True), jobs))
-        for (plan, i, _), arr in zip(jobs, copies):
-            plan.owned[i] = (plan.owned[i][0], _const(arr))
-        out = []
-        for e, plan in zip(entries, plans):
-            plan.allocates = False
-            out.append(replace(e, value=plan))
-        return out
+        plans = snapshot_plans([self.to_array(e.value) for e in entries], entries)
+        return [replace(e, value=plan) for e, plan in zip(entries, plans)]
 
     def to_array(self, value: Any) -> Any:
         """The numpy or jax array to store for ``value`` (the value itself by default).

@@ -29,7 +29,7 @@ class SaveEntry:
     path : tuple
         The leaf's key path in the saved tree.
     value : Any
-        The leaf (after :meth:`LeafHandler.snapshot`, its host copy).
+        The leaf (after :meth:`LeafHandler.snapshot`, its snapshot).
     storage : StorageOptions
         The leaf's storage options (cast, codecs, chunking, checksums).
     location : str
@@ -222,7 +222,8 @@ class LeafHandler(Protocol):
         ...
 
     def snapshot(self, entries: Sequence[SaveEntry]) -> list[SaveEntry]:
-        """Copy the values to host memory for ``save_async``, in the caller's thread.
+        """Make the values safe from the caller for ``save_async``, in the caller's thread
+        (host copies, or anything the caller's next step cannot change or free).
 
         Parameters
         ----------

@@ -11,6 +11,8 @@ new buffer; the host bytes are never written again).
 
 from __future__ import annotations
 
+import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -40,3 +42,84 @@ def for_device(a: np.ndarray, dtype: Any = None) -> np.ndarray:
     out = aligned_empty(a.shape, dt)
     np.copyto(out, a, casting="unsafe")
     return out
+
+
+class StagingPool:
+    """Host staging buffers that ``save_async`` copies mutable leaves into, reused across saves.
+
+    A fresh buffer per save costs page faults on first touch (as much as the copy itself)
+    and leaves the allocator's arenas fragmented, so a training loop's RSS creeps up save
+    after save.  The pool keeps the buffers it hands out, keyed by shape and dtype, and
+    hands one out again only when nothing but the pool refers to it: every numpy view of
+    a buffer (and every memoryview of such a view) holds a reference to it, so a buffer a
+    save, a codec or a pack writer still reads is never reused; a failed save's buffers
+    come back the same way.  The pool owns at most ``limit`` bytes (the byte budget, passed
+    by the caller); beyond it, idle buffers of other shapes are dropped, and a buffer that
+    still does not fit is an ordinary allocation, freed when its save ends.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bufs: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
+        self._bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers the pool owns (in use or idle)."""
+        return self._bytes
+
+    def take(self, shape: tuple[int, ...], dtype: Any, limit: int) -> np.ndarray:
+        """A C-contiguous buffer of ``shape`` and ``dtype`` no one else refers to.
+
+        Parameters
+        ----------
+        shape : tuple of int
+        dtype : numpy dtype
+        limit : int
+            The most bytes the pool may own.
+        """
+        dt = np.dtype(dtype)
+        key = (tuple(shape), dt.str if dt.names is None else str(dt.descr))
+        with self._lock:
+            bufs = self._bufs.setdefault(key, [])
+            for i in range(len(bufs)):
+                if _idle(bufs, i):
+                    return bufs[i]
+            out = np.empty(shape, dt)
+            if self._bytes + out.nbytes > limit:
+                self._evict(out.nbytes, limit)
+            if self._bytes + out.nbytes <= limit:
+                bufs.append(out)
+                self._bytes += out.nbytes
+            return out
+
+    def _evict(self, need: int, limit: int) -> None:
+        for bufs in self._bufs.values():
+            i = 0
+            while i < len(bufs) and self._bytes + need > limit:
+                if _idle(bufs, i):
+                    self._bytes -= bufs.pop(i).nbytes
+                else:
+                    i += 1
+
+    def clear(self) -> None:
+        """Forget every buffer (those in use stay alive until their saves end)."""
+        with self._lock:
+            self._bufs.clear()
+            self._bytes = 0
+
+
+def _refs(bufs: list[np.ndarray], i: int) -> int:
+    return sys.getrefcount(bufs[i])
+
+
+# References to a buffer only its pool's list holds, as _refs counts them (measured, not
+# assumed: the count includes getrefcount's own argument).  A view or holder adds one.
+_IDLE_REFS = _refs([np.empty(0)], 0)
+
+
+def _idle(bufs: list[np.ndarray], i: int) -> bool:
+    return _refs(bufs, i) <= _IDLE_REFS
+
+
+staging = StagingPool()  # one per process: every save's staging buffers come from here

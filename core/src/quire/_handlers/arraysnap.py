@@ -1,0 +1,69 @@
+"""What ``save_async`` blocks on for array leaves: every owned shard made safe from the caller.
+
+Found for the installed JAX (0.10, XLA:CPU) and kept true by ``core/tests/test_async_safety.py``:
+
+* Holding the ``jax.Array`` (or its shards' ``.data``) protects nothing: a jitted step that
+  donates it deletes every array over that buffer and writes its output in place, and
+  ``delete()`` frees the buffer.
+* ``numpy.asarray`` of a shard on a CPU device is a read-only view of the device buffer
+  that holds an external reference to it: while the view lives, a donating step does not
+  donate the array (its output goes to a new buffer, the input stays valid) and
+  ``delete()`` keeps the memory.  Once the view is dropped, donation works again.  On
+  other devices (and for dtypes the view cannot express, e.g. int4) ``numpy.asarray`` is a
+  fresh host array: the transfer's own bytes.
+* A numpy leaf is the caller's mutable memory: it is copied, into a staging buffer
+  (:data:`quire._runtime.hostbuf.staging`) reused across saves.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from quire._handlers.arrayplan import _const, _Plan, _plan
+from quire._handlers.base import SaveEntry
+from quire._runtime.config import current
+from quire._runtime.hostbuf import staging
+from quire._runtime.ioloop import pool
+
+_Job = tuple[_Plan, int, Callable[[], "np.ndarray | None"]]
+
+
+def snapshot_plans(arrays: Sequence[Any], entries: Sequence[SaveEntry]) -> list[_Plan]:
+    """The save plans of ``arrays`` (the entries' values as arrays), every owned shard a
+    constant the caller can no longer change: a protected view, the transfer's host array,
+    a fresh cast, or a staging copy."""
+    for a in arrays:
+        if isinstance(a, jax.Array):
+            try:
+                a.copy_to_host_async()  # every shard's transfer starts now, all at once
+            except Exception:  # not all array types support it; numpy.asarray still works
+                pass
+    plans = [_plan(a, e.storage, e.path) for a, e in zip(arrays, entries)]
+    limit = current().byte_budget
+    jobs: list[_Job] = []
+    for a, plan in zip(arrays, plans):
+        for i, (coords, f) in enumerate(plan.owned):
+            if isinstance(a, jax.Array) or plan.allocates:
+                jobs.append((plan, i, f))  # a protected view, a host array, or a fresh cast
+            else:  # the caller's own bytes: a staging buffer, taken in this thread
+                src = f()
+                dst = staging.take(src.shape, src.dtype, limit)
+                jobs.append((plan, i, functools.partial(np.copyto, dst, src)))
+                plan.owned[i] = (coords, _const(dst))
+
+    def run(job: _Job) -> None:
+        plan, i, f = job
+        got = f()
+        if got is not None:
+            plan.owned[i] = (plan.owned[i][0], _const(got))
+
+    # Transfers, casts and copies release the GIL: run them on every core.
+    list(pool().map(run, jobs))
+    for plan in plans:
+        plan.allocates = False  # every chunk is now a constant
+    return plans
