@@ -152,7 +152,9 @@ def test_deleting_the_saved_arrays_right_after_return(tmp_path: Path) -> None:
         for v in state.values():
             v.delete()
         # Reuse freed memory: same sizes, other bytes.
-        churn = [jnp.full(v.shape, 7, v.dtype) for k, v in want.items() if k != "k" for _ in range(4)]
+        churn = [
+            jnp.full(v.shape, 7, v.dtype) for k, v in want.items() if k != "k" for _ in range(4)
+        ]
         jax.block_until_ready(churn)
     r.result(timeout=60)
     _bits_equal(quire.load(url, {k: None for k in want}), want)
@@ -213,10 +215,9 @@ def test_staging_buffers_are_reused(tmp_path: Path) -> None:
 
 def test_rss_is_flat_over_50_async_saves(tmp_path: Path) -> None:
     rng = np.random.default_rng(5)
-    state: dict[str, Any] = {
-        f"np{i}": rng.standard_normal(1 << 17, np.float32) for i in range(16)  # 8 MiB
-    }
-    for i in range(4):  # 8 MiB more, sharded over 8 devices
+    # 8 MiB of numpy leaves (staged copies) and 8 MiB of sharded jax arrays (views)
+    state: dict[str, Any] = {f"np{i}": rng.standard_normal(1 << 17, np.float32) for i in range(16)}
+    for i in range(4):
         state[f"jx{i}"] = jax.device_put(
             rng.standard_normal((512, 1024), np.float32), _mesh_sharding()
         )

@@ -48,8 +48,10 @@ def snapshot_plans(arrays: Sequence[Any], entries: Sequence[SaveEntry]) -> list[
     jobs: list[_Job] = []
     for a, plan in zip(arrays, plans):
         for i, (coords, f) in enumerate(plan.owned):
-            if isinstance(a, jax.Array) or plan.allocates:
-                jobs.append((plan, i, f))  # a protected view, a host array, or a fresh cast
+            if isinstance(a, jax.Array) and not plan.allocates:
+                plan.owned[i] = (coords, _const(f()))  # on CPU: a view, ~10 µs, no thread hop
+            elif isinstance(a, jax.Array) or plan.allocates:
+                jobs.append((plan, i, f))  # a transfer's host array, or a fresh cast
             else:  # the caller's own bytes: a staging buffer, taken in this thread
                 src = f()
                 dst = staging.take(src.shape, src.dtype, limit)
