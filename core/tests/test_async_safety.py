@@ -213,6 +213,23 @@ def test_staging_buffers_are_reused(tmp_path: Path) -> None:
     assert staging.nbytes == pooled  # the same buffers, not new ones
 
 
+def test_saves_in_flight_never_share_a_staging_buffer(tmp_path: Path) -> None:
+    """A second save of same-shaped leaves, while the first still waits to write, gets its
+    own staging buffers (the first save's are not idle yet)."""
+    tree = {f"p{i}": np.full((100, 10), 1.0, np.float32) for i in range(4)}
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    with gate(a), gate(b):
+        ra = quire.save_async(a, tree)
+        gc.collect()
+        for v in tree.values():
+            v[...] = 2.0
+        rb = quire.save_async(b, tree)
+    ra.result(timeout=60)
+    rb.result(timeout=60)
+    assert all((v == 1.0).all() for v in quire.load(a).values())
+    assert all((v == 2.0).all() for v in quire.load(b).values())
+
+
 def test_rss_is_flat_over_50_async_saves(tmp_path: Path) -> None:
     rng = np.random.default_rng(5)
     # 8 MiB of numpy leaves (staged copies) and 8 MiB of sharded jax arrays (views)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import quire
-from quire._runtime.hostbuf import ALIGN, aligned_empty, for_device, is_aligned
+from quire._runtime.hostbuf import ALIGN, StagingPool, aligned_empty, for_device, is_aligned
 
 
 @pytest.mark.parametrize("shape", [(), (0,), (3,), (5, 7), (1000, 33)])
@@ -81,3 +81,37 @@ def test_sharded_load_puts_every_shard_without_a_copy(
     np.testing.assert_array_equal(np.asarray(got), value.astype(target.dtype))
     assert len(puts) == 8
     assert all(host == dev for host, dev in puts), "a device shard was copied by device_put"
+
+
+def test_staging_pool_reuses_only_what_nothing_else_refers_to() -> None:
+    """A staging buffer comes back only once no view, memoryview or holder remains: a save,
+    codec or pack writer still reading it can never see it overwritten."""
+    pool = StagingPool()
+    a = pool.take((10, 4), np.float32, 1 << 20)
+    assert pool.take((10, 4), np.float32, 1 << 20) is not a  # the caller still holds a
+    held = {"view": a[2:], "memoryview": memoryview(a), "holder": [a]}
+    first = id(a)
+    del a
+    for what in list(held):
+        got = pool.take((10, 4), np.float32, 1 << 20)
+        assert id(got) != first, f"reused while a {what} of it was alive"
+        del got
+        del held[what]
+    again = pool.take((10, 4), np.float32, 1 << 20)
+    assert id(again) == first and again.flags.c_contiguous and again.flags.writeable
+    assert pool.take((10, 4), np.float64, 1 << 20).dtype == np.float64  # keyed by dtype too
+
+
+def test_staging_pool_stays_within_its_limit() -> None:
+    pool = StagingPool()
+    a = pool.take((100,), np.uint8, 250)
+    b = pool.take((100,), np.uint8, 250)
+    assert pool.nbytes == 200
+    c = pool.take((100,), np.uint8, 250)  # over the limit: an ordinary, unpooled buffer
+    assert pool.nbytes == 200 and c.nbytes == 100
+    del a
+    d = pool.take((150,), np.uint8, 250)  # an idle buffer of another shape makes room
+    assert pool.nbytes == 250 and d.nbytes == 150
+    del b, c, d
+    pool.clear()
+    assert pool.nbytes == 0
