@@ -33,6 +33,10 @@ against the same loop with nothing in the background (the mean of 30 steps right
 30 right after, same rep): ``+x%``.  ``dRSS`` is the peak RSS growth from the call until
 ``.result()`` returns (sampled every 5 ms, max over reps).  Memory is pre-warmed before every timed phase as in
 ``bench_local.py``.  The machine is shared: differences under ~30% are noise.
+
+On few cores the step slowdown is a trade against the write's speed: quire's writer uses
+``QUIRE_IO_THREADS`` threads (16 by default); ``QUIRE_IO_THREADS=2`` leaves the steps more of
+a 2-core machine and takes longer to write (run both to see it on yours).
 """
 
 from __future__ import annotations
