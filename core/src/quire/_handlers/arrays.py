@@ -127,7 +127,7 @@ class ArrayHandler:
                     e.value.copy_to_host_async()
                 except Exception:  # not all array types support it; the copy below still works
                     pass
-        plans = [_plan(self.to_array(e.value), e.storage, e.path) for e in entries]
+        plans = [_plan(self.to_array(e.value), e.storage, e.path, e.writers) for e in entries]
         jobs = [(plan, i, f) for plan in plans for i, (_, f) in enumerate(plan.owned)]
         # Copies release the GIL: run them on every core (this is all save_async blocks on).
         copies = list(pool().map(lambda job: np.array(job[2](), copy=True), jobs))
@@ -187,7 +187,7 @@ class ArrayHandler:
             plan = (
                 e.value
                 if isinstance(e.value, _Plan)
-                else _plan(self.to_array(e.value), e.storage, e.path)
+                else _plan(self.to_array(e.value), e.storage, e.path, e.writers)
             )
             layout = _layout(plan, e.storage, ctx.url)
             jobs = []

@@ -89,6 +89,16 @@ class Config:
         Default of the ``progress=`` argument of save/load: False (silent, the default),
         True (a progress bar on stderr), or a callable receiving
         :class:`quire.progress.ProgressEvent` (e.g. to log to a training logger).
+    replica_writes : bool
+        Replica-parallel writes (default True): with several JAX processes, the chunks of a
+        shard that several processes hold are written by pieces spread over those
+        processes, and whole small arrays go to the least-loaded holder, so each byte is
+        written once and every holder writes its share.  False: each shard is written by
+        the process holding its ``replica_id == 0`` copy (one chunk per shard).
+    replica_piece_bytes : int
+        Smallest piece a replicated shard is split into for replica-parallel writes
+        (default 1 MiB): a shard is split into at most as many pieces as it has holders,
+        each at least this large (see ``docs/scaling.md`` for why 1 MiB).
     """
 
     byte_budget: int = 256 * 1024 * 1024
@@ -104,6 +114,8 @@ class Config:
     progress: Any = False
     layout: str = "packed"
     pack_bytes: int = 256 << 20
+    replica_writes: bool = True
+    replica_piece_bytes: int = 1 << 20
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(Config))
@@ -142,7 +154,7 @@ def _validate(name: str, v: Any) -> Any:
         return _int(name, v, 1)
     if name == "max_concurrency":
         return _int(name, v, 1)
-    if name == "pack_bytes":
+    if name in ("pack_bytes", "replica_piece_bytes"):
         return _int(name, v, 1)
     if name == "layout":
         if v not in ("packed", "chunks"):
@@ -150,7 +162,7 @@ def _validate(name: str, v: Any) -> Any:
         return v
     if name == "primary_process":
         return _int(name, v, 0)
-    if name in ("checksum", "verify_record"):
+    if name in ("checksum", "verify_record", "replica_writes"):
         if not isinstance(v, bool):
             raise TypeError(f"quire option {name} must be a bool, got {v!r}")
         return v
