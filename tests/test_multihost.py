@@ -480,7 +480,7 @@ def test_s3_save_and_load(workdir: Path) -> None:
 # ====================================================================== replica-parallel writes
 @pytest.fixture(scope="module")
 def run_replicas(workdir: Path) -> Run:
-    return launch("replicas", 4, 2, workdir / "replicas", {}, timeout=240)
+    return launch("replicas", 4, 2, workdir / "replicas", {"stall": 4}, timeout=240)
 
 
 def test_replica_parallel_writes_write_each_byte_once_and_balance(run_replicas: Run) -> None:
@@ -491,14 +491,13 @@ def test_replica_parallel_writes_write_each_byte_once_and_balance(run_replicas: 
     process writes <= 1.1x the mean; with them off (replica 0 writes) it is far above.
     Both load bit-exact."""
     run = run_replicas
-    run.assert_ok()
+    assert not [r for r in run.results if "failed" in r], run.failures()
+    assert sorted(r["pid"] for r in run.of("done")) == [0, 1, 2], run.failures()  # 3 stalls
     per = {
         mode: {pid: run.one("replicas", pid, mode=mode) for pid in range(4)}
         for mode in ("on", "off")
     }
     for mode, results in per.items():
-        for r in results.values():
-            assert r["bad"] == [], (mode, r["bad"][:5])
         wrote = {pid: r["chunks"] for pid, r in results.items()}
         check_single_writers(wrote)
         stored = results[0]["stored"]
@@ -514,3 +513,39 @@ def test_replica_parallel_writes_write_each_byte_once_and_balance(run_replicas: 
     assert max(off) > 1.5 * sum(off) / 4, off  # replica 0 concentrates the writes
     # splitting adds at most the padding of short edge pieces
     assert sum(on) <= 1.01 * sum(off), (sum(on), sum(off))
+
+
+def test_shared_reads_read_each_needed_byte_about_once(run_replicas: Run) -> None:
+    """The same 4 processes load the replica-parallel checkpoint onto the saved shardings
+    (every process needs every replicated chunk): with shared reads (the default) storage
+    sees <= 1.05x the unique bytes needed — here every stored byte — and each process reads
+    a share; without them, each replicated byte is read by every process.  Every load is
+    bit-exact, the checkpoint saved with replica-0 writes included."""
+    run = run_replicas
+    stored = run.one("replicas", 0, mode="on")["stored"]
+    unique = sum(n * b for n, b in stored.values())
+    loads = {
+        (ckpt, reads): {
+            pid: run.one("replica_load", pid, ckpt=ckpt, reads=reads) for pid in range(4)
+        }
+        for ckpt, reads in (("rw-on", True), ("rw-on", False), ("rw-off", True))
+    }
+    for key, per in loads.items():
+        for r in per.values():
+            assert r["bad"] == [], (key, r["bad"][:5])
+    shared = [loads["rw-on", True][pid]["read"] for pid in range(4)]
+    direct = [loads["rw-on", False][pid]["read"] for pid in range(4)]
+    assert sum(shared) <= 1.05 * unique, (sum(shared), unique)
+    assert sum(direct) > 2 * unique, (sum(direct), unique)  # each replica reads its copy
+    assert max(shared) <= 1.1 * sum(shared) / 4, shared
+
+
+def test_stalled_process_fails_shared_load_within_deadline(run_replicas: Run) -> None:
+    """Process 3 never joins the load: the others raise quire's MultiProcessError naming
+    it within the 4 s deadline (plus start-up), never hang."""
+    run = run_replicas
+    for pid in range(3):
+        r = run.one("stall", pid)
+        assert r["error"] and r["quire"], r
+        assert "MultiProcessError" in r["error"] and "process 3" in r["error"], r["error"]
+        assert r["seconds"] < 4 + 6, r

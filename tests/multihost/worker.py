@@ -835,18 +835,59 @@ def scenario_replicas() -> None:
                 n,
                 math.prod(m.chunk_shape) * np.dtype(jnp.dtype(dtype)).itemsize + 4,
             )
-        t = time.monotonic()
-        loaded = quire.load(url, replica_abstract())
         emit(
             "replicas",
             mode=mode,
             save_seconds=seconds,
-            load_seconds=time.monotonic() - t,
             pack_bytes=sum(os.path.getsize(os.path.join(packs, f)) for f in mine),
             chunks=[k for k in IO.writes.get(local_root(url), []) if is_chunk_key(k)],
             stored=stored,
+        )
+    # loads: shared reads (each shared chunk read by one process, then exchanged) or not
+    for ckpt, reads in (("rw-on", True), ("rw-on", False), ("rw-off", True)):
+        url = os.path.join(WORKDIR, ckpt)
+        barrier(f"load-{ckpt}-{reads}")
+        IO.reset_reads()
+        t = time.monotonic()
+        with quire.Context(replica_reads=reads):
+            loaded = quire.load(url, replica_abstract())
+        seconds = time.monotonic() - t
+        got = IO.reads.get(local_root(url), {})
+        emit(
+            "replica_load",
+            ckpt=ckpt,
+            reads=reads,
+            seconds=seconds,
+            read=sum(n for k, n in got.items() if is_chunk_key(k)),
+            requests=sum(1 for k in got if is_chunk_key(k)),
             bad=replica_compare(loaded),
         )
+    if "stall" in ARGS:
+        stalled_load(os.path.join(WORKDIR, "rw-on"), float(ARGS["stall"]))
+
+
+def stalled_load(url: str, timeout: float) -> None:
+    """The last process never joins a load: the others fail within ``timeout``."""
+    barrier("stall")
+    if PID_ == NPROC_ - 1:
+        time.sleep(3 * timeout)
+        emit("stall", stalled=True)
+    else:
+        t = time.monotonic()
+        try:
+            with quire.Context(timeout=timeout, replica_reads=True):
+                quire.load(url, replica_abstract())
+            emit("stall", error=None, seconds=time.monotonic() - t)
+        except Exception as e:
+            emit(
+                "stall",
+                error=f"{type(e).__name__}: {e}",
+                quire=isinstance(e, quire.QuireError),
+                seconds=time.monotonic() - t,
+            )
+    emit("done", seconds=time.monotonic() - T0)
+    sys.stdout.flush()
+    os._exit(0)  # a peer is stalled: jax.distributed.shutdown() would wait for it
 
 
 def is_chunk_key(key: str) -> bool:

@@ -99,6 +99,18 @@ class Config:
         Smallest piece a replicated shard is split into for replica-parallel writes
         (default 1 MiB): a shard is split into at most as many pieces as it has holders,
         each at least this large (see ``docs/scaling.md`` for why 1 MiB).
+    replica_reads : bool or None
+        Shared reads on load: with several JAX processes, a stored chunk that several
+        processes need (a replicated or resharded target) is read by one of them and
+        exchanged with the others by a collective behind a barrier that waits at most
+        ``timeout`` seconds.  False: every process reads all it needs from storage.  None
+        (the default): shared reads for object stores (``s3://``, ``gs://``, ...), direct
+        reads for local paths and ``memory://``, where reading is faster than the
+        exchange (``docs/scaling.md``).
+    replica_read_min_bytes : int
+        Shared reads happen only when the chunks several processes need add up to at
+        least this many bytes (default 4 MiB): below it, the barrier and the collective
+        cost more than the reads they save.
     """
 
     byte_budget: int = 256 * 1024 * 1024
@@ -116,6 +128,8 @@ class Config:
     pack_bytes: int = 256 << 20
     replica_writes: bool = True
     replica_piece_bytes: int = 1 << 20
+    replica_reads: bool | None = None
+    replica_read_min_bytes: int = 4 << 20
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(Config))
@@ -154,6 +168,8 @@ def _validate(name: str, v: Any) -> Any:
         return _int(name, v, 1)
     if name == "max_concurrency":
         return _int(name, v, 1)
+    if name == "replica_read_min_bytes":
+        return _int(name, v, 0)
     if name in ("pack_bytes", "replica_piece_bytes"):
         return _int(name, v, 1)
     if name == "layout":
@@ -162,7 +178,9 @@ def _validate(name: str, v: Any) -> Any:
         return v
     if name == "primary_process":
         return _int(name, v, 0)
-    if name in ("checksum", "verify_record", "replica_writes"):
+    if name == "replica_reads" and v is None:
+        return None
+    if name in ("checksum", "verify_record", "replica_writes", "replica_reads"):
         if not isinstance(v, bool):
             raise TypeError(f"quire option {name} must be a bool, got {v!r}")
         return v
