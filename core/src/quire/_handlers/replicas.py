@@ -150,15 +150,33 @@ def plan_writers(
                 units.append((-piece, i, at, tuple(sorted(procs))))
     units.sort()
     mine: dict[int, list[tuple[int, ...]]] = {}
-    for neg, i, at, procs in units:
-        who = min(procs, key=lambda p: (load.get(p, 0), p))
-        load[who] = load.get(who, 0) + -neg
+    for (_, i, at, _), who in zip(units, assign([(-u[0], u[3]) for u in units], load)):
         if who == process_index:
             mine.setdefault(i, []).append(at)
     return [
         None if grid is None else Writers(grid, tuple(sorted(mine.get(i, []))))
         for i, grid in enumerate(shapes)
     ]
+
+
+def assign(units: Sequence[tuple[int, Sequence[int]]], load: dict[int, int]) -> list[int]:
+    """The writer of each unit ``(bytes, holders)``, in order: the least-loaded holder
+    (ties: the lowest process); ``load`` (bytes per process so far) is updated.
+
+    Parameters
+    ----------
+    units : sequence of (int, sequence of int)
+        Pieces in the order they are placed (largest first gives the LPT bound: no
+        process ends more than one piece above the mean of its holders).
+    load : dict
+        Bytes each process already writes.
+    """
+    out = []
+    for nbytes, holders in units:
+        who = min(holders, key=lambda p: (load.get(p, 0), p))
+        load[who] = load.get(who, 0) + nbytes
+        out.append(who)
+    return out
 
 
 def piece_source(
