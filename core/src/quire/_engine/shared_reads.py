@@ -82,6 +82,8 @@ def plan_shared(pairs: Iterable[tuple[dict[str, Any], Any]], url: str) -> list[I
         The checkpoint, for messages.
     """
     needs: dict[str, tuple[set[int], int]] = {}
+    # arrays of one sharding, shape and chunk grid need the same chunk coordinates
+    cache: dict[Any, list[tuple[tuple[int, ...], frozenset[int]]]] = {}
     for rec, target in pairs:
         sharding = getattr(target, "sharding", None)
         if (
@@ -102,12 +104,20 @@ def plan_shared(pairs: Iterable[tuple[dict[str, Any], Any]], url: str) -> list[I
             continue
         weight = math.prod(layout.chunk_shape) * layout.dtype.itemsize
         loc = rec["location"]
-        for dev, idx in sharding.devices_indices_map(shape).items():
-            region = tuple(slice(*s.indices(n)[:2]) for s, n in zip(idx, shape))
-            for coords in layout.chunks_in(region):
-                key = f"{loc}/{layout.chunk_key(coords)}"
-                procs = needs.setdefault(key, (set(), weight))[0]
-                procs.add(int(getattr(dev, "process_index", 0)))
+        grid: Any = (sharding, shape, layout.chunk_shape)
+        try:
+            hash(grid)
+        except TypeError:  # an unhashable sharding: no reuse, still correct
+            grid = (id(sharding), shape, layout.chunk_shape)
+        if grid not in cache:
+            by_chunk: dict[tuple[int, ...], set[int]] = {}
+            for dev, idx in sharding.devices_indices_map(shape).items():
+                region = tuple(slice(*s.indices(n)[:2]) for s, n in zip(idx, shape))
+                for coords in layout.chunks_in(region):
+                    by_chunk.setdefault(coords, set()).add(int(getattr(dev, "process_index", 0)))
+            cache[grid] = [(c, frozenset(p)) for c, p in by_chunk.items() if len(p) > 1]
+        for coords, procs in cache[grid]:
+            needs[f"{loc}/{layout.chunk_key(coords)}"] = (set(procs), weight)
     shared = sorted(
         ((-w, key, tuple(sorted(p))) for key, (p, w) in needs.items() if len(p) > 1),
     )
