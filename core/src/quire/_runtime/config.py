@@ -109,8 +109,8 @@ class Config:
         exchange (``docs/scaling.md``).
     replica_read_min_bytes : int
         Shared reads happen only when the chunks several processes need add up to at
-        least this many bytes (default 4 MiB): below it, the barrier and the collective
-        cost more than the reads they save.
+        least this many bytes (default 16 MiB): below it, the barrier and the collective
+        cost more than the reads they save (measured: ``docs/scaling.md``).
     """
 
     byte_budget: int = 256 * 1024 * 1024
@@ -129,7 +129,7 @@ class Config:
     replica_writes: bool = True
     replica_piece_bytes: int = 1 << 20
     replica_reads: bool | None = None
-    replica_read_min_bytes: int = 4 << 20
+    replica_read_min_bytes: int = 16 << 20
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(Config))
