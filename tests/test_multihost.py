@@ -538,6 +538,10 @@ def test_shared_reads_read_each_needed_byte_about_once(run_replicas: Run) -> Non
     assert sum(shared) <= 1.05 * unique, (sum(shared), unique)
     assert sum(direct) > 2 * unique, (sum(direct), unique)  # each replica reads its copy
     assert max(shared) <= 1.1 * sum(shared) / 4, shared
+    # below the threshold a load reads directly, as without shared reads
+    below = [run.one("replica_load", pid, ckpt="rw-on", reads="min") for pid in range(4)]
+    assert all(r["bad"] == [] for r in below)
+    assert [r["read"] for r in below] == direct, ([r["read"] for r in below], direct)
 
 
 def test_stalled_process_fails_shared_load_within_deadline(run_replicas: Run) -> None:

@@ -844,12 +844,16 @@ def scenario_replicas() -> None:
             stored=stored,
         )
     # loads: shared reads (each shared chunk read by one process, then exchanged) or not
-    for ckpt, reads in (("rw-on", True), ("rw-on", False), ("rw-off", True)):
+    # ("min": shared reads on, but the shared chunks are below replica_read_min_bytes)
+    for ckpt, reads in (("rw-on", True), ("rw-on", False), ("rw-off", True), ("rw-on", "min")):
         url = os.path.join(WORKDIR, ckpt)
         barrier(f"load-{ckpt}-{reads}")
         IO.reset_reads()
         t = time.monotonic()
-        with quire.Context(replica_reads=reads):
+        opts: dict[str, Any] = {"replica_reads": bool(reads)}
+        if reads == "min":
+            opts["replica_read_min_bytes"] = 1 << 40
+        with quire.Context(**opts):
             loaded = quire.load(url, replica_abstract())
         seconds = time.monotonic() - t
         got = IO.reads.get(local_root(url), {})
