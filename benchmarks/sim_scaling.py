@@ -4,6 +4,11 @@ Run from the repository root::
 
     .venv/bin/python benchmarks/sim_scaling.py              # 1024 hosts (a few minutes)
     .venv/bin/python benchmarks/sim_scaling.py --quick      # 32 hosts, seconds
+    .venv/bin/python benchmarks/sim_scaling.py --replica-writes --layouts B   # as quire saves B
+
+Without ``--replica-writes`` only the hosts holding replica 0 write (quire with
+``replica_writes=False``); with it, the pieces of each replicated shard are placed by quire's
+own planner (``quire._handlers.replicas.assign``) over the shard's holders.
 
 Every simulated process runs quire's real pack writer (``quire._format.pack.PackWriter``) over a
 backend that counts objects and bytes but keeps only the chunk indexes (in ``memory://``):
@@ -91,7 +96,37 @@ def layout(name: str, hosts: int, devices: int) -> dict[str, Any]:
     return dict(large=27, small=16, ways=total_dev, writers=hosts)
 
 
-async def simulate(name: str, hosts: int, devices: int, local: bool) -> dict[str, Any]:
+def replica_plan(lay: dict[str, Any], hosts: int, devices: int, chunk: int) -> dict[int, list]:
+    """Replica-parallel writes (``quire._handlers.replicas``): each shard held by several
+    hosts is cut into ``min(holders, shard // replica_piece_bytes)`` pieces, placed largest
+    first on the least-loaded holder by quire's own ``assign``.  Returns host -> [(array,
+    chunk index, bytes)]."""
+    from quire._handlers.replicas import assign
+    from quire._runtime.config import current
+
+    ways = lay["ways"]
+    groups = hosts * devices // ways
+    per_group = max(1, ways // devices)  # hosts holding one copy of an array
+    holders = [[g * per_group + s // devices for g in range(groups)] for s in range(ways)]
+    k = max(1, min(groups, chunk // current().replica_piece_bytes))
+    sizes = [chunk // k + (1 if j < chunk % k else 0) for j in range(k)]
+    units, keys = [], []
+    for a in range(lay["large"]):
+        for sh in range(ways):
+            for j, n in enumerate(sizes):
+                units.append((n, holders[sh]))
+                keys.append((a, sh * k + j, n))
+    order = sorted(range(len(units)), key=lambda i: -units[i][0])
+    load = {0: lay["small"] * 4096}  # the primary's process-local small arrays
+    out: dict[int, list] = {}
+    for i, who in zip(order, assign([units[i] for i in order], load)):
+        out.setdefault(who, []).append(keys[i])
+    return out
+
+
+async def simulate(
+    name: str, hosts: int, devices: int, local: bool, replicas: bool = False
+) -> dict[str, Any]:
     from quire._format import pack as _pack
     from quire._format import record as _format
     from quire._format.chunkindex import index_entry
@@ -114,17 +149,32 @@ async def simulate(name: str, hosts: int, devices: int, local: bool) -> dict[str
     entries = []
     txid = "0123456789abcdef"
     budget = 256 << 20
-    for p in range(lay["writers"]):
+    plan = replica_plan(lay, hosts, devices, chunk) if replicas else None
+    if plan is not None:
+        lay["writers"] = len(plan)
+    per_writer = []
+    for p in sorted(plan) if plan is not None else range(lay["writers"]):
         be = StreamingBackend(store) if local else CountingBackend(store)
         w = _pack.PackWriter(be, txid, p, current().pack_bytes, budget)  # type: ignore[arg-type]
         # the chunk's bytes + its crc32c, as views of one shared buffer (nothing allocated);
         # bound in the index by that trailer, as quire's array writer binds plain chunks
         whole, rest = divmod(chunk + 4, zero.nbytes)
         views = [zero] * whole + ([zero[:rest]] if rest else [])
-        for a in range(lay["large"]):
-            for s in range(shards_per_writer):
-                c = p * shards_per_writer + s
-                await w.put_bound(f"d/{txid}/pytree/layers/w{a:04d}/c/{c}/0", views, trailer=True)
+        mine = (
+            plan[p]
+            if plan is not None
+            else [
+                (a, p * shards_per_writer + s, chunk)
+                for a in range(lay["large"])
+                for s in range(shards_per_writer)
+            ]
+        )
+        by_size = {chunk: views}
+        for a, c, n in mine:
+            if n not in by_size:
+                whole, rest = divmod(n + 4, zero.nbytes)
+                by_size[n] = [zero] * whole + ([zero[:rest]] if rest else [])
+            await w.put_bound(f"d/{txid}/pytree/layers/w{a:04d}/c/{c}/0", by_size[n], trailer=True)
         if p == 0:
             for a in range(lay["large"] + lay["small"]):
                 meta = json.dumps({"zarr_format": 3, "node_type": "array", "pad": "x" * 300})
@@ -138,6 +188,7 @@ async def simulate(name: str, hosts: int, devices: int, local: bool) -> dict[str
         entries.append(index_entry(txid, p, entry["object"], data))
         totals["objects"] += be.objects
         totals["bytes"] += be.bytes
+        per_writer.append(be.bytes)
         totals["index"] += len(data)
         totals["index_max"] = max(totals["index_max"], len(data))
     leaf = {
@@ -169,6 +220,8 @@ async def simulate(name: str, hosts: int, devices: int, local: bool) -> dict[str
         "objects": totals["objects"],
         "TB_written": round(totals["bytes"] / TB, 3),
         "objects_per_writer": totals["objects"] / lay["writers"],
+        "GB_per_writer_max": max(per_writer) / 10**9,
+        "GB_per_writer_mean": sum(per_writer) / len(per_writer) / 10**9,
         "index_bytes_per_writer": totals["index"] / lay["writers"],
         "index_bytes_max": totals["index_max"],
         "record_bytes": len(record),
@@ -187,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a backend without streamed writes (packs sealed at byte_budget / 4)",
     )
+    ap.add_argument(
+        "--replica-writes",
+        action="store_true",
+        help="replicated shards (layout B) split over their holders, as quire does by default",
+    )
     args = ap.parse_args(argv)
     hosts = 32 if args.quick else args.hosts
     print(f"1 TB from {hosts} hosts x {args.devices} devices, format v2")
@@ -196,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         "objects",
         "TB_written",
         "objects_per_writer",
+        "GB_per_writer_max",
+        "GB_per_writer_mean",
         "index_bytes_per_writer",
         "index_bytes_max",
         "record_bytes",
@@ -204,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     print("  ".join(cols))
     for name in args.layouts.split(","):
         t0 = time.perf_counter()
-        r = asyncio.run(simulate(name.strip(), hosts, args.devices, not args.buffered))
+        r = asyncio.run(
+            simulate(name.strip(), hosts, args.devices, not args.buffered, args.replica_writes)
+        )
         row = [f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
         print("  ".join(row), f"({time.perf_counter() - t0:.1f}s)")
     return 0

@@ -310,6 +310,10 @@ def test_config_fields_are_all_known() -> None:
         "progress",
         "layout",
         "pack_bytes",
+        "replica_writes",
+        "replica_piece_bytes",
+        "replica_reads",
+        "replica_read_min_bytes",
     }
 
 

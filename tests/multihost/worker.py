@@ -27,6 +27,8 @@ Scenarios
                itself after ``args["after"]`` chunk writes; survivors report their error.
 ``verify``     after a kill: the checkpoint still holds v1, whole.
 ``s3``         save + load through ``s3://`` (moto server; endpoint in ``args``).
+``replicas``   a ~100 MiB mostly replicated tree saved with replica-parallel writes on and
+               off: per process, the bytes of its packs and the chunks it wrote; loads back.
 """
 
 from __future__ import annotations
@@ -402,9 +404,15 @@ def ownership(url: str, tree: dict[str, Any]) -> None:
     def key(location: str, coords: list[int]) -> str:
         return "/".join([location, "c", *map(str, coords)])
 
+    holds: list[str] = []  # the chunks this process holds a copy of: it may write them
     for name in ARRAYS:
         arr, m = _get(tree, name), _get(meta, name)
         for s in arr.addressable_shards:
+            box = _norm(s.index, m.shape)
+            for coords in itertools.product(
+                *(range(b.start // c, -(-b.stop // c)) for b, c in zip(box, m.chunk_shape))
+            ):
+                holds.append(key(m.location, list(coords)))
             if s.replica_id == 0:  # JAX's own notion of the shard's first copy
                 coords = [(sl.start or 0) // c for sl, c in zip(s.index, m.chunk_shape)]
                 expected.append(key(m.location, coords))
@@ -425,6 +433,7 @@ def ownership(url: str, tree: dict[str, Any]) -> None:
         packs=IO.packs.get(local_root(url), []),
         indexes=sorted(e["process"] for e in quire.metadata(url).record.get("indexes", [])),
         expected=sorted(expected),
+        holds=sorted(set(holds) | set(expected)),
         chunks=chunks,
     )
 
@@ -747,6 +756,148 @@ def scenario_s3() -> None:
     emit("partial", url=purl, bad_final=compare(quire.load(purl, abstract_tree("save")), "save"))
 
 
+# ============================================================== replica-parallel writes
+# name -> (shape, dtype, PartitionSpec on the (2, 4) mesh "m24"): ~100 MiB, mostly
+# replicated (shapes 4 does not divide), some replicated over one mesh axis, some sharded.
+REPLICA_ARRAYS: dict[str, tuple[tuple[int, ...], str, Any]] = {
+    "rep/big": ((4099, 1024), "float32", P()),
+    "rep/odd": ((1001, 257), "float32", P()),
+    "rep/bf16": ((2053, 2048), "bfloat16", P()),
+    "rep/cube": ((3, 5, 7), "float32", P()),
+    "rep/col": ((7, 300001), "float32", P()),
+    "half/x": ((4096, 1030), "float32", P("x")),
+    "half/y": ((1030, 2048), "float32", P(None, "y")),
+    "shard/w": ((4096, 2048), "float32", P(("x", "y"))),
+    **{f"small/n{i}": ((257 + 31 * i,), "float32", P()) for i in range(40)},
+}
+REPLICA_NUMPY = {"host/np": ((1000, 100), "float64")}
+
+
+def replica_tree() -> dict[str, Any]:
+    mesh = meshes()["m24"]
+    tree: dict[str, Any] = {}
+    for name, (shape, dtype, spec) in REPLICA_ARRAYS.items():
+        src = source(name, shape, dtype)
+        _put(
+            tree,
+            name,
+            jax.make_array_from_callback(shape, NamedSharding(mesh, spec), src.__getitem__),
+        )
+    for name, (shape, dtype) in REPLICA_NUMPY.items():
+        _put(tree, name, source(name, shape, dtype))
+    return tree
+
+
+def replica_abstract() -> dict[str, Any]:
+    mesh = meshes()["m24"]
+    tree: dict[str, Any] = {}
+    for name, (shape, dtype, spec) in REPLICA_ARRAYS.items():
+        sds = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, spec))
+        _put(tree, name, sds)
+    for name in REPLICA_NUMPY:
+        _put(tree, name, np.ndarray)
+    return tree
+
+
+def replica_compare(loaded: Any) -> list[str]:
+    bad = []
+    for name, (shape, dtype, _) in REPLICA_ARRAYS.items():
+        want, got = source(name, shape, dtype), _get(loaded, name)
+        for s in got.addressable_shards:
+            if np.asarray(s.data).tobytes() != want[s.index].tobytes():
+                bad.append(f"{name}: shard {s.index} differs")
+    for name, (shape, dtype) in REPLICA_NUMPY.items():
+        if _get(loaded, name).tobytes() != source(name, shape, dtype).tobytes():
+            bad.append(f"{name} differs")
+    return bad
+
+
+def scenario_replicas() -> None:
+    """Save ``replica_tree`` with replica-parallel writes on and off; report per process
+    the bytes of its packs (sizes on disk) and the chunk keys it wrote; load both back."""
+    tree = replica_tree()
+    for mode in ("on", "off"):
+        url = os.path.join(WORKDIR, f"rw-{mode}")
+        t = time.monotonic()
+        with quire.Context(replica_writes=mode == "on"):
+            quire.save(url, tree)
+        seconds = time.monotonic() - t
+        barrier(f"saved-{mode}")
+        packs = os.path.join(url, "d", quire.metadata(url).record["txids"][0], "%packs")
+        mine = [f for f in os.listdir(packs) if f.startswith(f"p{PID_:05d}-")]
+        meta = quire.metadata(url).tree
+        stored = {}  # location -> (chunks, bytes of one stored chunk)
+        dtypes = {k: v[1] for k, v in (REPLICA_ARRAYS | REPLICA_NUMPY).items()}
+        for name, dtype in dtypes.items():
+            m = _get(meta, name)
+            n = math.prod(-(-a // c) for a, c in zip(m.shape, m.chunk_shape))
+            stored[m.location] = (
+                n,
+                math.prod(m.chunk_shape) * np.dtype(jnp.dtype(dtype)).itemsize + 4,
+            )
+        emit(
+            "replicas",
+            mode=mode,
+            save_seconds=seconds,
+            pack_bytes=sum(os.path.getsize(os.path.join(packs, f)) for f in mine),
+            chunks=[k for k in IO.writes.get(local_root(url), []) if is_chunk_key(k)],
+            stored=stored,
+        )
+    # loads: shared reads (each shared chunk read by one process, then exchanged) or not
+    # ("min": shared reads on, but the shared chunks are below replica_read_min_bytes)
+    for ckpt, reads in (("rw-on", True), ("rw-on", False), ("rw-off", True), ("rw-on", "min")):
+        url = os.path.join(WORKDIR, ckpt)
+        barrier(f"load-{ckpt}-{reads}")
+        IO.reset_reads()
+        t = time.monotonic()
+        opts: dict[str, Any] = {"replica_reads": bool(reads)}
+        if reads == "min":
+            opts["replica_read_min_bytes"] = 1 << 40
+        with quire.Context(**opts):
+            loaded = quire.load(url, replica_abstract())
+        seconds = time.monotonic() - t
+        got = IO.reads.get(local_root(url), {})
+        emit(
+            "replica_load",
+            ckpt=ckpt,
+            reads=reads,
+            seconds=seconds,
+            read=sum(n for k, n in got.items() if is_chunk_key(k)),
+            requests=sum(1 for k in got if is_chunk_key(k)),
+            bad=replica_compare(loaded),
+        )
+    if "stall" in ARGS:
+        stalled_load(os.path.join(WORKDIR, "rw-on"), float(ARGS["stall"]))
+
+
+def stalled_load(url: str, timeout: float) -> None:
+    """The last process never joins a load: the others fail within ``timeout``."""
+    barrier("stall")
+    if PID_ == NPROC_ - 1:
+        time.sleep(3 * timeout)
+        emit("stall", stalled=True)
+    else:
+        t = time.monotonic()
+        try:
+            with quire.Context(timeout=timeout, replica_reads=True):
+                quire.load(url, replica_abstract())
+            emit("stall", error=None, seconds=time.monotonic() - t)
+        except Exception as e:
+            emit(
+                "stall",
+                error=f"{type(e).__name__}: {e}",
+                quire=isinstance(e, quire.QuireError),
+                seconds=time.monotonic() - t,
+            )
+    emit("done", seconds=time.monotonic() - T0)
+    sys.stdout.flush()
+    os._exit(0)  # a peer is stalled: jax.distributed.shutdown() would wait for it
+
+
+def is_chunk_key(key: str) -> bool:
+    return "/c/" in key or key.endswith("/c")
+
+
 def main() -> None:
     try:
         {
@@ -755,6 +906,7 @@ def main() -> None:
             "kill": scenario_kill,
             "verify": scenario_verify,
             "s3": scenario_s3,
+            "replicas": scenario_replicas,
         }[SCENARIO]()
     except BaseException as e:
         emit("crashed", failed=f"{type(e).__name__}: {e}", tb=traceback.format_exc()[-3000:])

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from quire._engine import commit as _commit
+from quire._engine.shared_reads import plan_shared, prefetch_shared
 from quire._format import chunkindex as _chunkindex
 from quire._format.record import PYTREE
 from quire._format.tree import KeyPath, Node, from_json, keystr, walk
@@ -193,6 +194,15 @@ async def _load_tree(
         target_root, pairs = pair_with_target(
             leaves, abstract, partial=partial, check=check, subject=f"checkpoint {url}"
         )
+    cfg = current()
+    shared = cfg.replica_reads
+    if shared is None:  # on where reading costs more than exchanging: object stores
+        shared = url.split("://", 1)[0] not in ("file", "local", "memory") and "://" in url
+    if shared and jax.process_count() > 1:
+        # chunks several processes need: each read once, then exchanged
+        plan = plan_shared(((rec, target) for _, rec, target in pairs), url)
+        if plan and sum(it[3] for it in plan) >= cfg.replica_read_min_bytes:
+            backend = await prefetch_shared(url, backend, plan)
     expect = getattr(backend, "expect", None)  # format v2: plan large pack reads
     if expect is not None and jax.process_count() == 1:
         expect(rec.get("location") for _, rec, _ in pairs)

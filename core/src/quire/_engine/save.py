@@ -21,10 +21,11 @@ import contextlib
 import logging
 import secrets
 from collections.abc import AsyncGenerator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
+import numpy as np
 
 from quire._engine import commit as _commit
 from quire._format import record as _format
@@ -34,7 +35,9 @@ from quire._format.record import PYTREE
 from quire._format.tree import KeyPath, Node, from_json, keystr, to_json, walk
 from quire._handlers import select as _handlers
 from quire._handlers import unit_ops as _checkpointables
+from quire._handlers.arrays import ArrayHandler
 from quire._handlers.base import SaveContext, SaveEntry
+from quire._handlers.replicas import plan_writers
 from quire._runtime import registry as _registry
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
@@ -132,6 +135,8 @@ def prepare_save(
                 node.path, node.value, _storage_for(storage, node.path, node.value), loc
             )
             groups[h.id].append((node, entry))
+    if cfg.replica_writes and jax.process_count() > 1:
+        _spread_replica_writes(groups, url)
     if copy:
         for hid, items in groups.items():
             snap = _handlers.get(hid).snapshot([e for _, e in items])
@@ -141,6 +146,36 @@ def prepare_save(
     return PreparedSave(
         txid, roots, dict(groups), objects, list(units), coord, layout=layout or cfg.layout
     )
+
+
+def _spread_replica_writes(groups: dict[str, list[tuple[Node, SaveEntry]]], url: str) -> None:
+    """Replica-parallel writes: give every array entry its share (``quire._handlers.replicas``).
+
+    The plan is a function of the tree alone, so every process computes the same one."""
+    cfg = current()
+    where: list[tuple[str, int]] = []
+    arrays: list[tuple[Any, np.dtype[Any]]] = []
+    for hid, items in groups.items():
+        h = _handlers.get(hid, url=url)
+        if not isinstance(h, ArrayHandler):
+            continue
+        for j, (_, e) in enumerate(items):
+            arr = h.to_array(e.value)
+            if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+                continue
+            dtype = np.dtype(arr.dtype if e.storage.dtype is None else e.storage.dtype)
+            where.append((hid, j))
+            arrays.append((arr, dtype))
+    plans = plan_writers(
+        arrays,
+        process_index=jax.process_index(),
+        primary=cfg.primary_process,
+        piece_bytes=cfg.replica_piece_bytes,
+    )
+    for (hid, j), plan in zip(where, plans):
+        if plan is not None:
+            node, e = groups[hid][j]
+            groups[hid][j] = (node, replace(e, writers=plan))
 
 
 async def write_units(

@@ -13,6 +13,7 @@ import numpy as np
 from quire._format.dtypes import dtype_from_name, dtype_name
 from quire._format.tree import keystr
 from quire._handlers import codecs as _codecs
+from quire._handlers.replicas import Writers, piece_source
 from quire._handlers.zarr_layout import ArrayLayout, inner_chunks_for
 from quire._runtime.config import current
 from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
@@ -63,9 +64,20 @@ def _sharding_json(s: Any) -> dict[str, Any] | None:
     return {"type": type(s).__name__}
 
 
-def _plan(value: Any, storage: Any, path: tuple[Any, ...]) -> _Plan:
+def _plan(value: Any, storage: Any, path: tuple[Any, ...], writers: Writers | None = None) -> _Plan:
     cast = None if storage.dtype is None else np.dtype(storage.dtype)
-    if isinstance(value, jax.Array):
+    if isinstance(value, jax.Array) and writers is not None:
+        # replica-parallel (quire._handlers.replicas): this process's pieces, any replica
+        on_cpu = all(getattr(d, "platform", "") == "cpu" for d in value.sharding.device_set)
+        plan = _Plan(
+            tuple(value.shape),
+            np.dtype(value.dtype),
+            writers.chunk_shape,
+            [(c, piece_source(value, writers.chunk_shape, c)) for c in writers.mine],
+            not on_cpu,
+            _sharding_json(value.sharding),
+        )
+    elif isinstance(value, jax.Array):
         shape = tuple(value.shape)
         src = np.dtype(value.dtype)
         sharding = value.sharding

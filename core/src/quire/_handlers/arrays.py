@@ -175,7 +175,7 @@ class ArrayHandler:
             plan = (
                 e.value
                 if isinstance(e.value, _Plan)
-                else _plan(self.to_array(e.value), e.storage, e.path)
+                else _plan(self.to_array(e.value), e.storage, e.path, e.writers)
             )
             layout = _layout(plan, e.storage, ctx.url)
             jobs = []

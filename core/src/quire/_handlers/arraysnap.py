@@ -43,7 +43,7 @@ def snapshot_plans(arrays: Sequence[Any], entries: Sequence[SaveEntry]) -> list[
                 a.copy_to_host_async()  # every shard's transfer starts now, all at once
             except Exception:  # not all array types support it; numpy.asarray still works
                 pass
-    plans = [_plan(a, e.storage, e.path) for a, e in zip(arrays, entries)]
+    plans = [_plan(a, e.storage, e.path, e.writers) for a, e in zip(arrays, entries)]
     limit = current().byte_budget
     jobs: list[_Job] = []
     for a, plan in zip(arrays, plans):

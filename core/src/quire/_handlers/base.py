@@ -34,12 +34,17 @@ class SaveEntry:
         The leaf's storage options (cast, codecs, chunking, checksums).
     location : str
         Where the leaf's data objects go.
+    writers : Any, optional
+        For array leaves of a multi-process save with replica-parallel writes: the
+        chunk grid and the chunks this process writes (set by the save before
+        :meth:`LeafHandler.snapshot`); None: each shard is written by its replica 0.
     """
 
     path: KeyPath
     value: Any
     storage: StorageOptions = field(default_factory=StorageOptions)
     location: str = ""
+    writers: Any = None
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ I/O pool (``ioloop``), async responses (``responses``), the byte budget (``budge
 configuration and contexts (``config``), the plugin registries (``registry``, with install hints
 from ``install``), the interpreter-exit hook (``exithook``), progress reporting (``progress``),
 bounded fan-out (``tasks``), host buffers ``jax.device_put`` adopts (``hostbuf``), the multi-process
-coordinator (``multihost``) and the library version (``version``).
+coordinator (``multihost``), byte exchange between processes behind a barrier with a deadline
+(``collective``) and the library version (``version``).
 
 May import: only quire's contract modules (``errors``, ``options``, ``metadata``).
 """

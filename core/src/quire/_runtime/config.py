@@ -89,6 +89,28 @@ class Config:
         Default of the ``progress=`` argument of save/load: False (silent, the default),
         True (a progress bar on stderr), or a callable receiving
         :class:`quire.progress.ProgressEvent` (e.g. to log to a training logger).
+    replica_writes : bool
+        Replica-parallel writes (default True): with several JAX processes, the chunks of a
+        shard that several processes hold are written by pieces spread over those
+        processes, and whole small arrays go to the least-loaded holder, so each byte is
+        written once and every holder writes its share.  False: each shard is written by
+        the process holding its ``replica_id == 0`` copy (one chunk per shard).
+    replica_piece_bytes : int
+        Smallest piece a replicated shard is split into for replica-parallel writes
+        (default 1 MiB): a shard is split into at most as many pieces as it has holders,
+        each at least this large (see ``docs/scaling.md`` for why 1 MiB).
+    replica_reads : bool or None
+        Shared reads on load: with several JAX processes, a stored chunk that several
+        processes need (a replicated or resharded target) is read by one of them and
+        exchanged with the others by a collective behind a barrier that waits at most
+        ``timeout`` seconds.  False: every process reads all it needs from storage.  None
+        (the default): shared reads for object stores (``s3://``, ``gs://``, ...), direct
+        reads for local paths and ``memory://``, where reading is faster than the
+        exchange (``docs/scaling.md``).
+    replica_read_min_bytes : int
+        Shared reads happen only when the chunks several processes need add up to at
+        least this many bytes (default 16 MiB): below it, the barrier and the collective
+        cost more than the reads they save (measured: ``docs/scaling.md``).
     """
 
     byte_budget: int = 256 * 1024 * 1024
@@ -104,6 +126,10 @@ class Config:
     progress: Any = False
     layout: str = "packed"
     pack_bytes: int = 256 << 20
+    replica_writes: bool = True
+    replica_piece_bytes: int = 1 << 20
+    replica_reads: bool | None = None
+    replica_read_min_bytes: int = 16 << 20
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(Config))
@@ -142,7 +168,9 @@ def _validate(name: str, v: Any) -> Any:
         return _int(name, v, 1)
     if name == "max_concurrency":
         return _int(name, v, 1)
-    if name == "pack_bytes":
+    if name == "replica_read_min_bytes":
+        return _int(name, v, 0)
+    if name in ("pack_bytes", "replica_piece_bytes"):
         return _int(name, v, 1)
     if name == "layout":
         if v not in ("packed", "chunks"):
@@ -150,7 +178,9 @@ def _validate(name: str, v: Any) -> Any:
         return v
     if name == "primary_process":
         return _int(name, v, 0)
-    if name in ("checksum", "verify_record"):
+    if name == "replica_reads" and v is None:
+        return None
+    if name in ("checksum", "verify_record", "replica_writes", "replica_reads"):
         if not isinstance(v, bool):
             raise TypeError(f"quire option {name} must be a bool, got {v!r}")
         return v
