@@ -19,7 +19,6 @@ names clash (``a.b`` is a tensor and ``a.b.c`` too) the tree stays flat (full na
 from __future__ import annotations
 
 import asyncio
-import errno
 import itertools
 import math
 import posixpath
@@ -36,7 +35,7 @@ from quire._sources.base import Source
 from quire._sources.lazy import Region, SourceArray, region_shape
 from quire._sources.surgery import unflatten
 from quire._sources.symlinks import resolve_local
-from quire._store.base import Backend
+from quire._store.base import NOT_DATA, Backend
 from quire._store.local import LocalBackend
 from quire._store.url import open_backend, protocol_of
 from quire.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -244,7 +243,7 @@ class _Reader:
                 try:
                     n = backend._get_into(self.key, [mv], at)
                 except OSError as e:
-                    if e.errno in _NOT_DATA:
+                    if e.errno in NOT_DATA:
                         raise _not_data(e, f"{self.src.url}: {self.key}") from e
                     raise
                 self._check(n, mv, at)
@@ -258,7 +257,7 @@ class _Reader:
         try:
             n = await self.backend.get_into(self.key, [mv], at)
         except OSError as e:
-            if e.errno in _NOT_DATA:
+            if e.errno in NOT_DATA:
                 raise _not_data(e, f"{self.src.url}: {self.key}") from e
             raise
         self._check(n, mv, at)
@@ -410,11 +409,6 @@ class SafetensorsSource(Source):
         return (backend, key, *parse_header(head, body, size, where))
 
 
-# What a read of a local file that is no data file raises (the local backend refuses a
-# symbolic link, a FIFO, a directory): the file is not what the source needs, not transient.
-_NOT_DATA = {errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.ENXIO, errno.ENAMETOOLONG}
-
-
 def _not_data(e: OSError, where: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"{where}: not a readable file ({e.strerror}); replace it with the file it should be"
@@ -427,6 +421,6 @@ async def _read(
     try:
         return await backend.get(key, start, end)
     except OSError as e:
-        if e.errno in _NOT_DATA:
+        if e.errno in NOT_DATA:
             raise _not_data(e, where) from e
         raise
