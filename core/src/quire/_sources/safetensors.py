@@ -129,7 +129,9 @@ def parse_header(
     spans = []
     for name, info in doc.items():
         if name == "__metadata__":
-            # The reference library reads it as a map of string to string, and so do we.
+            # The reference library reads it as an optional map of string to string.
+            if info is None:
+                continue
             if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
                 raise bad("__metadata__ is not an object of strings")
             continue
