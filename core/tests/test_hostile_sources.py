@@ -134,6 +134,10 @@ def test_a_fifo_as_safetensors_file_or_hf_shard_is_refused_without_blocking(
     single.mkdir()
     os.mkfifo(single / "model.safetensors")
     _refused(single, "not a regular file", capsys)
+    fifo_index = _hf(tmp_path / "hf2")
+    (fifo_index / INDEX).unlink()
+    os.mkfifo(fifo_index / INDEX)
+    _refused(fifo_index, "not a regular file", capsys)
 
 
 # ----------------------------------------------------------------------------- symlinks
@@ -151,8 +155,13 @@ def test_a_shard_linked_outside_the_directory_is_refused_and_never_opened(
     (tmp_path / "files" / "linked.safetensors").symlink_to(outside / "secret.safetensors")
     loop = tmp_path / "loop.safetensors"
     loop.symlink_to(loop)
-    with OutsideWatch(outside, outside / "secret.safetensors") as w:
+    linked_index = _hf(tmp_path / "hf2")
+    (outside / INDEX).write_bytes((linked_index / INDEX).read_bytes())
+    (linked_index / INDEX).unlink()
+    (linked_index / INDEX).symlink_to(outside / INDEX)
+    with OutsideWatch(outside, outside / "secret.safetensors", outside / INDEX) as w:
         _refused(d, "outside", capsys)
+        _refused(linked_index, "outside", capsys)
         _refused(tmp_path / "files" / "linked.safetensors", "outside", capsys)
         _refused(loop, "cannot be resolved", capsys)
     assert w.opened == []
