@@ -161,3 +161,16 @@ def test_a_dotdot_key_without_ocdbt_is_typed_and_reads_nothing_outside(
     with opened_under(tmp_path) as seen:
         _refused(ckpt, "leaves the item directory", capsys)
     assert not [p for p in seen if not p.startswith(f"{tmp_path}/ck")]
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_as_orbax_metadata_is_refused_without_blocking(tmp_path: Path) -> None:
+    """Detection passes over a FIFO (not a file: no source recognises the directory); named
+    as Orbax, reading it would block in open(2) until a writer came."""
+    step = _composite(tmp_path / "run")
+    (step / "_CHECKPOINT_METADATA").unlink()
+    os.mkfifo(step / "_CHECKPOINT_METADATA")
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        quire.open(str(step), format="orbax")
+    with pytest.raises(quire.CheckpointNotFoundError, match="no installed quire source"):
+        quire.open(str(step))
