@@ -37,7 +37,7 @@ from quire._handlers.zarr_io import chunk_checker
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking
-from quire._store.base import Backend
+from quire._store.base import NOT_DATA, Backend
 from quire._store.url import normalize, open_backend
 from quire.errors import CorruptCheckpointError
 
@@ -155,7 +155,9 @@ async def plan(backend: Backend, url: str, doc: dict[str, Any]) -> list[_Item]:
         chunks = sum(is_chunk(o.key) for o in objs)
         items.append(_Item(key, owner, _range_checks(objs), whole, chunks))
     if packed:
-        items += await plan_packed(backend, url, doc["indexes"], checkers, _Item, is_chunk)
+        items += await plan_packed(
+            backend, url, doc["indexes"], checkers, _Item, is_chunk, doc["txids"]
+        )
     found = await asyncio.gather(*(backend.list(loc) for loc, _, _ in listed))
     for (_, owner, check), keys in zip(listed, found):
         items += [_Item(k, owner, check) for k in keys]
@@ -248,6 +250,14 @@ async def _copy_objects(
                         f"{src}: {item.owner}: {item.key} is missing; the checkpoint is "
                         "damaged (run `quire verify`); nothing was committed at the destination"
                     ) from None
+                except OSError as e:
+                    if e.errno not in NOT_DATA:  # a storage error, not damage
+                        raise
+                    raise CorruptCheckpointError(
+                        f"{src}: {item.owner}: {item.key} is not a data object ({e.strerror}: "
+                        "a symbolic link, a FIFO, a directory); the checkpoint is damaged; "
+                        "nothing was committed at the destination"
+                    ) from e
                 if item.check is not None:
                     try:
                         await run_blocking(item.check, data)

@@ -43,7 +43,9 @@ log = logging.getLogger("quire")
 
 def packed_view(backend: Backend, url: str, doc: Mapping[str, Any]) -> Backend:
     """A backend that reads format-v2 chunks out of packs (``backend`` itself for v1)."""
-    return _chunkindex.reader(backend, url, doc.get("indexes"), jax.process_index())
+    return _chunkindex.reader(
+        backend, url, doc.get("indexes"), jax.process_index(), doc.get("txids")
+    )
 
 
 async def read_for_data(

@@ -6,7 +6,7 @@ the chunk's own codec chain."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from quire._format.chunkcheck import check_stored
@@ -16,9 +16,11 @@ from quire._store.base import Backend
 from quire.errors import CorruptCheckpointError
 
 
-def _index_check(entry: Mapping[str, Any], url: str) -> Callable[[bytes], None]:
+def _index_check(
+    entry: Mapping[str, Any], url: str, txids: Collection[str]
+) -> Callable[[bytes], None]:
     def check(data: bytes) -> None:
-        parse_index(data, entry, url)
+        parse_index(data, entry, url, txids)
 
     return check
 
@@ -48,6 +50,7 @@ async def plan_packed(
     checkers: Mapping[str, Callable[[bytes], None]],
     item: Callable[..., Any],
     is_chunk: Callable[[str], bool],
+    txids: Collection[str],
 ) -> list[Any]:
     """``_copy._Item`` s for every index object and pack the record's indexes name."""
     items = []
@@ -57,7 +60,7 @@ async def plan_packed(
     owner: dict[str, int] = {}
     for e in entries:
         try:
-            refs = parse_index(await backend.get(e["object"]), e, url)
+            refs = parse_index(await backend.get(e["object"]), e, url, txids)
         except (FileNotFoundError, ChunkError) as err:
             raise CorruptCheckpointError(
                 f"{url}: chunk index {e['object']}: {err or 'missing'}; the checkpoint is "
@@ -67,7 +70,7 @@ async def plan_packed(
             item(
                 e["object"],
                 f"chunk index of process {e['process']}",
-                _index_check(e, url),
+                _index_check(e, url, txids),
                 e["size"],
             )
         )

@@ -3,7 +3,8 @@ tree and key paths (``tree``, ``paths``), dtype names (``dtypes``), the commit r
 ``quire.json`` (``record`` builds and parses it, ``schema`` validates every value in it),
 format v2's chunk identity (``chunkid``, ``shardid``, ``chunkcheck``), chunk index
 (``chunkindex``), pack writer (``pack``) and read windows (``packread``), a Checkpointer
-root's layout (``root``) and what a metadata tree counts (``describe``).
+root's layout (``root``), what a metadata tree counts (``describe``) and the JSON parser
+for documents quire did not write (``untrusted``).
 
 Nothing here writes a commit record or decides what is garbage: that is ``quire._engine.save``.
 

@@ -1,14 +1,25 @@
 """The identity check of a whole stored object read through a chunk index: a plain chunk's
 binding (:mod:`quire._format.chunkid`) and, for a zarr shard, its shard binding
-(:mod:`quire._format.shardid`).  Kept apart from both so that neither imports the other."""
+(:mod:`quire._format.shardid`).  Kept apart from both so that neither imports the other.
+Also what a read of a key holding no data object at all (a link, a FIFO) becomes."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NoReturn
 
 from quire._format.chunkid import Ref, chunk_crc, crc_hex, trailer_hex
 from quire._format.crc import ChunkError, crc32c
 from quire._format.shardid import check_whole
+from quire._store.base import NOT_DATA
+
+
+def raise_not_data(e: OSError, key: str) -> NoReturn:
+    """Raise ``e`` as a :class:`ChunkError` naming ``key`` when it says the key holds no
+    data object (``quire._store.base.NOT_DATA``), else ``e`` itself (a storage error)."""
+    if isinstance(e, FileNotFoundError) or e.errno not in NOT_DATA:
+        raise e
+    raise ChunkError(f"{key} is not a data object ({e.strerror})") from e
 
 
 def mismatch(ref: Ref, key: str) -> ChunkError:

@@ -40,11 +40,11 @@ from __future__ import annotations
 import asyncio
 import builtins
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from quire._format.chunkcheck import check_read
+from quire._format.chunkcheck import check_read, raise_not_data
 from quire._format.chunkid import FORMATS, TRAILER_FORMAT, Ref, crc_hex
 from quire._format.crc import ChunkError, crc32c
 from quire._format.packread import Windows, expected_refs
@@ -56,6 +56,8 @@ from quire._store.base import Backend
 from quire._store.wrapped import Wrapped
 from quire.errors import CorruptCheckpointError
 
+# No stored object is this large (S3's limit is 5 TiB): a larger offset or length is forged.
+MAX_OBJECT_BYTES = 1 << 50
 PACK_DIR = "%packs"  # never produced by key escaping ('%' is always followed by two hex digits)
 MAX_INDEX_BYTES = 1 << 31
 
@@ -76,6 +78,24 @@ def is_pack_key(key: object) -> bool:
         return False
     parts = key.split("/")
     return len(parts) == 4 and parts[2] == PACK_DIR and parts[1].isalnum()
+
+
+def target_allowed(target: object, txids: Collection[str] | None) -> bool:
+    """Whether a chunk index may point a key at ``target``: **the one place that rule
+    lives** (every reader parses indexes through :func:`parse_index`, which asks it).
+
+    A ref resolves to a pack object inside the checkpoint (``d/<txid>/%packs/<name>``,
+    :func:`is_pack_key`) of a txid the commit record lists (``txids``; for a partial-save
+    journal, the txids of its versions' indexes).  Data of a txid the record does not list
+    is garbage to ``quire gc``, and may be another checkpoint's: a ref into it is damage,
+    however well its binding matches.  ``txids=None`` (a writer re-reading indexes it
+    checked already) checks the form only.  A later format that lets a step borrow byte
+    ranges of earlier steps' packs must extend this rule here, explicitly, with what makes
+    such a range live."""
+    if not is_pack_key(target):
+        return False
+    assert isinstance(target, str)
+    return txids is None or target.split("/")[1] in txids
 
 
 def index_key(txid: str, process: int) -> str:
@@ -119,8 +139,11 @@ def check_entries(entries: Any, url: str) -> list[dict[str, Any]]:
     return list(entries)
 
 
-def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Ref]:
-    """The refs of one index object, checked against its record entry."""
+def parse_index(
+    data: bytes, entry: Mapping[str, Any], url: str, txids: Collection[str] | None = None
+) -> dict[str, Ref]:
+    """The refs of one index object, checked against its record entry; every ref must
+    point where :func:`target_allowed` allows (``txids``: those the record lists)."""
     where = f"{url}/{entry['object']}"
     if len(data) != entry["size"] or crc_hex(crc32c(data)) != entry["crc32c"]:
         raise ChunkError(
@@ -145,7 +168,9 @@ def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Re
         shards = meta.get("shards", {})
         if not all(isinstance(x, dict) for x in (refs, crcs, trailers, shards)):
             raise TypeError("refs")
-    except (ValueError, TypeError, KeyError) as e:
+    except RecursionError:  # a forged index nested too deeply for the parser
+        raise ChunkError(f"chunk index {where} is malformed (nested too deeply)") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise ChunkError(f"chunk index {where} is malformed ({e!r})") from e
     prefix = f"d/{entry['txid']}/"
     out: dict[str, Ref] = {}
@@ -168,10 +193,14 @@ def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Re
         if (
             not isinstance(v, list)
             or len(v) != 3
-            or not is_pack_key(v[0])
-            or any(type(x) is not int or x < 0 for x in v[1:])
+            or any(type(x) is not int or not 0 <= x < MAX_OBJECT_BYTES for x in v[1:])
         ):
             raise ChunkError(f"chunk index {where}: bad reference {str(v)[:200]!r} for {key!r}")
+        if not target_allowed(v[0], txids):
+            raise ChunkError(
+                f"chunk index {where}: key {key[:200]!r} points at {str(v[0])[:200]!r}, not a "
+                "pack of a txid the commit record lists"
+            )
         shard = shards.get(key)
         if shard is not None and (
             trailer or not valid_shard_binding(shard) or 16 * (len(shard) // 8 - 1) + 4 > v[2]
@@ -187,36 +216,49 @@ class ChunkIndex:
     """The refs of a checkpoint's index objects, loaded lazily: own process first."""
 
     def __init__(
-        self, base: Backend, url: str, entries: Sequence[Mapping[str, Any]], process: int = 0
+        self,
+        base: Backend,
+        url: str,
+        entries: Sequence[Mapping[str, Any]],
+        process: int = 0,
+        txids: Collection[str] | None = None,
     ) -> None:
         self.base = base
         self.url = url
         self.process = process
+        # Where refs may point (``target_allowed``): the record's txids, else the entries'.
+        self.txids = frozenset(txids if txids is not None else (e["txid"] for e in entries))
         self.by_txid: dict[str, list[Mapping[str, Any]]] = {}
         for e in entries:
             self.by_txid.setdefault(e["txid"], []).append(e)
-        self._loads: dict[str, asyncio.Future[dict[str, Ref]]] = {}
+        self._loads: dict[str, asyncio.Future[dict[str, Ref]]] = {}  # object -> its read
         self.loaded: list[str] = []  # index objects read (tests count them)
 
     async def _load(self, entry: Mapping[str, Any]) -> dict[str, Ref]:
+        """The refs of one index object, read once: every caller awaits one shared task.
+        The task is shielded from its waiters: when one is cancelled (the first failing
+        leaf of a load cancels its siblings) the read goes on for the others, and its
+        outcome, a value or the typed error, is what each remaining waiter gets."""
         key = entry["object"]
-        fut = self._loads.get(key)
-        if fut is None:
-            fut = asyncio.get_running_loop().create_future()
-            self._loads[key] = fut
-            try:
-                data = await self.base.get(key)
-                fut.set_result(parse_index(data, entry, self.url))
-                self.loaded.append(key)
-            except FileNotFoundError as e:
-                fut.set_exception(ChunkError(f"chunk index {key} is missing"))
-                fut.exception()
-                raise ChunkError(f"chunk index {key} is missing") from e
-            except BaseException as e:
-                fut.set_exception(e)
-                fut.exception()
-                raise
-        return await fut
+        task = self._loads.get(key)
+        if task is None:
+            task = asyncio.ensure_future(self._fetch(entry))
+            # Its error is seen even when every waiter was cancelled (no "never retrieved").
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._loads[key] = task
+        return await asyncio.shield(task)
+
+    async def _fetch(self, entry: Mapping[str, Any]) -> dict[str, Ref]:
+        key = entry["object"]
+        try:
+            data = await self.base.get(key)
+        except FileNotFoundError as e:
+            raise ChunkError(f"chunk index {key} is missing") from e
+        except OSError as e:
+            raise_not_data(e, key)
+        refs = parse_index(data, entry, self.url, self.txids)
+        self.loaded.append(key)
+        return refs
 
     def owns(self, key: str) -> bool:
         parts = key.split("/", 2)
@@ -356,7 +398,11 @@ class PackedReader(Wrapped):
     async def _send(self, target: str, run: builtins.list[_Read]) -> None:
         self.requests += 1
         try:
-            n = await self.base.get_into(target, [v for r in run for v in r.views], run[0].offset)
+            try:
+                views = [v for r in run for v in r.views]
+                n = await self.base.get_into(target, views, run[0].offset)
+            except OSError as e:
+                raise_not_data(e, target)
         except BaseException as e:
             for r in run:
                 if not r.fut.done():
@@ -381,8 +427,7 @@ class PackedReader(Wrapped):
         if ref.inline is not None:
             data = ref.inline
         else:
-            assert ref.target is not None
-            data = await self.base.get(ref.target, ref.offset + a, ref.offset + b)
+            data = await self._shard_bytes(ref, a, b)
             if len(data) != b - a:
                 raise ChunkError(f"{key}: pack {ref.target} is truncated")
             if a > 0 or b < ref.length:
@@ -424,7 +469,10 @@ class PackedReader(Wrapped):
 
     async def _shard_bytes(self, ref: Ref, start: int, end: int) -> bytes:
         assert ref.target is not None
-        return await self.base.get(ref.target, ref.offset + start, ref.offset + end)
+        try:
+            return await self.base.get(ref.target, ref.offset + start, ref.offset + end)
+        except OSError as e:
+            raise_not_data(e, ref.target)
 
     async def size(self, key: str) -> int:
         ref = await self._ref(key)
@@ -436,9 +484,14 @@ class PackedReader(Wrapped):
 
 
 def reader(
-    base: Backend, url: str, entries: Sequence[Mapping[str, Any]] | None, process: int = 0
+    base: Backend,
+    url: str,
+    entries: Sequence[Mapping[str, Any]] | None,
+    process: int = 0,
+    txids: Collection[str] | None = None,
 ) -> Backend:
-    """``base`` itself for version-1 data, else a :class:`PackedReader` over the entries."""
+    """``base`` itself for version-1 data, else a :class:`PackedReader` over the entries
+    (``txids``: those the commit record lists; the entries' own when None)."""
     if not entries:
         return base
-    return PackedReader(base, ChunkIndex(base, url, entries, process))
+    return PackedReader(base, ChunkIndex(base, url, entries, process, txids))

@@ -10,7 +10,6 @@ chain inside ``sharding_indexed`` when a device shard is split into inner chunks
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -28,7 +27,7 @@ from quire._handlers.zarr_layout import (
 from quire._runtime import progress as _progress
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.tasks import for_each
-from quire._store.base import Backend, Buffer
+from quire._store.base import NOT_DATA, Backend, Buffer
 
 
 async def write_chunk(
@@ -94,9 +93,6 @@ async def _read_raw_into(
             raise ChunkError("crc32c checksum mismatch")
 
 
-_NOT_DATA = {errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG}
-
-
 async def _read_chunk_region(
     backend: Backend,
     location: str,
@@ -131,8 +127,8 @@ async def _read_chunk_region(
         raise ChunkError("missing chunk object") from e
     except OSError as e:
         # A location that names a directory, a file where a directory should be, a
-        # symbolic link (refused by the local backend) or a name too long: not transient.
-        if e.errno in _NOT_DATA:
+        # symbolic link or FIFO (refused by the local backend), a name too long: not transient.
+        if e.errno in NOT_DATA:
             raise ChunkError(f"not a chunk object ({e.strerror})") from e
         raise
 

@@ -4,8 +4,12 @@
 Format (parsed here, no dependency): 8 bytes little-endian header length ``N``; ``N`` bytes of
 JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``;
 then the data, offsets relative to byte ``8 + N``, each tensor C-contiguous little-endian.
-Every header is validated before anything is allocated.  Tensors are read with byte-range
-requests covering only the region asked for.
+Every header is validated before anything is allocated (JSON nested too deeply, a name
+given twice, ``__metadata__`` values that are not strings, offsets outside the data: all
+refused, as the reference ``safetensors`` library refuses them).  An index's shard names must
+name files of the directory; a local file must be a regular file, and a symbolic link is
+followed only where ``quire._sources.symlinks`` allows (a hub cache snapshot's blobs).
+Tensors are read with byte-range requests covering only the region asked for.
 
 Names become a nested tree by splitting on ``.``; numeric components (``layers.0``) stay
 **string** dict keys (``tree["model"]["layers"]["0"]``), so names round-trip exactly.  When
@@ -16,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import math
 import posixpath
 import threading
@@ -26,11 +29,13 @@ from typing import Any, ClassVar
 import ml_dtypes
 import numpy as np
 
-from quire._runtime.ioloop import submit
+from quire._format.untrusted import untrusted_json
+from quire._runtime.ioloop import run_blocking, submit
 from quire._sources.base import Source
 from quire._sources.lazy import Region, SourceArray, region_shape
 from quire._sources.surgery import unflatten
-from quire._store.base import Backend
+from quire._sources.symlinks import resolve_local
+from quire._store.base import NOT_DATA, Backend
 from quire._store.local import LocalBackend
 from quire._store.url import open_backend, protocol_of
 from quire.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -83,6 +88,20 @@ def _split(url: str) -> tuple[str, str]:
     return f"{proto}://{head}", tail
 
 
+def bad_shard_name(name: str) -> str | None:
+    """Why ``name`` (a file named by an HF index) is no file of the directory, or None.
+
+    A shard is a file below the directory: relative, each ``/``-separated part a real name
+    (not empty, ``.`` or ``..``), no NUL, no backslash (a separator elsewhere), no URL."""
+    if not name or name.startswith("/") or "://" in name:
+        return "is not a relative file name"
+    if "\x00" in name or "\\" in name:
+        return "holds a NUL byte or a backslash"
+    if any(p in ("", ".", "..") for p in name.split("/")):
+        return "leaves the directory or names no file (an empty, '.' or '..' part)"
+    return None
+
+
 def parse_header(
     raw_len: bytes, header: bytes, size: int, where: str
 ) -> tuple[int, dict[str, Any]]:
@@ -101,8 +120,8 @@ def parse_header(
     if 8 + n > size:
         raise bad(f"header claims {n} bytes but the object has {size}")
     try:
-        doc = json.loads(bytes(header[:n]))
-    except (UnicodeDecodeError, ValueError) as e:
+        doc = untrusted_json(bytes(header[:n]))
+    except ValueError as e:
         raise bad(f"header is not JSON ({e})") from None
     if not isinstance(doc, dict):
         raise bad("header is not a JSON object")
@@ -110,8 +129,11 @@ def parse_header(
     spans = []
     for name, info in doc.items():
         if name == "__metadata__":
-            if not isinstance(info, dict):
-                raise bad("__metadata__ is not an object")
+            # The reference library reads it as an optional map of string to string.
+            if info is None:
+                continue
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise bad("__metadata__ is not an object of strings")
             continue
         if not isinstance(info, dict):
             raise bad(f"tensor {name!r}: entry is not an object")
@@ -220,7 +242,13 @@ class _Reader:
             mv = out.reshape(-1).view(np.uint8).data
             if mv.nbytes:
                 at = self.start + off * out.itemsize
-                self._check(backend._get_into(self.key, [mv], at), mv, at)
+                try:
+                    n = backend._get_into(self.key, [mv], at)
+                except OSError as e:
+                    if e.errno in NOT_DATA:
+                        raise _not_data(e, f"{self.src.url}: {self.key}") from e
+                    raise
+                self._check(n, mv, at)
             return out
 
         return read
@@ -228,7 +256,13 @@ class _Reader:
     async def _get(self, offset: int, dest: np.ndarray) -> None:
         mv = memoryview(dest.data).cast("B")
         at = self.start + offset
-        self._check(await self.backend.get_into(self.key, [mv], at), mv, at)
+        try:
+            n = await self.backend.get_into(self.key, [mv], at)
+        except OSError as e:
+            if e.errno in NOT_DATA:
+                raise _not_data(e, f"{self.src.url}: {self.key}") from e
+            raise
+        self._check(n, mv, at)
 
     def _check(self, n: int, mv: memoryview, at: int) -> None:
         with self.src.lock:  # blocking reads count from worker threads
@@ -296,7 +330,7 @@ class SafetensorsSource(Source):
         headers = await asyncio.gather(*(cls._header(src, backend, url, f) for f in files))
         flat: dict[str, SourceArray] = {}
         merged: dict[str, str] = {}
-        for f, (start, doc) in zip(files, headers):
+        for f, (fb, key, start, doc) in zip(files, headers):
             merged.update(
                 {k: v for k, v in (doc.get("__metadata__") or {}).items() if k not in merged}
             )
@@ -309,7 +343,7 @@ class SafetensorsSource(Source):
                     raise CorruptCheckpointError(f"{url}: tensor {name!r} appears in two files")
                 dt = DTYPES[info["dtype"]]
                 shape = tuple(info["shape"])
-                reader = _Reader(src, backend, f, start + info["data_offsets"][0], shape, dt)
+                reader = _Reader(src, fb, key, start + info["data_offsets"][0], shape, dt)
                 flat[name] = SourceArray(shape, dt, tuple(name.split(".")), reader, url)
         if weight_map is not None:
             lost = sorted(set(weight_map) - set(flat))
@@ -333,11 +367,12 @@ class SafetensorsSource(Source):
     @staticmethod
     async def _index(backend: Backend, url: str) -> tuple[Any, dict[str, str], list[str]]:
         where = f"{url}/{INDEX}"
-        if await backend.size(INDEX) > MAX_INDEX:
+        fb, key = await run_blocking(resolve_local, backend, INDEX, where)
+        if await fb.size(key) > MAX_INDEX:
             raise CorruptCheckpointError(f"{where}: larger than {MAX_INDEX} bytes; refusing it")
         try:
-            doc = json.loads(await backend.get(INDEX))
-        except (UnicodeDecodeError, ValueError) as e:
+            doc = untrusted_json(await _read(fb, key, where))
+        except ValueError as e:
             raise CorruptCheckpointError(f"{where}: not JSON ({e}); re-download it") from None
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict) or not all(
@@ -346,27 +381,48 @@ class SafetensorsSource(Source):
             raise CorruptCheckpointError(f"{where}: no weight_map of name → file; re-download it")
         files = sorted(set(wm.values()))
         for f in files:
-            if f.startswith("/") or ".." in f.split("/") or "://" in f:
-                raise CorruptCheckpointError(f"{where}: shard name {f!r} leaves the directory")
+            why = bad_shard_name(f)
+            if why:
+                raise CorruptCheckpointError(
+                    f"{where}: shard name {f[:200]!r} {why}; the index is damaged, re-download it"
+                )
         return doc.get("metadata"), wm, files
 
     @staticmethod
     async def _header(
         src: SafetensorsSource, backend: Backend, url: str, name: str
-    ) -> tuple[int, dict[str, Any]]:
+    ) -> tuple[Backend, str, int, dict[str, Any]]:
         where = url if url.endswith(name) else f"{url}/{name}"
         try:
-            size = await backend.size(name)
+            backend, key = await run_blocking(resolve_local, backend, name, where)
+            size = await backend.size(key)
         except FileNotFoundError:
             raise CheckpointNotFoundError(
                 f"{where}: safetensors shard not found"
                 + ("" if url.endswith(name) else f" (named by {INDEX})")
                 + "; the download is incomplete, fetch the missing shard"
             ) from None
-        head = await backend.get(name, 0, min(size, 8))
+        head = await _read(backend, key, where, 0, min(size, 8))
         n = int.from_bytes(head, "little") if len(head) == 8 else 0
         if len(head) < 8 or n > MAX_HEADER or 8 + n > size:
             parse_header(head, b"", size, where)  # raises with the reason
-        body = await backend.get(name, 8, 8 + n)
+        body = await _read(backend, key, where, 8, 8 + n)
         src.header_bytes += 8 + len(body)
-        return parse_header(head, body, size, where)
+        return (backend, key, *parse_header(head, body, size, where))
+
+
+def _not_data(e: OSError, where: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{where}: not a readable file ({e.strerror}); replace it with the file it should be"
+    )
+
+
+async def _read(
+    backend: Backend, key: str, where: str, start: int = 0, end: int | None = None
+) -> bytes:
+    try:
+        return await backend.get(key, start, end)
+    except OSError as e:
+        if e.errno in NOT_DATA:
+            raise _not_data(e, where) from e
+        raise

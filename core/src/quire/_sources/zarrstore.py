@@ -71,7 +71,9 @@ def zarr_store(
         refs: dict[str, Any] = {}
         for e in entries:
             data = await backend.get(e["object"])
-            _chunkindex.parse_index(data, e, u)  # size, crc32c and shape of every entry
+            _chunkindex.parse_index(
+                data, e, u, doc["txids"]
+            )  # size, crc32c and shape of every entry
             refs.update(json.loads(data)["refs"])
         return {"version": 1, "refs": refs}
 

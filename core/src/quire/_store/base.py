@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import abc
 import builtins
+import errno
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -31,6 +32,13 @@ QUIRE_STORAGE_OPTIONS = frozenset(
 
 class PreconditionFailed(Exception):
     """A conditional write lost: the object exists (create) or changed (replace)."""
+
+
+# What a read of a key that holds no data object raises (errno): a directory, a file where
+# a directory should be, a symbolic link or a FIFO / socket / device (refused by the local
+# backend), a name too long.  The object is not what the reader needs: damage, not a
+# transient failure.
+NOT_DATA = frozenset({errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.ENXIO, errno.ENAMETOOLONG})
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import errno
 import fcntl
 import os
 import secrets
+import stat
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -186,6 +187,26 @@ class LocalBackend(Backend):
         finally:
             os.close(dfd)
 
+    def _open_read(self, key: str) -> int:
+        """A read-only descriptor of the regular file ``key``.  Opened with ``O_NONBLOCK``
+        (a FIFO would block ``open(2)`` until a writer comes; it has no effect on a regular
+        file) and refused unless ``fstat`` says regular: a FIFO, socket or device is
+        ``OSError(ENXIO)``, the errno the kernel gives for opening such a file the wrong way."""
+        fd = self._open(key, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            mode = os.fstat(fd).st_mode
+        except BaseException:
+            os.close(fd)
+            raise
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), self._p(key))
+            raise OSError(
+                errno.ENXIO, "not a regular file (a FIFO, socket or device)", self._p(key)
+            )
+        return fd
+
     @contextlib.contextmanager
     def keep_open(self) -> Iterator[None]:
         """For the block (one load), reads of pack objects share one descriptor per
@@ -205,13 +226,13 @@ class LocalBackend(Backend):
         """A read-only descriptor of ``key`` for the block (kept ones are shared)."""
         files = self._kept
         if files is None or not keepable(key):
-            fd = self._open(key, os.O_RDONLY)
+            fd = self._open_read(key)
             try:
                 yield fd
             finally:
                 os.close(fd)
             return
-        fd, shared = files.acquire(key, lambda: self._open(key, os.O_RDONLY))
+        fd, shared = files.acquire(key, lambda: self._open_read(key))
         try:
             yield fd
         finally:
@@ -222,8 +243,11 @@ class LocalBackend(Backend):
 
     def _get(self, key: str, start: int | None, end: int | None) -> bytes:
         with self._reading(key) as fd:
+            # Bounded by the file's real size: a range a (hostile) index states, 2^40 bytes
+            # or at offset 2^64, allocates and asks the kernel for no more than exists.
+            size = os.fstat(fd).st_size
             pos = start or 0
-            left = (os.fstat(fd).st_size if end is None else end) - pos
+            left = (size if end is None else min(end, size)) - pos
             parts = []
             while left > 0:
                 got = os.pread(fd, left, pos)
@@ -239,6 +263,8 @@ class LocalBackend(Backend):
     def _get_into(self, key: str, buffers: Sequence[memoryview], offset: int) -> int:
         with self._reading(key) as fd:
             total = 0
+            if offset >= os.fstat(fd).st_size:  # past the end (2^64 overflows preadv)
+                return 0
             bufs = [memoryview(b).cast("B") for b in buffers]
             while bufs:
                 n = os.preadv(fd, bufs[:1024], offset + total)

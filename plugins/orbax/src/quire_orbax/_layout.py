@@ -117,11 +117,23 @@ def _json(store: Store, path: str, url: str, what: str) -> Any:
         return None
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        why = "nested too deeply to parse" if isinstance(e, RecursionError) else str(e)
         raise CorruptCheckpointError(
-            f"{url}: {what} is not valid JSON ({e}); the checkpoint is damaged or was not "
+            f"{url}: {what} is not valid JSON ({why}); the checkpoint is damaged or was not "
             "written by orbax-checkpoint"
-        ) from e
+        ) from None
+
+
+def bad_name(name: str) -> bool:
+    """Whether ``name`` (an item name, a param path) could reach outside its directory or
+    name none: absolute, empty / ``.`` / ``..`` parts, a NUL byte."""
+    return (
+        not name
+        or name.startswith("/")
+        or "\x00" in name
+        or any(p in ("", ".", "..") for p in name.split("/"))
+    )
 
 
 def _join(path: str, *parts: str) -> str:
@@ -198,6 +210,13 @@ def read_pytree_item(store: Store, path: str, url: str, name: str | None) -> Pyt
         raise CheckpointNotFoundError(f"{where}: no _METADATA file")
     leaves = parse_tree_metadata(meta, where)
     for leaf in leaves:
+        if leaf.key_path and leaf.value_type in (*ARRAY_TYPES, "scalar") and bad_name(leaf.param):
+            # Orbax stores the leaf at <item>/<param>: a key of '..' (or with '/') would
+            # make tensorstore read outside the item, which it refuses untyped.
+            raise CorruptCheckpointError(
+                f"{where}: leaf {leaf.key_path!r} has orbax param name {leaf.param[:200]!r}, "
+                "which leaves the item directory; the _METADATA file is damaged or forged"
+            )
         if leaf.value_type not in (*ARRAY_TYPES, "scalar", "string", *EMPTY):
             raise UnsupportedLeafError(
                 f"{where}: leaf {'/'.join(map(str, leaf.key_path))} has orbax value type "
@@ -252,6 +271,11 @@ def read_layout(url: str, store: Store) -> Layout:
         names = [e for e in entries if store.isdir(_join(path, e))]
         handlers = {}
     for name in names:
+        if bad_name(name) or "/" in name:
+            raise CorruptCheckpointError(
+                f"{url}: {CHECKPOINT_METADATA} names item {name[:200]!r}, which is not a "
+                "directory of the checkpoint; the file is damaged or forged"
+            )
         sub = _join(path, name)
         handler = str(handlers.get(name, ""))
         if store.isfile(_join(sub, METADATA)):

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 import weakref
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from quire.backends import QUIRE_STORAGE_OPTIONS
-from quire.errors import ObjectStorePermissionError, PluginError
+from quire.errors import CorruptCheckpointError, ObjectStorePermissionError, PluginError
 
 PROTOCOLS = ("file", "s3", "gs")
 
@@ -117,6 +118,14 @@ class Store:
         return int(self._call(self.fs.size, path))
 
     def read(self, path: str) -> bytes:
+        if self.protocol == "file" and os.path.exists(path):
+            # A FIFO (or device) would block open(2) until a writer comes, or never end.
+            mode = os.stat(path).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise CorruptCheckpointError(
+                    f"{self.url}: {path} is not a regular file (a FIFO, socket or device); "
+                    "the checkpoint is damaged or forged"
+                )
         return bytes(self._call(self.fs.cat_file, path))
 
     def _call(self, fn: Any, path: str, **kw: Any) -> Any:
