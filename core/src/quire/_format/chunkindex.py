@@ -44,12 +44,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from quire._format.borrow import BorrowingView, check_borrowed, parent_url
 from quire._format.chunkcheck import check_read
 from quire._format.chunkid import FORMATS, TRAILER_FORMAT, Ref, crc_hex
 from quire._format.crc import ChunkError, crc32c
 from quire._format.paths import is_safe_location
 from quire._format.shardid import ShardChecks, valid_shard_binding
 from quire._store.base import Backend
+from quire._store.url import open_backend
 from quire._store.wrapped import Wrapped
 from quire.errors import CorruptCheckpointError
 
@@ -79,15 +81,27 @@ def index_key(txid: str, process: int) -> str:
     return f"{pack_dir(txid)}/p{process:05d}.index.json"
 
 
-def index_entry(txid: str, process: int, key: str, data: bytes) -> dict[str, Any]:
-    """The commit record's description of one index object."""
-    return {
+def index_entry(
+    txid: str, process: int, key: str, data: bytes, borrowed: Mapping[str, int] | None = None
+) -> dict[str, Any]:
+    """The commit record's description of one index object; ``borrowed`` (an incremental
+    step: ``quire._format.borrow``) the packs of earlier steps it points into, with the
+    bytes it borrows from each (None: read from ``data``)."""
+    if borrowed is None and b'"borrowed"' in data:
+        try:
+            borrowed = json.loads(data)["quire"].get("borrowed")
+        except (ValueError, KeyError, TypeError):
+            borrowed = None
+    out: dict[str, Any] = {
         "txid": txid,
         "process": process,
         "object": key,
         "size": len(data),
         "crc32c": crc_hex(crc32c(data)),
     }
+    if borrowed:
+        out["borrowed"] = dict(sorted(borrowed.items()))
+    return out
 
 
 def check_entries(entries: Any, url: str) -> list[dict[str, Any]]:
@@ -107,6 +121,7 @@ def check_entries(entries: Any, url: str) -> list[dict[str, Any]]:
             and 0 <= e["size"] <= MAX_INDEX_BYTES
             and isinstance(e.get("crc32c"), str)
             and e.get("object") == index_key(e["txid"], e["process"])
+            and ("borrowed" not in e or check_borrowed(e["borrowed"]))
         )
         if not ok:
             raise CorruptCheckpointError(
@@ -145,6 +160,8 @@ def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Re
     except (ValueError, TypeError, KeyError) as e:
         raise ChunkError(f"chunk index {where} is malformed ({e!r})") from e
     prefix = f"d/{entry['txid']}/"
+    # A target outside the checkpoint only as a borrowed pack the record declares.
+    borrowed = entry.get("borrowed") or {}
     out: dict[str, Ref] = {}
     for key, v in refs.items():
         crc, tcrc = crcs.get(key), trailers.get(key)
@@ -165,7 +182,7 @@ def parse_index(data: bytes, entry: Mapping[str, Any], url: str) -> dict[str, Re
         if (
             not isinstance(v, list)
             or len(v) != 3
-            or not is_pack_key(v[0])
+            or not (is_pack_key(v[0]) or v[0] in borrowed)
             or any(type(x) is not int or x < 0 for x in v[1:])
         ):
             raise ChunkError(f"chunk index {where}: bad reference {str(v)[:200]!r} for {key!r}")
@@ -440,7 +457,10 @@ class PackedReader(Wrapped):
 def reader(
     base: Backend, url: str, entries: Sequence[Mapping[str, Any]] | None, process: int = 0
 ) -> Backend:
-    """``base`` itself for version-1 data, else a :class:`PackedReader` over the entries."""
+    """``base`` itself for version-1 data, else a :class:`PackedReader` over the entries
+    (reading borrowed packs, if the entries declare any, through the root one level up)."""
     if not entries:
         return base
+    if any(e.get("borrowed") for e in entries):
+        base = BorrowingView(base, open_backend(parent_url(url), base.storage_options))
     return PackedReader(base, ChunkIndex(base, url, entries, process))
