@@ -105,6 +105,7 @@ class _RetainLoadMixin:
         _inflight_step: int | None
         _root_doc: dict[str, Any] | None
         _fmt: _root.StepFormat
+        _inc: Any
 
         def _run(self, coro: Coroutine[Any, Any, Any]) -> Any: ...
         def _schedule(self, make: Callable[[], Coroutine[Any, Any, Any]]) -> None: ...
@@ -138,7 +139,10 @@ class _RetainLoadMixin:
             name = self._fmt.name(s)
             if self._primary:
                 try:
-                    await self._backend.delete([f"{name}/quire.json"])  # invisible from here on
+                    if self._inc is not None:  # the record only: later steps borrow bytes
+                        await _gc.retire_step(self._backend, self.root, name)
+                    else:
+                        await self._backend.delete([f"{name}/quire.json"])  # invisible now
                 except BaseException:
                     with self._lock:
                         self._deleting.discard(s)
@@ -146,10 +150,13 @@ class _RetainLoadMixin:
             with self._lock:
                 self._committed.pop(s, None)
                 self._deleting.discard(s)
-            if self._primary:
+            if self._primary and self._inc is None:
                 # A failure here leaves an incomplete step directory: garbage for gc().
                 await self._backend.delete_prefix(name)
             log.debug("%s: deleted step %d (keep policy)", self.root, s)
+        if self._primary and self._inc is not None and victims:
+            grace = self._gc_grace if self._gc_grace is not None else _gc.DEFAULT_GRACE_PERIOD
+            await _gc.sweep_retired(self._backend, self.root, self._fmt, grace)
 
     def _protected(self) -> set[int]:
         with self._lock:
