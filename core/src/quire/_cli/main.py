@@ -24,7 +24,9 @@ from quire._cli.common import (
     storage_options,
 )
 from quire._cli.text import human_bytes as _human
-from quire._format.describe import chain_text
+from quire._format.borrow import borrowed_of
+from quire._format.describe import chain_text, ownership
+from quire._store.url import open_backend
 
 
 # ----------------------------------------------------------------------------- info
@@ -96,6 +98,16 @@ def cmd_info(args: argparse.Namespace) -> int:
     from quire._format.describe import counts
 
     print(f"  {_summary(counts(m.tree))}, {totals['inline']} inline leaves")
+    lent = borrowed_of(m.record.get("indexes"))
+    if lent:  # an incremental step (quire._format.borrow)
+        from quire._runtime import ioloop as _io
+
+        so = storage_options(args)
+        own, b = _io.submit(ownership(open_backend(m.url, so), m.url, m.record)).result()
+        print(
+            f"  incremental: owns {_human(own)}, borrows {_human(b)} "
+            f"from {len(lent)} pack(s) of earlier steps"
+        )
     others = {n: k for n, k in m.units.items() if k != "pytree"}
     if others:
         print("  units: " + ", ".join(f"{n} ({k})" for n, k in others.items()))
