@@ -268,3 +268,25 @@ def test_gc_honours_a_young_lease(tmp_path: Path) -> None:
         os.utime(p, (0, 0))
     collect(60)
     assert not pack.exists() and not lease.exists()  # an old lease is a dead save's
+
+
+def test_cli_gc_keeps_borrowed_packs(tmp_path: Path) -> None:
+    frozen = frozen_tree()
+    trees = [{"frozen": frozen, "lora": jnp.asarray(rand(s))} for s in range(3)]
+    steps_bytes(tmp_path, trees, incremental=True)
+    # retention by hand: step 0's record goes; steps 1 and 2 borrow its pack
+    (tmp_path / name(0) / "quire.json").unlink()
+    (tmp_path / "leases").mkdir()
+    (tmp_path / "leases" / "old.json").write_text('{"packs": []}')
+    for p in tmp_path.rglob("*"):
+        os.utime(p, (0, 0))
+    assert cli(["gc", str(tmp_path), "--yes", "--grace", "0"]) == 0
+    left = sorted(
+        str(p.relative_to(tmp_path / name(0)))
+        for p in (tmp_path / name(0)).rglob("*")
+        if p.is_file()
+    )
+    assert len(left) == 1 and left[0].endswith("%packs/p00000-00000"), left
+    assert not (tmp_path / "leases" / "old.json").exists()
+    for s in (1, 2):
+        assert same(quire.load(str(tmp_path / name(s))), trees[s])
