@@ -6,6 +6,14 @@ Run from the repository root::
     .venv/bin/python benchmarks/bench_incremental.py --quick       # 10 MiB, a smoke run
     .venv/bin/python benchmarks/bench_incremental.py --peers quire-inc,quire
 
+    .venv/bin/python benchmarks/bench_incremental.py --s3          # moto + 20 ms proxy
+
+``--s3``: the quire peers against moto's S3 server behind ``bench_s3.py``'s latency proxy
+(20 ms per request, ``--latency-ms``), a 40 MiB tree (``--leaf-mib``, default 1 on S3);
+``objects`` is then the HTTP requests through the proxy during the step (reads included:
+the lease, the base's record check, the commit), bytes the growth of the bucket prefix.
+Icechunk is not run on S3 here (its S3 storage against moto was not set up).
+
 The Icechunk peer needs ``icechunk`` (not a quire dependency; the newest release for
 Python 3.11 is 1.1.x): ``.venv/bin/pip install "icechunk==1.1.21"``.  Without it the
 peer is skipped with a note.
@@ -148,6 +156,60 @@ def run_icechunk(root: Path, trees: list[dict[str, Any]]) -> list[tuple[float, i
     return out
 
 
+def run_quire_s3(
+    h: Any,
+    client: Any,
+    bucket: str,
+    trees: list[dict[str, Any]],
+    incremental: bool,
+    options: dict[str, Any],
+) -> list[tuple[float, int, int]]:
+    import uuid
+
+    import quire
+
+    prefix = f"inc-{uuid.uuid4().hex[:8]}"
+
+    def size() -> int:
+        total = 0
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            total += sum(o["Size"] for o in page.get("Contents", []))
+        return total
+
+    out = []
+    root = f"s3://{bucket}/{prefix}"
+    with quire.Checkpointer(
+        root, incremental=incremental, gc_grace_period=None, storage_options=options
+    ) as ck:
+        for step, t in enumerate(trees):
+            before = size()
+            h.take_log()
+            t0 = time.perf_counter()
+            ck.save(step, t)
+            ck.wait()
+            dt = time.perf_counter() - t0
+            requests = h.take_log() or 0
+            out.append((dt, size() - before, requests))
+    return out
+
+
+def s3_harness(latency_ms: float) -> tuple[Any, Any, dict[str, Any]]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    import boto3
+    from bench_s3 import CONFIGS, KEY, SECRET, Harness
+
+    ns = argparse.Namespace(endpoint=None, no_proxy=False, latency_ms=latency_ms)
+    h = Harness(ns, CONFIGS["stock"])
+    client = boto3.client(
+        "s3", endpoint_url=h.server, aws_access_key_id=KEY, aws_secret_access_key=SECRET,
+        region_name="us-east-1",
+    )  # fmt: skip
+    client.create_bucket(Bucket="bench-inc")
+    options = {"endpoint_url": h.endpoint, "key": KEY, "secret": SECRET}
+    return h, client, options
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -156,10 +218,21 @@ def main() -> None:
     ap.add_argument("--peers", default="quire-inc,quire,icechunk")
     ap.add_argument("--trees", default="frozen,recomputed,changed")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--s3", action="store_true")
+    ap.add_argument("--latency-ms", type=float, default=20)
+    ap.add_argument("--leaf-mib", type=float, default=None)
     args = ap.parse_args()
     leaf = (256 << 10) if args.quick else (4 * MiB)
+    if args.s3:
+        leaf = int((args.leaf_mib or 1) * MiB)
+    elif args.leaf_mib:
+        leaf = int(args.leaf_mib * MiB)
     peers = args.peers.split(",")
-    if "icechunk" in peers:
+    h = None
+    if args.s3:
+        peers = [p for p in peers if p != "icechunk"]
+        h, client, options = s3_harness(args.latency_ms)
+    if "icechunk" in peers and not args.s3:
         try:
             import icechunk  # noqa: F401
         except ImportError:
@@ -182,7 +255,9 @@ def main() -> None:
             for peer in peers:  # interleaved within each rep
                 root = base / f"{kind}-{peer}-{rep}"
                 shutil.rmtree(root, ignore_errors=True)
-                if peer == "icechunk":
+                if args.s3:
+                    r = run_quire_s3(h, client, "bench-inc", trees, peer == "quire-inc", options)
+                elif peer == "icechunk":
                     r = run_icechunk(root, trees)
                 else:
                     r = run_quire(root, trees, incremental=peer == "quire-inc")
@@ -201,6 +276,8 @@ def main() -> None:
             )
         sys.stdout.flush()
     shutil.rmtree(base, ignore_errors=True)
+    if h is not None:
+        h.stop()
 
 
 if __name__ == "__main__":
