@@ -36,7 +36,9 @@ Peers, one root per peer and tree, steps 0..``--steps`` saved in order:
 
 Columns: ``step0`` / ``step>0`` (min over reps; step>0: mean over steps 1..N of one rep,
 then min over reps) of wall seconds (save until durable, device-to-host copy included),
-bytes written (growth of the root's files) and objects written (files created).  Memory
+bytes written (growth of the root's files) and objects written (files created); ``s load``
+(local quire peers) the time of ``ck.load`` of the last step (min over reps; an incremental
+step reads its borrowed chunks from the earlier steps' packs).  Memory
 is pre-warmed before each timed save (as bench_local.py: on this VM freed memory goes back
 to the host and touching it again is slow).  ``ratio`` = bytes of steps > 0 / bytes of
 step 0.  Differences under ~30 % in time are noise on a shared machine.
@@ -118,7 +120,15 @@ def run_quire(
             after = files(root)
             new = set(after) - set(before)
             out.append((dt, sum(after.values()) - sum(before.values()), len(new)))
+        prewarm(sum(x.nbytes for x in trees[-1].values()))
+        t0 = time.perf_counter()
+        got = ck.load(len(trees) - 1)
+        jax.block_until_ready(got)
+        LOADS.setdefault(incremental, []).append(time.perf_counter() - t0)
     return out
+
+
+LOADS: dict[bool, list[float]] = {}
 
 
 def run_icechunk(root: Path, trees: list[dict[str, Any]]) -> list[tuple[float, int, int]]:
@@ -244,10 +254,11 @@ def main() -> None:
     )
     print(
         f"{'tree':<11} {'peer':<10} {'s step0':>8} {'s step>0':>9} {'MiB step0':>10} "
-        f"{'MiB step>0':>11} {'ratio':>7} {'obj step0':>9} {'obj step>0':>10}"
+        f"{'MiB step>0':>11} {'ratio':>7} {'obj step0':>9} {'obj step>0':>10} {'s load':>7}"
     )
     base = Path(args.dir or tempfile.mkdtemp(prefix="quire-bench-inc-"))
     for kind in args.trees.split(","):
+        LOADS.clear()
         results: dict[str, list[list[tuple[float, int, int]]]] = {p: [] for p in peers}
         for rep in range(args.reps):
             make = make_trees(kind, args.steps, leaf)
@@ -270,9 +281,11 @@ def main() -> None:
             bn = min(statistics.mean(x[1] for x in r[1:]) for r in reps)
             o0 = min(r[0][2] for r in reps)
             on = min(statistics.mean(x[2] for x in r[1:]) for r in reps)
+            loads = LOADS.get(peer == "quire-inc") if peer != "icechunk" else None
+            load = f"{min(loads):7.3f}" if loads else f"{'-':>7}"
             print(
                 f"{kind:<11} {peer:<10} {t0:8.3f} {tn:9.3f} {b0 / MiB:10.2f} {bn / MiB:11.3f} "
-                f"{bn / b0:7.3f} {o0:9d} {on:10.1f}"
+                f"{bn / b0:7.3f} {o0:9d} {on:10.1f} {load}"
             )
         sys.stdout.flush()
     shutil.rmtree(base, ignore_errors=True)
