@@ -249,7 +249,7 @@ def test_gc_honours_a_young_lease(tmp_path: Path) -> None:
     (pack,) = (tmp_path / name(0)).rglob("p00000-00000")
     rel = str(pack.relative_to(tmp_path))
     # an in-flight save's lease names step 0's pack; then every step's record goes
-    (tmp_path / "leases").mkdir()
+    (tmp_path / "leases").mkdir(exist_ok=True)
     (tmp_path / "leases" / "step_00000009-x-p00000.json").write_text(json.dumps({"packs": [rel]}))
     for s in (0, 1):
         (tmp_path / name(s) / "quire.json").unlink()
@@ -276,7 +276,7 @@ def test_cli_gc_keeps_borrowed_packs(tmp_path: Path) -> None:
     steps_bytes(tmp_path, trees, incremental=True)
     # retention by hand: step 0's record goes; steps 1 and 2 borrow its pack
     (tmp_path / name(0) / "quire.json").unlink()
-    (tmp_path / "leases").mkdir()
+    (tmp_path / "leases").mkdir(exist_ok=True)
     (tmp_path / "leases" / "old.json").write_text('{"packs": []}')
     for p in tmp_path.rglob("*"):
         os.utime(p, (0, 0))
@@ -290,3 +290,21 @@ def test_cli_gc_keeps_borrowed_packs(tmp_path: Path) -> None:
     assert not (tmp_path / "leases" / "old.json").exists()
     for s in (1, 2):
         assert same(quire.load(str(tmp_path / name(s))), trees[s])
+
+
+def test_plain_checkpointer_prunes_an_incremental_root_safely(tmp_path: Path) -> None:
+    """The marker ``leases/incremental.json`` makes any Checkpointer's retention delete
+    records only: a run continued without ``incremental=True`` keeps borrowed packs."""
+    frozen = frozen_tree()
+    trees = [{"frozen": frozen, "lora": jnp.asarray(rand(s))} for s in range(3)]
+    steps_bytes(tmp_path, trees, incremental=True)
+    assert (tmp_path / "leases" / "incremental.json").exists()
+    with quire.Checkpointer(tmp_path, keep=LatestN(2)) as ck:  # a plain run
+        t = {"frozen": frozen, "lora": jnp.asarray(rand(9))}
+        ck.save(3, t)
+        ck.wait()
+        assert ck.steps() == [2, 3]
+    assert not (tmp_path / name(1)).exists()
+    assert list((tmp_path / name(0)).rglob("p00000-00000"))  # step 2 borrows from it
+    assert same(quire.load(str(tmp_path / name(2))), trees[2])
+    assert same(quire.load(str(tmp_path / name(3))), t)

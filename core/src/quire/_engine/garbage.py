@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quire._engine import commit as _commit
-from quire._engine.incremental import LEASE_DIR
+from quire._engine.incremental import LEASE_DIR, MARKER
 from quire._format import record as _format
 from quire._format.borrow import borrowed_of, root_relative
 from quire._format.record import JOURNAL_DIR
@@ -283,6 +283,8 @@ async def mark(
     stale = []
     now = time.time()
     for key in await backend.list(f"{LEASE_DIR}/"):
+        if key == MARKER:
+            continue
         t = await backend.modified(key)
         if grace_period > 0 and (t is None or now - t < grace_period):
             try:

@@ -49,6 +49,9 @@ from quire.options import StorageOptions
 log = logging.getLogger("quire")
 
 LEASE_DIR = "leases"
+#: Written by the first incremental save of a Checkpointer (never deleted): the root may
+#: hold borrowed bytes, so every Checkpointer's retention deletes records, not directories.
+MARKER = f"{LEASE_DIR}/incremental.json"
 
 LeafKey = tuple[str, str]  # (unit, key path as keystr)
 
@@ -102,6 +105,7 @@ class Incremental:
         self.lease: str | None = None
         self.stats: dict[str, int] = {}
         self.started = False
+        self.marked = False
 
     async def start(self, root: Backend, latest: str | None) -> None:
         """Before the first save: continue from ``latest``, the root's latest committed
@@ -131,6 +135,9 @@ class Incremental:
         base = self.base
         if base is None or base.step == step:
             return None
+        if not self.marked:
+            await root.put(MARKER, [b'{"incremental": true}'])
+            self.marked = True
         self.lease = lease_key(step, txid, jax.process_index())
         doc = {"created": time.time(), "packs": base.previous.packs()}
         await root.put(self.lease, [json.dumps(doc).encode()])
