@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import quire
-from quire._cli.main import main as cli
 from quire._engine import garbage as _gc
 from quire._format import root as _root
 from quire._runtime import ioloop as _io
@@ -53,10 +52,10 @@ class Faults:
         self.calls = 0
         self.at: int | None = None
 
-    def install(self, mp: pytest.MonkeyPatch) -> None:
+    def install(self, mp: pytest.MonkeyPatch, cls: type = LocalBackend) -> None:
         for m in WRITES:
-            orig = getattr(LocalBackend, m)
-            mp.setattr(LocalBackend, m, self._wrap(orig))
+            orig = getattr(cls, m)
+            mp.setattr(cls, m, self._wrap(orig))
 
     def _wrap(self, orig: Any) -> Any:
         faults = self
@@ -77,11 +76,16 @@ def rand(seed: int) -> np.ndarray:
 class IncrementalRoot(RuleBasedStateMachine):
     mp: pytest.MonkeyPatch
     faults: Faults
+    # Where roots live: a fresh URL per sequence (None: a local temporary directory),
+    # and the storage options to reach it.
+    fresh_url: Any = None
+    options: dict[str, Any] | None = None
 
     @initialize()
     def start(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="quire-incr-"))
-        self.root = str(self.dir / "root")
+        self.root = str(self.dir / "root") if self.fresh_url is None else self.fresh_url()
+        self.backend = open_backend(self.root, self.options)
         self.trees: dict[int, dict[str, np.ndarray]] = {}
         self.step = 0
         self.frozen = {f"f{i}": jnp.asarray(rand(1000 + i)) for i in range(4)}
@@ -90,8 +94,16 @@ class IncrementalRoot(RuleBasedStateMachine):
 
     def _open(self) -> quire.Checkpointer:
         return quire.Checkpointer(
-            self.root, incremental=True, keep=LatestN(2), gc_grace_period=None
+            self.root,
+            incremental=True,
+            keep=LatestN(2),
+            gc_grace_period=None,
+            storage_options=self.options,
         )
+
+    def _committed(self, step: int) -> bool:
+        key = f"{_root.DEFAULT_STEP_FORMAT.format(step)}/quire.json"
+        return bool(_io.submit(self.backend.exists(key)).result())
 
     def _tree(self, kind: str) -> dict[str, Any]:
         self.step += 1
@@ -135,8 +147,7 @@ class IncrementalRoot(RuleBasedStateMachine):
             self.ck.wait()
         except Exception:
             pass
-        committed = Path(self.root) / _root.DEFAULT_STEP_FORMAT.format(self.step) / "quire.json"
-        if committed.exists():
+        if self._committed(self.step):
             self._record(self.step, tree)
         try:
             self.ck.close()
@@ -152,10 +163,9 @@ class IncrementalRoot(RuleBasedStateMachine):
     @rule(kind=st.sampled_from(["frozen", "changed"]))
     def gc_during_save(self, kind: str) -> None:
         tree = self._tree(kind)
-        backend = open_backend(self.root)
         fmt = _root.StepFormat(_root.DEFAULT_STEP_FORMAT)
         self.ck.save(self.step, tree)  # in the background
-        _io.submit(_gc.collect(backend, self.root, fmt, grace_period=3600)).result()
+        _io.submit(_gc.collect(self.backend, self.root, fmt, grace_period=3600)).result()
         self.ck.wait()
         self._record(self.step, tree)
 
@@ -172,7 +182,9 @@ class IncrementalRoot(RuleBasedStateMachine):
             assert np.array_equal(np.asarray(got["x"]), want["x"])
             for k, v in want["frozen"].items():
                 assert np.array_equal(np.asarray(got["frozen"][k]), v), (s, k)
-            assert cli(["verify", f"{self.root}/{_root.DEFAULT_STEP_FORMAT.format(s)}"]) == 0
+            url = f"{self.root}/{_root.DEFAULT_STEP_FORMAT.format(s)}"
+            report = quire.verify(url, storage_options=self.options)
+            assert not report.problems, report
         if self.trees:  # retention never deletes the latest committed step
             assert max(self.trees) in steps, (max(self.trees), steps)
 
@@ -186,11 +198,21 @@ class IncrementalRoot(RuleBasedStateMachine):
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _run(monkeypatch: pytest.MonkeyPatch, examples: int) -> None:
+def run_machine(
+    monkeypatch: pytest.MonkeyPatch,
+    examples: int,
+    *,
+    backend: type = LocalBackend,
+    fresh_url: Any = None,
+    options: dict[str, Any] | None = None,
+) -> None:
+    """Run the machine ``examples`` times on roots of ``backend`` (moto: tests/)."""
     faults = Faults()
-    faults.install(monkeypatch)
+    faults.install(monkeypatch, backend)
     IncrementalRoot.mp = monkeypatch
     IncrementalRoot.faults = faults
+    IncrementalRoot.fresh_url = staticmethod(fresh_url) if fresh_url else None
+    IncrementalRoot.options = options
     IncrementalRoot.TestCase.settings = settings(
         max_examples=examples,
         stateful_step_count=8,
@@ -201,9 +223,9 @@ def _run(monkeypatch: pytest.MonkeyPatch, examples: int) -> None:
 
 
 def test_incremental_state_machine_default_lane(monkeypatch: pytest.MonkeyPatch) -> None:
-    _run(monkeypatch, 4)
+    run_machine(monkeypatch, 4)
 
 
 @pytest.mark.slow
 def test_incremental_state_machine_slow_lane(monkeypatch: pytest.MonkeyPatch) -> None:
-    _run(monkeypatch, 200)
+    run_machine(monkeypatch, 200)
