@@ -18,7 +18,7 @@ import quire
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 sys.path.insert(0, HERE)
-from make_golden import expected  # noqa: E402
+from make_golden import expected, incremental_expected  # noqa: E402
 
 V1 = os.path.join(HERE, "v1")
 
@@ -142,3 +142,30 @@ def test_golden_v2_rewritten_journal(version: str) -> None:
 
     assert main(["verify", path]) == 0
     assert quire.metadata(path).format_version == 2
+
+
+def test_golden_incremental_root() -> None:
+    """An incremental root (docs/format.md "Borrowed bytes"): step 1 retired (record
+    deleted, pack kept), steps 2 and 3 borrow ``frozen`` from step 1's pack."""
+    import json
+
+    from quire._cli.main import main
+
+    root = os.path.join(HERE, "incremental")
+    assert os.path.isfile(os.path.join(root, "checkpointer.json")), (
+        f"golden incremental root {root} is missing; it is committed with the repository "
+        "(tests/golden/make_golden.py --incremental writes it once)"
+    )
+    assert not os.path.exists(os.path.join(root, "step_00000001", "quire.json"))
+    assert quire.Checkpointer(root).steps() == [2, 3]
+    for step in (2, 3):
+        path = os.path.join(root, f"step_{step:08d}")
+        with open(os.path.join(path, "quire.json")) as f:
+            (entry,) = json.load(f)["indexes"]
+        (lent,) = entry["borrowed"]
+        assert lent.startswith("../step_00000001/d/")
+        want = incremental_expected(step)
+        got = jax.tree.map(np.asarray, quire.load(path))  # saved jax arrays load as jax
+        assert int(got.pop("step")) == want.pop("step")
+        same(want, got)
+        assert main(["verify", path]) == 0

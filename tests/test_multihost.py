@@ -316,6 +316,29 @@ def test_checkpointer_across_processes(topology: str, run_2x4: Run, run_4x2: Run
 
 
 @pytest.mark.parametrize("topology", ["2x4", "4x2"])
+def test_incremental_checkpointer_across_processes(
+    topology: str, run_2x4: Run, run_4x2: Run
+) -> None:
+    """Incremental steps on several processes: every process borrows only from its own
+    earlier packs (its index entry declares only p<pid>-* packs of step 1), writes only
+    its index after step 1, and the retained steps load bit-exact."""
+    run, n = (run_2x4, 2) if topology == "2x4" else (run_4x2, 4)
+    for pid in range(n):
+        r = run.one("checkpointer_inc", pid)
+        assert "failed" not in r, r["failed"] + r.get("tb", "")
+        assert r["steps"] == [2, 3] and r["bad"] == [] and not r["step1_record"]
+        for proc, targets in r["borrowed"].items():
+            assert targets, (proc, r["borrowed"])
+            assert all(
+                t.startswith("../step_00000001/d/") and f"/%packs/p{int(proc):05d}-" in t
+                for t in targets
+            ), (proc, targets)
+        for where, keys in r["packs"].items():
+            if where.startswith(("step_00000002", "step_00000003")):
+                assert all(k.endswith(".index.json") for k in keys), (where, keys)
+
+
+@pytest.mark.parametrize("topology", ["2x4", "4x2"])
 def test_disagreeing_scalar_fails_everywhere(topology: str, run_2x4: Run, run_4x2: Run) -> None:
     run, n = (run_2x4, 2) if topology == "2x4" else (run_4x2, 4)
     for pid in range(n):

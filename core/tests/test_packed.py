@@ -276,22 +276,22 @@ def test_load_reads_only_its_own_index(tmp_path: Path) -> None:
 def test_adjacent_chunk_reads_are_coalesced(tmp_path: Path) -> None:
     """A load of an array whose 8 chunks lie back to back in one pack sends few range
     requests (the concurrent reads of adjacent ranges are merged), not one per chunk."""
-    from quire._format import chunkindex as _chunkindex
+    from quire._format import packedreader as _packedreader
 
     url = str(tmp_path / "c")
     x = jnp.arange(8 * 1024, dtype=jnp.float32).reshape(8, 1024)
     quire.save(url, {"x": jax.device_put(x, NS(mesh((8,), ("d",)), P("d")))})
     made: list[Any] = []
-    orig = _chunkindex.reader
+    orig = _packedreader.reader
 
     def spy(*a: Any, **k: Any) -> Any:
         made.append(orig(*a, **k))
         return made[-1]
 
-    _chunkindex.reader = spy  # type: ignore[assignment]
+    _packedreader.reader = spy  # type: ignore[assignment]
     try:
         got = quire.load(url, {"x": jax.ShapeDtypeStruct(x.shape, x.dtype)})
     finally:
-        _chunkindex.reader = orig  # type: ignore[assignment]
+        _packedreader.reader = orig  # type: ignore[assignment]
     assert np.array_equal(np.asarray(got["x"]), np.asarray(x))
     assert 1 <= made[0].requests < 8

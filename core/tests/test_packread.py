@@ -66,16 +66,16 @@ def test_small_leaves_load_in_few_window_requests(reads: list[tuple[str, int, in
 def test_without_read_part_size_no_windows_are_planned(monkeypatch: Any) -> None:
     """The local and memory backends (no ``read_part_size``) plan no windows (a window
     would only add a copy there): reads stay per chunk, merged only when queued together."""
-    from quire._format import chunkindex as _chunkindex
+    from quire._format import packedreader as _packedreader
 
     made: list[Any] = []
-    orig = _chunkindex.reader
+    orig = _packedreader.reader
 
     def spy(*a: Any, **k: Any) -> Any:
         made.append(orig(*a, **k))
         return made[-1]
 
-    monkeypatch.setattr(_chunkindex, "reader", spy)
+    monkeypatch.setattr(_packedreader, "reader", spy)
     tree = _tree(40)
     url = _url()
     quire.save(url, tree)

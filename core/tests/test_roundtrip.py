@@ -219,7 +219,7 @@ def test_jax_shardings_and_resharding(url: str) -> None:
 
 
 def test_resharded_load_reads_only_needed_chunks(tmp_path: Any) -> None:
-    from quire._format.chunkindex import PackedReader
+    from quire._format.packedreader import PackedReader
 
     url = str(tmp_path / "c")
     x = jnp.arange(8 * 1024, dtype=jnp.float32).reshape(8, 1024)

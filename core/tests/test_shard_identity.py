@@ -29,7 +29,7 @@ import quire
 from quire import partial
 from quire._cli.main import main
 from quire._format import chunkid as _chunkid
-from quire._format import chunkindex as _chunkindex
+from quire._format import packedreader as _packedreader
 from quire._format import record as _format
 from quire._format import shardid as _shardid
 from quire._format.crc import crc32c
@@ -240,8 +240,8 @@ def test_an_inner_chunk_read_before_its_shard_index_is_still_bound(tmp_path: Pat
 
     async def go() -> None:
         base = open_backend(url)
-        reader = _chunkindex.reader(base, url, rec["indexes"])
-        assert isinstance(reader, _chunkindex.PackedReader)
+        reader = _packedreader.reader(base, url, rec["indexes"])
+        assert isinstance(reader, _packedreader.PackedReader)
         good = _key(url, "a", "0/0")
         assert len(await reader.get(good, 68, 136)) == 68
         with pytest.raises(ValueError, match=f"{key}: inner chunk 1 .*zarr shard"):

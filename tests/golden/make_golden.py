@@ -4,6 +4,7 @@
     .venv/bin/python tests/golden/make_golden.py --v2       # format v2 (packed)
     .venv/bin/python tests/golden/make_golden.py --v2-rewritten   # v2/rewritten only
     .venv/bin/python tests/golden/make_golden.py --v2-index3      # v2 with chunk index format 3
+    .venv/bin/python tests/golden/make_golden.py --incremental    # an incremental root
 
 ``v2`` holds chunk indexes of format 2 (a CRC-32 for every key), written before the crc32c
 trailer binding; ``v2-index3`` the same checkpoints (and the rewritten journal) with format-3
@@ -81,9 +82,49 @@ def rewritten(version: str = "v2") -> None:
     print("wrote", out)
 
 
+def incremental_expected(step: int) -> dict[str, object]:
+    """Step ``step`` of the golden incremental root: ``frozen`` the same every step,
+    ``x`` new each step."""
+    return {
+        "frozen": {
+            "e": np.arange(40, dtype=np.int32).reshape(5, 8),
+            "w": np.arange(96, dtype=np.float32).reshape(8, 12) / 3,
+        },
+        "x": np.arange(6, dtype=np.float32) + step,
+        "step": step,
+    }
+
+
+def incremental() -> None:
+    """``incremental``: a ``Checkpointer(incremental=True, keep=LatestN(2))`` root after
+    steps 1, 2, 3: step 1's record was deleted by retention, its pack is kept (steps 2 and
+    3 borrow ``frozen`` from it), the adapters-like ``x`` are owned by each step."""
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    import jax.numpy as jnp
+
+    import quire
+    from quire.policies import LatestN
+
+    out = os.path.join(HERE, "incremental")
+    if os.path.exists(out) and "--force" not in sys.argv:
+        sys.exit(f"{out} exists; pass --force to rewrite it")
+    shutil.rmtree(out, ignore_errors=True)
+    first: dict[str, np.ndarray] = incremental_expected(0)["frozen"]  # type: ignore[assignment]
+    frozen = {k: jnp.asarray(v) for k, v in first.items()}
+    with quire.Checkpointer(out, keep=LatestN(2), incremental=True) as ck:
+        for step in (1, 2, 3):
+            tree = dict(incremental_expected(step), frozen=frozen)
+            tree["x"] = jnp.asarray(tree["x"])
+            ck.save(step, tree)
+            ck.wait()
+    print("wrote", out)
+
+
 def main() -> None:
     if "--v2-rewritten" in sys.argv:
         return rewritten()
+    if "--incremental" in sys.argv:
+        return incremental()
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import jax
 

@@ -214,8 +214,8 @@ def _root_of(b: Any) -> str:
 def _install_packed() -> None:
     """Format v2: record the zarr keys written into packs and read out of them, so the
     ownership and byte-count checks stay per chunk."""
-    from quire._format.chunkindex import PackedReader
     from quire._format.pack import PackWriter
+    from quire._format.packedreader import PackedReader
 
     put, get, get_into = PackWriter.put_bound, PackedReader.get, PackedReader.get_into
 
@@ -591,6 +591,9 @@ def scenario_save() -> None:
     else:
         emit("checkpointer", missing=True)
 
+    # 4b. an incremental Checkpointer: steps 2 and 3 borrow every chunk
+    guarded("checkpointer_inc", checkpointer_incremental, os.path.join(base, "run-inc"), tree)
+
     # 5. a scalar that differs between processes
     failing_save("disagree", os.path.join(base, "disagree"), dict(tree, step=100 + PID_))
 
@@ -679,6 +682,36 @@ def checkpointer(root: str, tree: dict[str, Any]) -> None:
         bad=compare(loaded, "save"),
         on_disk=sorted(d for d in os.listdir(root) if d.startswith("step")),
         wrote={os.path.relpath(k, root): v for k, v in writes.items()},
+    )
+
+
+def checkpointer_incremental(root: str, tree: dict[str, Any]) -> None:
+    """The same tree objects at steps 1, 2, 3 of an incremental root (keep the latest 2):
+    each process borrows only from its own earlier packs and writes no pack after step 1."""
+    from quire.policies import LatestN
+
+    with quire.Checkpointer(root, keep=LatestN(2), gc_grace_period=None, incremental=True) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, dict(tree, step=step))
+        ck.wait()
+        steps = ck.steps()
+        loaded = ck.load(3, abstract_tree("save"))
+    loaded = dict(loaded, step=7)
+    barrier("checkpointer_inc")
+    with open(os.path.join(root, "step_00000003", "quire.json")) as f:
+        record = json.load(f)
+    packs = {
+        os.path.relpath(k, root): v
+        for k, v in IO.packs.items()
+        if k.startswith(os.path.abspath(root))
+    }
+    emit(
+        "checkpointer_inc",
+        steps=steps,
+        bad=compare(loaded, "save"),
+        borrowed={str(e["process"]): sorted(e.get("borrowed", {})) for e in record["indexes"]},
+        packs=packs,
+        step1_record=os.path.exists(os.path.join(root, "step_00000001", "quire.json")),
     )
 
 

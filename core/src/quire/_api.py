@@ -8,6 +8,7 @@ from typing import Any, TypedDict, Unpack
 
 from quire._engine import load as _load
 from quire._engine import save as _engine
+from quire._engine.incremental import Incremental
 from quire._format import record as _format
 from quire._handlers.units import as_mapping
 from quire._runtime import ioloop as _io
@@ -41,9 +42,11 @@ def _start_save(
     copy: bool,
     options: SaveOptions,
     stats: dict[str, Any] | None = None,
+    incremental: Incremental | None = None,
 ) -> AsyncResponse[None]:
     """The one save path; ``copy``: snapshot to host first (async) or stream (blocking);
-    ``stats`` receives the engine's counters (tests read the byte budget's peak)."""
+    ``stats`` receives the engine's counters (tests read the byte budget's peak);
+    ``incremental``: a Checkpointer's incremental state (``quire._engine.incremental``)."""
     unknown = sorted(set(options) - set(SaveOptions.__annotations__))
     if unknown:
         raise TypeError(f"{fn}() got an unexpected keyword argument {unknown[0]!r}")
@@ -53,7 +56,12 @@ def _start_save(
     if rep is not None:
         rep.add_total(_tree_nbytes(units))
     prep = _engine.prepare_save(
-        units, options.get("storage"), copy=copy, url=u, layout=options.get("layout")
+        units,
+        options.get("storage"),
+        copy=copy,
+        url=u,
+        layout=options.get("layout"),
+        incremental=incremental,
     )
 
     return chain(
@@ -72,6 +80,17 @@ def _start_save(
         ),
         f"save {u}",
     )
+
+
+def save_units_async(
+    url: str,
+    units: Mapping[str, Any],
+    incremental: Incremental | None,
+    **options: Unpack[SaveOptions],
+) -> AsyncResponse[None]:
+    """``save_checkpointables_async`` for a Checkpointer: ``units`` as they are (a tree is
+    ``{"pytree": tree}``), with its incremental state (None: a plain save)."""
+    return _start_save("save_async", url, units, True, options, incremental=incremental)
 
 
 def _tree_nbytes(node: Any) -> int:

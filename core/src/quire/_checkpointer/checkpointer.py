@@ -39,8 +39,10 @@ from quire._checkpointer.retain import (
 from quire._checkpointer.save_policies import OnPreemption, SaveContext, SavePolicy
 from quire._checkpointer.tasks import _BackgroundTasks
 from quire._engine import garbage as _gc
+from quire._engine import incremental as _inc
 from quire._format import root as _root
 from quire._format.record import PYTREE
+from quire._handlers.units import as_mapping
 from quire._runtime import exithook as _exit
 from quire._runtime.config import current
 from quire._store.url import normalize, open_backend
@@ -111,6 +113,13 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
         After its first commit, the Checkpointer removes (in the background, on the
         primary process) uncommitted steps and superseded data older than this many
         seconds; None turns that off (``quire gc ROOT`` still works).
+    incremental : bool
+        Write only what changed since this process's previous step: a leaf that is the
+        same ``jax.Array`` object as last time is not copied, encoded or written, and an
+        encoded chunk whose xxh3-128 equals the previous step's is not written; the step's
+        chunk index points at the earlier bytes instead (format v2 only).  Deleting a
+        step then removes its record, and its bytes only once no retained step, journal or
+        in-flight save uses them (a mark-and-sweep gc; see docs/checkpointer.md).
 
     Raises
     ------
@@ -130,6 +139,7 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
         storage_options: dict[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
         gc_grace_period: float | None = _gc.DEFAULT_GRACE_PERIOD,
+        incremental: bool = False,
     ) -> None:
         if save_policy is not None and not isinstance(save_policy, SavePolicy):
             raise TypeError(f"save_policy must be a quire.policies.SavePolicy, got {save_policy!r}")
@@ -164,6 +174,7 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
         self._errors: list[BaseException] = []
         self._gc_done = False
         self._closed = False
+        self._inc = _inc.Incremental(self.root) if incremental else None
 
         doc = self._run(_root.read_root_record(self._backend, self.root))
         if doc is not None and step_format is not None and doc["step_format"] != step_format:
@@ -380,22 +391,19 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
             self._run(_gc.create_root_record(self._backend, self._fmt.pattern, self._metadata))
             self._root_doc = self._run(_root.read_root_record(self._backend, self.root))
         url = self._url(step)
-        if single:
-            resp = _api.save_async(
-                url,
-                units[PYTREE],
-                metadata=user,
-                overwrite=force,
-                storage_options=self._storage_options,
+        if self._inc is not None and not self._inc.started:
+            latest = self._latest()  # an earlier run's last step: borrow its bytes
+            self._run(
+                self._inc.start(self._backend, None if latest is None else self._fmt.name(latest))
             )
-        else:
-            resp = _api.save_checkpointables_async(
-                url,
-                units,
-                metadata=user,
-                overwrite=force,
-                storage_options=self._storage_options,
-            )
+        resp = _api.save_units_async(
+            url,
+            units if single else as_mapping(units),
+            self._inc,
+            metadata=user,
+            overwrite=force,
+            storage_options=self._storage_options,
+        )
         with self._lock:
             self._inflight_step = step
             self._last_saved_step = step
@@ -409,10 +417,16 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
         try:
             await _await_response(resp)
         except BaseException as e:
+            if self._inc is not None:
+                self._inc.failed()
+                await self._inc.release(self._backend)
             with self._lock:
                 self._inflight_step = None
             e.add_note(f"(background save of step {step} to {url})")
             raise
+        if self._inc is not None:
+            self._inc.committed()
+            await self._inc.release(self._backend)
         with self._lock:
             self._committed[step] = StepInfo(step, time.time(), metrics)
             self._inflight_step = None

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, overload
 from quire import _api
 from quire._checkpointer.keep_policies import BestN, KeepPolicy, StepInfo
 from quire._engine import garbage as _gc
+from quire._engine import incremental as _inc
 from quire._format import root as _root
 from quire.errors import CheckpointNotFoundError, QuireError
 
@@ -105,6 +106,7 @@ class _RetainLoadMixin:
         _inflight_step: int | None
         _root_doc: dict[str, Any] | None
         _fmt: _root.StepFormat
+        _inc: Any
 
         def _run(self, coro: Coroutine[Any, Any, Any]) -> Any: ...
         def _schedule(self, make: Callable[[], Coroutine[Any, Any, Any]]) -> None: ...
@@ -134,11 +136,18 @@ class _RetainLoadMixin:
             self._deferred = any(self._pins[s] for s in victims)
             victims = [s for s in victims if not self._pins[s]]
             self._deleting.update(victims)
+        # A root an incremental Checkpointer wrote may hold borrowed bytes, whoever prunes it.
+        borrowing = self._inc is not None or (
+            bool(victims) and await self._backend.exists(_inc.MARKER)
+        )
         for s in victims:
             name = self._fmt.name(s)
             if self._primary:
                 try:
-                    await self._backend.delete([f"{name}/quire.json"])  # invisible from here on
+                    if borrowing:  # the record only: later steps may borrow its bytes
+                        await _gc.retire_step(self._backend, self.root, name)
+                    else:
+                        await self._backend.delete([f"{name}/quire.json"])  # invisible now
                 except BaseException:
                     with self._lock:
                         self._deleting.discard(s)
@@ -146,10 +155,13 @@ class _RetainLoadMixin:
             with self._lock:
                 self._committed.pop(s, None)
                 self._deleting.discard(s)
-            if self._primary:
+            if self._primary and not borrowing:
                 # A failure here leaves an incomplete step directory: garbage for gc().
                 await self._backend.delete_prefix(name)
             log.debug("%s: deleted step %d (keep policy)", self.root, s)
+        if self._primary and borrowing and victims:
+            grace = self._gc_grace if self._gc_grace is not None else _gc.DEFAULT_GRACE_PERIOD
+            await _gc.sweep_retired(self._backend, self.root, self._fmt, grace)
 
     def _protected(self) -> set[int]:
         with self._lock:

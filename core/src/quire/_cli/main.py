@@ -33,7 +33,8 @@ from quire._engine import load as _load
 from quire._engine import scan as _scan
 from quire._format import describe as _describe
 from quire._format import root as _root
-from quire._format.describe import chain_text, counts
+from quire._format.borrow import borrowed_of
+from quire._format.describe import chain_text, counts, ownership
 from quire._format.paths import is_chunk
 from quire._runtime import ioloop as _io
 from quire._runtime import progress as _progress
@@ -108,6 +109,16 @@ def cmd_info(args: argparse.Namespace) -> int:
     )
 
     print(f"  {_summary(counts(m.tree))}, {totals['inline']} inline leaves")
+    lent = borrowed_of(m.record.get("indexes"))
+    if lent:  # an incremental step (quire._format.borrow)
+        from quire._runtime import ioloop as _io
+
+        so = storage_options(args)
+        own, b = _io.submit(ownership(open_backend(m.url, so), m.url, m.record)).result()
+        print(
+            f"  incremental: owns {_human(own)}, borrows {_human(b)} "
+            f"from {len(lent)} pack(s) of earlier steps"
+        )
     others = {n: k for n, k in m.units.items() if k != "pytree"}
     if others:
         print("  units: " + ", ".join(f"{n} ({k})" for n, k in others.items()))

@@ -172,8 +172,11 @@ async def publish(
     fix: str = "pass overwrite=True to replace it",
     owned: bool = True,
     coord: Coordinator | None = None,
+    keep_superseded: bool = False,
 ) -> None:
-    """Commit ``data`` as ``url``'s ``quire.json``, then drop the data it supersedes.
+    """Commit ``data`` as ``url``'s ``quire.json``, then drop the data it supersedes
+    (unless ``keep_superseded``: an incremental root, whose later steps may borrow those
+    bytes; its mark-and-sweep gc removes them).
 
     ``txids`` are the data the record references.  Without ``overwrite`` the record is
     conditionally created; losing that race raises ``CheckpointExistsError`` after
@@ -211,7 +214,8 @@ async def publish(
             ) from None
     if coord is not None and coord.active and coord.is_primary:
         await coord.decide("ok:null")
-    await drop_txids(backend, url, sorted(old - mine))
+    if not keep_superseded:
+        await drop_txids(backend, url, sorted(old - mine))
 
 
 async def _txids_at(backend: Backend, url: str) -> set[str]:

@@ -21,12 +21,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from quire._engine import commit as _commit
 from quire._engine.packcopy import plan_packed
+from quire._engine.unborrow import Unborrow
 from quire._format import record as _format
+from quire._format.borrow import BorrowingView, parent_url
 from quire._format.crc import crc_bytes
 from quire._format.paths import is_chunk, is_safe_location
 from quire._format.tree import from_json, keystr
@@ -89,6 +91,8 @@ class _Item:
     check: Callable[[bytes], None] | None = None
     size: int | None = None
     chunks: int = 0
+    dest: str | None = None  # the key at DST, when not ``key`` (a borrowed pack)
+    rewrite: Callable[[bytes], bytes] | None = None  # what DST stores (a borrowing index)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -210,11 +214,26 @@ async def copy_checkpoint(
         raw, doc = record.raw, record.doc
         if not overwrite:
             await _commit.ensure_absent(db, dst, "pass --overwrite to replace it")
-        items = await plan(sb, src, doc)
-        done_bytes, verified, chunks = await _copy_objects(sb, db, src, items, progress)
+        unb = Unborrow.of(doc)  # an incremental step: the copy owns what it borrows
+        rb = sb if unb is None else BorrowingView(sb, open_backend(parent_url(src), src_options))
+        items = await plan(rb, src, doc)
+        txids: Collection[str] = record.txids
+        if unb is not None:
+            entries = {e["object"]: e for e in doc["indexes"]}
+            items = [
+                dataclasses.replace(
+                    i,
+                    dest=unb.dest(i.key),
+                    rewrite=unb.index(entries[i.key]) if i.key in entries else None,
+                )
+                for i in items
+            ]
+        done_bytes, verified, chunks = await _copy_objects(rb, db, src, items, progress)
         await db.sync()
+        if unb is not None:
+            raw, txids = unb.record(raw)
         await _commit.publish(
-            db, dst, raw, record.txids, overwrite=overwrite, fix="pass --overwrite to replace it"
+            db, dst, raw, txids, overwrite=overwrite, fix="pass --overwrite to replace it"
         )
     finally:
         await sb.close()
@@ -268,7 +287,9 @@ async def _copy_objects(
                             "at the destination"
                         ) from e
                     done[2] += 1
-                await db.put(item.key, [data])
+                if item.rewrite is not None:
+                    data = item.rewrite(data)
+                await db.put(item.dest or item.key, [data])
         done[0] += 1
         done[1] += len(data)
         done[3] += item.chunks

@@ -8,11 +8,22 @@ Garbage (removed by :func:`collect`, never younger than the grace period):
   does not reference (left by a crash during an overwrite or by a re-save over debris).
 
 Partial steps and directory names that do not parse as steps are never touched.
+
+Borrowed bytes (an incremental root, ``quire._engine.incremental``): the collection is a
+mark-and-sweep.  *Mark*: every pack a committed step's record declares as borrowed, then
+every pack a lease younger than the grace period names (records first, leases second: a
+save writes its lease before it checks that the step it borrows from still exists).
+*Sweep*: the garbage above, less the marked packs: a pack goes only when nothing live
+points into it.  A record that cannot be read marks every pack (nothing is swept blind).
+Old leases (a save that died) are garbage too.  A step deleted by an incremental
+Checkpointer's retention leaves a ``retired.json`` naming its txids; :func:`sweep_retired`
+removes what of those txids is not marked at once, whatever its age.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import defaultdict
 from collections.abc import Collection
@@ -21,7 +32,9 @@ from typing import Any
 
 from quire._engine import commit as _commit
 from quire._engine import journal as _journal
+from quire._engine.incremental import LEASE_DIR, MARKER
 from quire._format import record as _format
+from quire._format.borrow import borrowed_of, root_relative
 from quire._format.record import JOURNAL_DIR
 from quire._format.root import (
     ROOT_RECORD,
@@ -100,9 +113,10 @@ class Garbage:
 
     prefix: str  # relative to the root, no trailing slash
     step: int
-    kind: str  # "incomplete" (whole step directory) or "superseded" (an unreferenced txid)
+    kind: str  # "incomplete" (whole step directory), "superseded" (an unreferenced txid), "lease"
     nbytes: int
     age: float | None  # seconds since the newest write; None when the backend can't say
+    keys: tuple[str, ...] = ()  # only these (the rest of the prefix holds borrowed packs)
 
 
 @dataclass(frozen=True)
@@ -128,7 +142,11 @@ async def find_garbage(
     """(removable, kept-because-young-or-unknown-age) garbage under the root."""
     listing = await list_root(backend, fmt)
     now = time.time()
-    candidates: list[tuple[StepDir, str, str, list[str]]] = []
+    docs: dict[str, dict[str, Any] | None] = {}
+    live = await mark(backend, url, listing.steps, grace_period, docs)
+    candidates: list[tuple[StepDir | None, str, str, list[str]]] = []
+    for key in live.stale_leases:
+        candidates.append((None, key, "lease", [key]))
     for sd in listing.steps:
         if sd.step in exclude:
             continue
@@ -139,29 +157,30 @@ async def find_garbage(
             journal = [k for k in sd.keys if k.startswith(f"{sd.name}/{JOURNAL_DIR}/")]
             candidates.append((sd, f"{sd.name}/{JOURNAL_DIR}", "unfinished", journal))
         elif state == "committed":
-            try:
-                doc = await read_step_record(backend, url, sd.name)
-            except QuireError:
-                continue  # a damaged record is for a human to look at, not for GC
+            doc = docs.get(sd.name)
             if doc is None:
-                continue
-            live = set(doc["txids"])
+                continue  # a damaged record is for a human to look at, not for GC
+            referenced = set(doc["txids"])
             by_txid: dict[str, list[str]] = defaultdict(list)
             for k in sd.keys:
                 parts = k.split("/")
                 if len(parts) >= 4 and parts[1] == "d":
                     by_txid[parts[2]].append(k)
             for txid, keys in sorted(by_txid.items()):
-                if txid not in live:
+                if txid not in referenced:
                     candidates.append((sd, f"{sd.name}/d/{txid}", "superseded", keys))
 
-    async def one(c: tuple[StepDir, str, str, list[str]]) -> tuple[Garbage, bool]:
+    async def one(c: tuple[StepDir | None, str, str, list[str]]) -> tuple[Garbage, bool]:
         sd, prefix, kind, keys = c
-        t = await newest(backend, keys)
+        dead = [k for k in keys if not live.holds(k)]
+        t = await newest(backend, dead)
         age = None if t is None else max(0.0, now - t)
-        g = Garbage(prefix, sd.step, kind, await sizes(backend, keys), age)
+        only = tuple(dead) if len(dead) < len(keys) or kind == "lease" else ()
+        g = Garbage(
+            prefix, -1 if sd is None else sd.step, kind, await sizes(backend, dead), age, only
+        )
         old = grace_period <= 0 or (age is not None and age >= grace_period)
-        return g, old
+        return g, old and bool(dead)
 
     results = await asyncio.gather(*(one(c) for c in candidates))
     removable = [g for g, old in results if old]
@@ -172,7 +191,17 @@ async def find_garbage(
 async def remove(backend: Backend, url: str, g: Garbage) -> bool:
     """Remove one piece of garbage, re-checking first that it is still garbage."""
     name = g.prefix.split("/", 1)[0]
-    if g.kind == "unfinished":
+    if g.kind == "lease":
+        await backend.delete(list(g.keys))
+    elif g.keys:  # borrowed packs stay: remove the rest, once it is still garbage
+        if g.kind == "incomplete" and await backend.exists(f"{name}/{_format.RECORD}"):
+            return False
+        if g.kind == "superseded":
+            doc = await read_step_record(backend, url, name)
+            if doc is None or g.prefix.rsplit("/", 1)[-1] in doc["txids"]:
+                return False
+        await backend.delete(list(g.keys))
+    elif g.kind == "unfinished":
         if not await finish_unfinished(backend, url, name):
             return False
     elif g.kind == "incomplete":
@@ -215,6 +244,100 @@ async def collect(
         done = [g for g in removable if await remove(backend, url, g)]
         removable = done
     return GcReport(removable, kept, not dry_run, grace_period)
+
+
+@dataclass
+class Live:
+    """The mark of a mark-and-sweep: root-relative packs something live points into."""
+
+    packs: set[str]
+    everything: bool = False  # a record could not be read: keep every pack
+    stale_leases: tuple[str, ...] = ()
+
+    def holds(self, key: str) -> bool:
+        return key in self.packs or (self.everything and "/%packs/p" in key)
+
+
+async def mark(
+    backend: Backend,
+    url: str,
+    steps: Collection[StepDir],
+    grace_period: float,
+    docs: dict[str, dict[str, Any] | None] | None = None,
+) -> Live:
+    """Mark the packs committed steps borrow, then those young leases name (in that order,
+    see the module docstring); ``docs`` receives the records read."""
+    docs = {} if docs is None else docs
+    live = Live(set())
+
+    async def one(sd: StepDir) -> None:
+        try:
+            doc = await read_step_record(backend, url, sd.name)
+        except QuireError:
+            doc, live.everything = None, True
+        docs[sd.name] = doc
+        for target in borrowed_of((doc or {}).get("indexes")):
+            live.packs.add(root_relative(sd.name, target))
+
+    await asyncio.gather(*(one(sd) for sd in steps if sd.state == "committed"))
+    stale = []
+    now = time.time()
+    for key in await backend.list(f"{LEASE_DIR}/"):
+        if key == MARKER:
+            continue
+        t = await backend.modified(key)
+        if grace_period > 0 and (t is None or now - t < grace_period):
+            try:
+                doc = json.loads(await backend.get(key))
+                live.packs.update(p for p in doc["packs"] if isinstance(p, str))
+            except FileNotFoundError:
+                continue  # released meanwhile: its save committed (marked above) or failed
+            except (ValueError, KeyError, TypeError):
+                live.everything = True
+        else:
+            stale.append(key)
+    live.stale_leases = tuple(stale)
+    return live
+
+
+RETIRED = "retired.json"
+
+
+async def retire_step(backend: Backend, url: str, name: str) -> None:
+    """Retention in an incremental root: the record goes (the step vanishes at once), its
+    txids are noted in ``<step>/retired.json``, and :func:`sweep_retired` removes what of
+    them no other step borrows.  A crash in between leaves an incomplete step directory
+    (``collect`` removes it after the grace period, borrowed packs excepted)."""
+    doc = await read_step_record(backend, url, name)
+    await backend.delete([f"{name}/{_format.RECORD}"])
+    if doc is not None:
+        await backend.put(f"{name}/{RETIRED}", [json.dumps({"txids": doc["txids"]}).encode()])
+
+
+async def sweep_retired(backend: Backend, url: str, fmt: StepFormat, grace_period: float) -> int:
+    """Remove the unmarked data of every retired step (the txids its ``retired.json``
+    names; never another save's) and, once none is left, the note; objects removed."""
+    listing = await list_root(backend, fmt)
+    retired = [sd for sd in listing.steps if f"{sd.name}/{RETIRED}" in sd.keys]
+    if not retired:
+        return 0
+    live = await mark(backend, url, listing.steps, grace_period)
+    removed = 0
+    for sd in retired:
+        if sd.state != "incomplete":
+            continue  # saved again meanwhile: its own gc rules apply
+        try:
+            txids = json.loads(await backend.get(f"{sd.name}/{RETIRED}"))["txids"]
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            continue
+        mine = [k for k in sd.keys if any(k.startswith(f"{sd.name}/d/{t}/") for t in txids)]
+        dead = [k for k in mine if not live.holds(k)]
+        if dead:
+            await backend.delete(dead)
+            removed += len(dead)
+        if len(dead) == len(mine):
+            await backend.delete([f"{sd.name}/{RETIRED}"])
+    return removed
 
 
 async def delete_step(backend: Backend, name: str) -> None:

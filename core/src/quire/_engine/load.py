@@ -15,7 +15,7 @@ import numpy as np
 
 from quire._engine import commit as _commit
 from quire._engine.shared_reads import plan_shared, prefetch_shared
-from quire._format import chunkindex as _chunkindex
+from quire._format import packedreader as _packedreader
 from quire._format.record import PYTREE
 from quire._format.tree import KeyPath, Node, from_json, keystr, walk
 from quire._handlers import select as _handlers
@@ -43,7 +43,7 @@ log = logging.getLogger("quire")
 
 def packed_view(backend: Backend, url: str, doc: Mapping[str, Any]) -> Backend:
     """A backend that reads format-v2 chunks out of packs (``backend`` itself for v1)."""
-    return _chunkindex.reader(
+    return _packedreader.reader(
         backend, url, doc.get("indexes"), jax.process_index(), doc.get("txids")
     )
 

@@ -48,7 +48,6 @@ from quire._engine.save import new_txid, process_layout
 from quire._format.chunkcheck import check_stored
 from quire._format.chunkid import index_bytes
 from quire._format.chunkindex import (
-    MAX_COALESCED,
     ChunkError,
     Ref,
     index_entry,
@@ -56,6 +55,7 @@ from quire._format.chunkindex import (
     parse_index,
 )
 from quire._format.pack import PackWriter
+from quire._format.packedreader import MAX_COALESCED
 from quire._format.tree import from_json
 from quire._handlers.arrayplan import layout_from_record
 from quire._handlers.zarr_io import chunk_checker

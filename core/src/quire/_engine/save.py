@@ -20,14 +20,16 @@ import collections
 import contextlib
 import logging
 import secrets
+import weakref
 from collections.abc import AsyncGenerator, Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
 import numpy as np
 
 from quire._engine import commit as _commit
+from quire._engine.incremental import Carried, Incremental, LeafInfo, LeafKey
 from quire._format import record as _format
 from quire._format.pack import PackWriter, gather_entries
 from quire._format.paths import assign_locations, escape_component
@@ -75,6 +77,11 @@ class PreparedSave:
     # Streaming writers (``quire cp`` from a source): called with a handler's entries, it
     # yields them in order, in batches, with values filled in just in time.
     feed: Callable[[list[SaveEntry]], AsyncGenerator[list[SaveEntry], None]] | None = None
+    # An incremental Checkpointer save (quire._engine.incremental): leaves carried from the
+    # previous step, and every leaf's (unit, key path) by location.
+    incremental: Incremental | None = None
+    carried: dict[int, tuple[Node, SaveEntry, Carried]] = field(default_factory=dict)
+    paths: dict[str, LeafKey] = field(default_factory=dict)
 
 
 def _is_leaf_value(x: Any) -> bool:
@@ -105,11 +112,13 @@ def prepare_save(
     copy: bool,
     url: str,
     layout: str | None = None,
+    incremental: Incremental | None = None,
 ) -> PreparedSave:
     """Walk every unit, choose handlers, assign locations; copy to host when ``copy``.
 
     With several JAX processes this is a synchronisation point: the primary's txid is
-    used everywhere.
+    used everywhere.  With ``incremental`` (packed layout only), a leaf that is the very
+    ``jax.Array`` saved last time at its key path is carried: not copied to host.
     """
     cfg = current()
     coord = Coordinator(url, "save", primary=cfg.primary_process, timeout=cfg.timeout)
@@ -117,6 +126,10 @@ def prepare_save(
     roots: dict[str, Node] = {}
     objects: dict[str, tuple[str, Any]] = {}
     groups: dict[str, list[tuple[Node, SaveEntry]]] = collections.defaultdict(list)
+    carried: dict[int, tuple[Node, SaveEntry, Carried]] = {}
+    paths: dict[str, LeafKey] = {}
+    if (layout or cfg.layout) != "packed":
+        incremental = None
     for name, obj in units.items():
         hid = _checkpointables.handler_for(obj) if name != PYTREE else None
         if hid is not None:
@@ -134,6 +147,12 @@ def prepare_save(
             entry = SaveEntry(
                 node.path, node.value, _storage_for(storage, node.path, node.value), loc
             )
+            if incremental is not None:
+                paths[loc] = (name, keystr(node.path))
+                info = incremental.same(name, node.path, node.value, entry.storage)
+                if info is not None:
+                    carried[id(node)] = (node, entry, Carried(paths[loc], loc, info))
+                    continue
             groups[h.id].append((node, entry))
     if cfg.replica_writes and jax.process_count() > 1:
         _spread_replica_writes(groups, url)
@@ -144,7 +163,16 @@ def prepare_save(
     if layout not in (None, "packed", "chunks"):
         raise ValueError(f'layout must be "packed" or "chunks", got {layout!r}')
     return PreparedSave(
-        txid, roots, dict(groups), objects, list(units), coord, layout=layout or cfg.layout
+        txid,
+        roots,
+        dict(groups),
+        objects,
+        list(units),
+        coord,
+        layout=layout or cfg.layout,
+        incremental=incremental,
+        carried=carried,
+        paths=paths,
     )
 
 
@@ -198,6 +226,8 @@ async def write_units(
         sink = PackWriter(backend, prep.txid, pidx, cfg.pack_bytes, cfg.byte_budget)
         ctx.backend = sink
     try:
+        if sink is not None and prep.incremental is not None:
+            await _start_incremental(url, backend, prep, sink)
         for hid, items in prep.groups.items():
             h = _handlers.get(hid, url=url)
             entries = [e for _, e in items]
@@ -214,6 +244,10 @@ async def write_units(
                 if rec.get("handler") != hid:
                     rec = {**rec, "handler": hid}
                 records[id(node)] = rec
+        for node, _, c in prep.carried.values():
+            assert sink is not None
+            sink.carry(c.location, c.info.location)
+            records[id(node)] = {**c.info.record, "location": c.location}
         for name, (hid, obj) in prep.objects.items():
             unit_records[name] = await _checkpointables.save_unit(
                 hid, obj, backend, f"d/{prep.txid}/{escape_component(name)}", url, ctx
@@ -225,6 +259,8 @@ async def write_units(
     except BaseException:
         if sink is not None:
             await sink.abort()
+        if prep.incremental is not None:
+            prep.incremental.failed()
         # Nothing references this txid; remove what we wrote (GC would, later).  With
         # several processes the primary cleans up once every process has stopped.
         if not prep.coord.active:
@@ -233,6 +269,8 @@ async def write_units(
     if stats is not None:
         stats.update(ctx.stats)
         stats["budget_peak"] = ctx.budget.peak if ctx.budget else 0
+    if sink is not None and prep.incremental is not None:
+        _wrote_incremental(url, prep, sink, records)
     units: dict[str, dict[str, Any]] = {}
     for name in prep.order:
         if name in prep.roots:
@@ -243,6 +281,53 @@ async def write_units(
         else:
             units[name] = unit_records[name]
     return units
+
+
+async def _start_incremental(url: str, backend: Backend, prep: PreparedSave, sink: Any) -> None:
+    """Lease, then borrow from the previous step; leaves carried from a previous step that
+    is gone after all are written after all (they are immutable ``jax.Array`` s)."""
+    inc = prep.incremental
+    assert inc is not None
+    step = url[len(inc.root) + 1 :]
+    previous = await inc.open(
+        open_backend(inc.root, backend.storage_options), step, prep.txid, prep.paths
+    )
+    sink.incremental(previous)
+    if previous is None and prep.carried:
+        groups = {k: list(v) for k, v in prep.groups.items()}
+        for node, entry, _ in prep.carried.values():
+            h = _handlers.for_value(node.value)
+            assert h is not None
+            groups.setdefault(h.id, []).append((node, entry))
+        prep.groups, prep.carried = groups, {}
+
+
+def _wrote_incremental(
+    url: str, prep: PreparedSave, sink: Any, records: Mapping[int, dict[str, Any]]
+) -> None:
+    """Remember what this save wrote: the next save's base once it commits."""
+    inc = prep.incremental
+    assert inc is not None
+    leaves: dict[LeafKey, LeafInfo] = {}
+    items = [(n, e) for its in prep.groups.values() for n, e in its]
+    items += [(n, e) for n, e, _ in prep.carried.values()]
+    for node, entry in items:
+        v = node.value
+        rec = records.get(id(node))
+        if rec is None or entry.location not in prep.paths:
+            continue
+        ref = weakref.ref(v) if isinstance(v, jax.Array) else None
+        leaves[prep.paths[entry.location]] = LeafInfo(entry.location, rec, ref, entry.storage)
+    inc.stats = {"borrowed_bytes": sink.borrowed_bytes, "written_bytes": sink.bytes}
+    inc.wrote(
+        url[len(inc.root) + 1 :],
+        prep.txid,
+        sink.refs,
+        sink.binds,
+        sink.shards,
+        sink.hashes or {},
+        leaves,
+    )
 
 
 async def save_prepared(
@@ -273,7 +358,15 @@ async def save_prepared(
             extra={"plugins": plugin_sources(units)},
             indexes=await index_entries(backend, prep, coord.count),
         )
-        await _commit.publish(backend, url, data, [prep.txid], overwrite=overwrite, coord=coord)
+        await _commit.publish(
+            backend,
+            url,
+            data,
+            [prep.txid],
+            overwrite=overwrite,
+            coord=coord,
+            keep_superseded=prep.incremental is not None,
+        )
 
     await _commit.collective(
         coord,

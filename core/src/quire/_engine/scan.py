@@ -156,9 +156,9 @@ async def collect_any(
         removable += rem + rem2
         kept += kp + kp2
     if not dry_run:
-        plain = [g for g in removable if g.step < 0]
+        plain = [g for g in removable if g.step < 0 and g.kind != "lease"]  # a root's lease: done
         gone = {g.prefix for g in plain if await _remove(backend, url, g)}
-        removable = [g for g in removable if g.step >= 0 or g.prefix in gone]
+        removable = [g for g in removable if g not in plain or g.prefix in gone]
     return _gc.GcReport(removable, kept, not dry_run, grace_period)
 
 

@@ -143,6 +143,8 @@ def index_bytes(
     refs: Mapping[str, Any],
     binds: Mapping[str, tuple[str, bool]],
     shards: Mapping[str, str] | None = None,
+    hashes: Mapping[str, str] | None = None,
+    borrowed: Mapping[str, int] | None = None,
 ) -> bytes:
     """The serialized chunk index of ``refs`` (fsspec reference form); ``binds`` gives each
     key's (hex, trailer), ``shards`` the zarr shards' trailers (``quire.shards``, a map
@@ -160,5 +162,9 @@ def index_bytes(
         meta["crc32c"] = trailers
     if shards:
         meta["shards"] = dict(shards)
+    if hashes:  # an incremental step: each chunk's xxh3-128 (quire._engine.incremental)
+        meta["xxh3"] = dict(hashes)
+    if borrowed:  # and the packs of earlier steps it points into (quire._format.borrow)
+        meta["borrowed"] = dict(sorted(borrowed.items()))
     doc = {"version": 1, "refs": dict(refs), "quire": meta}
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()

@@ -40,20 +40,16 @@ from __future__ import annotations
 import asyncio
 import builtins
 import json
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from quire._format.chunkcheck import check_read, raise_not_data
+from quire._format.borrow import check_borrowed
+from quire._format.chunkcheck import raise_not_data
 from quire._format.chunkid import FORMATS, TRAILER_FORMAT, Ref, crc_hex
 from quire._format.crc import ChunkError, crc32c
-from quire._format.packread import Windows, expected_refs
 from quire._format.paths import is_safe_location
-from quire._format.shardid import ShardChecks, valid_shard_binding
-from quire._runtime.config import current
-from quire._runtime.ioloop import run_blocking
+from quire._format.shardid import valid_shard_binding
 from quire._store.base import Backend
-from quire._store.wrapped import Wrapped
 from quire.errors import CorruptCheckpointError
 
 # No stored object is this large (S3's limit is 5 TiB): a larger offset or length is forged.
@@ -80,7 +76,9 @@ def is_pack_key(key: object) -> bool:
     return len(parts) == 4 and parts[2] == PACK_DIR and parts[1].isalnum()
 
 
-def target_allowed(target: object, txids: Collection[str] | None) -> bool:
+def target_allowed(
+    target: object, txids: Collection[str] | None, borrowed: Collection[str] = ()
+) -> bool:
     """Whether a chunk index may point a key at ``target``: **the one place that rule
     lives** (every reader parses indexes through :func:`parse_index`, which asks it).
 
@@ -89,9 +87,15 @@ def target_allowed(target: object, txids: Collection[str] | None) -> bool:
     journal, the txids of its versions' indexes).  Data of a txid the record does not list
     is garbage to ``quire gc``, and may be another checkpoint's: a ref into it is damage,
     however well its binding matches.  ``txids=None`` (a writer re-reading indexes it
-    checked already) checks the form only.  A later format that lets a step borrow byte
-    ranges of earlier steps' packs must extend this rule here, explicitly, with what makes
-    such a range live."""
+    checked already) checks the form only.
+
+    The one exception is a **borrowed** pack of an incremental Checkpointer root: a target
+    ``../<step>/d/<txid>/%packs/<name>`` (:func:`quire._format.borrow.is_borrowed_target`)
+    that this index's record entry declares in ``borrowed`` (``borrowed``).  The declaring
+    record is what makes that pack live for the root's mark-and-sweep gc (docs/format.md,
+    "Borrowed bytes"); an undeclared one is refused like any other ref out of the record."""
+    if isinstance(target, str) and target in borrowed:
+        return True
     if not is_pack_key(target):
         return False
     assert isinstance(target, str)
@@ -102,15 +106,27 @@ def index_key(txid: str, process: int) -> str:
     return f"{pack_dir(txid)}/p{process:05d}.index.json"
 
 
-def index_entry(txid: str, process: int, key: str, data: bytes) -> dict[str, Any]:
-    """The commit record's description of one index object."""
-    return {
+def index_entry(
+    txid: str, process: int, key: str, data: bytes, borrowed: Mapping[str, int] | None = None
+) -> dict[str, Any]:
+    """The commit record's description of one index object; ``borrowed`` (an incremental
+    step: ``quire._format.borrow``) the packs of earlier steps it points into, with the
+    bytes it borrows from each (None: read from ``data``)."""
+    if borrowed is None and b'"borrowed"' in data:
+        try:
+            borrowed = json.loads(data)["quire"].get("borrowed")
+        except (ValueError, KeyError, TypeError):
+            borrowed = None
+    out: dict[str, Any] = {
         "txid": txid,
         "process": process,
         "object": key,
         "size": len(data),
         "crc32c": crc_hex(crc32c(data)),
     }
+    if borrowed:
+        out["borrowed"] = dict(sorted(borrowed.items()))
+    return out
 
 
 def check_entries(entries: Any, url: str) -> list[dict[str, Any]]:
@@ -130,6 +146,7 @@ def check_entries(entries: Any, url: str) -> list[dict[str, Any]]:
             and 0 <= e["size"] <= MAX_INDEX_BYTES
             and isinstance(e.get("crc32c"), str)
             and e.get("object") == index_key(e["txid"], e["process"])
+            and ("borrowed" not in e or check_borrowed(e["borrowed"]))
         )
         if not ok:
             raise CorruptCheckpointError(
@@ -173,6 +190,8 @@ def parse_index(
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise ChunkError(f"chunk index {where} is malformed ({e!r})") from e
     prefix = f"d/{entry['txid']}/"
+    # A target outside the checkpoint only as a borrowed pack the record declares.
+    borrowed = entry.get("borrowed") or {}
     out: dict[str, Ref] = {}
     for key, v in refs.items():
         crc, tcrc = crcs.get(key), trailers.get(key)
@@ -196,10 +215,10 @@ def parse_index(
             or any(type(x) is not int or not 0 <= x < MAX_OBJECT_BYTES for x in v[1:])
         ):
             raise ChunkError(f"chunk index {where}: bad reference {str(v)[:200]!r} for {key!r}")
-        if not target_allowed(v[0], txids):
+        if not target_allowed(v[0], txids, borrowed):
             raise ChunkError(
                 f"chunk index {where}: key {key[:200]!r} points at {str(v[0])[:200]!r}, not a "
-                "pack of a txid the commit record lists"
+                "pack of a txid the commit record lists, nor a borrowed pack it declares"
             )
         shard = shards.get(key)
         if shard is not None and (
@@ -290,208 +309,3 @@ class ChunkIndex:
         for m in await asyncio.gather(*(self._load(e) for e in entries)):
             out.update(m)
         return out
-
-
-async def _check_async(ref: Ref, key: str, views: Sequence[memoryview], n: int) -> None:
-    """The identity check of a whole object read through the index.  A trailer-bound
-    chunk is compared by its last 4 bytes: every reader of quire's array chunks decodes
-    them through their codec chain, whose crc32c check binds the rest (``_zarr``:
-    ``_read_raw_into``, ``_decode_one``, ``chunk_checker``)."""
-    if ref.trailer or n < (1 << 16):
-        check_read(ref, key, views, n)
-    else:  # the CRC releases the GIL: checks of big chunks run in parallel, off the loop
-        await run_blocking(check_read, ref, key, views, n)
-
-
-MAX_COALESCED = 8 << 20  # bytes per coalesced range request (larger ones lose parallelism)
-
-
-@dataclass
-class _Read:
-    offset: int
-    length: int
-    views: builtins.list[memoryview]
-    fut: asyncio.Future[int]
-
-
-class PackedReader(Wrapped):
-    """A read view of a checkpoint root in which indexed zarr keys resolve into packs.
-
-    Whole-chunk reads are checked against the index (``_check_async``), range reads of a
-    zarr shard against its ``quire.shards`` binding (``quire._format.shardid.ShardChecks``); keys
-    it does not know are read from the underlying backend unchanged (version-1 data, other
-    units).
-    """
-
-    def __init__(self, base: Backend, index: ChunkIndex) -> None:
-        super().__init__(base)
-        self.index = index
-        self._queue: dict[str, list[_Read]] = {}
-        self._scheduled = False
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.requests = 0  # range requests sent to the backend (tests count them)
-        self._expect: builtins.list[str] = []
-        self._planning: asyncio.Future[Any] | None = None
-        self.windows: Any = None  # quire._format.packread.Windows once planned
-        self.shards = ShardChecks(self._shard_bytes)  # range reads of zarr shards
-
-    def expect(self, locations: Iterable[str]) -> None:
-        """Declare that this load reads every chunk of the arrays at ``locations`` that
-        this process's index holds: they are read in large windows (``quire._format.packread``)
-        on backends with ``read_part_size`` (object stores).  Only for loads that need
-        all of them (a single-process load)."""
-        span = getattr(self.base, "read_part_size", 0)
-        if isinstance(span, int) and span > 0:
-            self._expect = [f"{loc}/" for loc in locations if isinstance(loc, str)]
-
-    async def _windows(self) -> Any:
-        if not self._expect:
-            return None
-        if self._planning is None:
-            self._planning = asyncio.ensure_future(self._plan())
-        return await asyncio.shield(self._planning)
-
-    async def _plan(self) -> Any:
-        windows = Windows(self.base, self.base.read_part_size, current().byte_budget)  # type: ignore[attr-defined]
-        for m in await self.index.own_refs():
-            windows.plan(expected_refs(m, self._expect))
-        self.windows = windows
-        return windows
-
-    async def _read(self, target: str, offset: int, views: builtins.list[memoryview]) -> int:
-        """Read into ``views`` from ``target`` at ``offset``, coalesced with the reads
-        other tasks issue in the same event-loop turn (the caller holds its share of the
-        byte budget and of ``max_concurrency``): adjacent ranges of a pack become one
-        request, filled straight into every caller's buffers."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[int] = loop.create_future()
-        self._queue.setdefault(target, []).append(
-            _Read(offset, sum(v.nbytes for v in views), views, fut)
-        )
-        if not self._scheduled:
-            self._scheduled = True
-            loop.call_soon(self._dispatch)
-        return await fut
-
-    def _dispatch(self) -> None:
-        self._scheduled = False
-        queue, self._queue = self._queue, {}
-        for target, reads in queue.items():
-            reads.sort(key=lambda r: r.offset)
-            run: builtins.list[_Read] = []
-            for r in reads:
-                if run and (
-                    r.offset != run[-1].offset + run[-1].length
-                    or sum(x.length for x in run) + r.length > MAX_COALESCED
-                ):
-                    self._spawn(target, run)
-                    run = []
-                run.append(r)
-            if run:
-                self._spawn(target, run)
-
-    def _spawn(self, target: str, run: builtins.list[_Read]) -> None:
-        task = asyncio.ensure_future(self._send(target, run))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _send(self, target: str, run: builtins.list[_Read]) -> None:
-        self.requests += 1
-        try:
-            try:
-                views = [v for r in run for v in r.views]
-                n = await self.base.get_into(target, views, run[0].offset)
-            except OSError as e:
-                raise_not_data(e, target)
-        except BaseException as e:
-            for r in run:
-                if not r.fut.done():
-                    r.fut.set_exception(e)
-            return
-        for r in run:
-            got = max(0, min(r.length, n - (r.offset - run[0].offset)))
-            if not r.fut.done():
-                r.fut.set_result(got)
-
-    async def _ref(self, key: str) -> Ref | None:
-        if not self.index.owns(key):
-            return None
-        return await self.index.lookup(key)
-
-    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        ref = await self._ref(key)
-        if ref is None:
-            return await self.base.get(key, start, end)
-        a = 0 if start is None else max(0, min(start, ref.length))
-        b = ref.length if end is None else max(a, min(end, ref.length))
-        if ref.inline is not None:
-            data = ref.inline
-        else:
-            data = await self._shard_bytes(ref, a, b)
-            if len(data) != b - a:
-                raise ChunkError(f"{key}: pack {ref.target} is truncated")
-            if a > 0 or b < ref.length:
-                if ref.shard is not None:
-                    await self.shards.check(key, ref, a, [memoryview(data)], len(data))
-                return data
-        if a == 0 and b == ref.length:
-            await _check_async(ref, key, [memoryview(data)], len(data))
-        return bytes(data[a:b]) if ref.inline is not None else data
-
-    async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int = 0) -> int:
-        ref = await self._ref(key)
-        if ref is None:
-            return await self.base.get_into(key, buffers, offset)
-        if ref.inline is not None or ref.target is None:
-            return await super().get_into(key, buffers, offset)
-        want = max(0, min(sum(b.nbytes for b in buffers), ref.length - offset))
-        views, left = [], want
-        for b in buffers:
-            if left <= 0:
-                break
-            v = b.cast("B")[: min(left, b.nbytes)]
-            views.append(v)
-            left -= v.nbytes
-        n = None
-        if offset == 0 and want == ref.length and want:
-            windows = await self._windows()
-            if windows is not None:
-                n = await windows.read(key, views)
-        if n is None:
-            n = await self._read(ref.target, ref.offset + offset, views) if want else 0
-        if n < want:
-            raise ChunkError(f"{key}: pack {ref.target} is truncated")
-        if offset == 0 and n == ref.length:
-            await _check_async(ref, key, views, n)
-        elif ref.shard is not None and n:
-            await self.shards.check(key, ref, offset, views, n)
-        return n
-
-    async def _shard_bytes(self, ref: Ref, start: int, end: int) -> bytes:
-        assert ref.target is not None
-        try:
-            return await self.base.get(ref.target, ref.offset + start, ref.offset + end)
-        except OSError as e:
-            raise_not_data(e, ref.target)
-
-    async def size(self, key: str) -> int:
-        ref = await self._ref(key)
-        return ref.length if ref is not None else await self.base.size(key)
-
-    async def exists(self, key: str) -> bool:
-        ref = await self._ref(key)
-        return True if ref is not None else await self.base.exists(key)
-
-
-def reader(
-    base: Backend,
-    url: str,
-    entries: Sequence[Mapping[str, Any]] | None,
-    process: int = 0,
-    txids: Collection[str] | None = None,
-) -> Backend:
-    """``base`` itself for version-1 data, else a :class:`PackedReader` over the entries
-    (``txids``: those the commit record lists; the entries' own when None)."""
-    if not entries:
-        return base
-    return PackedReader(base, ChunkIndex(base, url, entries, process, txids))

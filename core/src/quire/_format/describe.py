@@ -9,6 +9,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from quire._format.borrow import borrowed_of
+from quire._format.chunkindex import parse_index
+from quire._store.base import Backend
 from quire.metadata import LeafMetadata
 
 
@@ -72,3 +75,18 @@ class Counts:
 def counts(tree: Any) -> Counts:
     leaves = [v for _, v in walk(tree) if isinstance(v, LeafMetadata)]
     return Counts(len(leaves), sum(n_chunks(v) for v in leaves), sum(v.nbytes for v in leaves))
+
+
+async def ownership(backend: Backend, url: str, doc: Mapping[str, Any]) -> tuple[int, int]:
+    """(owned, borrowed) bytes of a format-v2 checkpoint's packed objects: what its own
+    packs hold for it and what it points at in packs of earlier steps (an incremental
+    step, ``quire._format.borrow``).  Reads the chunk indexes when something is borrowed."""
+    entries = doc.get("indexes") or []
+    borrowed = sum(borrowed_of(entries).values())
+    if not borrowed:
+        return -1, 0
+    total = 0
+    for e in entries:
+        refs = parse_index(await backend.get(e["object"]), e, url)
+        total += sum(r.length for r in refs.values() if r.target is not None)
+    return total - borrowed, borrowed

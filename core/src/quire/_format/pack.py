@@ -28,6 +28,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from quire._format.borrow import Previous, content_hash, from_root
 from quire._format.chunkid import chunk_crc, crc_hex, index_bytes, trailer_hex
 from quire._format.chunkindex import index_entry, index_key
 from quire._format.chunkindex import pack_key as _pack_key
@@ -75,6 +76,45 @@ class PackWriter(Wrapped):
         self._closing: dict[asyncio.Task[None], Any] = {}  # sealed packs being completed
         self._opening: asyncio.Future[Any] | None = None
         self._size = 0
+        # Incremental saves (quire._format.borrow): every chunk's xxh3-128, and chunks equal
+        # to the previous step's at their place point at its bytes instead of being written.
+        self.hashes: dict[str, str] | None = None
+        self.previous: Previous | None = None
+        self.borrowed: dict[str, int] = {}  # borrowed target -> bytes borrowed from it
+        self.borrowed_bytes = 0
+
+    def incremental(self, previous: Previous | None) -> None:
+        """Hash every chunk into the index, borrowing from ``previous`` where equal."""
+        self.hashes = {}
+        self.previous = previous
+
+    def _borrow(self, key: str, old: str) -> None:
+        assert self.previous is not None and self.hashes is not None
+        prev = self.previous
+        ref = prev.refs[old]
+        if isinstance(ref, str):
+            self.refs[key] = ref
+        else:
+            target = from_root(ref[0])
+            self.refs[key] = [target, ref[1], ref[2]]
+            self.borrowed[target] = self.borrowed.get(target, 0) + ref[2]
+            self.borrowed_bytes += ref[2]
+        self.binds[key] = prev.binds[old]
+        if old in prev.shards:
+            self.shards[key] = prev.shards[old]
+        if old in prev.hashes:
+            self.hashes[key] = prev.hashes[old]
+
+    def carry(self, location: str, old_location: str) -> int:
+        """Point every key of the array at ``old_location`` in the previous step at its
+        bytes under ``location`` (a leaf that is the very same object as last time:
+        nothing read, encoded, hashed or written); the number of keys carried."""
+        if self.previous is None:
+            return 0
+        keys = self.previous.keys_at(old_location)
+        for old in keys:
+            self._borrow(location + old[len(old_location) :], old)
+        return len(keys)
 
     # -- writes ------------------------------------------------------------------
     async def put(self, key: str, data: Sequence[Buffer]) -> None:
@@ -100,6 +140,15 @@ class PackWriter(Wrapped):
             return
         views = [memoryview(b).cast("B") for b in data]
         n = sum(v.nbytes for v in views)
+        if self.hashes is not None and not key.endswith(INLINE_SUFFIX):
+            digest = (
+                await run_blocking(content_hash, views) if n > (1 << 16) else content_hash(views)
+            )
+            old = self.previous.match(key, digest, n) if self.previous is not None else None
+            if old is not None:
+                self._borrow(key, old)
+                return
+            self.hashes[key] = digest
         bound = shard_binding(views, n, shard) if isinstance(shard, int) else shard
         if bound is not None and not trailer:
             self.shards[key] = bound
@@ -215,10 +264,18 @@ class PackWriter(Wrapped):
         if not self.refs:
             await self.close()
             return None
-        data = index_bytes(self.txid, self.process, self.refs, self.binds, self.shards)
+        data = index_bytes(
+            self.txid,
+            self.process,
+            self.refs,
+            self.binds,
+            self.shards,
+            self.hashes,
+            self.borrowed,
+        )
         key = index_key(self.txid, self.process)
         await asyncio.gather(self.close(), self.base.put(key, [data]))
-        return index_entry(self.txid, self.process, key, data)
+        return index_entry(self.txid, self.process, key, data, self.borrowed)
 
     async def abort(self) -> None:
         """Stop uploads in flight (the caller removes the txid's data)."""

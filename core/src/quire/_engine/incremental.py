@@ -1,0 +1,231 @@
+"""Incremental saves: a step of a Checkpointer root borrows the unchanged bytes of the
+previous one (``quire._format.borrow`` has the format; ``docs/format.md`` "Borrowed bytes").
+
+One :class:`Incremental` per process and Checkpointer remembers the last step this process
+committed (its own chunk index, root-relative, and each leaf's location, record and — for a
+``jax.Array`` — a weak reference).  A save then decides per leaf, cheapest first:
+
+1. the very same ``jax.Array`` object at that key path, with the same storage options:
+   the leaf is *carried* — no device-to-host copy, no encode, no hash, no write; its keys
+   point at the previous step's bytes (``PackWriter.carry``);
+2. else each encoded chunk's xxh3-128 equal to the previous step's at the same key:
+   the chunk is borrowed (``PackWriter.put_bound``);
+3. else it is written.
+
+Order of one save (what keeps a concurrent gc from deleting borrowed bytes):
+
+1. write the **lease** ``leases/<step>-<txid>-p<process>.json`` naming every pack the
+   previous step's index points into;
+2. check that the previous step's record still exists with the same txids (else borrow
+   nothing: retention or an overwrite may have removed it);
+3. write, borrowing; commit (the record's ``indexes`` declare the borrowed packs);
+4. delete the lease.
+
+The gc marks records first and leases second (``quire._engine.garbage``), so a pack a
+save may borrow is marked either through the previous step's record or through the lease.
+A lease is honoured for the gc grace period: a save may not run longer than that.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+from quire._format import record as _format
+from quire._format.borrow import Previous, from_root, root_relative
+from quire._format.chunkid import Ref
+from quire._format.chunkindex import parse_index
+from quire._format.tree import KeyPath, from_json, keystr
+from quire._store.base import Backend
+from quire.options import StorageOptions
+
+log = logging.getLogger("quire")
+
+LEASE_DIR = "leases"
+#: Written by the first incremental save of a Checkpointer (never deleted): the root may
+#: hold borrowed bytes, so every Checkpointer's retention deletes records, not directories.
+MARKER = f"{LEASE_DIR}/incremental.json"
+
+LeafKey = tuple[str, str]  # (unit, key path as keystr)
+
+
+@dataclass
+class LeafInfo:
+    """A leaf of the previous step: where it was, its record, and the object saved."""
+
+    location: str
+    record: dict[str, Any]
+    value: weakref.ref[Any] | None = None
+    storage: StorageOptions | None = None
+
+
+@dataclass
+class Base:
+    """The previous step of this process: what a save may borrow."""
+
+    step: str
+    txids: list[str]
+    previous: Previous
+    leaves: dict[LeafKey, LeafInfo] = field(default_factory=dict)
+
+
+@dataclass
+class Carried:
+    """A leaf saved by pointing at the previous step's bytes."""
+
+    key: LeafKey
+    location: str
+    info: LeafInfo
+
+
+def lease_key(step: str, txid: str, process: int) -> str:
+    return f"{LEASE_DIR}/{step}-{txid}-p{process:05d}.json"
+
+
+class Incremental:
+    """One process's incremental state in a Checkpointer root (see the module docstring).
+
+    Parameters
+    ----------
+    root : str
+        The Checkpointer root URL.
+    """
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.base: Base | None = None
+        self.pending: Base | None = None
+        self.lease: str | None = None
+        self.stats: dict[str, int] = {}
+        self.started = False
+        self.marked = False
+
+    async def start(self, root: Backend, latest: str | None) -> None:
+        """Before the first save: continue from ``latest``, the root's latest committed
+        step (an earlier run's), when it was saved incrementally."""
+        self.started = True
+        if self.base is None and latest is not None:
+            self.base = await resume(root, self.root, latest, jax.process_index())
+
+    # -- prepare (the caller's thread) ---------------------------------------------
+    def same(
+        self, unit: str, path: KeyPath, value: Any, storage: StorageOptions
+    ) -> LeafInfo | None:
+        """The previous step's leaf when ``value`` is the very object saved there."""
+        if self.base is None or not isinstance(value, jax.Array):
+            return None
+        info = self.base.leaves.get((unit, keystr(path)))
+        if info is None or info.value is None or info.value() is not value:
+            return None
+        return info if info.storage == storage else None
+
+    # -- write (quire's loop) ------------------------------------------------------
+    async def open(
+        self, root: Backend, step: str, txid: str, paths: Mapping[str, LeafKey]
+    ) -> Previous | None:
+        """Write the lease, check the previous step is still there; what to borrow from
+        (None: nothing)."""
+        base = self.base
+        if base is None or base.step == step:
+            return None
+        if not self.marked:
+            await root.put(MARKER, [b'{"incremental": true}'])
+            self.marked = True
+        self.lease = lease_key(step, txid, jax.process_index())
+        doc = {"created": time.time(), "packs": base.previous.packs()}
+        await root.put(self.lease, [json.dumps(doc).encode()])
+        try:
+            rec = _format.parse(await root.get(f"{base.step}/{_format.RECORD}"), self.root)
+        except (FileNotFoundError, ValueError) as e:  # deleted meanwhile, or damaged
+            log.info("%s: not borrowing from %s (%s)", self.root, base.step, e)
+            return None
+        if sorted(rec.get("txids", [])) != sorted(base.txids):
+            log.info("%s: not borrowing from %s (saved again since)", self.root, base.step)
+            return None
+        prev = base.previous
+        prev.locations = {
+            loc: base.leaves[k].location for loc, k in paths.items() if k in base.leaves
+        }
+        return prev
+
+    async def release(self, root: Backend) -> None:
+        """Delete the lease (after the commit, or after a failed save)."""
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            try:
+                await root.delete([lease])
+            except Exception:  # an old lease is ignored by gc and removed by it
+                pass
+
+    def wrote(
+        self,
+        step: str,
+        txid: str,
+        refs: Mapping[str, Any],
+        binds: Mapping[str, tuple[str, bool]],
+        shards: Mapping[str, str],
+        hashes: Mapping[str, str],
+        leaves: dict[LeafKey, LeafInfo],
+    ) -> None:
+        """What this save wrote (becomes the base once committed: :meth:`committed`)."""
+        rel = {
+            k: [root_relative(step, v[0]), v[1], v[2]] if isinstance(v, list) else v
+            for k, v in refs.items()
+        }
+        prev = Previous(rel, dict(binds), dict(shards), dict(hashes))
+        self.pending = Base(step, [txid], prev, leaves)
+
+    def committed(self) -> None:
+        if self.pending is not None:
+            self.base, self.pending = self.pending, None
+
+    def failed(self) -> None:
+        self.pending = None
+
+
+async def resume(root: Backend, url: str, step: str, process: int) -> Base | None:
+    """The base of a step committed earlier (by another run): its record and this
+    process's index, if the step was saved incrementally (its index has chunk hashes)."""
+    try:
+        doc = _format.parse(await root.get(f"{step}/{_format.RECORD}"), url)
+    except (FileNotFoundError, ValueError):
+        return None
+    entries = [e for e in doc.get("indexes") or [] if e.get("process") == process]
+    if len(entries) != 1:
+        return None
+    entry = entries[0]
+    data = await root.get(f"{step}/{entry['object']}")
+    parsed: dict[str, Ref] = parse_index(data, entry, f"{url}/{step}")  # checks it
+    meta = json.loads(data)["quire"]
+    hashes = meta.get("xxh3")
+    if not isinstance(hashes, dict):
+        return None
+    refs: dict[str, Any] = {}
+    binds: dict[str, tuple[str, bool]] = {}
+    for k, r in parsed.items():
+        if r.inline is not None:
+            refs[k] = r.inline.decode()
+        else:
+            assert r.target is not None
+            refs[k] = [root_relative(step, r.target), r.offset, r.length]
+        binds[k] = (r.crc, r.trailer)
+    shards = {k: r.shard for k, r in parsed.items() if r.shard is not None}
+    leaves: dict[LeafKey, LeafInfo] = {}
+    for name, unit in doc["units"].items():
+        if unit.get("kind") != "pytree":
+            continue
+        for leaf in from_json(unit["tree"]).leaves():
+            loc = leaf.value.get("location")
+            if isinstance(loc, str):
+                leaves[(name, keystr(leaf.path))] = LeafInfo(loc, dict(leaf.value))
+    return Base(step, list(doc["txids"]), Previous(refs, binds, shards, hashes), leaves)
+
+
+__all__ = ["Base", "Carried", "Incremental", "LeafInfo", "from_root", "lease_key", "resume"]
