@@ -38,6 +38,7 @@ from quire._checkpointer.retain import (
 )
 from quire._checkpointer.save_policies import OnPreemption, SaveContext, SavePolicy
 from quire._checkpointer.tasks import _BackgroundTasks
+from quire._checkpointer.tiers import LocalTier, _Tier, _TierMixin
 from quire._engine import garbage as _gc
 from quire._format import root as _root
 from quire._format.record import PYTREE
@@ -70,7 +71,7 @@ def _close_at_exit() -> None:
 _exit.add_closer(_close_at_exit)
 
 
-class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
+class Checkpointer(_TierMixin, _RetainLoadMixin, _BackgroundTasks):
     """Numbered checkpoints of a training run under one root URL.
 
     Each step is an ordinary quire checkpoint at ``<root>/<step_format.format(step)>``
@@ -111,6 +112,9 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
         After its first commit, the Checkpointer removes (in the background, on the
         primary process) uncommitted steps and superseded data older than this many
         seconds; None turns that off (``quire gc ROOT`` still works).
+    local : quire.LocalTier, optional
+        A fast per-process tier saved whenever either tier's policy says so; ``root_url`` is
+        then the persistent tier, written from the local tier's bytes (see ``docs/tiers.md``).
 
     Raises
     ------
@@ -130,7 +134,10 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
         storage_options: dict[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
         gc_grace_period: float | None = _gc.DEFAULT_GRACE_PERIOD,
+        local: LocalTier | None = None,
     ) -> None:
+        if local is not None and not isinstance(local, LocalTier):
+            raise TypeError(f"local must be a quire.LocalTier, got {local!r}")
         if save_policy is not None and not isinstance(save_policy, SavePolicy):
             raise TypeError(f"save_policy must be a quire.policies.SavePolicy, got {save_policy!r}")
         if keep is not None and not isinstance(keep, KeepPolicy):
@@ -184,6 +191,7 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
         self._relist()
         self._last_saved_step: int | None = self._latest()
         self._last_save_time = time.monotonic()
+        self._tier = None if local is None else _Tier(self, local, Checkpointer, gc_grace_period)
         if save_policy is not None:
             save_policy.attach()
         _open_checkpointers.add(self)
@@ -219,16 +227,10 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
         await asyncio.gather(*(one(s) for s in todo))
 
     # ------------------------------------------------------------------ policies
-    def _decide(self, step: int) -> bool:
+    def _decide(self, step: int, local_floor: int | None = None) -> bool:
         with self._lock:
-            floor = max(
-                (
-                    s
-                    for s in (self._latest(), self._last_saved_step, self._inflight_step)
-                    if s is not None
-                ),
-                default=None,
-            )
+            seen = (self._latest(), self._last_saved_step, self._inflight_step, local_floor)
+            floor = max((s for s in seen if s is not None), default=None)
             ctx = SaveContext(step, self._last_saved_step, self._last_save_time, time.monotonic())
         if floor is not None and step <= floor:
             answer = False
@@ -251,7 +253,8 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
         """Whether :meth:`save` would save at ``step``.
 
         False for a step at or below the latest committed or started one; otherwise the
-        save policy's answer (True without a policy).  Asking has no side effect.
+        save policy's answer (True without a policy) or, with a local tier, either tier's
+        policy's answer.  Asking has no side effect.
 
         Parameters
         ----------
@@ -264,6 +267,8 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
             Whether ``save(step, ...)`` would save (without ``force``).
         """
         self._raise_background()
+        if self._tier is not None:
+            return any(self._tier.due(_as_step(step)))
         return self._decide(_as_step(step))
 
     @property
@@ -357,6 +362,8 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
             raise ValueError(f"quire.Checkpointer({self.root!r}) is closed")
         self._raise_background()
         step = _as_step(step)
+        if self._tier is not None:
+            return self._tier.save(step, units, metrics, metadata, force, single)
         if not force and not self._decide(step):
             log.debug(
                 "%s: not saving step %d (save policy, or not after the last save)", self.root, step
@@ -376,9 +383,7 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
         if being_deleted:
             self._drain()
             self._raise_background()
-        if self._primary and self._root_doc is None:
-            self._run(_gc.create_root_record(self._backend, self._fmt.pattern, self._metadata))
-            self._root_doc = self._run(_root.read_root_record(self._backend, self.root))
+        self._ensure_root_record()
         url = self._url(step)
         if single:
             resp = _api.save_async(
@@ -413,6 +418,15 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
                 self._inflight_step = None
             e.add_note(f"(background save of step {step} to {url})")
             raise
+        await self._after_commit(step, metrics)
+
+    def _ensure_root_record(self) -> None:
+        if self._primary and self._root_doc is None:
+            self._run(_gc.create_root_record(self._backend, self._fmt.pattern, self._metadata))
+            self._root_doc = self._run(_root.read_root_record(self._backend, self.root))
+
+    async def _after_commit(self, step: int, metrics: dict[str, Any]) -> None:
+        """The step is committed (durably): count it, collect garbage once, run retention."""
         with self._lock:
             self._committed[step] = StepInfo(step, time.time(), metrics)
             self._inflight_step = None
@@ -428,9 +442,16 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
             self._schedule(self._retain)
 
     def wait(self) -> None:
-        """Wait for the save in flight and background deletions; raise their errors."""
-        self._drain()
-        self._raise_background()
+        """Wait for the save in flight and background deletions; raise their errors.
+
+        With a local tier: its saves and deletions too, then the promotions.
+        """
+        try:
+            if self._tier is not None:
+                self._tier.inner.wait()
+        finally:
+            self._drain()
+            self._raise_background()
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -445,6 +466,8 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
             _open_checkpointers.discard(self)
             if self._save_policy is not None:
                 self._save_policy.detach()
+            if self._tier is not None:
+                self._tier.close()
 
     def __enter__(self) -> Checkpointer:
         return self
