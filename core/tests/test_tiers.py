@@ -166,3 +166,23 @@ def test_refusals(tmp_path: Path) -> None:
         quire.LocalTier(tmp_path, peers=-1)
     with pytest.raises(TypeError, match="LocalTier"):
         quire.Checkpointer(tmp_path, local=str(tmp_path))  # type: ignore[arg-type]
+
+
+def test_quire_ls_shows_tiers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from quire._cli.main import main as cli
+
+    with ckpt(tmp_path) as c:
+        for s in range(1, 7):
+            c.save(s, tree(s))
+    assert cli(["ls", str(tmp_path / "persistent"), "--local", str(tmp_path / "local")]) == 0
+    out = capsys.readouterr().out
+    lines = {ln.split()[0]: ln.split()[2:4] for ln in out.splitlines()[2:]}
+    assert lines["2"] == ["local:0", "-"]
+    assert lines["4"][:2] == ["local:0", "persistent"]
+    assert (
+        cli(["ls", str(tmp_path / "persistent"), "--local", str(tmp_path / "local"), "--json"]) == 0
+    )
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["tiers"]) for r in rows] == [
+        (2, ["local:0"]), (4, ["local:0", "persistent"]), (6, ["local:0"]),
+    ]  # fmt: skip
