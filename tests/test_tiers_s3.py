@@ -152,3 +152,58 @@ def test_wiped_local_dir_restores_the_promoted_step(
         c.save(5, state(5))
         c.wait()
         assert c.tiers_of(5) == ("local",)
+
+
+def test_persistent_tier_counts_a_step_only_after_its_commit(
+    tmp_path: Path, moto: MotoS3, proxy: FaultProxy
+) -> None:
+    url = moto.fresh_url()
+    opts = moto.options(proxy.endpoint)
+    proxy.clear()
+    # The promotion's commit (the conditional PUT of the step's quire.json) is held.
+    held = proxy.add("hold", method="PUT", path=r"/step_00000002/quire\.json")
+    c = quire.Checkpointer(
+        url, save_policy=EveryNSteps(2), storage_options=opts,
+        local=quire.LocalTier(tmp_path / "local", save_policy=EveryNSteps(1)),
+    )  # fmt: skip
+    try:
+        c.save(1, state(1))
+        c.save(2, state(2))
+        proxy.wait_arrivals(held, 1, timeout=60)
+        # The local commit is done; the data is on S3; the persistent commit is not.
+        c._tier.inner.wait()  # type: ignore[union-attr]
+        assert c.tiers_of(2) == ("local",) and c.latest_step() == 2
+        with quire.Checkpointer(url, storage_options=opts) as other:
+            assert other.steps() == []
+    finally:
+        proxy.release(held)
+    c.close()
+    assert c.tiers_of(2) == ("local", "persistent")
+    with quire.Checkpointer(url, storage_options=opts) as other:
+        assert other.steps() == [2]
+
+
+def test_unreachable_persistent_tier_fails_promotions_not_local_saves(
+    tmp_path: Path, moto: MotoS3, proxy: FaultProxy
+) -> None:
+    url = moto.fresh_url()
+    opts = moto.options(proxy.endpoint, retry_deadline=1)
+    proxy.clear()
+    c = quire.Checkpointer(
+        url, save_policy=EveryNSteps(2), storage_options=opts,
+        local=quire.LocalTier(tmp_path / "local", save_policy=EveryNSteps(1)),
+    )  # fmt: skip
+    down = proxy.add("503", times=-1)  # every request to S3 fails from now on
+    c.save(1, state(1))
+    c.save(2, state(2))
+    with pytest.raises(Exception) as err:
+        c.wait()
+    assert "promotion of step 2" in "".join(getattr(err.value, "__notes__", []))
+    assert c.tiers_of(1) == ("local",) and c.tiers_of(2) == ("local",)
+    c.save(3, state(3))  # the loop goes on with the local tier
+    c.wait()
+    assert c.latest_step() == 3
+    same(c.load(None, state(0)), state(3))
+    proxy.release(down)
+    proxy.clear()
+    c.close()

@@ -421,9 +421,12 @@ class Checkpointer(_TierMixin, _RetainLoadMixin, _BackgroundTasks):
         await self._after_commit(step, metrics)
 
     def _ensure_root_record(self) -> None:
+        self._run(self._create_root_record())
+
+    async def _create_root_record(self) -> None:
         if self._primary and self._root_doc is None:
-            self._run(_gc.create_root_record(self._backend, self._fmt.pattern, self._metadata))
-            self._root_doc = self._run(_root.read_root_record(self._backend, self.root))
+            await _gc.create_root_record(self._backend, self._fmt.pattern, self._metadata)
+            self._root_doc = await _root.read_root_record(self._backend, self.root)
 
     async def _after_commit(self, step: int, metrics: dict[str, Any]) -> None:
         """The step is committed (durably): count it, collect garbage once, run retention."""

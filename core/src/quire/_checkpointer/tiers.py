@@ -194,7 +194,6 @@ class _Tier:
             local_fut = inner._save_fut
         self.last_step, self.last_time = step, time.monotonic()
         if persistent and local_fut is not None:
-            outer._ensure_root_record()
             with inner._lock:
                 inner._pins[step] += 1  # local retention must not delete what we copy
             with outer._lock:
@@ -214,6 +213,7 @@ class _Tier:
                 # The local save's own error is raised by the local tier (wait / next save).
                 log.warning("%s: step %d not promoted: its local save failed", outer.root, step)
                 return
+            await outer._create_root_record()  # here, not in the loop's thread: S3 may be down
             await copy_checkpoint(
                 src,
                 dst,
