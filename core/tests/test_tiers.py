@@ -186,3 +186,22 @@ def test_quire_ls_shows_tiers(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert [(r["step"], r["tiers"]) for r in rows] == [
         (2, ["local:0"]), (4, ["local:0", "persistent"]), (6, ["local:0"]),
     ]  # fmt: skip
+
+
+def test_preemption_notice_on_the_local_policy(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    from quire.policies import OnPreemption
+
+    with quire.Checkpointer(
+        tmp_path / "p",
+        save_policy=EveryNSteps(100),
+        local=quire.LocalTier(tmp_path / "l", save_policy=EveryNSteps(10) | OnPreemption()),
+    ) as c:
+        assert not c.should_save(3) and not c.preempted
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert c.should_save(3)
+        assert c.save(3, tree(3)) and c.preempted
+        c.wait()
+        assert c.tiers_of(3) == ("local",)

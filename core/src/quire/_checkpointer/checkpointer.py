@@ -278,8 +278,8 @@ class Checkpointer(_TierMixin, _RetainLoadMixin, _BackgroundTasks):
         Check it right after a save: if it is True then, the saved state is the latest and
         the loop may stop (a notice arriving later makes the next step save).
         """
-        p = self._save_policy
-        parts = getattr(p, "policies", (p,))
+        ps = (self._save_policy, None if self._tier is None else self._tier.policy)
+        parts = [q for p in ps for q in getattr(p, "policies", (p,))]
         return any(isinstance(q, OnPreemption) and q.preempted for q in parts)
 
     # ------------------------------------------------------------------ saving
