@@ -119,7 +119,7 @@ def main() -> None:
             c.wait()
             t2 = time.perf_counter()
             rows["save: plain persistent"].append(
-                (t1 - t0, t2 - t0, reqs(), stored(f"plain-{run}/"))
+                (t1 - t0, t2 - t0, reqs(), stored(f"plain-{run}/step_00000002/"))
             )
             c.close()
             # -- tiered: a local-only step, then a step promoted to S3
@@ -141,7 +141,7 @@ def main() -> None:
             t2 = time.perf_counter()
             assert c.tiers_of(2) == ("local", "persistent")
             rows["save: tiered, local + promotion"].append(
-                (t1 - t0, t2 - t0, reqs(), stored(f"tiered-{run}/step_"))
+                (t1 - t0, t2 - t0, reqs(), stored(f"tiered-{run}/step_00000002/"))
             )
             t0 = time.perf_counter()
             c.save(3, s1)

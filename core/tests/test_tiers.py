@@ -205,3 +205,24 @@ def test_preemption_notice_on_the_local_policy(tmp_path: Path) -> None:
         assert c.save(3, tree(3)) and c.preempted
         c.wait()
         assert c.tiers_of(3) == ("local",)
+
+
+def test_exit_without_close_finishes_local_save_and_promotion(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import numpy as np, quire
+        from quire.policies import EveryNSteps
+        c = quire.Checkpointer({str(tmp_path / "p")!r}, save_policy=EveryNSteps(2),
+                               local=quire.LocalTier({str(tmp_path / "l")!r}))
+        c.save(2, {{"w": np.arange(1 << 20, dtype=np.float32)}})
+    """)  # the interpreter exits with the save and its promotion in flight
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for root in (tmp_path / "p", tmp_path / "l" / "process_00000"):
+        assert (root / name(2) / "quire.json").exists(), root
+    np.testing.assert_array_equal(
+        quire.load(tmp_path / "p" / name(2))["w"], np.arange(1 << 20, dtype=np.float32)
+    )

@@ -192,6 +192,8 @@ class Checkpointer(_TierMixin, _RetainLoadMixin, _BackgroundTasks):
         self._last_saved_step: int | None = self._latest()
         self._last_save_time = time.monotonic()
         self._tier = None if local is None else _Tier(self, local, Checkpointer, gc_grace_period)
+        if self._tier is not None:  # closed by this one, after the promotions that read it
+            _open_checkpointers.discard(self._tier.inner)
         if save_policy is not None:
             save_policy.attach()
         _open_checkpointers.add(self)
