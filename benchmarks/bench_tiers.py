@@ -36,6 +36,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import collections
+import shutil
 import sys
 import tempfile
 import time
@@ -176,6 +177,8 @@ def main() -> None:
         proxy.stop()
         moto.kill()
         moto.wait()
+        if args.local_dir is None:
+            shutil.rmtree(local_base, ignore_errors=True)
 
     print(
         f"\nstate {args.mib} MiB (4 float32 arrays + a scalar), 1 process, S3 = moto behind a "
