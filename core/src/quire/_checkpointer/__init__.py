@@ -1,6 +1,7 @@
 """``quire.Checkpointer`` for training loops (``checkpointer``): numbered steps under one root,
 with its retention, loading and inspection (``retain``) and its background task chain
-(``tasks``).
+(``tasks``), and its fast per-process local tier under the persistent root (``tiers``:
+``quire.LocalTier``, promotion from local bytes, reads local first).
 
 May import: everything below the package face (``quire._api`` and the subpackages under it),
 never ``quire`` itself or ``quire._cli``.

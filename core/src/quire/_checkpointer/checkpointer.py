@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from quire import _api
+from quire._checkpointer.deciding import _DecideMixin
 from quire._checkpointer.keep_policies import KeepPolicy, StepInfo
 from quire._checkpointer.retain import (
     _as_step,
@@ -36,8 +37,9 @@ from quire._checkpointer.retain import (
     _clean_metrics,
     _RetainLoadMixin,
 )
-from quire._checkpointer.save_policies import OnPreemption, SaveContext, SavePolicy
+from quire._checkpointer.save_policies import SavePolicy
 from quire._checkpointer.tasks import _BackgroundTasks
+from quire._checkpointer.tiers import LocalTier, _Tier, _TierMixin
 from quire._engine import garbage as _gc
 from quire._engine import incremental as _inc
 from quire._format import root as _root
@@ -72,7 +74,7 @@ def _close_at_exit() -> None:
 _exit.add_closer(_close_at_exit)
 
 
-class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
+class Checkpointer(_DecideMixin, _TierMixin, _RetainLoadMixin, _BackgroundTasks):
     """Numbered checkpoints of a training run under one root URL.
 
     Each step is an ordinary quire checkpoint at ``<root>/<step_format.format(step)>``
@@ -120,6 +122,9 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
         chunk index points at the earlier bytes instead (format v2 only).  Deleting a
         step then removes its record, and its bytes only once no retained step, journal or
         in-flight save uses them (a mark-and-sweep gc; see docs/checkpointer.md).
+    local : quire.LocalTier, optional
+        A fast per-process tier saved whenever either tier's policy says so; ``root_url`` is
+        then the persistent tier, written from the local tier's bytes (see ``docs/tiers.md``).
 
     Raises
     ------
@@ -140,7 +145,15 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
         metadata: Mapping[str, Any] | None = None,
         gc_grace_period: float | None = _gc.DEFAULT_GRACE_PERIOD,
         incremental: bool = False,
+        local: LocalTier | None = None,
     ) -> None:
+        if local is not None and not isinstance(local, LocalTier):
+            raise TypeError(f"local must be a quire.LocalTier, got {local!r}")
+        if local is not None and incremental:
+            raise NotImplementedError(
+                f"{root_url}: incremental=True with a local tier is not supported yet (a "
+                "promotion copies whole steps); use one of them (docs/tiers.md)"
+            )
         if save_policy is not None and not isinstance(save_policy, SavePolicy):
             raise TypeError(f"save_policy must be a quire.policies.SavePolicy, got {save_policy!r}")
         if keep is not None and not isinstance(keep, KeepPolicy):
@@ -195,6 +208,9 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
         self._relist()
         self._last_saved_step: int | None = self._latest()
         self._last_save_time = time.monotonic()
+        self._tier = None if local is None else _Tier(self, local, Checkpointer, gc_grace_period)
+        if self._tier is not None:  # closed by this one, after the promotions that read it
+            _open_checkpointers.discard(self._tier.inner)
         if save_policy is not None:
             save_policy.attach()
         _open_checkpointers.add(self)
@@ -228,65 +244,6 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
                     )
 
         await asyncio.gather(*(one(s) for s in todo))
-
-    # ------------------------------------------------------------------ policies
-    def _decide(self, step: int) -> bool:
-        with self._lock:
-            floor = max(
-                (
-                    s
-                    for s in (self._latest(), self._last_saved_step, self._inflight_step)
-                    if s is not None
-                ),
-                default=None,
-            )
-            ctx = SaveContext(step, self._last_saved_step, self._last_save_time, time.monotonic())
-        if floor is not None and step <= floor:
-            answer = False
-        elif self._save_policy is None:
-            answer = True
-        else:
-            answer = bool(self._save_policy.should_save(ctx))
-        if self._save_policy is not None and not self._save_policy.deterministic:
-            import jax
-
-            if jax.process_count() > 1:
-                # Time- and signal-based answers may differ: every process follows process 0.
-                import numpy as np
-                from jax.experimental import multihost_utils
-
-                answer = bool(multihost_utils.broadcast_one_to_all(np.asarray(answer)))
-        return answer
-
-    def should_save(self, step: int) -> bool:
-        """Whether :meth:`save` would save at ``step``.
-
-        False for a step at or below the latest committed or started one; otherwise the
-        save policy's answer (True without a policy).  Asking has no side effect.
-
-        Parameters
-        ----------
-        step : int
-            The step number (non-negative).
-
-        Returns
-        -------
-        bool
-            Whether ``save(step, ...)`` would save (without ``force``).
-        """
-        self._raise_background()
-        return self._decide(_as_step(step))
-
-    @property
-    def preempted(self) -> bool:
-        """Whether an :class:`~quire.policies.OnPreemption` policy received a notice.
-
-        Check it right after a save: if it is True then, the saved state is the latest and
-        the loop may stop (a notice arriving later makes the next step save).
-        """
-        p = self._save_policy
-        parts = getattr(p, "policies", (p,))
-        return any(isinstance(q, OnPreemption) and q.preempted for q in parts)
 
     # ------------------------------------------------------------------ saving
     def save(
@@ -368,6 +325,8 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
             raise ValueError(f"quire.Checkpointer({self.root!r}) is closed")
         self._raise_background()
         step = _as_step(step)
+        if self._tier is not None:
+            return self._tier.save(step, units, metrics, metadata, force, single)
         if not force and not self._decide(step):
             log.debug(
                 "%s: not saving step %d (save policy, or not after the last save)", self.root, step
@@ -387,9 +346,7 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
         if being_deleted:
             self._drain()
             self._raise_background()
-        if self._primary and self._root_doc is None:
-            self._run(_gc.create_root_record(self._backend, self._fmt.pattern, self._metadata))
-            self._root_doc = self._run(_root.read_root_record(self._backend, self.root))
+        self._ensure_root_record()
         url = self._url(step)
         if self._inc is not None and not self._inc.started:
             latest = self._latest()  # an earlier run's last step: borrow its bytes
@@ -427,6 +384,18 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
         if self._inc is not None:
             self._inc.committed()
             await self._inc.release(self._backend)
+        await self._after_commit(step, metrics)
+
+    def _ensure_root_record(self) -> None:
+        self._run(self._create_root_record())
+
+    async def _create_root_record(self) -> None:
+        if self._primary and self._root_doc is None:
+            await _gc.create_root_record(self._backend, self._fmt.pattern, self._metadata)
+            self._root_doc = await _root.read_root_record(self._backend, self.root)
+
+    async def _after_commit(self, step: int, metrics: dict[str, Any]) -> None:
+        """The step is committed (durably): count it, collect garbage once, run retention."""
         with self._lock:
             self._committed[step] = StepInfo(step, time.time(), metrics)
             self._inflight_step = None
@@ -442,9 +411,16 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
             self._schedule(self._retain)
 
     def wait(self) -> None:
-        """Wait for the save in flight and background deletions; raise their errors."""
-        self._drain()
-        self._raise_background()
+        """Wait for the save in flight and background deletions; raise their errors.
+
+        With a local tier: its saves and deletions too, then the promotions.
+        """
+        try:
+            if self._tier is not None:
+                self._tier.inner.wait()
+        finally:
+            self._drain()
+            self._raise_background()
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -459,6 +435,8 @@ class Checkpointer(_RetainLoadMixin, _BackgroundTasks):
             _open_checkpointers.discard(self)
             if self._save_policy is not None:
                 self._save_policy.detach()
+            if self._tier is not None:
+                self._tier.close()
 
     def __enter__(self) -> Checkpointer:
         return self

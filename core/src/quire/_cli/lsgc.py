@@ -7,7 +7,7 @@ from typing import Any
 
 from quire._cli.text import human_bytes as _human
 from quire._engine.garbage import DEFAULT_GRACE_PERIOD, GcReport, collect, describe
-from quire._format.root import StepFormat, root_step_format
+from quire._format.root import StepFormat, committed_steps, root_step_format
 from quire._runtime import ioloop as _io
 from quire._store.base import Backend
 from quire._store.url import normalize, open_backend
@@ -47,16 +47,47 @@ def _open(
     return backend, u, fmt
 
 
+def local_tier_steps(local: str, fmt: StepFormat) -> dict[int, list[str]]:
+    """Step -> names of the process roots (``process_<i>``) of a local tier that commit it."""
+    base = open_backend(normalize(local))
+    try:
+        _, names = _io.submit(base.list_dir("")).result()
+    except (FileNotFoundError, NotADirectoryError):
+        names = []
+    out: dict[int, list[str]] = {}
+    for n in sorted(x for x in names if x.startswith("process_")):
+        b = open_backend(f"{normalize(local)}/{n}")
+        for step in _io.submit(committed_steps(b, fmt)).result():
+            out.setdefault(step, []).append(n)
+    return out
+
+
+def _tiers(step: int, committed: bool, local: dict[int, list[str]] | None) -> list[str]:
+    out = []
+    if local is not None and step in local:
+        procs = (str(int(p.removeprefix("process_"))) for p in local[step])
+        out.append(f"local:{','.join(procs)}")
+    return out + (["persistent"] if committed else [])
+
+
 def cli_ls(
     url: str,
     *,
     step_format: str | None = None,
     as_json: bool = False,
     storage_options: dict[str, Any] | None = None,
+    local: str | None = None,
 ) -> int:
-    """``quire ls ROOT``: one line per step directory; exit 0 (2 on errors)."""
+    """``quire ls ROOT [--local URL]``: one line per step directory; exit 0 (2 on errors).
+
+    With ``local`` (a ``quire.LocalTier`` URL), a TIERS column says which tiers hold each
+    step (``local:<process indexes>``, ``persistent``), and local-only steps are listed too.
+    """
     backend, u, fmt = _open(url, step_format, storage_options)
     reports = _io.submit(describe(backend, u, fmt)).result()
+    tiers = None if local is None else local_tier_steps(local, fmt)
+    if tiers is not None:
+        return _ls_tiers(u, fmt, reports, tiers, as_json)
     if as_json:
         print(
             json.dumps(
@@ -142,3 +173,36 @@ def print_gc_report(report: GcReport, url: str, yes: bool, grace_period: float) 
         print(f"{url}: removed {len(report.removable)} item(s), {total}")
     else:
         print(f"{url}: {len(report.removable)} item(s), {total}; run with --yes to delete")
+
+
+def _ls_tiers(
+    u: str, fmt: StepFormat, reports: list[Any], local: dict[int, list[str]], as_json: bool
+) -> int:
+    by_step = {r.step: r for r in reports}
+    rows_json = []
+    for step in sorted(set(by_step) | set(local)):
+        r = by_step.get(step)
+        state = r.state if r is not None else "committed"
+        committed = r is not None and r.state == "committed"
+        rows_json.append(
+            {
+                "step": step,
+                "state": state,
+                "tiers": _tiers(step, committed, local),
+                "bytes": r.nbytes if r is not None else None,
+                "metrics": r.metrics if r is not None else {},
+            }
+        )
+    if as_json:
+        print(json.dumps(rows_json, indent=1))
+        return 0
+    rows = [("STEP", "STATE", "TIERS", "SIZE", "METRICS")]
+    for j in rows_json:
+        size = "-" if j["bytes"] is None else _human(j["bytes"])
+        tiers = " ".join(j["tiers"]) or "-"
+        rows.append((str(j["step"]), j["state"], tiers, size, metrics_text(j["metrics"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    print(f"{u}: a quire.Checkpointer root with a local tier (step format {fmt.pattern!r})")
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[4])
+    return 0

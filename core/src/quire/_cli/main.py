@@ -193,7 +193,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     backend, u, opener = _open(args.root, so)
     if _is_root(backend):
         return _gc_cli.cli_ls(
-            u, step_format=args.step_format, as_json=args.json, storage_options=so
+            u, step_format=args.step_format, as_json=args.json, storage_options=so,
+            local=args.local,
         )  # fmt: skip
     s = _io.submit(_scan.scan(backend, opener)).result()
     if not s.checkpoints:
@@ -326,6 +327,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("root", metavar="URL")
     p.add_argument("--step-format", help="step directory pattern (default: the root's own)")
     p.add_argument("--json", action="store_true", help="print a JSON list")
+    p.add_argument(
+        "--local",
+        metavar="URL",
+        help="a quire.LocalTier URL of this root's Checkpointer: show which tiers hold each step",
+    )
     p.set_defaults(fn=cmd_ls)
     p = add(
         "gc",
