@@ -1,5 +1,6 @@
 """``quire.Checkpointer`` for training loops (``checkpointer``): numbered steps under one root,
-with its retention, loading and inspection (``retain``) and its background task chain
+with its save decision (``deciding``) and policies (``save_policies``, ``keep_policies``),
+its retention, loading and inspection (``retain``) and its background task chain
 (``tasks``), and its fast per-process local tier under the persistent root (``tiers``:
 ``quire.LocalTier``, promotion from local bytes, reads local first).
 

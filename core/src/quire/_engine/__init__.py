@@ -2,8 +2,10 @@
 metadata and verify (``load``, which reads chunks several processes need once and exchanges
 them through ``shared_reads``), the partial-save journal (``journal``, replayed by
 ``journal_replay``; finalize's pack rewrite in ``packrewrite``), ``quire cp`` of a committed
-checkpoint (``copying``, format v2's packs in ``packcopy``), garbage collection of a
-Checkpointer root (``garbage``) and checkpoints anywhere under a prefix (``scan``).
+checkpoint (``copying``, format v2's packs in ``packcopy``; a self-contained copy of an
+incremental step in ``unborrow``), incremental steps' change detection and leases
+(``incremental``), garbage collection of a Checkpointer root (``garbage``) and checkpoints
+anywhere under a prefix (``scan``).
 
 Inside the package, lowest first: commit, shared_reads < save, load < packrewrite < journal
 < garbage < scan; copying and packcopy stand beside them.

@@ -1,4 +1,4 @@
-"""Load, metadata and verify: the read side of ``quire._engine.save`` (re-exported there)."""
+"""Load, metadata and verify: the read side of a checkpoint (the write side is ``quire._engine.save``)."""
 
 from __future__ import annotations
 
