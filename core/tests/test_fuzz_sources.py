@@ -14,7 +14,6 @@ import json
 import math
 import os
 import struct
-import tempfile
 import uuid
 import zlib
 from pathlib import Path
@@ -92,40 +91,45 @@ def _check_header(raw: bytes) -> None:
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
 
 
-def _differential(raw: bytes) -> None:
+@pytest.fixture(scope="module")
+def fuzz_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder for the file each example rewrites (Hypothesis runs many per test)."""
+    return tmp_path_factory.mktemp("fuzz")
+
+
+def _differential(raw: bytes, d: Path) -> None:
     """If the reference library reads it, quire reads it equal; else quire refuses it
     typed or reads it (quire allows gaps between tensors; the reference does not)."""
-    with tempfile.TemporaryDirectory(prefix="quire-fuzz-") as d:
-        f = Path(d, "m.safetensors")
-        f.write_bytes(raw)
-        try:
-            ref = safetensors.numpy.load_file(str(f))
-        except Exception:
-            ref = None
-        try:
-            got = quire.load(str(f))
-        except QuireError:
-            assert ref is None, "the reference library reads what quire refuses"
-            return
-        if ref is not None:
-            assert sorted(ref) == sorted(got)
-            for k, v in ref.items():
-                np.testing.assert_array_equal(np.asarray(got[k]), v)
+    f = d / "m.safetensors"  # one file, rewritten by each example
+    f.write_bytes(raw)
+    try:
+        ref = safetensors.numpy.load_file(str(f))
+    except Exception:
+        ref = None
+    try:
+        got = quire.load(str(f))
+    except QuireError:
+        assert ref is None, "the reference library reads what quire refuses"
+        return
+    if ref is not None:
+        assert sorted(ref) == sorted(got)
+        for k, v in ref.items():
+            np.testing.assert_array_equal(np.asarray(got[k]), v)
 
 
 @FAST
 @given(raw=safetensors_files())
-def test_safetensors_header_fuzz(raw: bytes) -> None:
+def test_safetensors_header_fuzz(fuzz_dir: Path, raw: bytes) -> None:
     _check_header(raw)
-    _differential(raw)
+    _differential(raw, fuzz_dir)
 
 
 @pytest.mark.slow
 @SLOW
 @given(raw=safetensors_files())
-def test_safetensors_header_fuzz_long(raw: bytes) -> None:
+def test_safetensors_header_fuzz_long(fuzz_dir: Path, raw: bytes) -> None:
     _check_header(raw)
-    _differential(raw)
+    _differential(raw, fuzz_dir)
 
 
 # ----------------------------------------------------------------------------- HF index

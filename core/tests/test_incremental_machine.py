@@ -10,8 +10,8 @@ is abandoned, and a new one (a restarted run, which knows no array objects) cont
 
 from __future__ import annotations
 
+import itertools
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +80,13 @@ class IncrementalRoot(RuleBasedStateMachine):
     # and the storage options to reach it.
     fresh_url: Any = None
     options: dict[str, Any] | None = None
+    base: Path  # pytest's temporary directory of the running test; one folder per sequence
+    sequences = itertools.count()
 
     @initialize()
     def start(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="quire-incr-"))
+        self.dir = self.base / f"sequence{next(self.sequences)}"
+        self.dir.mkdir()
         self.root = str(self.dir / "root") if self.fresh_url is None else self.fresh_url()
         self.backend = open_backend(self.root, self.options)
         self.trees: dict[int, dict[str, np.ndarray]] = {}
@@ -201,6 +204,7 @@ class IncrementalRoot(RuleBasedStateMachine):
 def run_machine(
     monkeypatch: pytest.MonkeyPatch,
     examples: int,
+    base: Path,
     *,
     backend: type = LocalBackend,
     fresh_url: Any = None,
@@ -213,6 +217,7 @@ def run_machine(
     IncrementalRoot.faults = faults
     IncrementalRoot.fresh_url = staticmethod(fresh_url) if fresh_url else None
     IncrementalRoot.options = options
+    IncrementalRoot.base = base
     IncrementalRoot.TestCase.settings = settings(
         max_examples=examples,
         stateful_step_count=8,
@@ -222,10 +227,14 @@ def run_machine(
     IncrementalRoot.TestCase().runTest()
 
 
-def test_incremental_state_machine_default_lane(monkeypatch: pytest.MonkeyPatch) -> None:
-    run_machine(monkeypatch, 4)
+def test_incremental_state_machine_default_lane(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    run_machine(monkeypatch, 4, tmp_path)
 
 
 @pytest.mark.slow
-def test_incremental_state_machine_slow_lane(monkeypatch: pytest.MonkeyPatch) -> None:
-    run_machine(monkeypatch, 200)
+def test_incremental_state_machine_slow_lane(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    run_machine(monkeypatch, 200, tmp_path)
