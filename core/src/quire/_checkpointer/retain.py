@@ -253,15 +253,19 @@ class _RetainLoadMixin:
             return fn(self._url(s))
         finally:
             if s is not None:
-                with self._lock:
-                    self._pins[s] -= 1
-                    if not self._pins[s]:
-                        del self._pins[s]
-                    retry = self._deferred and not self._pins
-                    if retry:
-                        self._deferred = False
-                if retry:
-                    self._schedule(self._retain)
+                self._unpin(s)
+
+    def _unpin(self, step: int) -> None:
+        """Drop one pin of ``step``; the last pin gone runs a deletion deferred for it."""
+        with self._lock:
+            self._pins[step] -= 1
+            if not self._pins[step]:
+                del self._pins[step]
+            retry = self._deferred and not self._pins
+            if retry:
+                self._deferred = False
+        if retry:
+            self._schedule(self._retain)
 
     def load(
         self,

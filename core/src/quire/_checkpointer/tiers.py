@@ -230,20 +230,8 @@ class _Tier:
         finally:
             with outer._lock:
                 outer._inflight_step = None
-            self._unpin(step)
+            self.inner._unpin(step)
         await outer._after_commit(step, metrics)  # the persistent tier counts the step now
-
-    def _unpin(self, step: int) -> None:
-        inner = self.inner
-        with inner._lock:
-            inner._pins[step] -= 1
-            if not inner._pins[step]:
-                del inner._pins[step]
-            retry = inner._deferred and not inner._pins
-            if retry:
-                inner._deferred = False
-        if retry:
-            inner._schedule(inner._retain)
 
     # ------------------------------------------------------------------ reading
     def steps(self) -> list[int]:
