@@ -26,9 +26,12 @@ def test_for_device_copies_only_when_it_must() -> None:
     a = aligned_empty((64, 8), np.float32)
     a[...] = np.arange(a.size, dtype=np.float32).reshape(a.shape)
     assert for_device(a) is a
-    moved = np.empty(a.size * 4 + 16, np.uint8)[16 : 16 + a.nbytes].view(np.float32)
-    if moved.ctypes.data % ALIGN == 0:
-        moved = np.empty(a.size * 4 + 32, np.uint8)[32 : 32 + a.nbytes].view(np.float32)
+    # An address 16 bytes past a multiple of ALIGN: misaligned for XLA whatever np.empty
+    # returns (a fresh allocation retried at another offset could land aligned again).
+    raw = np.empty(a.nbytes + ALIGN + 16, np.uint8)
+    off = (16 - raw.ctypes.data) % ALIGN
+    moved = raw[off : off + a.nbytes].view(np.float32)
+    assert moved.ctypes.data % ALIGN == 16
     moved[...] = a.reshape(-1)
     for src in (moved, a[:, ::2], a.T):  # unaligned, strided, Fortran order
         out = for_device(src)
