@@ -53,6 +53,16 @@ from moto_server import start_moto  # noqa: E402
 KEY, SECRET, BUCKET = "bench-key", "bench-secret", "quire-bench"
 
 
+def timed_save(c: Any, step: int, state: Any) -> tuple[float, float]:
+    """Seconds the caller is blocked in ``c.save`` and until the save (and any promotion)
+    is done."""
+    t0 = time.perf_counter()
+    c.save(step, state)
+    t1 = time.perf_counter()
+    c.wait()
+    return t1 - t0, time.perf_counter() - t0
+
+
 def make_state(mib: int, seed: int) -> dict[str, Any]:
     import jax.numpy as jnp
 
@@ -114,13 +124,9 @@ def main() -> None:
             c.save(1, s1)  # warm-up (the root record, the first save's gc): not measured
             c.wait()
             reqs()
-            t0 = time.perf_counter()
-            c.save(2, s2)
-            t1 = time.perf_counter()
-            c.wait()
-            t2 = time.perf_counter()
+            blocked, wall = timed_save(c, 2, s2)
             rows["save: plain persistent"].append(
-                (t1 - t0, t2 - t0, reqs(), stored(f"plain-{run}/step_00000002/"))
+                (blocked, wall, reqs(), stored(f"plain-{run}/step_00000002/"))
             )
             c.close()
             # -- tiered: a local-only step, then a step promoted to S3
@@ -135,21 +141,13 @@ def main() -> None:
             c.save(1, s1)  # warm-up (local only): not measured
             c.wait()
             reqs()
-            t0 = time.perf_counter()
-            c.save(2, s2)
-            t1 = time.perf_counter()
-            c.wait()
-            t2 = time.perf_counter()
+            blocked, wall = timed_save(c, 2, s2)
             assert c.tiers_of(2) == ("local", "persistent")
             rows["save: tiered, local + promotion"].append(
-                (t1 - t0, t2 - t0, reqs(), stored(f"tiered-{run}/step_00000002/"))
+                (blocked, wall, reqs(), stored(f"tiered-{run}/step_00000002/"))
             )
-            t0 = time.perf_counter()
-            c.save(3, s1)
-            t1 = time.perf_counter()
-            c.wait()
-            t2 = time.perf_counter()
-            rows["save: tiered, local only"].append((t1 - t0, t2 - t0, reqs(), 0))
+            blocked, wall = timed_save(c, 3, s1)
+            rows["save: tiered, local only"].append((blocked, wall, reqs(), 0))
             c.close()
             # -- restores of step 2
             c = quire.Checkpointer(
