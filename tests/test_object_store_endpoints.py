@@ -64,9 +64,13 @@ def test_each_retry_is_logged_at_info_with_its_reason(
     finally:
         proxy.stop()
     retries = [r for r in caplog.records if "retry" in r.getMessage()]
-    assert len(retries) >= 2, caplog.text
     assert all(r.levelno == logging.INFO for r in retries)
-    assert all("503" in r.getMessage() for r in retries), [r.getMessage() for r in retries]
+    # Each names its reason.  The two injected 503s are among them; on a loaded 2-core
+    # machine the proxy has also made the next request time out (a read of quire.json,
+    # retried and logged with its ReadTimeoutError), so other retries may be there too.
+    assert all(" failed (" in r.getMessage() for r in retries), [r.getMessage() for r in retries]
+    injected = [r for r in retries if "503" in r.getMessage()]
+    assert len(injected) >= 2, caplog.text
 
 
 def test_credentials_in_the_endpoint_url_are_stripped_and_never_logged(
