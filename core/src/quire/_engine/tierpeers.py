@@ -217,13 +217,22 @@ async def holds(backend: Backend, doc: Mapping[str, Any], owner: int) -> bool:
 
 
 async def _own_keys(
-    backend: Backend, url: str, doc: Mapping[str, Any], owner: int, primary: int
+    backend: Backend,
+    url: str,
+    doc: Mapping[str, Any],
+    owner: int,
+    primary: int,
+    read: dict[str, bytes] | None = None,
 ) -> list[str]:
-    """``owner``'s set, from its index at ``backend`` and a listing of the unit locations."""
+    """``owner``'s set, from its index at ``backend`` (kept in ``read``) and a listing of
+    the unit locations."""
     keys: list[str] = []
     entry = _entry(doc, owner)
     if entry is not None:
-        refs = parse_index(await backend.get(entry["object"]), entry, url, doc["txids"])
+        data = await backend.get(entry["object"])
+        if read is not None:
+            read[entry["object"]] = data
+        refs = parse_index(data, entry, url, doc["txids"])
         keys.append(entry["object"])
         keys += sorted({r.target for r in refs.values() if r.target is not None})
     if owner == primary:
@@ -317,8 +326,11 @@ async def fetch_owner(
 ) -> int:
     """Copy ``owner``'s set of the step from ``src`` (the persistent tier's copy of the same
     record) into ``dst``, checked; returns the bytes read."""
-    keys = await _own_keys(src, src_url, doc, owner, primary)
-    datas = await asyncio.gather(*(src.get(k) for k in keys))
+    read: dict[str, bytes] = {}
+    keys = await _own_keys(src, src_url, doc, owner, primary, read)
+    rest = [k for k in keys if k not in read]
+    read.update(zip(rest, await asyncio.gather(*(src.get(k) for k in rest))))
+    datas = [read[k] for k in keys]
     await receive(
         dst, dst_url, doc, owner, primary, dict(zip(keys, datas)), f"the persistent tier {src_url}"
     )
