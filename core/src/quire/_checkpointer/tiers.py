@@ -21,6 +21,11 @@ Order of a save of step S (``_Tier.save``), the commit points marked:
 
 At most one promotion (step 4) is in flight: a save due for the persistent tier waits for the
 previous promotion first.  Local saves never wait for a promotion.
+
+With several JAX processes, ``quire._checkpointer.tiermulti`` adds what needs them all: each
+local save is one collective save into every process's own root, followed by the peer copies;
+``latest_step`` / ``load`` agree on a step and fill each root from peers or the persistent
+tier; a promotion copies each process's own objects (``quire._engine.tierpeers``).
 """
 
 from __future__ import annotations
@@ -140,9 +145,20 @@ class _Tier:
         self.spread: Spread | None = None
         self.last_step: int | None = None
         if jax.process_count() > 1:  # every process its own root (quire._checkpointer.tiermulti)
+            if current().layout != "packed":
+                raise NotImplementedError(
+                    f"quire.Checkpointer({outer.root!r}, local=...): with several JAX processes "
+                    'the local tier saves packed checkpoints only; leave layout at "packed"'
+                )
             self.spread = Spread(self)
         else:
             self.last_step = self.inner.latest_step()
+            if spec.peers:
+                log.warning(
+                    "%s: LocalTier(peers=%d) with one JAX process: no peer to copy to",
+                    self.url,
+                    spec.peers,
+                )
         self.last_time = time.monotonic()
         if self.policy is not None:
             self.policy.attach()
