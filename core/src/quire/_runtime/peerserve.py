@@ -109,7 +109,7 @@ class PeerServer:
         self._server = server
         self.address: tuple[str, int] = tuple(server.server_address[:2])  # type: ignore[assignment]
         self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True
+            target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
         )
         self._thread.name = f"quire-peer-server-{self.address[1]}"
         self._thread.start()
