@@ -352,3 +352,37 @@ def test_one_process() -> None:
     assert len(a) == len(b) == 32 and a != b
     assert ring_shift("k", b"abc", 1, 1.0) == b"abc"
     assert ring_shift("k", memoryview(b""), -3, 1.0) == b""
+
+
+def test_fetch_to_writes_only_an_authenticated_whole_file(
+    server: peerlink.PeerServer, tier: Path, tmp_path: Path
+) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    dest = mine / "p00000"
+    big = (tier / "d" / "tx" / "p00000").read_bytes()
+    assert peerlink.fetch_to(server.address, "d/tx/p00000", SECRET, 30, BIG, dest) == BIG
+    assert dest.read_bytes() == big
+    assert os.listdir(mine) == ["p00000"]
+    # failures leave the destination as it was, and no partial file
+    dest.write_bytes(b"old")
+    with pytest.raises(PeerError, match="different secrets"):
+        peerlink.fetch_to(server.address, "d/tx/p00000", b"y" * 32, 30, BIG, dest)
+    with pytest.raises(PeerError, match="leaves the served directory"):
+        peerlink.fetch_to(server.address, "escape", SECRET, 30, BIG, dest)
+    spot = len(MAGIC) + NONCE + 9 + 2_500_000
+
+    def flip(data: bytes, offset: int) -> bytes:
+        if offset <= spot < offset + len(data):
+            b = bytearray(data)
+            b[spot - offset] ^= 0x80
+            return bytes(b)
+        return data
+
+    for where in relay(server, flip):
+        with pytest.raises(PeerError, match="does not authenticate"):
+            peerlink.fetch_to(where, "d/tx/p00000", SECRET, 30, BIG, dest)
+    assert dest.read_bytes() == b"old" and os.listdir(mine) == ["p00000"]
+    # the caller's own file system failing is not the peer's fault
+    with pytest.raises(FileNotFoundError):
+        peerlink.fetch_to(server.address, "empty", SECRET, 30, 10, mine / "no" / "such")

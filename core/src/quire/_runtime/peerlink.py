@@ -9,7 +9,7 @@ peer's local tier by their path relative to it.
 * ``PeerServer(root, secret, host, port)``: serves read-only GETs of regular files under
   ``root`` on the interface it is given, in threads of its own.
 * ``publish_address`` / ``lookup_address``: a server's address through the key-value store.
-* ``fetch`` / ``fetch_many``: the client, with one deadline per call.
+* ``fetch`` / ``fetch_many`` / ``fetch_to`` (into a file): the client, one deadline per call.
 
 The wire format and what its MACs bind are in ``peerwire``; the server opens files
 read-only and writes nothing.
@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 import secrets
 import socket
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
 
 import jax
 
@@ -49,6 +51,7 @@ __all__ = [
     "PeerServer",
     "fetch",
     "fetch_many",
+    "fetch_to",
     "lookup_address",
     "publish_address",
     "run_secret",
@@ -153,14 +156,155 @@ def fetch_many(
 
     ``max_bytes`` bounds the files together; ``timeout`` the whole call.
     """
+    out: list[bytes] = []
+
+    def work(conv: _Conversation) -> None:
+        left = max_bytes
+        for rel in relpaths:
+            got = conv.get(rel, left, None)
+            assert isinstance(got, bytes)
+            out.append(got)
+            left -= len(got)
+
+    _converse(address, secret, timeout, relpaths[0] if relpaths else "", work)
+    return out
+
+
+def fetch_to(
+    address: tuple[str, int],
+    relpath: str,
+    secret: bytes,
+    timeout: float,
+    max_bytes: int,
+    dest: str | os.PathLike[str],
+) -> int:
+    """Stream the file ``relpath`` of a peer into the new file ``dest``; its length.
+
+    Like :func:`fetch`, without holding the file in memory: the bytes go to a temporary
+    file beside ``dest`` (``<dest>.part-<random>``), which becomes ``dest`` (an atomic
+    rename, replacing it) only once the whole answer has authenticated; on any failure
+    it is removed.  The caller picks ``dest`` (inside its own tier); nothing the peer
+    sends chooses where bytes are written.
+
+    Raises
+    ------
+    PeerError
+        As :func:`fetch`; ``dest`` is then untouched.
+    """
+    target = Path(dest)
+    part = target.with_name(f"{target.name}.part-{secrets.token_hex(4)}")
+    n = 0
+
+    def work(conv: _Conversation) -> None:
+        nonlocal n
+        try:
+            # unbuffered: every write error surfaces in conv.get, none at close
+            f = open(part, "xb", buffering=0)  # noqa: SIM115 - closed just below
+        except OSError as e:
+            raise _LocalWrite() from e
+        with f:
+            got = conv.get(relpath, max_bytes, f)
+            assert isinstance(got, int)
+            n = got
+
+    try:
+        _converse(address, secret, timeout, relpath, work)
+        os.replace(part, target)
+    finally:
+        part.unlink(missing_ok=True)
+    return n
+
+
+class _LocalWrite(Exception):
+    """Writing the caller's destination failed (the OSError is its cause)."""
+
+
+class _Conversation:
+    """One connection's requests, numbered from 0 (see ``peerwire``)."""
+
+    def __init__(
+        self, sock: socket.socket, nonce: bytes, secret: bytes, deadline: float, fail: Any
+    ) -> None:
+        self.sock, self.nonce, self.secret = sock, nonce, secret
+        self.deadline, self.fail = deadline, fail
+        self.seq = 0
+        self.current = ""
+
+    def get(self, rel: str, limit: int, into: BinaryIO | None) -> bytes | int:
+        """The file ``rel`` (at most ``limit`` bytes): its bytes, or, written to ``into``,
+        its length."""
+        self.current = rel
+        seq, self.seq = self.seq, self.seq + 1
+        sock, deadline, fail = self.sock, self.deadline, self.fail
+        raw = rel.encode("utf-8")
+        if len(raw) > MAX_PATH_BYTES:
+            raise fail(
+                f"path of {len(raw)} bytes", f"peers serve paths of at most {MAX_PATH_BYTES}"
+            )
+        head = REQ.pack(b"G", len(raw), max(0, limit))
+        sock.sendall(head + raw + mac(self.secret, b"req", self.nonce, seq, head, raw).digest())
+        ahead = recv(sock, ANS.size, deadline)
+        status, n = ANS.unpack(ahead)
+        if status not in (b"O", b"R") or (status == b"O" and n > limit):
+            raise fail(f"malformed answer (status {status!r}, {n} bytes)", "is it a quire peer?")
+        if status == b"R" and n > 4 * MAX_PATH_BYTES:
+            raise fail("malformed refusal", "is it a quire peer?")
+        h = mac(self.secret, b"ans", self.nonce, seq, raw, ahead)
+        if into is None or status == b"R":
+            buf = bytearray(n)
+            view = memoryview(buf)
+            for lo in range(0, n, BLOCK):
+                recv_into(sock, view[lo : lo + BLOCK], deadline)
+                h.update(view[lo : lo + BLOCK])
+        else:
+            block = memoryview(bytearray(min(BLOCK, n)))
+            for lo in range(0, n, BLOCK):
+                piece = block[: min(BLOCK, n - lo)]
+                recv_into(sock, piece, deadline)
+                h.update(piece)
+                try:
+                    done = 0
+                    while done < len(piece):  # a raw file may write part of it
+                        done += into.write(piece[done:]) or 0
+                except OSError as e:
+                    raise _LocalWrite() from e
+        tag = recv(sock, TAG, deadline)
+        good = hmac.compare_digest(tag, h.digest())
+        if status == b"R":
+            reason = buf.decode("utf-8", "replace")
+            if not good:
+                raise fail(
+                    f"refused, and the refusal does not authenticate ({reason})",
+                    "the two processes hold different secrets: are they the same run?",
+                )
+            raise fail(
+                f"refused: {reason}",
+                "the peer does not serve that file: read it from another holder",
+            )
+        if not good:
+            raise fail(
+                "the answer does not authenticate (altered in transit, or another secret)",
+                "check that both processes are the same run; read from another holder",
+            )
+        return n if into is not None else bytes(buf)
+
+
+def _converse(
+    address: tuple[str, int],
+    secret: bytes,
+    timeout: float,
+    first: str,
+    work: Callable[[_Conversation], None],
+) -> None:
+    """Connect, check the greeting, run ``work``; every failure as a :class:`PeerError`."""
     deadline = time.monotonic() + timeout
     where = f"{address[0]}:{address[1]}"
-    current = relpaths[0] if relpaths else ""
+    conv: _Conversation | None = None
 
     def fail(why: str, fix: str) -> PeerError:
+        current = conv.current if conv is not None and conv.current else first
         return PeerError(f"peer {where}, file {current!r}: {why}; {fix}")
 
-    out: list[bytes] = []
     try:
         with socket.create_connection(address, timeout=max(0.001, timeout)) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -170,12 +314,8 @@ def fetch_many(
                     "the server is not a quire peer (bad greeting)",
                     "check the address the peer published",
                 )
-            nonce = hello[len(MAGIC) :]
-            left = max_bytes
-            for seq, rel in enumerate(relpaths):
-                current = rel
-                out.append(_one(sock, nonce, seq, rel, secret, left, deadline, fail))
-                left -= len(out[-1])
+            conv = _Conversation(sock, hello[len(MAGIC) :], secret, deadline, fail)
+            work(conv)
     except PeerError:
         raise
     except TimeoutError:
@@ -185,55 +325,10 @@ def fetch_many(
         ) from None
     except Closed as e:
         raise fail(f"short answer ({e})", "the peer died or dropped the connection") from None
+    except _LocalWrite as e:
+        assert isinstance(e.__cause__, OSError)
+        raise e.__cause__ from None  # writing the caller's file failed: not the peer's doing
     except OSError as e:
         raise fail(
             f"cannot reach the peer ({e})", "treat it as lost and read from another holder"
         ) from e
-    return out
-
-
-def _one(
-    sock: socket.socket,
-    nonce: bytes,
-    seq: int,
-    rel: str,
-    secret: bytes,
-    limit: int,
-    deadline: float,
-    fail: Any,
-) -> bytes:
-    raw = rel.encode("utf-8")
-    if len(raw) > MAX_PATH_BYTES:
-        raise fail(f"path of {len(raw)} bytes", f"peers serve paths of at most {MAX_PATH_BYTES}")
-    head = REQ.pack(b"G", len(raw), max(0, limit))
-    sock.sendall(head + raw + mac(secret, b"req", nonce, seq, head, raw).digest())
-    ahead = recv(sock, ANS.size, deadline)
-    status, n = ANS.unpack(ahead)
-    if status not in (b"O", b"R") or (status == b"O" and n > limit):
-        raise fail(f"malformed answer (status {status!r}, {n} bytes)", "is it a quire peer?")
-    if status == b"R" and n > 4 * MAX_PATH_BYTES:
-        raise fail("malformed refusal", "is it a quire peer?")
-    h = mac(secret, b"ans", nonce, seq, raw, ahead)
-    buf = bytearray(n)
-    view = memoryview(buf)
-    for lo in range(0, n, BLOCK):
-        recv_into(sock, view[lo : lo + BLOCK], deadline)
-        h.update(view[lo : lo + BLOCK])
-    tag = recv(sock, TAG, deadline)
-    good = hmac.compare_digest(tag, h.digest())
-    if status == b"R":
-        reason = buf.decode("utf-8", "replace")
-        if not good:
-            raise fail(
-                f"refused, and the refusal does not authenticate ({reason})",
-                "the two processes hold different secrets: are they the same run?",
-            )
-        raise fail(
-            f"refused: {reason}", "the peer does not serve that file: read it from another holder"
-        )
-    if not good:
-        raise fail(
-            "the answer does not authenticate (altered in transit, or another secret)",
-            "check that both processes are the same run; read from another holder",
-        )
-    return bytes(buf)
