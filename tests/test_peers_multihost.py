@@ -93,6 +93,9 @@ def test_ring_shift_and_tcp_fetch_between_three_processes(tmp_path: Path) -> Non
         assert r["length"] == ARGS["sizes"][source], r  # type: ignore[index]
         assert r["sha"] == sha[source], r
 
+    floats = [r for r in results if r["check"] == "floats"]
+    assert len(floats) == NPROC and all(r["ok"] for r in floats), floats
+
     peers = {r["pid"]: r for r in results if r["check"] == "peer"}
     assert sorted(peers) == list(range(NPROC))
     assert len({r["secret"] for r in peers.values()}) == 1  # one secret for the run

@@ -386,3 +386,51 @@ def test_fetch_to_writes_only_an_authenticated_whole_file(
     # the caller's own file system failing is not the peer's fault
     with pytest.raises(FileNotFoundError):
         peerlink.fetch_to(server.address, "empty", SECRET, 30, 10, mine / "no" / "such")
+
+
+def test_concurrent_clients_each_get_the_whole_file(
+    server: peerlink.PeerServer, tier: Path
+) -> None:
+    big = (tier / "d" / "tx" / "p00000").read_bytes()
+    got: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            got.append(peerlink.fetch(server.address, "d/tx/p00000", SECRET, 60, BIG))
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(got) == 6 and all(g == big for g in got)
+
+
+def test_connections_over_the_cap_are_dropped_and_logged(
+    tier: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="quire")
+    with peerlink.PeerServer(tier, SECRET, max_connections=1) as s:
+        held, _ = raw_connect(s)  # takes the only slot
+        with pytest.raises(PeerError, match="short answer"):
+            peerlink.fetch(s.address, "empty", SECRET, 5, 10)
+        assert "too many connections" in caplog.text
+        held.close()
+        deadline = time.monotonic() + 5
+        while True:  # the slot comes back once the server sees the hang-up
+            try:
+                assert peerlink.fetch(s.address, "empty", SECRET, 5, 10) == b""
+                break
+            except PeerError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+
+
+def test_ring_shift_counts_bytes_of_any_buffer() -> None:
+    import numpy as np
+
+    floats = np.arange(5, dtype=np.float64)
+    assert ring_shift("k", memoryview(floats), 1, 1.0) == floats.tobytes()

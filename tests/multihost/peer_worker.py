@@ -8,7 +8,8 @@ Prints one ``QUIRE-PEER {...}`` line per result; the parent asserts on them.  In
 
 1. ``ring``: ``ring_shift`` by each shift of ``args["shifts"]``, each process sending
    ``payload(i, size)`` with sizes that differ per process (one empty), in rounds of
-   ``args["round_bytes"]``; reports the sha256 of what arrived and its length.
+   ``args["round_bytes"]``; reports the sha256 of what arrived and its length.  Then a
+   shift of a float64 buffer (``floats``).
 2. ``peer``: ``run_secret``; a ``PeerServer`` on this process's tier directory, published
    with ``publish_address``; a ``fetch`` of the next process's pack through
    ``lookup_address``; the same fetch with a wrong secret (must fail with ``PeerError``).
@@ -78,6 +79,12 @@ def ring() -> None:
             sha=hashlib.sha256(got).hexdigest(),
             seconds=time.monotonic() - t,
         )
+    # a buffer of 8-byte items: its bytes travel, not its item count
+    import numpy as np
+
+    src = (PID - 1) % NPROC
+    got = ring_shift("test/ring/floats", memoryview(np.arange(1000 * PID, dtype=np.float64)), 1, 30)
+    emit("floats", ok=got == np.arange(1000 * src, dtype=np.float64).tobytes())
 
 
 def peer() -> None:

@@ -201,14 +201,15 @@ def ring_shift(
     """
     n = jax.process_count()
     me = jax.process_index()
+    view = memoryview(payload).cast("B")
     if n == 1 or shift % n == 0:
-        return bytes(payload)
+        return bytes(view)
     group = list(range(n))
     lengths = _lengths(
         _client(),
         key,
         group,
-        len(payload),
+        len(view),
         timeout,
         lambda p: (
             f"ring shift {key!r}: process {me} waited {timeout:g}s for process {p} to "
@@ -224,7 +225,6 @@ def ring_shift(
     sharding = NamedSharding(mesh, PartitionSpec("p"))
     source = (me - shift) % n
     want = lengths[source]
-    view = memoryview(payload).cast("B")
     parts: list[Any] = []
     for r in range(rounds):
         lo = r * width
