@@ -1,8 +1,9 @@
 """Peer transport between three real JAX processes (jax.distributed on 127.0.0.1, 2 CPU
 devices each): ``ring_shift`` by several shifts with payloads of uneven sizes (one empty)
 in several rounds; ``run_secret`` + ``publish_address`` / ``lookup_address`` + ``fetch``
-from the next process's ``PeerServer``; a wrong secret refused; a process that does not
-join a ring shift named by the others within the timeout.  One launch, see
+from the next process's ``PeerServer``; a wrong secret refused; processes passing different
+``round_bytes`` all refused; a process that does not join a ring shift named by the others
+within the timeout.  One launch, see
 ``tests/multihost/peer_worker.py``.
 """
 
@@ -107,6 +108,12 @@ def test_ring_shift_and_tcp_fetch_between_three_processes(tmp_path: Path) -> Non
         assert r["wrong_secret"] is not None
         assert "different secrets" in r["wrong_secret"], r
         assert f"p{nxt:05d}" in r["wrong_secret"], r
+
+    mismatch = [r for r in results if r["check"] == "mismatch"]
+    assert len(mismatch) == NPROC, mismatch
+    for r in mismatch:
+        assert r["error"] and "every process must pass the same" in r["error"], r
+        assert "round_bytes=65536" in r["error"] and "round_bytes=131072" in r["error"], r
 
     late = {r["pid"]: r for r in results if r["check"] == "late"}
     assert late[NPROC - 1] == {"pid": NPROC - 1, "check": "late", "skipped": True}

@@ -302,7 +302,10 @@ def relay(
     return fake_peer(threading_behave)
 
 
-def test_an_altered_answer_is_refused(server: peerlink.PeerServer) -> None:
+def test_an_altered_answer_is_refused(
+    server: peerlink.PeerServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="quire")
     spot = len(MAGIC) + NONCE + 9 + 100_000  # a byte of the body
 
     def flip(data: bytes, offset: int) -> bytes:
@@ -315,17 +318,23 @@ def test_an_altered_answer_is_refused(server: peerlink.PeerServer) -> None:
     for where in relay(server, flip):
         with pytest.raises(PeerError, match="does not authenticate"):
             peerlink.fetch(where, "d/tx/p00000", SECRET, 10, BIG)
+        assert f"peer {where[0]}:{where[1]}: refused its answer for 'd/tx/p00000'" in caplog.text
     for where in relay(server, lambda data, offset: data):  # the relay itself is harmless
         assert len(peerlink.fetch(where, "d/tx/p00000", SECRET, 10, BIG)) == BIG
 
 
-def test_a_cut_answer_is_refused(server: peerlink.PeerServer) -> None:
+def test_a_cut_answer_is_refused(
+    server: peerlink.PeerServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="quire")
+
     def cut(data: bytes, offset: int) -> bytes | None:
         return None if offset > 200_000 else data
 
     for where in relay(server, cut):
         with pytest.raises(PeerError, match="short answer"):
             peerlink.fetch(where, "d/tx/p00000", SECRET, 10, BIG)
+        assert "refused its answer for 'd/tx/p00000': short answer" in caplog.text
 
 
 def test_closed_server_is_unreachable(tier: Path) -> None:

@@ -13,7 +13,8 @@ Prints one ``QUIRE-PEER {...}`` line per result; the parent asserts on them.  In
 2. ``peer``: ``run_secret``; a ``PeerServer`` on this process's tier directory, published
    with ``publish_address``; a ``fetch`` of the next process's pack through
    ``lookup_address``; the same fetch with a wrong secret (must fail with ``PeerError``).
-3. ``late``: every process but the last calls ``ring_shift`` with a 2 s timeout, the last
+3. ``mismatch``: process 0 passes another ``round_bytes``: every process must raise.
+4. ``late``: every process but the last calls ``ring_shift`` with a 2 s timeout, the last
    does not: the others must raise ``MultiProcessError`` naming it within the timeout.
 """
 
@@ -113,6 +114,15 @@ def peer() -> None:
         barrier("fetched")  # keep serving until every process has fetched
 
 
+def mismatch() -> None:
+    rb = 1 << 16 if PID == 0 else 1 << 17
+    try:
+        ring_shift("test/mismatch", b"x", 1, 30.0, round_bytes=rb)
+        emit("mismatch", error=None)
+    except MultiProcessError as e:
+        emit("mismatch", error=str(e))
+
+
 def late() -> None:
     if PID == NPROC - 1:
         emit("late", skipped=True)
@@ -136,6 +146,7 @@ def main() -> None:
     try:
         ring()
         peer()
+        mismatch()
         late()
     except BaseException as e:
         emit("crashed", failed=f"{type(e).__name__}: {e}", tb=traceback.format_exc()[-3000:])

@@ -61,14 +61,16 @@ def _lengths(
     mine: int,
     timeout: float,
     missing: Callable[[int], str],
+    terms: str = "",
 ) -> dict[int, int]:
     """The barrier: publish this process's length under ``key``, read every other one's.
 
     Raises :class:`MultiProcessError` with ``missing(p)`` (plus JAX's reason) for the first
-    process ``p`` whose length does not arrive within ``timeout`` seconds in all.
+    process ``p`` whose length does not arrive within ``timeout`` seconds in all, or when a
+    process published other ``terms`` (the call's parameters every process must share).
     """
     me = jax.process_index()
-    c.key_value_set(f"{key}/{me}", str(mine))
+    c.key_value_set(f"{key}/{me}", f"{mine} {terms}".rstrip())
     deadline = time.monotonic() + timeout
     lengths: dict[int, int] = {me: mine}
     for p in group:
@@ -76,9 +78,16 @@ def _lengths(
             continue
         ms = min(2**31 - 1, max(1, int((deadline - time.monotonic()) * 1000)))
         try:
-            lengths[p] = int(c.blocking_key_value_get(f"{key}/{p}", ms))
+            got = str(c.blocking_key_value_get(f"{key}/{p}", ms))
         except Exception as e:
             raise MultiProcessError(f"{missing(p)}: {_first_line(e)}") from e
+        length, _, theirs = got.partition(" ")
+        if theirs != terms:
+            raise MultiProcessError(
+                f"{key!r}: process {p} called with {theirs or 'nothing'}, process {me} with "
+                f"{terms or 'nothing'}; every process must pass the same"
+            )
+        lengths[p] = int(length)
     return lengths
 
 
@@ -215,6 +224,7 @@ def ring_shift(
             f"ring shift {key!r}: process {me} waited {timeout:g}s for process {p} to "
             "join the peer copy; it did not (is it stalled or dead, or running another step?)"
         ),
+        f"shift={shift % n},round_bytes={round_bytes}",
     )
     longest = max(lengths.values())
     cap = 1 << max(_MIN_ROW.bit_length() - 1, int(round_bytes).bit_length() - 1)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
 import secrets
 import socket
@@ -45,6 +46,8 @@ from quire._runtime.peerwire import (
     recv_into,
 )
 from quire.errors import MultiProcessError, PeerError
+
+log = logging.getLogger("quire")
 
 __all__ = [
     "MAX_PATH_BYTES",
@@ -246,9 +249,13 @@ class _Conversation:
         ahead = recv(sock, ANS.size, deadline)
         status, n = ANS.unpack(ahead)
         if status not in (b"O", b"R") or (status == b"O" and n > limit):
-            raise fail(f"malformed answer (status {status!r}, {n} bytes)", "is it a quire peer?")
+            raise fail(
+                f"malformed answer (status {status!r}, {n} bytes)",
+                "is it a quire peer?",
+                hostile=True,
+            )
         if status == b"R" and n > 4 * MAX_PATH_BYTES:
-            raise fail("malformed refusal", "is it a quire peer?")
+            raise fail("malformed refusal", "is it a quire peer?", hostile=True)
         h = mac(self.secret, b"ans", self.nonce, seq, raw, ahead)
         if into is None or status == b"R":
             buf = bytearray(n)
@@ -276,6 +283,7 @@ class _Conversation:
                 raise fail(
                     f"refused, and the refusal does not authenticate ({reason})",
                     "the two processes hold different secrets: are they the same run?",
+                    hostile=True,
                 )
             raise fail(
                 f"refused: {reason}",
@@ -285,6 +293,7 @@ class _Conversation:
             raise fail(
                 "the answer does not authenticate (altered in transit, or another secret)",
                 "check that both processes are the same run; read from another holder",
+                hostile=True,
             )
         return n if into is not None else bytes(buf)
 
@@ -301,8 +310,10 @@ def _converse(
     where = f"{address[0]}:{address[1]}"
     conv: _Conversation | None = None
 
-    def fail(why: str, fix: str) -> PeerError:
+    def fail(why: str, fix: str, *, hostile: bool = False) -> PeerError:
         current = conv.current if conv is not None and conv.current else first
+        if hostile:  # an answer that is not what a peer of this run sends: say so
+            log.warning("peer %s: refused its answer for %r: %s", where, current, why)
         return PeerError(f"peer {where}, file {current!r}: {why}; {fix}")
 
     try:
@@ -313,6 +324,7 @@ def _converse(
                 raise fail(
                     "the server is not a quire peer (bad greeting)",
                     "check the address the peer published",
+                    hostile=True,
                 )
             conv = _Conversation(sock, hello[len(MAGIC) :], secret, deadline, fail)
             work(conv)
@@ -324,7 +336,9 @@ def _converse(
             "treat the peer as lost and read from another holder",
         ) from None
     except Closed as e:
-        raise fail(f"short answer ({e})", "the peer died or dropped the connection") from None
+        raise fail(
+            f"short answer ({e})", "the peer died or dropped the connection", hostile=True
+        ) from None
     except _LocalWrite as e:
         assert isinstance(e.__cause__, OSError)
         raise e.__cause__ from None  # writing the caller's file failed: not the peer's doing
