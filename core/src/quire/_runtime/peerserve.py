@@ -36,6 +36,7 @@ class _TCP4(socketserver.ThreadingTCPServer):
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = False
+    request_queue_size = 128  # many processes may ask one survivor at once
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.warning("peer server: error serving %s", client_address, exc_info=True)
