@@ -443,3 +443,11 @@ def test_ring_shift_counts_bytes_of_any_buffer() -> None:
 
     floats = np.arange(5, dtype=np.float64)
     assert ring_shift("k", memoryview(floats), 1, 1.0) == floats.tobytes()
+
+
+def test_a_link_to_the_root_itself_is_not_a_file(server: peerlink.PeerServer, tier: Path) -> None:
+    (tier / "self").symlink_to(tier)
+    with pytest.raises(PeerError, match="not a regular file"):
+        peerlink.fetch(server.address, "self", SECRET, 5, 10)
+    # and through it, files inside the root are served as themselves
+    assert peerlink.fetch(server.address, "self/empty", SECRET, 5, 10) == b""

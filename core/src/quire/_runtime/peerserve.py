@@ -219,7 +219,7 @@ class PeerServer:
             full = self.root.joinpath(*parts).resolve(strict=True)
         except (OSError, RuntimeError):
             raise _Refused("no such file") from None
-        if not full.is_relative_to(self.root) or full == self.root:
+        if not full.is_relative_to(self.root):
             raise _Refused("path leaves the served directory (through a symlink)")
         try:
             # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: the
