@@ -33,8 +33,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from object_store_servers import FaultProxy, MotoS3
+
+import quire
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SIGKILL, 127.0.0.1 processes")
 
@@ -129,6 +132,15 @@ def test_four_processes_peer_copies_lost_holders_kill_and_hang(
         assert r["tiers"] == {"10": ["local", "persistent"], "11": ["local"], "12": ["local"]}
     for p in range(N):  # own objects and the ring predecessor's, each checked and marked
         assert markers(local, p, 12) == [f"p{q:05d}.json" for q in sorted({p, (p - 1) % N})]
+    # The promoted step is one whole checkpoint on S3: any reader loads it.
+    got = quire.load(f"{url}/step_00000010", storage_options=base["options"])
+    rng = np.random.default_rng(10)  # tier_worker.state(10), in the same order
+    want = [rng.standard_normal((64, 48), dtype=np.float32),
+            rng.standard_normal((4096,), dtype=np.float32),
+            rng.integers(0, 1 << 30, 777, dtype=np.int64)]  # fmt: skip
+    for k, w in zip(("w", "b", "opt"), want):
+        assert np.asarray(got[k]).tobytes() == w.tobytes(), k
+    assert got["step"] == 10
 
     # B. both holders of process 1's objects lost: step 10, its missing part from S3.
     shutil.rmtree(local / "process_00001")

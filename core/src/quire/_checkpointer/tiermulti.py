@@ -34,6 +34,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from quire._checkpointer.tierpull import PeerCopies
 from quire._engine import commit as _commit
 from quire._engine import tierpeers as _peers
 from quire._format import record as _format
@@ -52,7 +53,6 @@ __all__ = ["PERSISTENT_SOURCE", "Plan", "Spread", "decide"]
 log = logging.getLogger("quire")
 
 PERSISTENT_SOURCE = -1  # a source meaning "the persistent tier"
-_OK, _FAILED = b"\x01", b"\x00"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +148,17 @@ class Spread:
         self.agreed: int | None = None
         self.plan: Plan | None = None
         self._seq = 0
+        self.copies: PeerCopies | None = None
+        if self.peers:
+            self.copies = PeerCopies(
+                tier.url,
+                self.name,
+                self.me,
+                self.count,
+                self.peers,
+                tier.spec.peer_host,
+                self._timeout(),
+            )
         tier.inner._spread = self.name
         tier.inner._primary = True  # each process owns its root: retention, gc, root record
 
@@ -184,26 +195,13 @@ class Spread:
             return
         doc = (await _commit.read(backend, url)).doc
         await _peers.mark_own(backend, url, doc, self.me, self.primary)
-        if not self.peers:
-            return
-        payload = _OK + _peers.encode(await _peers.read_owned(backend, doc, self.me))
-        group = list(range(self.count))
-        name = f"{self.name}/{step}/{seq}/peers"
-        rows = await run_blocking(
-            self._exchange, f"peer copies of step {step}", name, group, payload, url
-        )
-        del payload
-        for s in range(1, self.peers + 1):
-            j = (self.me - s) % self.count
-            row = rows[j]
-            if bytes(row[:1]) != _OK:  # pragma: no cover - every sender sends _OK
-                log.warning("%s: step %d: no copy of process %d's objects here", url, step, j)
-                continue
-            try:
-                objects = _peers.decode(row[1:], url, f"process {j}", j)
-                await _peers.receive(backend, url, doc, j, self.primary, objects, f"process {j}")
-            except Exception as e:  # logged by tierpeers; the step keeps its other holders
-                log.debug("%s: step %d: copy of process %d refused: %s", url, step, j, e)
+        if self.copies is not None:
+            rel = inner._fmt.name(step)
+            await self.copies.after_commit(backend, url, rel, doc, self.primary, f"{step}/{seq}")
+
+    def close(self) -> None:
+        if self.copies is not None:
+            self.copies.close()
 
     # ------------------------------------------------------------------ agreeing
     async def _view(self, persistent: list[int]) -> dict[str, Any]:

@@ -84,6 +84,10 @@ class LocalTier:
         directory is restored from its peers (default 0: from the persistent tier).
     storage_options : dict, optional
         fsspec options for the local tier's backend.
+    peer_host : str
+        The interface each process serves its local tier on to its peers (read-only,
+        authenticated by a per-run secret); ``127.0.0.1`` by default: this machine only.
+        Give the address other hosts reach this one at for multi-host runs.
 
     Raises
     ------
@@ -96,6 +100,7 @@ class LocalTier:
     keep: KeepPolicy | None = None
     peers: int = 0
     storage_options: Mapping[str, Any] | None = None
+    peer_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.save_policy is not None and not isinstance(self.save_policy, SavePolicy):
@@ -104,6 +109,8 @@ class LocalTier:
             raise TypeError(f"keep must be a KeepPolicy, got {self.keep!r}")
         if isinstance(self.peers, bool) or not isinstance(self.peers, int) or self.peers < 0:
             raise ValueError(f"peers must be an int >= 0, got {self.peers!r}")
+        if not isinstance(self.peer_host, str) or not self.peer_host:
+            raise TypeError(f"peer_host must be a host name or address, got {self.peer_host!r}")
         object.__setattr__(self, "url", normalize(self.url))
 
     def process_url(self, index: int) -> str:
@@ -303,6 +310,8 @@ class _Tier:
         try:
             self.inner.close()
         finally:
+            if self.spread is not None:
+                self.spread.close()
             if self.policy is not None:
                 self.policy.detach()
 

@@ -55,12 +55,14 @@ __all__ = [
     "encode",
     "fetch_owner",
     "holds",
+    "is_safe_key",
     "mark_own",
     "owner_of",
     "owners",
     "promote_spread",
     "read_owned",
     "receive",
+    "refused",
 ]
 
 log = logging.getLogger("quire")
@@ -109,6 +111,11 @@ def _checkers(doc: Mapping[str, Any], url: str) -> dict[str, Callable[[bytes], N
     return out
 
 
+def is_safe_key(key: str, doc: Mapping[str, Any]) -> bool:
+    """Whether ``key`` may name an object of the step ``doc`` describes (under its txid)."""
+    return is_safe_location(key) and key.startswith(f"d/{_txid(doc)}/")
+
+
 def marker_key(txid: str, owner: int) -> str:
     return f"d/{txid}/{TIER_DIR}/p{owner:05d}.json"
 
@@ -118,7 +125,7 @@ def _txid(doc: Mapping[str, Any]) -> str:
     return str(txid)
 
 
-def _refused(url: str, sender: str, owner: int, why: str) -> CorruptCheckpointError:
+def refused(url: str, sender: str, owner: int, why: str) -> CorruptCheckpointError:
     msg = (
         f"{url}: refused the copy of process {owner}'s objects from {sender}: {why}; nothing "
         "of it was written (the step keeps its other holders)"
@@ -144,11 +151,11 @@ def check_objects(
     if entry is not None:
         data = objects.get(entry["object"])
         if data is None:
-            raise _refused(url, sender, owner, f"its chunk index {entry['object']} is missing")
+            raise refused(url, sender, owner, f"its chunk index {entry['object']} is missing")
         try:
             refs = parse_index(data, entry, url, txids)
         except (ChunkError, CorruptCheckpointError) as e:
-            raise _refused(url, sender, owner, f"its chunk index fails its check ({e})") from e
+            raise refused(url, sender, owner, f"its chunk index fails its check ({e})") from e
         allowed[entry["object"]] = _index_check(entry, url, txids)
         by_pack: dict[str, list[tuple[str, Ref]]] = {}
         for key, ref in refs.items():
@@ -157,22 +164,22 @@ def check_objects(
         checkers = _checkers(doc, url)
         for pack, rs in by_pack.items():
             if owner_of(pack, primary) != owner:
-                raise _refused(url, sender, owner, f"its index points at {pack}, not its own")
+                raise refused(url, sender, owner, f"its index points at {pack}, not its own")
             if pack not in objects:
-                raise _refused(url, sender, owner, f"pack {pack} is missing")
+                raise refused(url, sender, owner, f"pack {pack} is missing")
             allowed[pack] = _pack_check(rs, checkers)
     units = _unit_locations(doc) if owner == primary else []
     for key in objects:
         if key in allowed:
             continue
         if not (is_safe_location(key) and any(key.startswith(loc + "/") for loc in units)):
-            raise _refused(url, sender, owner, f"{key!r} is not an object of its part of the step")
+            raise refused(url, sender, owner, f"{key!r} is not an object of its part of the step")
         allowed[key] = _check_unit_object
     for key, data in objects.items():
         try:
             allowed[key](data)
         except Exception as e:
-            raise _refused(url, sender, owner, f"{key} fails its check ({e})") from e
+            raise refused(url, sender, owner, f"{key} fails its check ({e})") from e
 
 
 # ----------------------------------------------------------------------------- markers
@@ -190,10 +197,7 @@ async def _marked(backend: Backend, doc: Mapping[str, Any], owner: int) -> dict[
         objs = got["objects"]
         ok = got["owner"] == owner and isinstance(objs, dict)
         ok = ok and all(
-            isinstance(k, str)
-            and is_safe_location(k)
-            and k.startswith(f"d/{txid}/")
-            and isinstance(n, int)
+            isinstance(k, str) and is_safe_key(k, doc) and isinstance(n, int)
             for k, n in objs.items()
         )
     except (FileNotFoundError, ValueError, KeyError, TypeError):
@@ -282,7 +286,7 @@ def decode(payload: bytes | memoryview, url: str, sender: str, owner: int) -> di
         if pos != len(mv):
             raise ValueError(f"{len(mv) - pos} bytes after the last object")
     except (ValueError, TypeError) as e:
-        raise _refused(url, sender, owner, f"malformed payload ({e})") from e
+        raise refused(url, sender, owner, f"malformed payload ({e})") from e
     return out
 
 
