@@ -53,9 +53,9 @@ def proxy(moto: MotoS3) -> Iterator[FaultProxy]:
 
 
 def launch(
-    tmp: Path, cfg: dict[str, Any], victim: int | None = None, timeout: float = 90
+    tmp: Path, cfg: dict[str, Any], victim: int | None = None, timeout: float = 90, n: int = N
 ) -> tuple[list[dict[str, Any]], list[int | None]]:
-    """Run the 4 processes; when ``victim`` dies (SIGKILL), kill the others as a job would."""
+    """Run ``n`` processes; when ``victim`` dies (SIGKILL), kill the others as a job would."""
     import socket
 
     with socket.socket() as s:
@@ -67,9 +67,9 @@ def launch(
     logs.mkdir(exist_ok=True)
     tag = f"{cfg['first']}-{cfg['last']}-{port}"
     procs = []
-    for i in range(N):
+    for i in range(n):
         with open(logs / f"{tag}-{i}.out", "w") as out, open(logs / f"{tag}-{i}.err", "w") as err:
-            cmd = [sys.executable, str(WORKER), str(i), str(N), str(port), json.dumps(cfg)]
+            cmd = [sys.executable, str(WORKER), str(i), str(n), str(port), json.dumps(cfg)]
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env))
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout and any(p.poll() is None for p in procs):
@@ -82,7 +82,7 @@ def launch(
             p.send_signal(signal.SIGKILL)
             p.wait()
     results = []
-    for i in range(N):
+    for i in range(n):
         for line in (logs / f"{tag}-{i}.out").read_text().splitlines():
             if line.startswith("QUIRE-TIER "):
                 results.append(json.loads(line.removeprefix("QUIRE-TIER ")))
@@ -93,11 +93,11 @@ def of(results: list[dict[str, Any]], check: str) -> list[dict[str, Any]]:
     return sorted((r for r in results if r["check"] == check), key=lambda r: r["pid"])
 
 
-def ok(results: list[dict[str, Any]], codes: list[int | None]) -> None:
+def ok(results: list[dict[str, Any]], codes: list[int | None], n: int = N) -> None:
     failed = of(results, "failed")
     assert not failed, failed[0]["error"][-3000:]
-    assert codes == [0] * N, codes
-    assert len(of(results, "done")) == N
+    assert codes == [0] * n, codes
+    assert len(of(results, "done")) == n
 
 
 def step_gets(proxy: FaultProxy, prefix: str) -> list[str]:
@@ -170,3 +170,36 @@ def test_four_processes_peer_copies_lost_holders_kill_and_hang(
         assert "agreeing on the local tier step" in r["error"], r
         assert "process 3" in r["error"] and "treated as lost" in r["error"], r
         assert r["seconds"] < 6 + 4, r
+
+
+def test_two_processes_without_peers_restore_through_collectives(
+    tmp_path: Path, moto: MotoS3, proxy: FaultProxy
+) -> None:
+    """``peers=0`` (no TCP server): a restore gets what each process lacks through the
+    collective exchange; a wiped directory's objects come from the persistent tier."""
+    url = moto.fresh_url()
+    prefix = url.split("/", 3)[3]
+    local = tmp_path / "local"
+    base = {"persistent": url, "options": moto.options(proxy.endpoint), "local": str(local),
+            "timeout": 20, "peers": 0, "every": 2}  # fmt: skip
+    ok(*launch(tmp_path, {**base, "first": 1, "last": 4}, n=2), n=2)
+    for p in range(2):
+        assert markers(local, p, 4) == [f"p{p:05d}.json"]  # no peer copies
+    proxy.clear()
+    results, codes = launch(tmp_path, {**base, "first": 5, "last": 6}, n=2)
+    ok(results, codes, n=2)
+    assert [(r["step"], r["same"]) for r in of(results, "restored")] == [(4, True)] * 2
+    # (step 6's promotion then reads step records for its garbage collection: no data)
+    assert [g for g in step_gets(proxy, prefix) if "quire.json" not in g] == []
+    for p in range(2):  # the restore gave each process the other's objects of step 4
+        assert markers(local, p, 4) == ["p00000.json", "p00001.json"]
+    # Process 1's directory lost, no peer copies of steps 5 and 6: step 6, which the
+    # persistent tier holds, its process-1 part read from S3 once, process 0's from process 0.
+    shutil.rmtree(local / "process_00001")
+    proxy.clear()
+    results, codes = launch(tmp_path, {**base, "first": 7, "last": 6}, n=2)
+    ok(results, codes, n=2)
+    assert [(r["step"], r["same"]) for r in of(results, "restored")] == [(6, True)] * 2
+    objects = [g for g in step_gets(proxy, prefix) if not g.split("?")[0].endswith("quire.json")]
+    assert objects and all("step_00000006/" in g and "p00001" in g for g in objects), objects
+    assert len(objects) == len(set(objects))

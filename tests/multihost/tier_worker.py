@@ -3,6 +3,7 @@
     python tier_worker.py <process id> <process count> <port> <json config>
 
 Config: ``persistent`` / ``options`` (the persistent tier and its storage options), ``local``,
+``peers`` (default 1), ``every`` (the persistent tier's EveryNSteps, default 10),
 ``timeout`` (quire's), ``first`` / ``last`` (the steps to train), ``kill`` ([process, step]:
 that process SIGKILLs itself in the middle of that step's local save, after writing its
 packs), ``expect`` (the step the restore must agree on, or null), ``hang`` (a process that
@@ -87,9 +88,11 @@ if kill and kill[0] == pid:  # fault injection: die in the middle of that local 
 try:
     with quire.Checkpointer(
         cfg["persistent"],
-        save_policy=EveryNSteps(10),
+        save_policy=EveryNSteps(cfg.get("every", 10)),
         storage_options=cfg["options"],
-        local=quire.LocalTier(cfg["local"], save_policy=EveryNSteps(1), keep=LatestN(3), peers=1),
+        local=quire.LocalTier(
+            cfg["local"], save_policy=EveryNSteps(1), keep=LatestN(3), peers=cfg.get("peers", 1)
+        ),
     ) as c:
         t0 = time.monotonic()
         got = c.latest_step()

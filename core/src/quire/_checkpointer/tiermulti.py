@@ -42,8 +42,14 @@ from quire._runtime.collective import exchange
 from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.multihost import Coordinator
+from quire._runtime.tasks import gather_cancelling
 from quire._store.url import open_backend
-from quire.errors import CheckpointNotFoundError, CorruptCheckpointError, MultiProcessError
+from quire.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MultiProcessError,
+    PeerError,
+)
 
 if TYPE_CHECKING:
     from quire._checkpointer.tiers import _Tier
@@ -291,6 +297,9 @@ class Spread:
                 return False
         src = sources(views, s, digest)
         has_rec = [p for p, v in enumerate(views) if v["steps"].get(str(s), {}).get("d") == digest]
+        if self.copies is not None:  # every process pulls what it lacks over TCP
+            await self._pull_step(plan, backend, pb, digest, raw, sorted(src), has_rec)
+            return True
         key = f"{self.name}/restore/{self._seq}/{s}"
         if raw is None:
             lacking = [p for p in range(self.count) if p not in has_rec]
@@ -354,3 +363,72 @@ class Spread:
         if self.me not in has_rec:
             await _commit.publish(backend, url, raw, doc["txids"], overwrite=True)
         return True
+
+    async def _pull_step(
+        self,
+        plan: Plan,
+        backend: Any,
+        pb: Any,
+        digest: str,
+        raw: bytes | None,
+        owners: list[int],
+        has_rec: list[int],
+    ) -> None:
+        """``_assemble`` over TCP: each process pulls what it lacks from holders (trying the
+        next holder when one fails or does not answer in time), owners in parallel; owners
+        no process holds are read from the persistent tier by one process and pulled from
+        it by the others once it says they are there."""
+        copies = self.copies
+        assert copies is not None
+        inner, outer = self.tier.inner, self.tier.outer
+        s = plan.step
+        url, purl, rel = inner._url(s), outer._url(s), inner._fmt.name(s)
+        if raw is None:
+            if self.me in has_rec:
+                raw = (await _commit.read(backend, url)).raw
+            else:
+                raw = await copies.fetch_record(has_rec[self.me % len(has_rec)], rel)
+        if _digest(raw) != digest:
+            raise CorruptCheckpointError(
+                f"{url}: the commit record received for step {s} is not the agreed one"
+            )
+        doc = _format.parse(raw, url)
+        _commit.check_locations(doc["units"], url)
+        held = _holders(plan.views, s, digest)
+        tag = f"restore/{self._seq}/{s}"
+
+        async def one(j: int) -> None:
+            hs = held.get(j, [])
+            if self.me in hs:
+                return
+            if not hs:  # no live holder: the persistent tier, through one process
+                lacking = [p for p in range(self.count) if p not in hs]
+                fetcher = lacking[j % len(lacking)]
+                if self.me == fetcher:
+                    n = await _peers.fetch_owner(pb, purl, backend, url, doc, j, self.primary)
+                    log.info(
+                        "%s: step %d: process %d's objects read from the persistent tier %s "
+                        "(%d bytes)", url, s, j, purl, n,
+                    )  # fmt: skip
+                    await copies.signal(f"{tag}/{j}")
+                    return
+                await copies.wait_for(f"{tag}/{j}", fetcher, url)
+                hs = [fetcher]
+            start = (self.me + j) % len(hs)
+            errors = []
+            for h in hs[start:] + hs[:start]:
+                try:
+                    await copies.pull(backend, url, rel, doc, self.primary, j, h)
+                    return
+                except (PeerError, CorruptCheckpointError) as e:
+                    log.warning("%s: step %d: process %d's objects from process %d: %s",
+                                url, s, j, h, e)  # fmt: skip
+                    errors.append(f"process {h}: {e}")
+            raise PeerError(
+                f"{url}: restoring step {s}: no holder of process {j}'s objects answered "
+                f"(each is treated as lost): {'; '.join(errors)}"
+            )
+
+        await gather_cancelling(*(one(j) for j in owners))
+        if self.me not in has_rec:
+            await _commit.publish(backend, url, raw, doc["txids"], overwrite=True)

@@ -95,16 +95,49 @@ class PeerCopies:
                     f"this step (is it stalled or dead?): {_first_line(e)}"
                 ) from e
             try:
-                await self._pull(backend, url, rel, doc, primary, j)
+                await self.pull(backend, url, rel, doc, primary, j, j)
             except (PeerError, CorruptCheckpointError) as e:  # logged where refused
                 log.warning("%s: no copy of process %d's objects here: %s", url, j, e)
             await run_blocking(_ack, c, f"{ready}/{j}", self.peers)
 
-    async def _pull(
-        self, backend: Backend, url: str, rel: str, doc: dict[str, Any], primary: int, j: int
+    async def fetch_record(self, holder: int, rel: str) -> bytes:
+        """The commit record of step ``rel`` as process ``holder`` has it (unchecked)."""
+        addr = await run_blocking(self._address, holder)
+        return await run_blocking(  # type: ignore[no-any-return]
+            peerlink.fetch, addr, f"{rel}/quire.json", self.secret, self.timeout, _MAX_MARKER
+        )
+
+    async def signal(self, tag: str) -> None:
+        """Tell the other processes ``tag`` is done here."""
+        await run_blocking(_client().key_value_set, f"{_key(f'{self.name}/{tag}')}/{self.me}", "1")
+
+    async def wait_for(self, tag: str, j: int, url: str) -> None:
+        """Wait (at most ``timeout``) until process ``j`` signalled ``tag``."""
+        try:
+            await run_blocking(
+                _client().blocking_key_value_get,
+                f"{_key(f'{self.name}/{tag}')}/{j}",
+                int(self.timeout * 1000),
+            )
+        except Exception as e:
+            raise MultiProcessError(
+                f"{url}: process {j} did not signal {tag!r} within {self.timeout:g}s and is "
+                f"treated as lost: {_first_line(e)}"
+            ) from e
+
+    async def pull(
+        self,
+        backend: Backend,
+        url: str,
+        rel: str,
+        doc: dict[str, Any],
+        primary: int,
+        j: int,
+        holder: int,
     ) -> None:
-        addr = await run_blocking(self._address, j)
-        who = f"process {j} at {addr[0]}:{addr[1]}"
+        """Copy owner ``j``'s objects of step ``rel`` from process ``holder`` (checked)."""
+        addr = await run_blocking(self._address, holder)
+        who = f"process {holder} at {addr[0]}:{addr[1]}"
         marker = _peers.marker_key(str(doc["txids"][0]), j)
         raw = await run_blocking(
             peerlink.fetch, addr, f"{rel}/{marker}", self.secret, self.timeout, _MAX_MARKER
