@@ -135,7 +135,7 @@ def test_four_processes_peer_copies_lost_holders_kill_and_hang(
     # The promoted step is one whole checkpoint on S3: any reader loads it.
     got = quire.load(f"{url}/step_00000010", storage_options=base["options"])
     rng = np.random.default_rng(10)  # tier_worker.state(10), in the same order
-    want = [rng.standard_normal((64, 48), dtype=np.float32),
+    want = [rng.standard_normal((96, 48), dtype=np.float32),
             rng.standard_normal((4096,), dtype=np.float32),
             rng.integers(0, 1 << 30, 777, dtype=np.int64)]  # fmt: skip
     for k, w in zip(("w", "b", "opt"), want):
@@ -203,3 +203,24 @@ def test_two_processes_without_peers_restore_through_collectives(
     objects = [g for g in step_gets(proxy, prefix) if not g.split("?")[0].endswith("quire.json")]
     assert objects and all("step_00000006/" in g and "p00001" in g for g in objects), objects
     assert len(objects) == len(set(objects))
+
+
+def test_a_silent_peer_is_passed_over_for_another_holder(tmp_path: Path) -> None:
+    """3 processes, ``peers=2``: process 0's directory wiped; process 1's peer server accepts
+    connections and never answers.  Process 0 pulls each owner's objects from another holder
+    after the deadline, and the restore is whole and bit-identical."""
+    local = tmp_path / "local"
+    base = {"persistent": str(tmp_path / "persistent"), "options": None, "local": str(local),
+            "timeout": 4, "peers": 2}  # fmt: skip
+    ok(*launch(tmp_path, {**base, "first": 1, "last": 2}, n=3), n=3)
+    for p in range(3):
+        assert markers(local, p, 2) == ["p00000.json", "p00001.json", "p00002.json"]
+    shutil.rmtree(local / "process_00000")
+    results, codes = launch(tmp_path, {**base, "first": 3, "last": 2, "silent": 1}, n=3)
+    ok(results, codes, n=3)
+    assert [(r["step"], r["same"]) for r in of(results, "restored")] == [(2, True)] * 3
+    restored = of(results, "restored")
+    assert restored[0]["seconds"] >= 4  # process 0 waited out the silent peer once
+    assert markers(local, 0, 2) == ["p00000.json", "p00001.json", "p00002.json"]
+    err = (tmp_path / "logs").glob("3-2-*-0.err")
+    assert any("from process 1" in f.read_text() for f in err)

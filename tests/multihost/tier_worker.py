@@ -7,8 +7,8 @@ Config: ``persistent`` / ``options`` (the persistent tier and its storage option
 ``timeout`` (quire's), ``first`` / ``last`` (the steps to train), ``kill`` ([process, step]:
 that process SIGKILLs itself in the middle of that step's local save, after writing its
 packs), ``expect`` (the step the restore must agree on, or null), ``hang`` (a process that
-sleeps instead of taking part in a final ``latest_step()``).  Prints ``QUIRE-TIER <json>``
-lines.
+sleeps instead of taking part in a final ``latest_step()``), ``silent`` (a process whose peer
+server accepts connections and never answers).  Prints ``QUIRE-TIER <json>`` lines.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def state(step: int) -> dict[str, object]:
     """The training state at ``step``: a deterministic function of the step."""
     rng = np.random.default_rng(step)
     return {
-        "w": put(rng.standard_normal((64, 48), dtype=np.float32), PartitionSpec("d")),
+        "w": put(rng.standard_normal((96, 48), dtype=np.float32), PartitionSpec("d")),
         "b": put(rng.standard_normal((4096,), dtype=np.float32), PartitionSpec()),
         "opt": rng.integers(0, 1 << 30, 777, dtype=np.int64),
         "step": step,
@@ -94,6 +94,16 @@ try:
             cfg["local"], save_policy=EveryNSteps(1), keep=LatestN(3), peers=cfg.get("peers", 1)
         ),
     ) as c:
+        if cfg.get("silent") == pid:  # a peer that accepts connections and never answers
+            import socket
+
+            server = c._tier.spread.copies.server  # type: ignore[union-attr]
+            address = server.address
+            server.close()
+            silent = socket.socket()
+            silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            silent.bind(address)
+            silent.listen(64)
         t0 = time.monotonic()
         got = c.latest_step()
         emit(check="agreed", step=got, seconds=time.monotonic() - t0)

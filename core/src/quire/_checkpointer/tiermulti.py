@@ -387,7 +387,25 @@ class Spread:
             if self.me in has_rec:
                 raw = (await _commit.read(backend, url)).raw
             else:
-                raw = await copies.fetch_record(has_rec[self.me % len(has_rec)], rel)
+                start = self.me % len(has_rec)
+                errors = []
+                for h in has_rec[start:] + has_rec[:start]:
+                    try:
+                        got = await copies.fetch_record(h, rel)
+                    except PeerError as e:
+                        log.warning("%s: step %d: record from process %d: %s", url, s, h, e)
+                        errors.append(f"process {h}: {e}")
+                        continue
+                    if _digest(got) == digest:
+                        raw = got
+                        break
+                    errors.append(f"process {h}: not the agreed record")
+                if raw is None:
+                    raise PeerError(
+                        f"{url}: restoring step {s}: no holder of its commit record answered "
+                        f"(each is treated as lost): {'; '.join(errors)}"
+                    )
+        assert raw is not None
         if _digest(raw) != digest:
             raise CorruptCheckpointError(
                 f"{url}: the commit record received for step {s} is not the agreed one"
