@@ -66,6 +66,9 @@ class PeerCopies:
     def close(self) -> None:
         self.server.close()
 
+    def _ms(self) -> int:
+        return min(2**31 - 1, max(1, int(self.timeout * 1000)))
+
     def _address(self, j: int) -> tuple[str, int]:
         if j not in self._addresses:
             key = _key(f"{self.name}/address")
@@ -85,9 +88,7 @@ class PeerCopies:
         for s in range(1, self.peers + 1):
             j = (self.me - s) % self.count
             try:
-                await run_blocking(
-                    c.blocking_key_value_get, f"{ready}/{j}", int(self.timeout * 1000)
-                )
+                await run_blocking(c.blocking_key_value_get, f"{ready}/{j}", self._ms())
             except Exception as e:
                 raise MultiProcessError(
                     f"{url}: process {j} did not finish its local save within "
@@ -117,7 +118,7 @@ class PeerCopies:
             await run_blocking(
                 _client().blocking_key_value_get,
                 f"{_key(f'{self.name}/{tag}')}/{j}",
-                int(self.timeout * 1000),
+                self._ms(),
             )
         except Exception as e:
             raise MultiProcessError(
