@@ -132,8 +132,15 @@ def test_four_processes_peer_copies_lost_holders_kill_and_hang(
         assert r["tiers"] == {"10": ["local", "persistent"], "11": ["local"], "12": ["local"]}
     for p in range(N):  # own objects and the ring predecessor's, each checked and marked
         assert markers(local, p, 12) == [f"p{q:05d}.json" for q in sorted({p, (p - 1) % N})]
+    # The primary's part includes the data-iterator unit's own objects, copied to its peer.
+    (txdir,) = (local / "process_00001" / "step_00000012" / "d").iterdir()
+    listed = json.loads((txdir / "%tier" / "p00000.json").read_text())["objects"]
+    assert any("/loader/" in k for k in listed), listed
+    assert any((txdir / "loader").iterdir())
     # The promoted step is one whole checkpoint on S3: any reader loads it.
-    got = quire.load(f"{url}/step_00000010", storage_options=base["options"])
+    got = quire.load_checkpointables(
+        f"{url}/step_00000010", {"state": None}, storage_options=base["options"], partial=True
+    )["state"]
     rng = np.random.default_rng(10)  # tier_worker.state(10), in the same order
     want = [rng.standard_normal((96, 48), dtype=np.float32),
             rng.standard_normal((4096,), dtype=np.float32),

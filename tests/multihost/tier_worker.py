@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import quire  # noqa: E402
+import quire.checkpointables  # noqa: E402
 from quire._engine import spreadsave as _save  # noqa: E402
 from quire.policies import EveryNSteps, LatestN  # noqa: E402
 
@@ -57,6 +58,22 @@ def state(step: int) -> dict[str, object]:
         "opt": rng.integers(0, 1 << 30, 777, dtype=np.int64),
         "step": step,
     }
+
+
+class Loader:
+    """A data iterator's position: a checkpointable unit with objects of its own."""
+
+    def __init__(self, pos: int) -> None:
+        self.pos = pos
+
+    def quire_save(self, io: quire.checkpointables.UnitIO) -> object:
+        io.write("position.bin", self.pos.to_bytes(8, "little") * 1000)
+        return {"pos": self.pos}
+
+    def quire_restore(self, io: quire.checkpointables.UnitIO, record: object) -> Loader:
+        data = io.read("position.bin")
+        assert data == int(record["pos"]).to_bytes(8, "little") * 1000  # type: ignore[index]
+        return Loader(int(record["pos"]))  # type: ignore[index]
 
 
 def same(a: dict[str, object], b: dict[str, object]) -> bool:
@@ -110,12 +127,12 @@ try:
         start = 1
         if got is not None:
             t0 = time.monotonic()
-            restored = c.load(got, state(0))
-            emit(check="restored", step=got, same=same(restored, state(got)),
-                 seconds=time.monotonic() - t0)  # fmt: skip
+            units = c.load_checkpointables(got, {"state": state(0), "loader": Loader(0)})
+            ok = same(units["state"], state(got)) and units["loader"].pos == got
+            emit(check="restored", step=got, same=ok, seconds=time.monotonic() - t0)
             start = got + 1
         for step in range(max(start, cfg["first"]), cfg["last"] + 1):
-            c.save(step, state(step))
+            c.save_checkpointables(step, {"state": state(step), "loader": Loader(step)})
         c.wait()
         emit(check="saved", last=cfg["last"], tiers={s: c.tiers_of(s) for s in c.steps()})
         if cfg.get("hang") is not None:

@@ -136,32 +136,56 @@ class PeerCopies:
         j: int,
         holder: int,
     ) -> None:
-        """Copy owner ``j``'s objects of step ``rel`` from process ``holder`` (checked)."""
+        """Copy owner ``j``'s objects of step ``rel`` from process ``holder`` (checked).
+
+        What is asked for comes from the commit record, not from the peer: ``j``'s chunk
+        index (its size and crc32c are in the record), then exactly the packs that index
+        points into, each bounded by the extent the index gives it; only the primary's unit
+        objects are named by the holder's marker (each checked to lie under a unit's
+        location, and against its crc32c trailer on arrival)."""
         addr = await run_blocking(self._address, holder)
         who = f"process {holder} at {addr[0]}:{addr[1]}"
-        marker = _peers.marker_key(str(doc["txids"][0]), j)
-        raw = await run_blocking(
-            peerlink.fetch, addr, f"{rel}/{marker}", self.secret, self.timeout, _MAX_MARKER
-        )
-        try:
-            listed = json.loads(raw)["objects"]
-            keys = sorted(listed)
-            total = sum(int(n) for n in listed.values())
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise _peers.refused(url, who, j, f"its marker is malformed ({e})") from e
-        # Names are checked before anything is asked for: only j's own set of this step.
-        bad = [k for k in keys if not _peers.is_safe_key(k, doc)]
-        if bad:
-            raise _peers.refused(url, who, j, f"{bad[0]!r} is not an object of this step")
-        datas = await run_blocking(
-            peerlink.fetch_many,
-            addr,
-            [f"{rel}/{k}" for k in keys],
-            self.secret,
-            self.timeout,
-            max(total, 1),
-        )
-        await _peers.receive(backend, url, doc, j, primary, dict(zip(keys, datas)), who)
+        objects: dict[str, bytes] = {}
+        sizes: dict[str, int] = {}
+        entry = _peers.entry_of(doc, j)
+        if entry is not None:
+            index = await run_blocking(
+                peerlink.fetch,
+                addr,
+                f"{rel}/{entry['object']}",
+                self.secret,
+                self.timeout,
+                int(entry["size"]),
+            )
+            objects[entry["object"]] = index
+            sizes.update(_peers.pack_extents(doc, url, j, index, who))
+        if j == primary and _peers.unit_locations(doc):
+            marker = _peers.marker_key(str(doc["txids"][0]), j)
+            raw = await run_blocking(
+                peerlink.fetch, addr, f"{rel}/{marker}", self.secret, self.timeout, _MAX_MARKER
+            )
+            try:
+                listed = {str(k): int(n) for k, n in json.loads(raw)["objects"].items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise _peers.refused(url, who, j, f"its marker is malformed ({e})") from e
+            for k, n in listed.items():
+                if k in sizes or k in objects:
+                    continue
+                if not _peers.is_unit_key(k, doc) or n < 0:
+                    raise _peers.refused(url, who, j, f"{k!r} is not an object of its part")
+                sizes[k] = n
+        keys = sorted(sizes)
+        if keys:
+            datas = await run_blocking(
+                peerlink.fetch_many,
+                addr,
+                [f"{rel}/{k}" for k in keys],
+                self.secret,
+                self.timeout,
+                max(1, sum(sizes.values())),
+            )
+            objects.update(zip(keys, datas))
+        await _peers.receive(backend, url, doc, j, primary, objects, who)
 
 
 def _ack(c: Any, key: str, readers: int) -> None:

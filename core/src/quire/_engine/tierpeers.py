@@ -53,16 +53,20 @@ __all__ = [
     "check_objects",
     "decode",
     "encode",
+    "entry_of",
     "fetch_owner",
     "holds",
     "is_safe_key",
+    "is_unit_key",
     "mark_own",
     "owner_of",
     "owners",
+    "pack_extents",
     "promote_spread",
     "read_owned",
     "receive",
     "refused",
+    "unit_locations",
 ]
 
 log = logging.getLogger("quire")
@@ -87,14 +91,14 @@ def owners(doc: Mapping[str, Any], primary: int) -> list[int]:
     return sorted({int(e["process"]) for e in doc.get("indexes") or []} | {primary})
 
 
-def _entry(doc: Mapping[str, Any], owner: int) -> dict[str, Any] | None:
+def entry_of(doc: Mapping[str, Any], owner: int) -> dict[str, Any] | None:
     for e in doc.get("indexes") or []:
         if int(e["process"]) == owner:
             return dict(e)
     return None
 
 
-def _unit_locations(doc: Mapping[str, Any]) -> list[str]:
+def unit_locations(doc: Mapping[str, Any]) -> list[str]:
     return [u["location"] for u in doc["units"].values() if u.get("kind") == "handler"]
 
 
@@ -108,6 +112,29 @@ def _checkers(doc: Mapping[str, Any], url: str) -> dict[str, Callable[[bytes], N
             rec, loc = leaf.value, leaf.value.get("location")
             if "chunk_shape" in rec and isinstance(loc, str):
                 out[loc] = chunk_checker(layout_from_record(rec, url))
+    return out
+
+
+def is_unit_key(key: str, doc: Mapping[str, Any]) -> bool:
+    """Whether ``key`` lies under one of the step's checkpointable-unit locations."""
+    return is_safe_location(key) and any(key.startswith(f"{loc}/") for loc in unit_locations(doc))
+
+
+def pack_extents(
+    doc: Mapping[str, Any], url: str, owner: int, index: bytes, sender: str
+) -> dict[str, int]:
+    """The packs ``owner``'s chunk index ``index`` points into, with the bytes each must
+    have at least (the end of its last range); the index is checked against the record."""
+    entry = entry_of(doc, owner)
+    assert entry is not None
+    try:
+        refs = parse_index(index, entry, url, doc["txids"])
+    except (ChunkError, CorruptCheckpointError) as e:
+        raise refused(url, sender, owner, f"its chunk index fails its check ({e})") from e
+    out: dict[str, int] = {}
+    for ref in refs.values():
+        if ref.target is not None:
+            out[ref.target] = max(out.get(ref.target, 0), ref.offset + ref.length)
     return out
 
 
@@ -147,7 +174,7 @@ def check_objects(
     set of the step ``doc`` describes, each verified (see the module docstring)."""
     txids = doc["txids"]
     allowed: dict[str, Callable[[bytes], None]] = {}
-    entry = _entry(doc, owner)
+    entry = entry_of(doc, owner)
     if entry is not None:
         data = objects.get(entry["object"])
         if data is None:
@@ -168,11 +195,10 @@ def check_objects(
             if pack not in objects:
                 raise refused(url, sender, owner, f"pack {pack} is missing")
             allowed[pack] = _pack_check(rs, checkers)
-    units = _unit_locations(doc) if owner == primary else []
     for key in objects:
         if key in allowed:
             continue
-        if not (is_safe_location(key) and any(key.startswith(loc + "/") for loc in units)):
+        if owner != primary or not is_unit_key(key, doc):
             raise refused(url, sender, owner, f"{key!r} is not an object of its part of the step")
         allowed[key] = _check_unit_object
     for key, data in objects.items():
@@ -231,7 +257,7 @@ async def _own_keys(
     """``owner``'s set, from its index at ``backend`` (kept in ``read``) and a listing of
     the unit locations."""
     keys: list[str] = []
-    entry = _entry(doc, owner)
+    entry = entry_of(doc, owner)
     if entry is not None:
         data = await backend.get(entry["object"])
         if read is not None:
@@ -240,7 +266,7 @@ async def _own_keys(
         keys.append(entry["object"])
         keys += sorted({r.target for r in refs.values() if r.target is not None})
     if owner == primary:
-        found = await asyncio.gather(*(backend.list(loc) for loc in _unit_locations(doc)))
+        found = await asyncio.gather(*(backend.list(loc) for loc in unit_locations(doc)))
         keys += [k for ks in found for k in ks]
     return keys
 
@@ -360,7 +386,7 @@ async def promote_spread(
         record = await _commit.read(sb, src)
         doc = record.doc
         keys = await _own_keys(sb, src, doc, coord.index, coord.primary)
-        entry = _entry(doc, coord.index)
+        entry = entry_of(doc, coord.index)
         checks: dict[str, Callable[[bytes], None]] = {}
         if entry is not None:
             refs = parse_index(await sb.get(entry["object"]), entry, src, doc["txids"])
