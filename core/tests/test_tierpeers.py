@@ -156,3 +156,83 @@ def test_decide_never_mixes_records() -> None:
     # everywhere): neither is whole on its own
     views = [view({7: ("a", need, [0])}, []), view({7: ("b", need, [1])}, [])]
     assert decide(views, None, 0) is None
+
+
+# ----------------------------------------------------------------------------- over TCP
+class _Unit:
+    """A checkpointable unit with an object of its own (the primary's part)."""
+
+    def quire_save(self, io: Any) -> Any:
+        io.write("blob", b"unit bytes" * 100)
+        return {"n": 1}
+
+    def quire_restore(self, io: Any, record: Any) -> Any:
+        return io.read("blob")
+
+
+def _holder(tmp_path: Path) -> tuple[Path, str, dict[str, Any]]:
+    """A holder's local root with one marked step ``step_1`` (a pytree and a unit)."""
+    root = tmp_path / "holder"
+    url = str(root / "step_1")
+    rng = np.random.default_rng(1)
+    quire.save_checkpointables(
+        url, {"pytree": {"w": rng.standard_normal((64, 8)).astype(np.float32)}, "u": _Unit()}
+    )
+    b = open_backend(url)
+    doc = json.loads(run(b.get("quire.json")))
+    run(tp.mark_own(b, url, doc, 0, 0))
+    return root, url, doc
+
+
+def _pull(tmp_path: Path, root: Path, doc: dict[str, Any], secret: bytes, theirs: bytes) -> Any:
+    from quire._checkpointer.tierpull import PeerCopies
+    from quire._runtime import peerlink
+
+    dst = tmp_path / "mine" / "step_1"
+    with peerlink.PeerServer(root, theirs) as server:
+        pc = object.__new__(PeerCopies)  # the client half only: no key-value store here
+        pc.secret, pc.timeout, pc._addresses = secret, 5.0, {0: server.address}
+        return run(pc.pull(open_backend(str(dst)), str(dst), "step_1", doc, 0, 0, 0))
+
+
+def test_pull_over_tcp_copies_the_owner_set(tmp_path: Path) -> None:
+    root, _, doc = _holder(tmp_path)
+    secret = b"s" * 32
+    _pull(tmp_path, root, doc, secret, secret)
+    mine = open_backend(str(tmp_path / "mine" / "step_1"))
+    assert run(tp.holds(mine, doc, 0))
+    got = sorted(files(tmp_path / "mine"))
+    assert any("/u/" in k for k in got) and any("%packs/p00000-" in k for k in got), got
+
+
+def test_pull_refuses_hostile_or_damaged_peers(tmp_path: Path, caplog: Any) -> None:
+    from quire.errors import PeerError
+
+    root, _, doc = _holder(tmp_path)
+    secret = b"s" * 32
+    txid = doc["txids"][0]
+    with pytest.raises(PeerError):  # another run's secret: the answer does not authenticate
+        _pull(tmp_path, root, doc, secret, b"t" * 32)
+    marker = root / "step_1" / "d" / txid / "%tier" / "p00000.json"
+    good_marker = marker.read_bytes()
+    for evil in (f"d/{txid}/u/../../../../outside", f"d/{txid}/elsewhere", "../outside"):
+        body = json.loads(good_marker)
+        body["objects"][evil] = 1
+        marker.write_text(json.dumps(body))
+        with (
+            caplog.at_level(logging.WARNING, logger="quire"),
+            pytest.raises(CorruptCheckpointError, match="not an object of its part"),
+        ):
+            _pull(tmp_path, root, doc, secret, secret)
+    marker.write_bytes(good_marker)
+    pack = next((root / "step_1" / "d" / txid / "%packs").glob("p00000-*"))
+    data = pack.read_bytes()
+    pack.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])  # altered
+    with pytest.raises(CorruptCheckpointError, match="fails its check"):
+        _pull(tmp_path, root, doc, secret, secret)
+    pack.write_bytes(data[:-10])  # truncated: shorter than its index says
+    with pytest.raises((CorruptCheckpointError, PeerError)):
+        _pull(tmp_path, root, doc, secret, secret)
+    assert not (tmp_path / "mine").exists() or files(tmp_path / "mine") == []
+    assert not (tmp_path / "outside").exists()
+    assert any("refused the copy" in r.message for r in caplog.records)
