@@ -219,10 +219,10 @@ class _Tier:
             local_fut = inner._save_fut
         seq = inner._spread_seq
         if self.spread is not None and local_fut is not None:
-            # the next local save waits for this step's peer copies (collectives in order)
-            local_fut = inner._spawn(self.spread.after_local(local_fut, step, seq))
+            # the next local save waits for this step's peer copies; a promotion does not
+            copies = inner._spawn(self.spread.after_local(local_fut, step, seq))
             with inner._lock:
-                inner._save_fut = local_fut
+                inner._save_fut = copies
         self.last_step, self.last_time = step, time.monotonic()
         if persistent and local_fut is not None:
             with inner._lock:
