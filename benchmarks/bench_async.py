@@ -34,9 +34,9 @@ against the same loop with nothing in the background (the mean of 30 steps right
 ``.result()`` returns (sampled every 5 ms, max over reps).  Memory is pre-warmed before every timed phase as in
 ``bench_local.py``.  The machine is shared: differences under ~30% are noise.
 
-On few cores the step slowdown is a trade against the write's speed: quire's writer uses
-``QUIRE_IO_THREADS`` threads (16 by default); ``QUIRE_IO_THREADS=2`` leaves the steps more of
-a 2-core machine and takes longer to write (run both to see it on yours).
+On few cores the step slowdown is a trade against the write's speed: once ``save_async`` has
+returned, quire's writer uses ``QUIRE_BACKGROUND_THREADS`` threads (half the cores by default);
+more finish the write sooner and slow the steps more (run with a few values to see it on yours).
 """
 
 from __future__ import annotations

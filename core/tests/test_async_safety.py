@@ -303,3 +303,35 @@ def test_kill_between_return_and_commit_keeps_the_previous_step(tmp_path: Path, 
         assert ckpt.latest_step() == 1
         got = ckpt.load()
         assert got["step"] == 1 and float(got["w"][0, 0]) == 1.0
+
+
+def test_an_async_save_writes_in_the_background_pool(tmp_path: Path, monkeypatch: Any) -> None:
+    """Once save_async (or a Checkpointer's save, or partial.save_async) has returned, its
+    blocking work runs in the smaller background pool, leaving the training steps most of
+    the machine; a blocking save uses the full I/O pool."""
+    from quire._handlers.zarr_layout import ArrayLayout
+    from quire._runtime import ioloop
+
+    names: list[str] = []
+    real = ArrayLayout.encode_chunk
+
+    def spy(self: ArrayLayout, arr: np.ndarray) -> Any:
+        names.append(threading.current_thread().name)  # encoding runs in a pool's thread
+        return real(self, arr)
+
+    monkeypatch.setattr(ArrayLayout, "encode_chunk", spy)
+    tree = {"w": np.ones((512, 1024), np.float32)}
+    quire.save_async(str(tmp_path / "a"), tree).result()
+    assert names and all(n.startswith("quire-bg") for n in names), names
+    assert ioloop.background_threads() <= ioloop.io_threads()
+    names.clear()
+    quire.save(str(tmp_path / "b"), tree)
+    assert names and all(n.startswith("quire-io") for n in names), names
+    names.clear()
+    quire.partial.save_async(str(tmp_path / "c"), tree).result()
+    assert names and all(n.startswith("quire-bg") for n in names), names
+    names.clear()
+    with quire.Checkpointer(tmp_path / "run") as ckpt:
+        ckpt.save(1, tree)
+        ckpt.wait()
+    assert names and all(n.startswith("quire-bg") for n in names), names

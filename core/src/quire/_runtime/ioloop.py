@@ -1,4 +1,10 @@
-"""The background event loop and the blocking-I/O thread pool quire runs on."""
+"""The background event loop and the blocking-I/O thread pools quire runs on.
+
+Blocking work (file I/O, checksums, codecs; they release the GIL) runs in ``QUIRE_IO_THREADS``
+threads, except the work of an asynchronous save (``save_async``, ``Checkpointer.save``,
+``partial.save_async``) after it has returned: that runs in a smaller pool of
+``QUIRE_BACKGROUND_THREADS`` threads (default: half the CPU cores, at least one), so the
+training steps that run meanwhile keep most of the machine (:func:`in_background`)."""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ import contextvars
 import functools
 import os
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -16,6 +22,10 @@ T = TypeVar("T")
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
+_background_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_background: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "quire_background", default=False
+)
 
 
 def io_threads() -> int:
@@ -33,12 +43,41 @@ def pool() -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
+def background_threads() -> int:
+    """Threads for the blocking work of asynchronous saves once they have returned."""
+    default = max(1, (os.cpu_count() or 2) // 2)
+    return max(1, int(os.environ.get("QUIRE_BACKGROUND_THREADS", str(default))))
+
+
+def background_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _background_pool
+    with _lock:
+        if _background_pool is None:
+            _background_pool = concurrent.futures.ThreadPoolExecutor(
+                background_threads(), thread_name_prefix="quire-bg"
+            )
+        return _background_pool
+
+
+async def in_background(aw: Awaitable[T]) -> T:
+    """Await ``aw`` with its blocking work (:func:`run_blocking`, in it and in the tasks it
+    starts) in the background pool: the write of an asynchronous save, which the caller's
+    training steps run beside."""
+    token = _background.set(True)
+    try:
+        return await aw
+    finally:
+        _background.reset(token)
+
+
 async def run_blocking(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run ``fn`` in quire's I/O pool from a coroutine, in a copy of the coroutine's
-    context (so the caller's ``quire.Context`` applies there too)."""
+    """Run ``fn`` in quire's I/O pool (the background pool inside :func:`in_background`) from
+    a coroutine, in a copy of the coroutine's context (so the caller's ``quire.Context``
+    applies there too)."""
     loop = asyncio.get_running_loop()
     ctx = contextvars.copy_context()
-    return await loop.run_in_executor(pool(), ctx.run, functools.partial(fn, *args, **kwargs))
+    ex = background_pool() if _background.get() else pool()
+    return await loop.run_in_executor(ex, ctx.run, functools.partial(fn, *args, **kwargs))
 
 
 def loop() -> asyncio.AbstractEventLoop:
@@ -88,8 +127,9 @@ def shutdown(timeout: float = 30.0) -> None:
         lp.call_soon_threadsafe(lp.stop)
         if th is not None:
             th.join(timeout)
-    if _pool is not None:
-        _pool.shutdown(wait=True, cancel_futures=True)
+    for ex in (_pool, _background_pool):
+        if ex is not None:
+            ex.shutdown(wait=True, cancel_futures=True)
 
 
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
