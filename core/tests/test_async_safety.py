@@ -335,3 +335,35 @@ def test_an_async_save_writes_in_the_background_pool(tmp_path: Path, monkeypatch
         ckpt.save(1, tree)
         ckpt.wait()
     assert names and all(n.startswith("quire-bg") for n in names), names
+
+
+def test_a_one_thread_background_pool_does_not_deadlock(tmp_path: Path) -> None:
+    """A checkpointable unit's handler runs in a background thread and blocks on the loop
+    for each object it writes (UnitIO); that write's own blocking work must not wait for a
+    background thread, or a one-thread background pool deadlocks (it did)."""
+    script = textwrap.dedent(
+        f"""
+        import numpy as np, quire
+
+        class Unit:
+            def quire_save(self, io):
+                for i in range(4):
+                    io.write(f"part{{i}}", bytes(range(256)) * 64)
+                return {{"parts": 4}}
+
+            def quire_restore(self, io, record):
+                return [io.read(f"part{{i}}") for i in range(record["parts"])]
+
+        url = {str(tmp_path / "c")!r}
+        units = {{"state": {{"w": np.ones((512, 1024), np.float32)}}, "data": Unit()}}
+        quire.save_checkpointables_async(url, units).result()
+        got = quire.load_checkpointables(url, {{"state": None, "data": Unit()}})
+        assert got["data"] == [bytes(range(256)) * 64] * 4
+        print("ok")
+        """
+    )
+    env = {**os.environ, "QUIRE_BACKGROUND_THREADS": "1", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

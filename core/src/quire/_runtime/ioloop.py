@@ -147,4 +147,17 @@ def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
     if running is lp:
         coro.close()
         raise RuntimeError("quire's blocking API was called from quire's own event loop")
+    if _background.get():
+        # A background thread that blocks on a coroutine (a checkpointable handler's
+        # UnitIO) must not have that coroutine's blocking work queue behind it in the
+        # small background pool, which it may be filling: that work runs in the I/O pool.
+        coro = _in_foreground(coro)
     return asyncio.run_coroutine_threadsafe(coro, lp)
+
+
+async def _in_foreground(aw: Awaitable[T]) -> T:
+    token = _background.set(False)
+    try:
+        return await aw
+    finally:
+        _background.reset(token)
