@@ -324,6 +324,14 @@ def test_an_async_save_writes_in_the_background_pool(tmp_path: Path, monkeypatch
     quire.save_async(str(tmp_path / "a"), tree).result()
     assert names and all(n.startswith("quire-bg") for n in names), names
     assert ioloop.background_threads() <= ioloop.io_threads()
+    if sys.platform.startswith("linux") and ioloop.background_nice():  # a lower priority
+        niceness = [0]
+
+        def probe() -> None:
+            niceness[0] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+        ioloop.background_pool().submit(probe).result()
+        assert niceness[0] >= os.getpriority(os.PRIO_PROCESS, 0) + 1
     names.clear()
     quire.save(str(tmp_path / "b"), tree)
     assert names and all(n.startswith("quire-io") for n in names), names

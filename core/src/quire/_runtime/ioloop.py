@@ -3,8 +3,9 @@
 Blocking work (file I/O, checksums, codecs; they release the GIL) runs in ``QUIRE_IO_THREADS``
 threads, except the work of an asynchronous save (``save_async``, ``Checkpointer.save``,
 ``partial.save_async``) after it has returned: that runs in a smaller pool of
-``QUIRE_BACKGROUND_THREADS`` threads (default: half the CPU cores, at least one), so the
-training steps that run meanwhile keep most of the machine (:func:`in_background`)."""
+``QUIRE_BACKGROUND_THREADS`` threads (default: half the CPU cores, at least one), at a lower
+CPU priority (``QUIRE_BACKGROUND_NICE``, default 10, where the platform has per-thread nice
+values), so the training steps that run meanwhile keep the machine (:func:`in_background`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import concurrent.futures
 import contextvars
 import functools
 import os
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -49,12 +51,29 @@ def background_threads() -> int:
     return max(1, int(os.environ.get("QUIRE_BACKGROUND_THREADS", str(default))))
 
 
+def background_nice() -> int:
+    """How much lower the background threads' CPU priority is (``nice`` increment, 0-19)."""
+    return min(19, max(0, int(os.environ.get("QUIRE_BACKGROUND_NICE", "10"))))
+
+
+def _lower_priority() -> None:
+    # Linux schedules threads as tasks: PRIO_PROCESS with a thread id sets that thread's
+    # nice value alone.  Elsewhere (or without the permission) the thread keeps its priority.
+    nice = background_nice()
+    if nice and sys.platform.startswith("linux"):
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+        except OSError:
+            pass
+
+
 def background_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _background_pool
     with _lock:
         if _background_pool is None:
             _background_pool = concurrent.futures.ThreadPoolExecutor(
-                background_threads(), thread_name_prefix="quire-bg"
+                background_threads(), thread_name_prefix="quire-bg", initializer=_lower_priority
             )
         return _background_pool
 
