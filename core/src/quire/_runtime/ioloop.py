@@ -3,9 +3,10 @@
 Blocking work (file I/O, checksums, codecs; they release the GIL) runs in ``QUIRE_IO_THREADS``
 threads, except the work of an asynchronous save (``save_async``, ``Checkpointer.save``,
 ``partial.save_async``) after it has returned: that runs in a smaller pool of
-``QUIRE_BACKGROUND_THREADS`` threads (default: half the CPU cores, at least one), at a lower
-CPU priority (``QUIRE_BACKGROUND_NICE``, default 10, where the platform has per-thread nice
-values), so the training steps that run meanwhile keep the machine (:func:`in_background`)."""
+``QUIRE_BACKGROUND_THREADS`` threads (default: half the CPU cores, at least one), at the
+lowest CPU priority (``QUIRE_BACKGROUND_NICE``, default 19, where the platform has per-thread
+nice values), so the training steps that run meanwhile keep the machine and the write takes
+the CPU time they leave (:func:`in_background`)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def background_threads() -> int:
 
 def background_nice() -> int:
     """How much lower the background threads' CPU priority is (``nice`` increment, 0-19)."""
-    return min(19, max(0, int(os.environ.get("QUIRE_BACKGROUND_NICE", "10"))))
+    return min(19, max(0, int(os.environ.get("QUIRE_BACKGROUND_NICE", "19"))))
 
 
 def _lower_priority() -> None:
