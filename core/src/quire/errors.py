@@ -17,6 +17,7 @@ __all__ = [
     "MultiProcessError",
     "ObjectStoreError",
     "ObjectStorePermissionError",
+    "PeerError",
     "PluginError",
     "QuireError",
     "TreeMismatchError",
@@ -96,6 +97,15 @@ class MultiProcessError(QuireError, RuntimeError):
     """Another JAX process failed, disagreed, or stopped responding during a collective
     operation (a save, a partial save, a finalize); nothing was committed unless the
     message says the commit started."""
+
+
+class PeerError(MultiProcessError):
+    """Fetching bytes from another process's local tier over TCP failed: the peer refused
+    the request (a path outside its tier, not a regular file, larger than asked for), the
+    two processes do not share the run's secret, the answer was short or did not
+    authenticate, or the peer did not answer within the deadline.  The message names the
+    peer's address, the path and the fix; a caller treats that peer as lost and reads
+    from another holder."""
 
 
 class ObjectStoreError(QuireError, OSError):

@@ -4,7 +4,9 @@ configuration and contexts (``config``), the plugin registries (``registry``, wi
 from ``install``), the interpreter-exit hook (``exithook``), progress reporting (``progress``),
 bounded fan-out (``tasks``), host buffers ``jax.device_put`` adopts (``hostbuf``), the multi-process
 coordinator (``multihost``), byte exchange between processes behind a barrier with a deadline
-(``collective``) and the library version (``version``).
+(``collective``: an all-gather, and ``ring_shift`` for peer copies), files of another process's
+local tier over authenticated TCP (``peerlink``, with the server in ``peerserve`` and the wire
+format in ``peerwire``) and the library version (``version``).
 
 May import: only quire's contract modules (``errors``, ``options``, ``metadata``).
 """

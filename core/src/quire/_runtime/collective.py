@@ -9,12 +9,21 @@ collective: a jitted identity from a ``(len(group), L)`` uint8 array sharded ove
 per process of the group to the same array replicated — an all-gather among those
 processes only (gloo on CPU, the device interconnect on accelerators).  ``L`` is the
 longest payload rounded up to a power of two, so a few compiled shapes serve every round.
+
+``ring_shift(key, payload, shift, timeout)`` moves one payload per process along the process
+ring: process ``i`` sends to ``(i + shift) % n`` and receives from ``(i - shift) % n`` (peer
+copies of a local tier).  The same barrier first (every process publishes its length and
+waits for all the others'), then a jitted ``ppermute`` of a ``(n, W)`` uint8 array with one
+row per process, ``W`` a power of two at most ``round_bytes``; a payload longer than ``W``
+goes in ``ceil(longest / W)`` rounds, so each process holds one row to send and one received
+row on its device at a time, besides the bytes it returns.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -24,9 +33,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from quire._runtime.multihost import _client, _first_line
 from quire.errors import MultiProcessError
 
-__all__ = ["exchange"]
+__all__ = ["RING_ROUND_BYTES", "exchange", "ring_shift"]
 
 _MIN_ROW = 1 << 16
+
+#: Default bytes per process and round of :func:`ring_shift` (a power of two).
+RING_ROUND_BYTES = 16 << 20
 
 
 def _row_bytes(n: int) -> int:
@@ -40,6 +52,43 @@ def _devices(group: Sequence[int]) -> list[Any]:
         if p in group and (p not in first or d.id < first[p].id):
             first[p] = d
     return [first[p] for p in group]
+
+
+def _lengths(
+    c: Any,
+    key: str,
+    group: Sequence[int],
+    mine: int,
+    timeout: float,
+    missing: Callable[[int], str],
+    terms: str = "",
+) -> dict[int, int]:
+    """The barrier: publish this process's length under ``key``, read every other one's.
+
+    Raises :class:`MultiProcessError` with ``missing(p)`` (plus JAX's reason) for the first
+    process ``p`` whose length does not arrive within ``timeout`` seconds in all, or when a
+    process published other ``terms`` (the call's parameters every process must share).
+    """
+    me = jax.process_index()
+    c.key_value_set(f"{key}/{me}", f"{mine} {terms}".rstrip())
+    deadline = time.monotonic() + timeout
+    lengths: dict[int, int] = {me: mine}
+    for p in group:
+        if p == me:
+            continue
+        ms = min(2**31 - 1, max(1, int((deadline - time.monotonic()) * 1000)))
+        try:
+            got = str(c.blocking_key_value_get(f"{key}/{p}", ms))
+        except Exception as e:
+            raise MultiProcessError(f"{missing(p)}: {_first_line(e)}") from e
+        length, _, theirs = got.partition(" ")
+        if theirs != terms:
+            raise MultiProcessError(
+                f"{key!r}: process {p} called with {theirs or 'nothing'}, process {me} with "
+                f"{terms or 'nothing'}; every process must pass the same"
+            )
+        lengths[p] = int(length)
+    return lengths
 
 
 def _identity(x: Any) -> Any:
@@ -71,21 +120,18 @@ def exchange(
     """
     me = jax.process_index()
     c = _client()
-    c.key_value_set(f"{key}/{me}", str(len(payload)))
-    deadline = time.monotonic() + timeout
-    lengths: dict[int, int] = {me: len(payload)}
-    for p in group:
-        if p == me:
-            continue
-        ms = min(2**31 - 1, max(1, int((deadline - time.monotonic()) * 1000)))
-        try:
-            lengths[p] = int(c.blocking_key_value_get(f"{key}/{p}", ms))
-        except Exception as e:
-            raise MultiProcessError(
-                f"{url}: process {me} waited {timeout:g}s for process {p} to join the "
-                f"exchange of shared chunks (load); it did not (is it stalled or dead, or "
-                f"loading another tree?): {_first_line(e)}"
-            ) from e
+    lengths = _lengths(
+        c,
+        key,
+        group,
+        len(payload),
+        timeout,
+        lambda p: (
+            f"{url}: process {me} waited {timeout:g}s for process {p} to join the "
+            "exchange of shared chunks (load); it did not (is it stalled or dead, or "
+            "loading another tree?)"
+        ),
+    )
     width = _row_bytes(max(lengths.values()))
     devs = _devices(group)
     mesh = Mesh(np.array(devs), ("p",))
@@ -104,3 +150,110 @@ def exchange(
         pass
     flat = memoryview(table.tobytes() if not table.flags.c_contiguous else table.data).cast("B")
     return [flat[i * width : i * width + lengths[p]] for i, p in enumerate(group)]
+
+
+@functools.lru_cache(maxsize=32)
+def _shifter(devices: tuple[Any, ...], shift: int) -> tuple[Mesh, Callable[[Any], Any]]:
+    """The mesh of ``devices`` (one per process) and a jitted ppermute by ``shift`` on it
+    (cached: one trace per process ring and shift, one compile per row width)."""
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("p",))
+    perm = [(i, (i + shift) % n) for i in range(n)]
+
+    def move(x: Any) -> Any:
+        return jax.lax.ppermute(x, "p", perm)
+
+    spec = PartitionSpec("p")
+    return mesh, jax.jit(jax.shard_map(move, mesh=mesh, in_specs=spec, out_specs=spec))
+
+
+def ring_shift(
+    key: str,
+    payload: bytes | memoryview,
+    shift: int,
+    timeout: float,
+    *,
+    round_bytes: int = RING_ROUND_BYTES,
+) -> bytes:
+    """Send ``payload`` to process ``(i + shift) % n``; return process ``(i - shift) % n``'s.
+
+    Every JAX process calls it with the same ``key``, ``shift`` and ``round_bytes``
+    (blocking; call it off quire's event loop).  With one process, or a shift that is a
+    multiple of the process count, it returns this process's own payload.
+
+    Parameters
+    ----------
+    key : str
+        A key-value-store prefix unique to this call, the same in every process.
+    payload : bytes-like
+        What this process sends (any length, zero included).
+    shift : int
+        Ring distance to the receiver (negative shifts go the other way).
+    timeout : float
+        Seconds to wait at the barrier for every other process.
+    round_bytes : int
+        Bytes per process and round (rounded down to a power of two, at least 64 KiB):
+        longer payloads go in several rounds, so the device memory held is two rows of
+        this size.
+
+    Returns
+    -------
+    bytes
+        The payload of process ``(i - shift) % n``, whole.
+
+    Raises
+    ------
+    MultiProcessError
+        A process did not reach the barrier within ``timeout`` (the message names it).
+        A process that dies during the collective itself is JAX's to detect: its
+        coordination service terminates the others (``docs/peers.md``).
+    """
+    n = jax.process_count()
+    me = jax.process_index()
+    view = memoryview(payload).cast("B")
+    if n == 1 or shift % n == 0:
+        return bytes(view)
+    group = list(range(n))
+    lengths = _lengths(
+        _client(),
+        key,
+        group,
+        len(view),
+        timeout,
+        lambda p: (
+            f"ring shift {key!r}: process {me} waited {timeout:g}s for process {p} to "
+            "join the peer copy; it did not (is it stalled or dead, or running another step?)"
+        ),
+        f"shift={shift % n},round_bytes={round_bytes}",
+    )
+    longest = max(lengths.values())
+    cap = 1 << max(_MIN_ROW.bit_length() - 1, int(round_bytes).bit_length() - 1)
+    width = min(cap, _row_bytes(longest))
+    rounds = max(1, -(-longest // width))
+    devs = _devices(group)
+    mesh, move = _shifter(tuple(devs), shift % n)
+    sharding = NamedSharding(mesh, PartitionSpec("p"))
+    source = (me - shift) % n
+    want = lengths[source]
+    parts: list[Any] = []
+    for r in range(rounds):
+        lo = r * width
+        piece = view[lo : lo + width]
+        if len(piece) == width:  # a full row: no padding, no copy here
+            row = np.frombuffer(piece, np.uint8).reshape(1, width)
+        else:
+            row = np.zeros((1, width), np.uint8)
+            row[0, : len(piece)] = np.frombuffer(piece, np.uint8)
+        mine = jax.device_put(row, devs[me])
+        arr = jax.make_array_from_single_device_arrays((n, width), sharding, [mine])
+        got = np.asarray(move(arr).addressable_data(0))
+        del arr, mine
+        take = max(0, min(width, want - lo))
+        if take:
+            parts.append(got[0, :take])
+    # every process has passed the barrier (it took part in the collective): drop our key
+    try:
+        _client().key_value_delete(f"{key}/{me}")
+    except Exception:  # pragma: no cover - cleanup only
+        pass
+    return b"".join(parts)

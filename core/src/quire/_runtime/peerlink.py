@@ -1,0 +1,348 @@
+"""Reading files of another process's local tier over TCP, authenticated by a per-run secret.
+
+The fallback transport of peer copies (``docs/peers.md``): where a collective cannot serve
+(a restarted process fetching from survivors), a process asks a peer for files of the
+peer's local tier by their path relative to it.
+
+* ``run_secret(key, timeout)``: 32 random bytes made by process 0 and shared through JAX's
+  distributed key-value store; every process of the run gets the same secret.
+* ``PeerServer(root, secret, host, port)``: serves read-only GETs of regular files under
+  ``root`` on the interface it is given, in threads of its own.
+* ``publish_address`` / ``lookup_address``: a server's address through the key-value store.
+* ``fetch`` / ``fetch_many`` / ``fetch_to`` (into a file): the client, one deadline per call.
+
+The wire format and what its MACs bind are in ``peerwire``; the server opens files
+read-only and writes nothing.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import jax
+
+from quire._runtime.multihost import _client, _first_line
+from quire._runtime.peerserve import PeerServer
+from quire._runtime.peerwire import (
+    ANS,
+    BLOCK,
+    MAGIC,
+    MAX_PATH_BYTES,
+    NONCE,
+    REQ,
+    TAG,
+    Closed,
+    mac,
+    recv,
+    recv_into,
+)
+from quire.errors import MultiProcessError, PeerError
+
+log = logging.getLogger("quire")
+
+__all__ = [
+    "MAX_PATH_BYTES",
+    "PeerServer",
+    "fetch",
+    "fetch_many",
+    "fetch_to",
+    "lookup_address",
+    "publish_address",
+    "run_secret",
+]
+
+
+# ====================================================================== the run's secret
+def _ms(deadline: float) -> int:
+    return min(2**31 - 1, max(1, int((deadline - time.monotonic()) * 1000)))
+
+
+def run_secret(key: str, timeout: float) -> bytes:
+    """The run's 32-byte secret: made by process 0, read by the others (blocking).
+
+    Every process calls it once with the same ``key``; with one JAX process it is a fresh
+    random secret.  Whoever can read the run's coordination service (process 0's
+    ``jax.distributed`` port) can read the secret: see ``docs/peers.md``.
+
+    Raises
+    ------
+    MultiProcessError
+        Process 0 did not publish the secret within ``timeout`` seconds.
+    """
+    if jax.process_count() == 1:
+        return secrets.token_bytes(32)
+    c = _client()
+    if jax.process_index() == 0:
+        secret = secrets.token_bytes(32)
+        c.key_value_set(key, secret.hex())
+        return secret
+    try:
+        return bytes.fromhex(str(c.blocking_key_value_get(key, _ms(time.monotonic() + timeout))))
+    except Exception as e:
+        raise MultiProcessError(
+            f"process {jax.process_index()} waited {timeout:g}s for process 0 to publish the "
+            f"peer secret {key!r}; it did not (is it stalled or dead, or not using peer "
+            f"copies?): {_first_line(e)}"
+        ) from e
+
+
+def publish_address(key: str, address: tuple[str, int]) -> None:
+    """Publish this process's server address under ``key`` (read with :func:`lookup_address`)."""
+    host, port = address
+    _client().key_value_set(f"{key}/{jax.process_index()}", json.dumps([host, int(port)]))
+
+
+def lookup_address(key: str, index: int, timeout: float) -> tuple[str, int]:
+    """The address process ``index`` published under ``key``, waiting at most ``timeout`` s.
+
+    Raises
+    ------
+    MultiProcessError
+        Process ``index`` published nothing within ``timeout``.
+    """
+    try:
+        raw = _client().blocking_key_value_get(f"{key}/{index}", _ms(time.monotonic() + timeout))
+    except Exception as e:
+        raise MultiProcessError(
+            f"process {jax.process_index()} waited {timeout:g}s for process {index} to "
+            f"publish its peer address under {key!r}; it did not (is it dead, or serving no "
+            f"local tier?): {_first_line(e)}"
+        ) from e
+    host, port = json.loads(raw)
+    return str(host), int(port)
+
+
+# ====================================================================== the client
+def fetch(
+    address: tuple[str, int], relpath: str, secret: bytes, timeout: float, max_bytes: int
+) -> bytes:
+    """The file ``relpath`` of the peer at ``address`` (blocking; at most ``timeout`` s).
+
+    Parameters
+    ----------
+    address : (str, int)
+        The peer's :attr:`PeerServer.address` (see :func:`lookup_address`).
+    relpath : str
+        The file, relative to the peer's served directory, ``/``-separated.
+    secret : bytes
+        The run's secret (:func:`run_secret`).
+    timeout : float
+        Seconds for the whole call: connecting, asking and reading.
+    max_bytes : int
+        The longest file accepted; the peer refuses a longer one.
+
+    Raises
+    ------
+    PeerError
+        The peer refused, did not authenticate, answered short or not in time.
+    """
+    return fetch_many(address, [relpath], secret, timeout, max_bytes)[0]
+
+
+def fetch_many(
+    address: tuple[str, int],
+    relpaths: Sequence[str],
+    secret: bytes,
+    timeout: float,
+    max_bytes: int,
+) -> list[bytes]:
+    """Several files of one peer over one connection, in order (see :func:`fetch`).
+
+    ``max_bytes`` bounds the files together; ``timeout`` the whole call.
+    """
+    out: list[bytes] = []
+
+    def work(conv: _Conversation) -> None:
+        left = max_bytes
+        for rel in relpaths:
+            got = conv.get(rel, left, None)
+            assert isinstance(got, bytes)
+            out.append(got)
+            left -= len(got)
+
+    _converse(address, secret, timeout, relpaths[0] if relpaths else "", work)
+    return out
+
+
+def fetch_to(
+    address: tuple[str, int],
+    relpath: str,
+    secret: bytes,
+    timeout: float,
+    max_bytes: int,
+    dest: str | os.PathLike[str],
+) -> int:
+    """Stream the file ``relpath`` of a peer into the new file ``dest``; its length.
+
+    Like :func:`fetch`, without holding the file in memory: the bytes go to a temporary
+    file beside ``dest`` (``<dest>.part-<random>``), which becomes ``dest`` (an atomic
+    rename, replacing it) only once the whole answer has authenticated; on any failure
+    it is removed.  The caller picks ``dest`` (inside its own tier); nothing the peer
+    sends chooses where bytes are written.
+
+    Raises
+    ------
+    PeerError
+        As :func:`fetch`; ``dest`` is then untouched.
+    """
+    target = Path(dest)
+    part = target.with_name(f"{target.name}.part-{secrets.token_hex(4)}")
+    n = 0
+
+    def work(conv: _Conversation) -> None:
+        nonlocal n
+        try:
+            # unbuffered: every write error surfaces in conv.get, none at close
+            f = open(part, "xb", buffering=0)  # noqa: SIM115 - closed just below
+        except OSError as e:
+            raise _LocalWrite() from e
+        with f:
+            got = conv.get(relpath, max_bytes, f)
+            assert isinstance(got, int)
+            n = got
+
+    try:
+        _converse(address, secret, timeout, relpath, work)
+        os.replace(part, target)
+    finally:
+        part.unlink(missing_ok=True)
+    return n
+
+
+class _LocalWrite(Exception):
+    """Writing the caller's destination failed (the OSError is its cause)."""
+
+
+class _Conversation:
+    """One connection's requests, numbered from 0 (see ``peerwire``)."""
+
+    def __init__(
+        self, sock: socket.socket, nonce: bytes, secret: bytes, deadline: float, fail: Any
+    ) -> None:
+        self.sock, self.nonce, self.secret = sock, nonce, secret
+        self.deadline, self.fail = deadline, fail
+        self.seq = 0
+        self.current = ""
+
+    def get(self, rel: str, limit: int, into: BinaryIO | None) -> bytes | int:
+        """The file ``rel`` (at most ``limit`` bytes): its bytes, or, written to ``into``,
+        its length."""
+        self.current = rel
+        seq, self.seq = self.seq, self.seq + 1
+        sock, deadline, fail = self.sock, self.deadline, self.fail
+        raw = rel.encode("utf-8")
+        if len(raw) > MAX_PATH_BYTES:
+            raise fail(
+                f"path of {len(raw)} bytes", f"peers serve paths of at most {MAX_PATH_BYTES}"
+            )
+        head = REQ.pack(b"G", len(raw), max(0, limit))
+        sock.sendall(head + raw + mac(self.secret, b"req", self.nonce, seq, head, raw).digest())
+        ahead = recv(sock, ANS.size, deadline)
+        status, n = ANS.unpack(ahead)
+        if status not in (b"O", b"R") or (status == b"O" and n > limit):
+            raise fail(
+                f"malformed answer (status {status!r}, {n} bytes)",
+                "is it a quire peer?",
+                hostile=True,
+            )
+        if status == b"R" and n > 4 * MAX_PATH_BYTES:
+            raise fail("malformed refusal", "is it a quire peer?", hostile=True)
+        h = mac(self.secret, b"ans", self.nonce, seq, raw, ahead)
+        if into is None or status == b"R":
+            buf = bytearray(n)
+            view = memoryview(buf)
+            for lo in range(0, n, BLOCK):
+                recv_into(sock, view[lo : lo + BLOCK], deadline)
+                h.update(view[lo : lo + BLOCK])
+        else:
+            block = memoryview(bytearray(min(BLOCK, n)))
+            for lo in range(0, n, BLOCK):
+                piece = block[: min(BLOCK, n - lo)]
+                recv_into(sock, piece, deadline)
+                h.update(piece)
+                try:
+                    done = 0
+                    while done < len(piece):  # a raw file may write part of it
+                        done += into.write(piece[done:]) or 0
+                except OSError as e:
+                    raise _LocalWrite() from e
+        tag = recv(sock, TAG, deadline)
+        good = hmac.compare_digest(tag, h.digest())
+        if status == b"R":
+            reason = buf.decode("utf-8", "replace")
+            if not good:
+                raise fail(
+                    f"refused, and the refusal does not authenticate ({reason})",
+                    "the two processes hold different secrets: are they the same run?",
+                    hostile=True,
+                )
+            raise fail(
+                f"refused: {reason}",
+                "the peer does not serve that file: read it from another holder",
+            )
+        if not good:
+            raise fail(
+                "the answer does not authenticate (altered in transit, or another secret)",
+                "check that both processes are the same run; read from another holder",
+                hostile=True,
+            )
+        return n if into is not None else bytes(buf)
+
+
+def _converse(
+    address: tuple[str, int],
+    secret: bytes,
+    timeout: float,
+    first: str,
+    work: Callable[[_Conversation], None],
+) -> None:
+    """Connect, check the greeting, run ``work``; every failure as a :class:`PeerError`."""
+    deadline = time.monotonic() + timeout
+    where = f"{address[0]}:{address[1]}"
+    conv: _Conversation | None = None
+
+    def fail(why: str, fix: str, *, hostile: bool = False) -> PeerError:
+        current = conv.current if conv is not None and conv.current else first
+        if hostile:  # an answer that is not what a peer of this run sends: say so
+            log.warning("peer %s: refused its answer for %r: %s", where, current, why)
+        return PeerError(f"peer {where}, file {current!r}: {why}; {fix}")
+
+    try:
+        with socket.create_connection(address, timeout=max(0.001, timeout)) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = recv(sock, len(MAGIC) + NONCE, deadline)
+            if hello[: len(MAGIC)] != MAGIC:
+                raise fail(
+                    "the server is not a quire peer (bad greeting)",
+                    "check the address the peer published",
+                    hostile=True,
+                )
+            conv = _Conversation(sock, hello[len(MAGIC) :], secret, deadline, fail)
+            work(conv)
+    except PeerError:
+        raise
+    except TimeoutError:
+        raise fail(
+            f"no answer within the {timeout:g}s deadline",
+            "treat the peer as lost and read from another holder",
+        ) from None
+    except Closed as e:
+        raise fail(
+            f"short answer ({e})", "the peer died or dropped the connection", hostile=True
+        ) from None
+    except _LocalWrite as e:
+        assert isinstance(e.__cause__, OSError)
+        raise e.__cause__ from None  # writing the caller's file failed: not the peer's doing
+    except OSError as e:
+        raise fail(
+            f"cannot reach the peer ({e})", "treat it as lost and read from another holder"
+        ) from e

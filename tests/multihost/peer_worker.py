@@ -1,0 +1,163 @@
+"""One JAX process of the peer-transport test (launched by ``tests/test_peers_multihost.py``).
+
+Usage::
+
+    python tests/multihost/peer_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR JSON
+
+Prints one ``QUIRE-PEER {...}`` line per result; the parent asserts on them.  In order:
+
+1. ``ring``: ``ring_shift`` by each shift of ``args["shifts"]``, each process sending
+   ``payload(i, size)`` with sizes that differ per process (one empty), in rounds of
+   ``args["round_bytes"]``; reports the sha256 of what arrived and its length.  Then a
+   shift of a float64 buffer (``floats``).
+2. ``peer``: ``run_secret``; a ``PeerServer`` on this process's tier directory, published
+   with ``publish_address``; a ``fetch`` of the next process's pack through
+   ``lookup_address``; the same fetch with a wrong secret (must fail with ``PeerError``).
+3. ``mismatch``: process 0 passes another ``round_bytes``: every process must raise.
+4. ``late``: every process but the last calls ``ring_shift`` with a 2 s timeout, the last
+   does not: the others must raise ``MultiProcessError`` naming it within the timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+# before jax is imported (the module is imported by the test only for ``payload``)
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax
+
+from quire._runtime import peerlink
+from quire._runtime.collective import ring_shift
+from quire.errors import MultiProcessError, PeerError
+
+PID, NPROC = 0, 1
+WORKDIR = Path(".")
+ARGS: dict[str, Any] = {}
+
+
+def emit(check: str, **kw: Any) -> None:
+    print("QUIRE-PEER " + json.dumps({"pid": PID, "check": check, **kw}), flush=True)
+
+
+def payload(i: int, size: int) -> bytes:
+    """Deterministic bytes that differ per process and position."""
+    seed = hashlib.sha256(f"peer-{i}".encode()).digest()
+    reps = -(-size // len(seed))
+    raw = bytearray((seed * reps)[:size])
+    for k in range(0, size, 4099):
+        raw[k] = (k // 4099 + i) % 256
+    return bytes(raw)
+
+
+def barrier(name: str) -> None:
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    assert client is not None
+    client.wait_at_barrier(f"peer-{name}", 60_000)
+
+
+def ring() -> None:
+    sizes = ARGS["sizes"]
+    mine = payload(PID, sizes[PID])
+    for shift in ARGS["shifts"]:
+        t = time.monotonic()
+        got = ring_shift(f"test/ring/{shift}", mine, shift, 30.0, round_bytes=ARGS["round_bytes"])
+        emit(
+            "ring",
+            shift=shift,
+            length=len(got),
+            sha=hashlib.sha256(got).hexdigest(),
+            seconds=time.monotonic() - t,
+        )
+    # a buffer of 8-byte items: its bytes travel, not its item count
+    import numpy as np
+
+    src = (PID - 1) % NPROC
+    got = ring_shift("test/ring/floats", memoryview(np.arange(1000 * PID, dtype=np.float64)), 1, 30)
+    emit("floats", ok=got == np.arange(1000 * src, dtype=np.float64).tobytes())
+
+
+def peer() -> None:
+    secret = peerlink.run_secret("test/secret", 30.0)
+    tier = WORKDIR / f"tier{PID}"
+    (tier / "packs").mkdir(parents=True)
+    body = payload(100 + PID, ARGS["pack_bytes"])
+    (tier / "packs" / f"p{PID:05d}").write_bytes(body)
+    with peerlink.PeerServer(tier, secret) as server:
+        peerlink.publish_address("test/peers", server.address)
+        nxt = (PID + 1) % NPROC
+        where = peerlink.lookup_address("test/peers", nxt, 30.0)
+        got = peerlink.fetch(where, f"packs/p{nxt:05d}", secret, 30.0, 1 << 30)
+        try:
+            peerlink.fetch(where, f"packs/p{nxt:05d}", os.urandom(32), 30.0, 1 << 30)
+            wrong = None
+        except PeerError as e:
+            wrong = str(e)
+        emit(
+            "peer",
+            secret=hashlib.sha256(secret).hexdigest(),
+            address=list(where),
+            fetched=hashlib.sha256(got).hexdigest(),
+            wrong_secret=wrong,
+        )
+        barrier("fetched")  # keep serving until every process has fetched
+
+
+def mismatch() -> None:
+    rb = 1 << 16 if PID == 0 else 1 << 17
+    try:
+        ring_shift("test/mismatch", b"x", 1, 30.0, round_bytes=rb)
+        emit("mismatch", error=None)
+    except MultiProcessError as e:
+        emit("mismatch", error=str(e))
+
+
+def late() -> None:
+    if PID == NPROC - 1:
+        emit("late", skipped=True)
+        return
+    t = time.monotonic()
+    try:
+        ring_shift("test/late", b"x", 1, 2.0)
+        emit("late", error=None)
+    except MultiProcessError as e:
+        emit("late", error=str(e), seconds=time.monotonic() - t)
+
+
+def main() -> None:
+    global PID, NPROC, WORKDIR, ARGS
+    PID, NPROC, port = (int(x) for x in sys.argv[1:4])
+    WORKDIR = Path(sys.argv[4])
+    ARGS = json.loads(sys.argv[5])
+    jax.distributed.initialize(
+        f"127.0.0.1:{port}", num_processes=NPROC, process_id=PID, initialization_timeout=60
+    )
+    try:
+        ring()
+        peer()
+        mismatch()
+        late()
+    except BaseException as e:
+        emit("crashed", failed=f"{type(e).__name__}: {e}", tb=traceback.format_exc()[-3000:])
+        sys.stdout.flush()
+        os._exit(2)
+    emit("done")
+    sys.stdout.flush()
+    # the late ring shift left keys behind and the last process never joined it: no
+    # shutdown barrier, just leave
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
