@@ -30,13 +30,14 @@ Rows, per variant, each the best (minimum) of ``--reps`` reps, interleaved insid
 ``steps`` is the training-step slowdown: a jitted 1024x1024 float32 matmul step (its input
 donated) run back to back while the save writes in the background, its mean step time
 against the same loop with nothing in the background (the mean of 30 steps right before and
-30 right after, same rep): ``+x%``.  ``dRSS`` is the peak RSS growth from the call until
-``.result()`` returns (sampled every 5 ms, max over reps).  Memory is pre-warmed before every timed phase as in
+30 right after, same rep): ``+x%``, the median over reps.  ``dRSS`` is the peak RSS growth
+from the call until ``.result()`` returns (sampled every 5 ms, max over reps).  Memory is
+pre-warmed before every timed phase as in
 ``bench_local.py``.  The machine is shared: differences under ~30% are noise.
 
-On few cores the step slowdown is a trade against the write's speed: quire's writer uses
-``QUIRE_IO_THREADS`` threads (16 by default); ``QUIRE_IO_THREADS=2`` leaves the steps more of
-a 2-core machine and takes longer to write (run both to see it on yours).
+On few cores the step slowdown is a trade against the write's speed: once ``save_async`` has
+returned, quire's writer uses ``QUIRE_BACKGROUND_THREADS`` threads (half the cores by default);
+more finish the write sooner and slow the steps more (run with a few values to see it on yours).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import argparse
 import logging
 import shutil
+import statistics
 import tempfile
 import time
 import warnings
@@ -226,7 +228,7 @@ def fmt(all_rows: dict[str, dict[str, Row]]) -> str:
     for variant, rows in all_rows.items():
         for name, r in rows.items():
             total = f"{min(r.total):.2f}" if r.total else "-"
-            slow = f"{min(r.slow) * 100:+.0f}%" if r.slow else "-"
+            slow = f"{statistics.median(r.slow) * 100:+.0f}%" if r.slow else "-"
             rss = f"{max(r.rss) / 1e9:+.2f}" if r.rss else "-"
             out.append(f"| {variant} | {name} | {min(r.blocked):.3f} | {total} | {slow} | {rss} |")
     return "\n".join(out)
@@ -257,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     print(
         f"\n== best of {args.reps} reps (dRSS: max); steps: mean step time during the write "
-        "vs just before and after (min over reps)\n"
+        "vs just before and after (median over reps: the minimum favours a rep whose baseline\n"
+        "another load slowed)\n"
     )
     print(fmt(all_rows))
     return 0

@@ -303,3 +303,75 @@ def test_kill_between_return_and_commit_keeps_the_previous_step(tmp_path: Path, 
         assert ckpt.latest_step() == 1
         got = ckpt.load()
         assert got["step"] == 1 and float(got["w"][0, 0]) == 1.0
+
+
+def test_an_async_save_writes_in_the_background_pool(tmp_path: Path, monkeypatch: Any) -> None:
+    """Once save_async (or a Checkpointer's save, or partial.save_async) has returned, its
+    blocking work runs in the smaller background pool, leaving the training steps most of
+    the machine; a blocking save uses the full I/O pool."""
+    from quire._handlers.zarr_layout import ArrayLayout
+    from quire._runtime import ioloop
+
+    names: list[str] = []
+    real = ArrayLayout.encode_chunk
+
+    def spy(self: ArrayLayout, arr: np.ndarray) -> Any:
+        names.append(threading.current_thread().name)  # encoding runs in a pool's thread
+        return real(self, arr)
+
+    monkeypatch.setattr(ArrayLayout, "encode_chunk", spy)
+    tree = {"w": np.ones((512, 1024), np.float32)}
+    quire.save_async(str(tmp_path / "a"), tree).result()
+    assert names and all(n.startswith("quire-bg") for n in names), names
+    assert ioloop.background_threads() <= ioloop.io_threads()
+    if sys.platform.startswith("linux") and ioloop.background_nice():  # a lower priority
+        niceness = [0]
+
+        def probe() -> None:
+            niceness[0] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+        ioloop.background_pool().submit(probe).result()
+        assert niceness[0] >= os.getpriority(os.PRIO_PROCESS, 0) + 1
+    names.clear()
+    quire.save(str(tmp_path / "b"), tree)
+    assert names and all(n.startswith("quire-io") for n in names), names
+    names.clear()
+    quire.partial.save_async(str(tmp_path / "c"), tree).result()
+    assert names and all(n.startswith("quire-bg") for n in names), names
+    names.clear()
+    with quire.Checkpointer(tmp_path / "run") as ckpt:
+        ckpt.save(1, tree)
+        ckpt.wait()
+    assert names and all(n.startswith("quire-bg") for n in names), names
+
+
+def test_a_one_thread_background_pool_does_not_deadlock(tmp_path: Path) -> None:
+    """A checkpointable unit's handler runs in a background thread and blocks on the loop
+    for each object it writes (UnitIO); that write's own blocking work must not wait for a
+    background thread, or a one-thread background pool deadlocks (it did)."""
+    script = textwrap.dedent(
+        f"""
+        import numpy as np, quire
+
+        class Unit:
+            def quire_save(self, io):
+                for i in range(4):
+                    io.write(f"part{{i}}", bytes(range(256)) * 64)
+                return {{"parts": 4}}
+
+            def quire_restore(self, io, record):
+                return [io.read(f"part{{i}}") for i in range(record["parts"])]
+
+        url = {str(tmp_path / "c")!r}
+        units = {{"state": {{"w": np.ones((512, 1024), np.float32)}}, "data": Unit()}}
+        quire.save_checkpointables_async(url, units).result()
+        got = quire.load_checkpointables(url, {{"state": None, "data": Unit()}})
+        assert got["data"] == [bytes(range(256)) * 64] * 4
+        print("ok")
+        """
+    )
+    env = {**os.environ, "QUIRE_BACKGROUND_THREADS": "1", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypedDict, Unpack
 
 from quire._engine import load as _load
@@ -69,9 +69,8 @@ def _start_save(
     )
     write = _spreadsave.save_spread if prep.spread and prep.coord.active else _engine.save_prepared
 
-    return chain(
-        u,
-        lambda: _progress.tracked(
+    def write() -> Awaitable[None]:
+        return _progress.tracked(
             rep,
             lambda: write(
                 u,
@@ -82,9 +81,10 @@ def _start_save(
                 stats=stats,
             ),
             close=rep is not progress,
-        ),
-        f"save {u}",
-    )
+        )
+
+    # An async save has returned: its write runs beside the caller's training steps.
+    return chain(u, (lambda: _io.in_background(write())) if copy else write, f"save {u}")
 
 
 def save_units_async(

@@ -20,7 +20,7 @@ that the winner also touched, in which case it raises :class:`JournalConflictErr
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any, TypedDict, Unpack
 
 from quire import _api
@@ -71,10 +71,13 @@ def _start_save(
     prep = _engine.prepare_save({_format.PYTREE: tree}, options.get("storage"), copy=copy, url=u)
     md = dict(options.get("metadata") or {})
     so = options.get("storage_options")
+
+    def write() -> Awaitable[int]:
+        return _journal.append(u, prep=prep, metadata=md, storage_options=so)
+
+    # An async save has returned: its write runs beside the caller's training steps.
     return _api.chain(
-        u,
-        lambda: _journal.append(u, prep=prep, metadata=md, storage_options=so),
-        f"partial save {u}",
+        u, (lambda: _io.in_background(write())) if copy else write, f"partial save {u}"
     )
 
 

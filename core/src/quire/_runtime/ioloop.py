@@ -1,4 +1,12 @@
-"""The background event loop and the blocking-I/O thread pool quire runs on."""
+"""The background event loop and the blocking-I/O thread pools quire runs on.
+
+Blocking work (file I/O, checksums, codecs; they release the GIL) runs in ``QUIRE_IO_THREADS``
+threads, except the work of an asynchronous save (``save_async``, ``Checkpointer.save``,
+``partial.save_async``) after it has returned: that runs in a smaller pool of
+``QUIRE_BACKGROUND_THREADS`` threads (default: half the CPU cores, at least one), at the
+lowest CPU priority (``QUIRE_BACKGROUND_NICE``, default 19, where the platform has per-thread
+nice values), so the training steps that run meanwhile keep the machine and the write takes
+the CPU time they leave (:func:`in_background`)."""
 
 from __future__ import annotations
 
@@ -7,8 +15,9 @@ import concurrent.futures
 import contextvars
 import functools
 import os
+import sys
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -16,6 +25,10 @@ T = TypeVar("T")
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
+_background_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_background: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "quire_background", default=False
+)
 
 
 def io_threads() -> int:
@@ -33,12 +46,58 @@ def pool() -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
+def background_threads() -> int:
+    """Threads for the blocking work of asynchronous saves once they have returned."""
+    default = max(1, (os.cpu_count() or 2) // 2)
+    return max(1, int(os.environ.get("QUIRE_BACKGROUND_THREADS", str(default))))
+
+
+def background_nice() -> int:
+    """How much lower the background threads' CPU priority is (``nice`` increment, 0-19)."""
+    return min(19, max(0, int(os.environ.get("QUIRE_BACKGROUND_NICE", "19"))))
+
+
+def _lower_priority() -> None:
+    # Linux schedules threads as tasks: PRIO_PROCESS with a thread id sets that thread's
+    # nice value alone.  Elsewhere (or without the permission) the thread keeps its priority.
+    nice = background_nice()
+    if nice and sys.platform.startswith("linux"):
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+        except OSError:
+            pass
+
+
+def background_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _background_pool
+    with _lock:
+        if _background_pool is None:
+            _background_pool = concurrent.futures.ThreadPoolExecutor(
+                background_threads(), thread_name_prefix="quire-bg", initializer=_lower_priority
+            )
+        return _background_pool
+
+
+async def in_background(aw: Awaitable[T]) -> T:
+    """Await ``aw`` with its blocking work (:func:`run_blocking`, in it and in the tasks it
+    starts) in the background pool: the write of an asynchronous save, which the caller's
+    training steps run beside."""
+    token = _background.set(True)
+    try:
+        return await aw
+    finally:
+        _background.reset(token)
+
+
 async def run_blocking(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run ``fn`` in quire's I/O pool from a coroutine, in a copy of the coroutine's
-    context (so the caller's ``quire.Context`` applies there too)."""
+    """Run ``fn`` in quire's I/O pool (the background pool inside :func:`in_background`) from
+    a coroutine, in a copy of the coroutine's context (so the caller's ``quire.Context``
+    applies there too)."""
     loop = asyncio.get_running_loop()
     ctx = contextvars.copy_context()
-    return await loop.run_in_executor(pool(), ctx.run, functools.partial(fn, *args, **kwargs))
+    ex = background_pool() if _background.get() else pool()
+    return await loop.run_in_executor(ex, ctx.run, functools.partial(fn, *args, **kwargs))
 
 
 def loop() -> asyncio.AbstractEventLoop:
@@ -88,8 +147,9 @@ def shutdown(timeout: float = 30.0) -> None:
         lp.call_soon_threadsafe(lp.stop)
         if th is not None:
             th.join(timeout)
-    if _pool is not None:
-        _pool.shutdown(wait=True, cancel_futures=True)
+    for ex in (_pool, _background_pool):
+        if ex is not None:
+            ex.shutdown(wait=True, cancel_futures=True)
 
 
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
@@ -107,4 +167,17 @@ def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
     if running is lp:
         coro.close()
         raise RuntimeError("quire's blocking API was called from quire's own event loop")
+    if _background.get():
+        # A background thread that blocks on a coroutine (a checkpointable handler's
+        # UnitIO) must not have that coroutine's blocking work queue behind it in the
+        # small background pool, which it may be filling: that work runs in the I/O pool.
+        coro = _in_foreground(coro)
     return asyncio.run_coroutine_threadsafe(coro, lp)
+
+
+async def _in_foreground(aw: Awaitable[T]) -> T:
+    token = _background.set(False)
+    try:
+        return await aw
+    finally:
+        _background.reset(token)
