@@ -67,12 +67,12 @@ def _start_save(
         incremental=incremental,
         spread=spread,
     )
-    write = _spreadsave.save_spread if prep.spread and prep.coord.active else _engine.save_prepared
+    writer = _spreadsave.save_spread if prep.spread and prep.coord.active else _engine.save_prepared
 
     def write() -> Awaitable[None]:
         return _progress.tracked(
             rep,
-            lambda: write(
+            lambda: writer(
                 u,
                 prep,
                 metadata=options.get("metadata"),
