@@ -183,7 +183,8 @@ def test_two_processes_without_peers_restore_through_collectives(
     tmp_path: Path, moto: MotoS3, proxy: FaultProxy
 ) -> None:
     """``peers=0`` (no TCP server): a restore gets what each process lacks through the
-    collective exchange; a wiped directory's objects come from the persistent tier."""
+    collective exchange; a wiped directory's objects come from the persistent tier; with
+    every directory wiped, the persistent step is loaded as any checkpoint."""
     url = moto.fresh_url()
     prefix = url.split("/", 3)[3]
     local = tmp_path / "local"
@@ -210,6 +211,13 @@ def test_two_processes_without_peers_restore_through_collectives(
     objects = [g for g in step_gets(proxy, prefix) if not g.split("?")[0].endswith("quire.json")]
     assert objects and all("step_00000006/" in g and "p00001" in g for g in objects), objects
     assert len(objects) == len(set(objects))
+    # Every local directory lost: the newest persistent step, by a plain multi-process load.
+    shutil.rmtree(local)
+    proxy.clear()
+    results, codes = launch(tmp_path, {**base, "first": 7, "last": 6}, n=2)
+    ok(results, codes, n=2)
+    assert [(r["step"], r["same"]) for r in of(results, "restored")] == [(6, True)] * 2
+    assert any("p00000" in g for g in step_gets(proxy, prefix))
 
 
 def test_a_silent_peer_is_passed_over_for_another_holder(tmp_path: Path) -> None:
