@@ -5,8 +5,8 @@ Run from the repository root::
     .venv/bin/python benchmarks/bench_tiers.py              # ~128 MiB state, 3 reps
     .venv/bin/python benchmarks/bench_tiers.py --mib 32 --reps 1   # smoke run
 
-One JAX process (``quire.LocalTier`` supports one process so far: see docs/tiers.md; the
-2- and 4-process rows and the peer restore of issue #22 wait for that).  The persistent tier
+One JAX process (the 2- and 4-process rows, with peer copies and the restore from peers:
+``benchmarks/bench_tiers_multi.py``).  The persistent tier
 is moto's S3 server in its own process behind the latency proxy of
 ``tests/object_store_servers.py`` (``ProxyProcess``, ``--latency-ms``, default 20) in another;
 the local tier is a directory under ``--local-dir`` (default: a temporary directory).

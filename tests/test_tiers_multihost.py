@@ -1,61 +1,241 @@
-"""quire.LocalTier with two real JAX processes (jax.distributed on 127.0.0.1): refused.
+"""quire.LocalTier with 4 real JAX processes x 2 CPU devices, the persistent tier on S3 (moto).
 
-The local tier supports one process so far (docs/tiers.md, "Limits"); with several, a
-Checkpointer with ``local=`` must fail at once with ``NotImplementedError`` on every process,
-and write nothing under either tier.
+One run of ``tests/multihost/tier_worker.py`` per phase, every process training the same
+deterministic state (an array sharded over the 8 devices, a replicated one written by pieces
+over every process, a host array, a scalar), the local tier every step with ``peers=1`` and
+``LatestN(3)``, the persistent tier every 10 steps; GETs counted at a proxy in front of moto:
+
+A. steps 1..12 (step 10 promoted): every process's local step holds its own objects and its
+   ring predecessor's, checked and marked;
+B. the local directories of processes 1 and 2 wiped: both holders of process 1's objects are
+   gone.  Steps 12 and 11 are not restorable (the persistent tier lacks them), so every
+   process agrees on step 10, which the persistent tier holds: the restore reads only process
+   1's objects of step 10 there (and the record), each once, and is bit-identical.  Training
+   goes on (11..13 saved again); process 2 is SIGKILLed in the middle of its local save of
+   step 14, and the others are killed as a job would be;
+C. process 2's local directory wiped too; all four restart: they agree on step 13 (step 14
+   was never completed on every process), restore it bit-identical with 0 GETs of the
+   persistent tier's steps (process 2's objects come from its peer, process 3).  Then one
+   process hangs instead of taking part in ``latest_step()``: the others fail with
+   ``MultiProcessError`` naming the lost peer within the deadline.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
+import shutil
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-WORKER = """
-import json, os, sys
-import jax
-pid, port, root, local = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
-                           initialization_timeout=60)
+import numpy as np
+import pytest
+from object_store_servers import FaultProxy, MotoS3
+
 import quire
-try:
-    quire.Checkpointer(root, local=quire.LocalTier(local))
-    out = {"error": None}
-except NotImplementedError as e:
-    out = {"error": type(e).__name__, "message": str(e)}
-print("RESULT " + json.dumps(out), flush=True)
-jax.distributed.shutdown()
-"""
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SIGKILL, 127.0.0.1 processes")
+
+WORKER = Path(__file__).parent / "multihost" / "tier_worker.py"
+N = 4
 
 
-def test_two_processes_refuse_the_local_tier(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def proxy(moto: MotoS3) -> Iterator[FaultProxy]:
+    p = FaultProxy((moto.host, moto.port), "s3")
+    yield p
+    p.stop()
+
+
+def launch(
+    tmp: Path, cfg: dict[str, Any], victim: int | None = None, timeout: float = 90, n: int = N
+) -> tuple[list[dict[str, Any]], list[int | None]]:
+    """Run ``n`` processes; when ``victim`` dies (SIGKILL), kill the others as a job would."""
+    import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    root, local = tmp_path / "persistent", tmp_path / "local"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(i), str(port), str(root), str(local)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for i in range(2)
-    ]
-    results = []
+    logs = tmp / "logs"
+    logs.mkdir(exist_ok=True)
+    tag = f"{cfg['first']}-{cfg['last']}-{port}"
+    procs = []
+    for i in range(n):
+        with open(logs / f"{tag}-{i}.out", "w") as out, open(logs / f"{tag}-{i}.err", "w") as err:
+            cmd = [sys.executable, str(WORKER), str(i), str(n), str(port), json.dumps(cfg)]
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout and any(p.poll() is None for p in procs):
+        if victim is not None and procs[victim].poll() is not None:
+            break
+        time.sleep(0.1)
+    codes = [p.poll() for p in procs]
     for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-3000:]
-        line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
-        results.append(json.loads(line.removeprefix("RESULT ")))
-    for r in results:
-        assert r["error"] == "NotImplementedError"
-        assert "one JAX process so far, not 2" in r["message"]
-    assert not local.exists()
-    assert not root.exists() or not any(root.iterdir())
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+    results = []
+    for i in range(n):
+        for line in (logs / f"{tag}-{i}.out").read_text().splitlines():
+            if line.startswith("QUIRE-TIER "):
+                results.append(json.loads(line.removeprefix("QUIRE-TIER ")))
+    return results, codes
+
+
+def of(results: list[dict[str, Any]], check: str) -> list[dict[str, Any]]:
+    return sorted((r for r in results if r["check"] == check), key=lambda r: r["pid"])
+
+
+def ok(results: list[dict[str, Any]], codes: list[int | None], n: int = N) -> None:
+    failed = of(results, "failed")
+    assert not failed, failed[0]["error"][-3000:]
+    assert codes == [0] * n, codes
+    assert len(of(results, "done")) == n
+
+
+def step_gets(proxy: FaultProxy, prefix: str) -> list[str]:
+    """GET requests for objects inside the persistent tier's step directories."""
+    return [
+        e[1] for e in proxy.requests("GET", rf"/{prefix}/step_\d+/") if "?list-type" not in e[1]
+    ]
+
+
+def markers(local: Path, proc: int, step: int) -> list[str]:
+    (txdir,) = (local / f"process_{proc:05d}" / f"step_{step:08d}" / "d").iterdir()
+    return sorted(p.name for p in (txdir / "%tier").iterdir())
+
+
+def test_four_processes_peer_copies_lost_holders_kill_and_hang(
+    tmp_path: Path, moto: MotoS3, proxy: FaultProxy
+) -> None:
+    url = moto.fresh_url()
+    prefix = url.split("/", 3)[3]
+    local = tmp_path / "local"
+    base = {
+        "persistent": url,
+        "options": moto.options(proxy.endpoint),
+        "local": str(local),
+        "timeout": 20,
+    }
+    # A. steps 1..12; step 10 promoted by every process's own objects.
+    results, codes = launch(tmp_path, {**base, "first": 1, "last": 12})
+    ok(results, codes)
+    assert [r["step"] for r in of(results, "agreed")] == [None] * N
+    for r in of(results, "saved"):
+        assert r["tiers"] == {"10": ["local", "persistent"], "11": ["local"], "12": ["local"]}
+    for p in range(N):  # own objects and the ring predecessor's, each checked and marked
+        assert markers(local, p, 12) == [f"p{q:05d}.json" for q in sorted({p, (p - 1) % N})]
+    # The primary's part includes the data-iterator unit's own objects, copied to its peer.
+    (txdir,) = (local / "process_00001" / "step_00000012" / "d").iterdir()
+    listed = json.loads((txdir / "%tier" / "p00000.json").read_text())["objects"]
+    assert any("/loader/" in k for k in listed), listed
+    assert any((txdir / "loader").iterdir())
+    # The promoted step is one whole checkpoint on S3: any reader loads it.
+    got = quire.load_checkpointables(
+        f"{url}/step_00000010", {"state": None}, storage_options=base["options"], partial=True
+    )["state"]
+    rng = np.random.default_rng(10)  # tier_worker.state(10), in the same order
+    want = [rng.standard_normal((96, 48), dtype=np.float32),
+            rng.standard_normal((4096,), dtype=np.float32),
+            rng.integers(0, 1 << 30, 777, dtype=np.int64)]  # fmt: skip
+    for k, w in zip(("w", "b", "opt"), want):
+        assert np.asarray(got[k]).tobytes() == w.tobytes(), k
+    assert got["step"] == 10
+
+    # B. both holders of process 1's objects lost: step 10, its missing part from S3.
+    shutil.rmtree(local / "process_00001")
+    shutil.rmtree(local / "process_00002")
+    proxy.clear()
+    results, codes = launch(tmp_path, {**base, "first": 11, "last": 14, "kill": [2, 14]}, 2)
+    assert codes[2] == -signal.SIGKILL, (codes, of(results, "failed"))
+    assert [r["step"] for r in of(results, "agreed")] == [10] * N
+    assert [r["same"] for r in of(results, "restored")] == [True] * N
+    gets = step_gets(proxy, prefix)
+    objects = [g for g in gets if not g.split("?")[0].endswith("quire.json")]
+    assert objects and all("step_00000010/" in g and "p00001" in g for g in objects), gets
+    assert len(objects) == len(set(objects))  # each read once, by one process
+    assert not of(results, "saved")  # step 14 never completed on every process
+
+    # C. process 2's directory wiped after its kill: step 13 from the local tier and peers.
+    shutil.rmtree(local / "process_00002")
+    proxy.clear()
+    results, codes = launch(tmp_path, {**base, "timeout": 6, "first": 14, "last": 14, "hang": 3})
+    ok(results, codes)
+    assert [r["step"] for r in of(results, "agreed")] == [13] * N
+    assert [r["same"] for r in of(results, "restored")] == [True] * N
+    assert step_gets(proxy, prefix) == []
+    hung = of(results, "hang")
+    assert [r["pid"] for r in hung] == [0, 1, 2]
+    for r in hung:
+        assert "agreeing on the local tier step" in r["error"], r
+        assert "process 3" in r["error"] and "treated as lost" in r["error"], r
+        assert r["seconds"] < 6 + 4, r
+
+
+def test_two_processes_without_peers_restore_through_collectives(
+    tmp_path: Path, moto: MotoS3, proxy: FaultProxy
+) -> None:
+    """``peers=0`` (no TCP server): a restore gets what each process lacks through the
+    collective exchange; a wiped directory's objects come from the persistent tier; with
+    every directory wiped, the persistent step is loaded as any checkpoint."""
+    url = moto.fresh_url()
+    prefix = url.split("/", 3)[3]
+    local = tmp_path / "local"
+    base = {"persistent": url, "options": moto.options(proxy.endpoint), "local": str(local),
+            "timeout": 20, "peers": 0, "every": 2}  # fmt: skip
+    ok(*launch(tmp_path, {**base, "first": 1, "last": 4}, n=2), n=2)
+    for p in range(2):
+        assert markers(local, p, 4) == [f"p{p:05d}.json"]  # no peer copies
+    proxy.clear()
+    results, codes = launch(tmp_path, {**base, "first": 5, "last": 6}, n=2)
+    ok(results, codes, n=2)
+    assert [(r["step"], r["same"]) for r in of(results, "restored")] == [(4, True)] * 2
+    # (step 6's promotion then reads step records for its garbage collection: no data)
+    assert [g for g in step_gets(proxy, prefix) if "quire.json" not in g] == []
+    for p in range(2):  # the restore gave each process the other's objects of step 4
+        assert markers(local, p, 4) == ["p00000.json", "p00001.json"]
+    # Process 1's directory lost, no peer copies of steps 5 and 6: step 6, which the
+    # persistent tier holds, its process-1 part read from S3 once, process 0's from process 0.
+    shutil.rmtree(local / "process_00001")
+    proxy.clear()
+    results, codes = launch(tmp_path, {**base, "first": 7, "last": 6}, n=2)
+    ok(results, codes, n=2)
+    assert [(r["step"], r["same"]) for r in of(results, "restored")] == [(6, True)] * 2
+    objects = [g for g in step_gets(proxy, prefix) if not g.split("?")[0].endswith("quire.json")]
+    assert objects and all("step_00000006/" in g and "p00001" in g for g in objects), objects
+    assert len(objects) == len(set(objects))
+    # Every local directory lost: the newest persistent step, by a plain multi-process load.
+    shutil.rmtree(local)
+    proxy.clear()
+    results, codes = launch(tmp_path, {**base, "first": 7, "last": 6}, n=2)
+    ok(results, codes, n=2)
+    assert [(r["step"], r["same"]) for r in of(results, "restored")] == [(6, True)] * 2
+    assert any("p00000" in g for g in step_gets(proxy, prefix))
+
+
+def test_a_silent_peer_is_passed_over_for_another_holder(tmp_path: Path) -> None:
+    """3 processes, ``peers=2``: process 0's directory wiped; process 1's peer server accepts
+    connections and never answers.  Process 0 pulls each owner's objects from another holder
+    after the deadline, and the restore is whole and bit-identical."""
+    local = tmp_path / "local"
+    base = {"persistent": str(tmp_path / "persistent"), "options": None, "local": str(local),
+            "timeout": 4, "peers": 2}  # fmt: skip
+    ok(*launch(tmp_path, {**base, "first": 1, "last": 2}, n=3), n=3)
+    for p in range(3):
+        assert markers(local, p, 2) == ["p00000.json", "p00001.json", "p00002.json"]
+    shutil.rmtree(local / "process_00000")
+    results, codes = launch(tmp_path, {**base, "first": 3, "last": 2, "silent": 1}, n=3)
+    ok(results, codes, n=3)
+    assert [(r["step"], r["same"]) for r in of(results, "restored")] == [(2, True)] * 3
+    restored = of(results, "restored")
+    assert restored[0]["seconds"] >= 4  # process 0 waited out the silent peer once
+    assert markers(local, 0, 2) == ["p00000.json", "p00001.json", "p00002.json"]
+    err = (tmp_path / "logs").glob("3-2-*-0.err")
+    assert any("from process 1" in f.read_text() for f in err)

@@ -160,8 +160,9 @@ def test_should_save_is_either_policy(tmp_path: Path) -> None:
 
 
 def test_refusals(tmp_path: Path) -> None:
-    with pytest.raises(NotImplementedError, match="peers=1"):
-        quire.LocalTier(tmp_path, peers=1)
+    assert quire.LocalTier(tmp_path, peers=1).peers == 1  # copies need several processes
+    with pytest.raises(TypeError, match="peer_host"):
+        quire.LocalTier(tmp_path, peer_host="")
     with pytest.raises(ValueError, match="peers"):
         quire.LocalTier(tmp_path, peers=-1)
     with pytest.raises(TypeError, match="LocalTier"):

@@ -8,6 +8,7 @@ from typing import Any, TypedDict, Unpack
 
 from quire._engine import load as _load
 from quire._engine import save as _engine
+from quire._engine import spreadsave as _spreadsave
 from quire._engine.incremental import Incremental
 from quire._format import record as _format
 from quire._handlers.units import as_mapping
@@ -43,10 +44,12 @@ def _start_save(
     options: SaveOptions,
     stats: dict[str, Any] | None = None,
     incremental: Incremental | None = None,
+    spread: str | None = None,
 ) -> AsyncResponse[None]:
     """The one save path; ``copy``: snapshot to host first (async) or stream (blocking);
     ``stats`` receives the engine's counters (tests read the byte budget's peak);
-    ``incremental``: a Checkpointer's incremental state (``quire._engine.incremental``)."""
+    ``incremental``: a Checkpointer's incremental state (``quire._engine.incremental``);
+    ``spread``: a multi-process local tier's coordination name (``quire._engine.spreadsave``)."""
     unknown = sorted(set(options) - set(SaveOptions.__annotations__))
     if unknown:
         raise TypeError(f"{fn}() got an unexpected keyword argument {unknown[0]!r}")
@@ -62,12 +65,14 @@ def _start_save(
         url=u,
         layout=options.get("layout"),
         incremental=incremental,
+        spread=spread,
     )
+    writer = _spreadsave.save_spread if prep.spread and prep.coord.active else _engine.save_prepared
 
     def write() -> Awaitable[None]:
         return _progress.tracked(
             rep,
-            lambda: _engine.save_prepared(
+            lambda: writer(
                 u,
                 prep,
                 metadata=options.get("metadata"),
@@ -86,11 +91,15 @@ def save_units_async(
     url: str,
     units: Mapping[str, Any],
     incremental: Incremental | None,
+    spread: str | None = None,
     **options: Unpack[SaveOptions],
 ) -> AsyncResponse[None]:
     """``save_checkpointables_async`` for a Checkpointer: ``units`` as they are (a tree is
-    ``{"pytree": tree}``), with its incremental state (None: a plain save)."""
-    return _start_save("save_async", url, units, True, options, incremental=incremental)
+    ``{"pytree": tree}``), with its incremental state (None: a plain save) and, for a
+    multi-process local tier, its coordination name."""
+    return _start_save(
+        "save_async", url, units, True, options, incremental=incremental, spread=spread
+    )
 
 
 def _tree_nbytes(node: Any) -> int:

@@ -2,7 +2,8 @@
 with its save decision (``deciding``) and policies (``save_policies``, ``keep_policies``),
 its retention, loading and inspection (``retain``) and its background task chain
 (``tasks``), and its fast per-process local tier under the persistent root (``tiers``:
-``quire.LocalTier``, promotion from local bytes, reads local first).
+``quire.LocalTier``, promotion from local bytes, reads local first; with several processes
+``tiermulti``: the agreed step and restore from peers, ``tierpull``: peer copies over TCP).
 
 May import: everything below the package face (``quire._api`` and the subpackages under it),
 never ``quire`` itself or ``quire._cli``.

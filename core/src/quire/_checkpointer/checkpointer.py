@@ -188,6 +188,10 @@ class Checkpointer(_DecideMixin, _TierMixin, _RetainLoadMixin, _BackgroundTasks)
         self._gc_done = False
         self._closed = False
         self._inc = _inc.Incremental(self.root) if incremental else None
+        # A multi-process local tier's root (set by quire._checkpointer.tiers): every process
+        # saves into its own root, coordinated under this name.
+        self._spread: str | None = None
+        self._spread_seq = 0
 
         doc = self._run(_root.read_root_record(self._backend, self.root))
         if doc is not None and step_format is not None and doc["step_format"] != step_format:
@@ -353,10 +357,15 @@ class Checkpointer(_DecideMixin, _TierMixin, _RetainLoadMixin, _BackgroundTasks)
             self._run(
                 self._inc.start(self._backend, None if latest is None else self._fmt.name(latest))
             )
+        spread = None
+        if self._spread is not None:
+            self._spread_seq += 1
+            spread = f"{self._spread}/{step}/{self._spread_seq}"
         resp = _api.save_units_async(
             url,
             units if single else as_mapping(units),
             self._inc,
+            spread,
             metadata=user,
             overwrite=force,
             storage_options=self._storage_options,

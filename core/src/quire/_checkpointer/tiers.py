@@ -21,6 +21,11 @@ Order of a save of step S (``_Tier.save``), the commit points marked:
 
 At most one promotion (step 4) is in flight: a save due for the persistent tier waits for the
 previous promotion first.  Local saves never wait for a promotion.
+
+With several JAX processes, ``quire._checkpointer.tiermulti`` adds what needs them all: each
+local save is one collective save into every process's own root, followed by the peer copies;
+``latest_step`` / ``load`` agree on a step and fill each root from peers or the persistent
+tier; a promotion copies each process's own objects (``quire._engine.tierpeers``).
 """
 
 from __future__ import annotations
@@ -36,7 +41,11 @@ from typing import TYPE_CHECKING, Any
 from quire._checkpointer.keep_policies import KeepPolicy
 from quire._checkpointer.retain import _as_step
 from quire._checkpointer.save_policies import SaveContext, SavePolicy
+from quire._checkpointer.tiermulti import Spread
 from quire._engine.copying import copy_checkpoint
+from quire._engine.tierpeers import promote_spread
+from quire._runtime.config import current
+from quire._runtime.multihost import Coordinator
 from quire._store.url import normalize
 from quire.errors import CorruptCheckpointError
 
@@ -70,14 +79,18 @@ class LocalTier:
     keep : quire.policies.KeepPolicy, optional
         Which local steps survive (default: all).
     peers : int
-        Copies of each process's local steps on other processes.  Only 0 is implemented.
+        With several JAX processes: copies of each process's objects of each local step on
+        the next ``peers`` processes of the ring (checked on arrival), so a lost local
+        directory is restored from its peers (default 0: from the persistent tier).
     storage_options : dict, optional
         fsspec options for the local tier's backend.
+    peer_host : str
+        The interface each process serves its local tier on to its peers (read-only,
+        authenticated by a per-run secret); ``127.0.0.1`` by default: this machine only.
+        Give the address other hosts reach this one at for multi-host runs.
 
     Raises
     ------
-    NotImplementedError
-        ``peers`` is not 0 (peer copies are not implemented yet).
     TypeError, ValueError
         An argument has the wrong type or value.
     """
@@ -87,6 +100,7 @@ class LocalTier:
     keep: KeepPolicy | None = None
     peers: int = 0
     storage_options: Mapping[str, Any] | None = None
+    peer_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.save_policy is not None and not isinstance(self.save_policy, SavePolicy):
@@ -95,12 +109,8 @@ class LocalTier:
             raise TypeError(f"keep must be a KeepPolicy, got {self.keep!r}")
         if isinstance(self.peers, bool) or not isinstance(self.peers, int) or self.peers < 0:
             raise ValueError(f"peers must be an int >= 0, got {self.peers!r}")
-        if self.peers:
-            raise NotImplementedError(
-                f"LocalTier(peers={self.peers}): peer copies of the local tier are not "
-                "implemented yet; use peers=0 (a lost local directory is then restored from "
-                "the persistent tier, see docs/tiers.md)"
-            )
+        if not isinstance(self.peer_host, str) or not self.peer_host:
+            raise TypeError(f"peer_host must be a host name or address, got {self.peer_host!r}")
         object.__setattr__(self, "url", normalize(self.url))
 
     def process_url(self, index: int) -> str:
@@ -131,12 +141,6 @@ class _Tier:
     ) -> None:
         import jax
 
-        if jax.process_count() > 1:
-            raise NotImplementedError(
-                f"quire.Checkpointer({outer.root!r}, local=...): the local tier works with one "
-                f"JAX process so far, not {jax.process_count()}; leave local= out in "
-                "multi-process runs (see docs/tiers.md)"
-            )
         self.outer = outer
         self.spec = spec
         self.url = spec.process_url(jax.process_index())
@@ -145,14 +149,35 @@ class _Tier:
             self.url, keep=spec.keep, storage_options=opts, gc_grace_period=gc_grace_period
         )
         self.policy = spec.save_policy
-        self.last_step: int | None = self.inner.latest_step()
+        self.spread: Spread | None = None
+        self.last_step: int | None = None
+        if jax.process_count() > 1:  # every process its own root (quire._checkpointer.tiermulti)
+            if current().layout != "packed":
+                raise NotImplementedError(
+                    f"quire.Checkpointer({outer.root!r}, local=...): with several JAX processes "
+                    'the local tier saves packed checkpoints only; leave layout at "packed"'
+                )
+            self.spread = Spread(self)
+        else:
+            self.last_step = self.inner.latest_step()
+            if spec.peers:
+                log.warning(
+                    "%s: LocalTier(peers=%d) with one JAX process: no peer to copy to",
+                    self.url,
+                    spec.peers,
+                )
         self.last_time = time.monotonic()
         if self.policy is not None:
             self.policy.attach()
 
     # ------------------------------------------------------------------ deciding
     def floor(self) -> int | None:
-        """The highest step the local tier holds or is saving."""
+        """The highest step the local tier holds or is saving (with several processes: saved
+        in this run or agreed for restore, the same in every process)."""
+        if self.spread is not None:
+            got = [self.last_step, self.spread.agreed]
+            live = [s for s in got if s is not None]
+            return max(live) if live else None
         with self.inner._lock:
             got = [self.last_step, self.inner._latest(), self.inner._inflight_step]
         live = [s for s in got if s is not None]
@@ -192,6 +217,12 @@ class _Tier:
         inner._save(step, units, metrics, metadata, True, single=single)
         with inner._lock:
             local_fut = inner._save_fut
+        seq = inner._spread_seq
+        if self.spread is not None and local_fut is not None:
+            # the next local save waits for this step's peer copies; a promotion does not
+            copies = inner._spawn(self.spread.after_local(local_fut, step, seq))
+            with inner._lock:
+                inner._save_fut = copies
         self.last_step, self.last_time = step, time.monotonic()
         if persistent and local_fut is not None:
             with inner._lock:
@@ -200,10 +231,10 @@ class _Tier:
                 outer._inflight_step = step
                 outer._last_saved_step = step
                 outer._last_save_time = time.monotonic()
-                outer._save_fut = outer._spawn(self._promote(local_fut, step, force))
+                outer._save_fut = outer._spawn(self._promote(local_fut, step, force, seq))
         return True
 
-    async def _promote(self, local_fut: Any, step: int, overwrite: bool) -> None:
+    async def _promote(self, local_fut: Any, step: int, overwrite: bool, seq: int) -> None:
         inner, outer = self.inner, self.outer
         src, dst = inner._url(step), outer._url(step)
         try:
@@ -214,13 +245,30 @@ class _Tier:
                 log.warning("%s: step %d not promoted: its local save failed", outer.root, step)
                 return
             await outer._create_root_record()  # here, not in the loop's thread: S3 may be down
-            await copy_checkpoint(
-                src,
-                dst,
-                overwrite=overwrite,
-                src_options=inner._storage_options,
-                dst_options=outer._storage_options,
-            )
+            if self.spread is not None:  # every process copies its own objects
+                coord = Coordinator(
+                    dst,
+                    "promote",
+                    primary=self.spread.primary,
+                    timeout=current().timeout,
+                    name=f"{self.spread.name}/{step}/{seq}/promote",
+                )
+                await promote_spread(
+                    src,
+                    dst,
+                    coord,
+                    overwrite=overwrite,
+                    src_options=inner._storage_options,
+                    dst_options=outer._storage_options,
+                )
+            else:
+                await copy_checkpoint(
+                    src,
+                    dst,
+                    overwrite=overwrite,
+                    src_options=inner._storage_options,
+                    dst_options=outer._storage_options,
+                )
             with inner._lock:
                 info = inner._committed.get(step)
             metrics = dict(info.metrics) if info is not None else {}
@@ -262,6 +310,8 @@ class _Tier:
         try:
             self.inner.close()
         finally:
+            if self.spread is not None:
+                self.spread.close()
             if self.policy is not None:
                 self.policy.detach()
 
@@ -283,6 +333,9 @@ class _TierMixin:
         """The highest step committed in any tier (its local tier included), or None."""
         if self._tier is None:
             return super().latest_step()  # type: ignore[misc, no-any-return]
+        if self._tier.spread is not None:  # agreed by every process (collective)
+            plan = self._tier.spread.agree(None, super().steps())  # type: ignore[misc]
+            return None if plan is None else plan.step
         steps = self.steps()
         return steps[-1] if steps else None
 
@@ -318,5 +371,9 @@ class _TierMixin:
         if self._tier is None:
             return plain(step, fn)
         self._tier.inner._wait_save()  # a step being saved locally counts once committed
+        if self._tier.spread is not None:
+            s = _as_step(step) if step is not None else None
+            persistent = super().steps()  # type: ignore[misc]
+            return self._tier.spread.load(s, fn, lambda st: plain(st, fn), persistent)
         s = _as_step(step) if step is not None else self.latest_step()
         return self._tier.load(s, fn, lambda st: plain(st, fn))

@@ -8,7 +8,8 @@ incremental step in ``unborrow``), incremental steps' change detection and lease
 anywhere under a prefix (``scan``).
 
 Inside the package, lowest first: commit, shared_reads < save, load < packrewrite < journal
-< garbage < scan; copying and packcopy stand beside them.
+< garbage < scan; copying and packcopy stand beside them; spreadsave (a multi-process local
+tier's save) builds on save, tierpeers (its objects by owner, peer copies) on copying.
 
 May import: ``quire._runtime``, ``quire._store``, ``quire._format``, ``quire._handlers`` and
 quire's contract modules.

@@ -82,6 +82,8 @@ class PreparedSave:
     incremental: Incremental | None = None
     carried: dict[int, tuple[Node, SaveEntry, Carried]] = field(default_factory=dict)
     paths: dict[str, LeafKey] = field(default_factory=dict)
+    # A local tier's save (quire._engine.tierio): every process saves into its own root.
+    spread: bool = False
 
 
 def _is_leaf_value(x: Any) -> bool:
@@ -113,15 +115,18 @@ def prepare_save(
     url: str,
     layout: str | None = None,
     incremental: Incremental | None = None,
+    spread: str | None = None,
 ) -> PreparedSave:
     """Walk every unit, choose handlers, assign locations; copy to host when ``copy``.
 
     With several JAX processes this is a synchronisation point: the primary's txid is
     used everywhere.  With ``incremental`` (packed layout only), a leaf that is the very
     ``jax.Array`` saved last time at its key path is carried: not copied to host.
+    ``spread``: a local tier's save, every process into its own root ``url``; the
+    coordination name, the same in every process (``quire._engine.tierio``).
     """
     cfg = current()
-    coord = Coordinator(url, "save", primary=cfg.primary_process, timeout=cfg.timeout)
+    coord = Coordinator(url, "save", primary=cfg.primary_process, timeout=cfg.timeout, name=spread)
     txid = coord.agree_txid()
     roots: dict[str, Node] = {}
     objects: dict[str, tuple[str, Any]] = {}
@@ -173,6 +178,7 @@ def prepare_save(
         incremental=incremental,
         carried=carried,
         paths=paths,
+        spread=spread is not None,
     )
 
 

@@ -90,7 +90,18 @@ def _timed_out(e: Exception) -> bool:
 class Coordinator:
     """One collective operation (see the module docstring)."""
 
-    def __init__(self, url: str, what: str, *, primary: int, timeout: float | None) -> None:
+    def __init__(
+        self,
+        url: str,
+        what: str,
+        *,
+        primary: int,
+        timeout: float | None,
+        name: str | None = None,
+    ) -> None:
+        """``name``: a coordination name shared by every process when their ``url`` s differ
+        (a local tier: one root per process); the caller makes it unique per operation (no
+        per-process operation counter is used then, so it may be created in any thread)."""
         import jax
 
         self.index = jax.process_index()
@@ -99,9 +110,12 @@ class Coordinator:
         self.timeout = timeout if timeout is not None else 365 * 86400.0
         self.active = self.count > 1
         self.url = url
-        with _seq_lock:
-            n = next(_seq)
-        self.key = f"quire/{n}/{hashlib.sha256(url.encode()).hexdigest()[:12]}/{what}"
+        if name is not None:
+            self.key = f"quire/n/{hashlib.sha256(name.encode()).hexdigest()[:16]}/{what}"
+        else:
+            with _seq_lock:
+                n = next(_seq)
+            self.key = f"quire/{n}/{hashlib.sha256(url.encode()).hexdigest()[:12]}/{what}"
         self._claimed = False
         self.decided = False  # the primary has announced the outcome
         self._deadline = 0.0

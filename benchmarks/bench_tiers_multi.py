@@ -1,0 +1,269 @@
+"""Local tier with 2 and 4 JAX processes: saves, and restores from local / peers / persistent.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/bench_tiers_multi.py                 # 64 MiB state, 2 reps
+    .venv/bin/python benchmarks/bench_tiers_multi.py --mib 16 --reps 1 --procs 2   # smoke run
+
+Each row is one launch of N real JAX processes (``jax.distributed`` on 127.0.0.1, 2 CPU
+devices each; a jax import and the distributed start-up are not timed).  The persistent tier
+is moto's S3 server behind the latency proxy of ``tests/object_store_servers.py``
+(``--latency-ms``, default 20); the local tier is a directory under a temporary directory.
+The state: one float32 array of ``--mib`` MiB sharded over all 2N devices, a replicated
+float32 array of 1/16 of that (written by pieces over every process), a scalar.
+
+Rows (seconds of the slowest process, best of ``--reps``):
+
+* ``save: plain persistent``: ``Checkpointer(s3).save`` (a ``save_async``) of a second step:
+  blocked = until ``save`` returns, wall = until ``wait()`` returns;
+* ``save: tiered, local + promotion``: ``Checkpointer(s3, local=LocalTier(dir, peers=1))`` at a
+  step both policies save: wall includes the peer copies and the promotion to S3;
+* ``save: tiered, local only``: at a step only the local policy saves (wall: local commit and
+  peer copies);
+* ``restore: local``: a restart; ``load`` of a local-only step nothing was lost of;
+* ``restore: lost dir (peers)``: process 1's local directory wiped first; ``load`` of the
+  promoted step (every owner still has a live holder: nothing read from S3);
+* ``restore: persistent``: the promoted step by a plain Checkpointer on the S3 root.
+
+``requests`` = HTTP requests through the proxy during the launch (by method; the
+Checkpointer's own listing included).  Every restore is checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import collections
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KEY, SECRET, BUCKET = "bench-key", "bench-secret", "quire-bench"
+
+
+# ----------------------------------------------------------------------------- worker
+def worker(pid: int, n: int, port: int, cfg: dict[str, Any]) -> None:
+    import jax
+
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=pid)
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    import quire
+    from quire.policies import EveryNSteps
+
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+
+    def put(a: np.ndarray, spec: PartitionSpec) -> Any:
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+
+    def state(step: int) -> dict[str, Any]:
+        rng = np.random.default_rng(step)
+        rows = 2 * n * 64
+        cols = max(1, (cfg["mib"] << 20) // 4 // rows)
+        big = rng.standard_normal((rows, cols), dtype=np.float32)
+        rep = rng.standard_normal(big.size // 16, dtype=np.float32)
+        return {"w": put(big, PartitionSpec("d")), "r": put(rep, PartitionSpec()), "step": step}
+
+    def same(a: dict[str, Any], b: dict[str, Any]) -> None:
+        for k in ("w", "r"):
+            for x, y in zip(a[k].addressable_shards, b[k].addressable_shards):
+                assert np.asarray(x.data).tobytes() == np.asarray(y.data).tobytes(), k
+
+    def sync(tag: str) -> None:
+        multihost_utils.sync_global_devices(tag)
+
+    opts = cfg["options"]
+    local = cfg["local"]
+    out: dict[str, Any] = {}
+
+    def tiered(**kw: Any) -> Any:
+        return quire.Checkpointer(
+            cfg["tiered"],
+            save_policy=EveryNSteps(2),
+            storage_options=opts,
+            local=quire.LocalTier(local, save_policy=EveryNSteps(1), peers=1),
+            **kw,
+        )
+
+    def timed_save(c: Any, step: int) -> tuple[float, float]:
+        s = state(step)
+        sync(f"save{step}")
+        t0 = time.perf_counter()
+        c.save(step, s)
+        t1 = time.perf_counter()
+        c.wait()
+        return t1 - t0, time.perf_counter() - t0
+
+    def timed_load(c: Any, step: int) -> float:
+        abstract = state(0)
+        sync(f"load{step}")
+        t0 = time.perf_counter()
+        got = c.load(step, abstract)
+        t = time.perf_counter() - t0
+        same(got, state(step))
+        return t
+
+    phase = cfg["phase"]
+    if phase == "plain":
+        with quire.Checkpointer(cfg["plain"], storage_options=opts) as c:
+            c.save(1, state(1))
+            c.wait()
+            out["blocked"], out["wall"] = timed_save(c, 2)
+    elif phase == "tiered":
+        with tiered() as c:
+            c.save(1, state(1))  # warm-up, local only
+            c.wait()
+            blocked, wall = timed_save(c, 2)
+            out["promoted"] = (blocked, wall)
+            out["local"] = timed_save(c, 3)
+    elif phase == "restore-local":
+        with tiered() as c:
+            out["wall"] = timed_load(c, 3)
+    elif phase == "restore-peer":
+        if pid == 1:
+            shutil.rmtree(os.path.join(local, "process_00001"))
+        sync("wiped")
+        with tiered() as c:
+            out["wall"] = timed_load(c, 2)
+    elif phase == "restore-persistent":
+        with quire.Checkpointer(cfg["tiered"], storage_options=opts) as c:
+            out["wall"] = timed_load(c, 2)
+    print("BENCH " + json.dumps({"pid": pid, **out}), flush=True)
+    jax.distributed.shutdown()
+
+
+# ----------------------------------------------------------------------------- driver
+def launch(n: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    me = os.path.abspath(__file__)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, me, "--worker", str(i), str(n), str(port), json.dumps(cfg)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(n)
+    ]
+    results = []
+    for p in procs:
+        o, e = p.communicate(timeout=600)
+        if p.returncode:
+            raise RuntimeError(f"a worker failed ({cfg['phase']}):\n{e[-4000:]}")
+        results += [json.loads(ln[6:]) for ln in o.splitlines() if ln.startswith("BENCH ")]
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--procs", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--latency-ms", type=float, default=20.0)
+    args = ap.parse_args()
+
+    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    import boto3
+    from moto_server import start_moto
+    from object_store_servers import ProxyProcess
+
+    moto, server = start_moto({"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(1 << 30)})
+    host, port = server.removeprefix("http://").split(":")
+    proxy = ProxyProcess((host, int(port)), args.latency_ms / 1000)
+    client = boto3.client(
+        "s3", endpoint_url=server, aws_access_key_id=KEY, aws_secret_access_key=SECRET,
+        region_name="us-east-1",
+    )  # fmt: skip
+    client.create_bucket(Bucket=BUCKET)
+    opts = {"endpoint_url": proxy.endpoint, "key": KEY, "secret": SECRET}
+    base = tempfile.mkdtemp(prefix="quire-bench-tiers-multi-")
+    rows: dict[tuple[int, str], list[tuple[float, float, dict[str, int]]]] = (
+        collections.defaultdict(list)
+    )
+
+    def reqs() -> dict[str, int]:
+        return dict(collections.Counter(e[0] for e in proxy.take_log()))
+
+    try:
+        for n in args.procs:
+            for rep in range(args.reps):
+                run = uuid.uuid4().hex[:8]
+                cfg = {
+                    "mib": args.mib,
+                    "options": opts,
+                    "plain": f"s3://{BUCKET}/plain-{run}",
+                    "tiered": f"s3://{BUCKET}/tiered-{run}",
+                    "local": os.path.join(base, run),
+                }
+
+                rs = launch(n, {**cfg, "phase": "plain"})
+                rows[(n, "save: plain persistent")].append(
+                    (max(r["blocked"] for r in rs), max(r["wall"] for r in rs), reqs())
+                )
+                rs = launch(n, {**cfg, "phase": "tiered"})
+                got = reqs()
+                rows[(n, "save: tiered, local + promotion")].append(
+                    (max(r["promoted"][0] for r in rs), max(r["promoted"][1] for r in rs), got)
+                )
+                rows[(n, "save: tiered, local only")].append(
+                    (max(r["local"][0] for r in rs), max(r["local"][1] for r in rs), {})
+                )
+                for name, phase in [
+                    ("restore: local", "restore-local"),
+                    ("restore: lost dir (peers)", "restore-peer"),
+                    ("restore: persistent", "restore-persistent"),
+                ]:
+                    reqs()
+                    wall = max(r["wall"] for r in launch(n, {**cfg, "phase": phase}))
+                    rows[(n, name)].append((wall, wall, reqs()))
+                print(f"{n} processes: rep {rep + 1}/{args.reps} done", file=sys.stderr)
+    finally:
+        proxy.stop()
+        moto.kill()
+        moto.wait()
+        shutil.rmtree(base, ignore_errors=True)
+
+    print(
+        f"\nstate {args.mib} MiB sharded + {args.mib / 16:g} MiB replicated, 2 CPU devices per "
+        f"process, S3 = moto behind a {args.latency_ms:g} ms proxy; slowest process, best of "
+        f"{args.reps}\n"
+    )
+    print("| procs | row | blocked s | wall s | requests to S3 |\n|---|---|---|---|---|")
+    for (n, name), rs in rows.items():
+        best = min(rs, key=lambda r: r[1])
+        req = ", ".join(f"{m} {k}" for m, k in sorted(best[2].items())) or "0"
+        print(f"| {n} | {name} | {best[0]:.3f} | {best[1]:.3f} | {req} |")
+    for n in args.procs:
+        r = {name: min(x[1] for x in rs) for (m, name), rs in rows.items() if m == n}
+        print(
+            f"\n{n} processes: restore lost-dir / local = "
+            f"{r['restore: lost dir (peers)'] / r['restore: local']:.2f}x; persistent / "
+            f"lost-dir = {r['restore: persistent'] / r['restore: lost dir (peers)']:.2f}x; "
+            f"save blocked tiered local-only / plain = "
+            f"{min(x[0] for x in rows[(n, 'save: tiered, local only')]) / min(x[0] for x in rows[(n, 'save: plain persistent')]):.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]))
+    else:
+        main()

@@ -1,0 +1,452 @@
+"""The local tier with several JAX processes: peer copies, the agreed step, per-owner restore.
+
+Every process keeps its own local root (``LocalTier.process_url``); a step is saved by all
+of them together (``quire._engine.spreadsave``), and its objects are split by **owner**
+process (``quire._engine.tierpeers``).  This module adds what needs every process:
+
+* **Peer copies** (``LocalTier(peers=k)``), after each local commit, in the background: each
+  process sends its own objects to processes ``i+1 .. i+k`` (mod N), which check them
+  against the commit record and the chunk index before writing them at the same paths in
+  their own root (:meth:`Spread.after_local`).  Transport: ``quire._runtime.collective.exchange``
+  (an all-gather behind a key-value barrier with the ``timeout`` deadline); each process
+  keeps only its ring predecessors' rows.
+* **The agreed step** (:meth:`Spread.agree`, behind ``latest_step()`` and ``load()``): each
+  process publishes, for every local step, its commit record's digest and which owners'
+  objects it holds whole, plus the persistent steps it lists; every process computes the
+  same answer (:func:`decide`): the newest step for which every owner's objects have a live
+  holder (with the same record), or which the persistent tier holds.  A step some owner's
+  objects were never completed for (a process killed mid-save) has no holder for them and
+  is never chosen.
+* **Restore** (:meth:`Spread.load`): every process first gets what it lacks of the chosen
+  step - the record, then each owner's objects - from the least-loaded live holder (an
+  exchange among the holder and the processes lacking them), or from the persistent tier
+  for owners no live holder has (only when that tier has the step, with the same record);
+  then it loads from its own local root, which now holds the whole step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from quire._checkpointer.tierpull import PeerCopies
+from quire._engine import commit as _commit
+from quire._engine import tierpeers as _peers
+from quire._format import record as _format
+from quire._runtime.collective import exchange
+from quire._runtime.config import current
+from quire._runtime.ioloop import run_blocking
+from quire._runtime.multihost import Coordinator
+from quire._runtime.tasks import gather_cancelling
+from quire._store.url import open_backend
+from quire.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MultiProcessError,
+    PeerError,
+)
+
+if TYPE_CHECKING:
+    from quire._checkpointer.tiers import _Tier
+
+__all__ = ["PERSISTENT_SOURCE", "Plan", "Spread", "decide"]
+
+log = logging.getLogger("quire")
+
+PERSISTENT_SOURCE = -1  # a source meaning "the persistent tier"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A restore agreed by every process: the step, the record digest (None: the
+    persistent tier's record, read at restore), and each process's view."""
+
+    step: int
+    digest: str | None
+    views: tuple[dict[str, Any], ...]
+
+
+def _digest(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def _holders(views: Sequence[dict[str, Any]], step: int, digest: str) -> dict[int, list[int]]:
+    """owner -> the processes holding its objects of ``step`` with record ``digest``."""
+    out: dict[int, list[int]] = {}
+    for p, v in enumerate(views):
+        info = v["steps"].get(str(step))
+        if info is not None and info["d"] == digest:
+            for j in info["held"]:
+                out.setdefault(int(j), []).append(p)
+    return out
+
+
+def _need(views: Sequence[dict[str, Any]], step: int, digest: str) -> list[int]:
+    for v in views:
+        info = v["steps"].get(str(step))
+        if info is not None and info["d"] == digest:
+            return [int(j) for j in info["need"]]
+    return []
+
+
+def sources(views: Sequence[dict[str, Any]], step: int, digest: str) -> dict[int, int]:
+    """owner -> who sends its objects: the least-loaded holder, else the persistent tier."""
+    held = _holders(views, step, digest)
+    load: dict[int, int] = {}
+    out: dict[int, int] = {}
+    for j in _need(views, step, digest):
+        hs = held.get(j, [])
+        if not hs:
+            out[j] = PERSISTENT_SOURCE
+            continue
+        who = min(hs, key=lambda p: (load.get(p, 0), p != j, p))
+        load[who] = load.get(who, 0) + 1
+        out[j] = who
+    return out
+
+
+def decide(views: Sequence[dict[str, Any]], want: int | None, primary: int) -> Plan | None:
+    """The step to restore (``want``, or the newest restorable), the same in every process.
+
+    A step is restorable from the local tier when, for one record digest, every owner's
+    objects have a holder; else when the persistent tier (as the primary lists it) has it.
+    """
+    persistent = {int(s) for s in views[primary]["persistent"]}
+    local: dict[int, set[str]] = {}
+    for v in views:
+        for s, info in v["steps"].items():
+            local.setdefault(int(s), set()).add(info["d"])
+    steps = sorted(set(local) | persistent, reverse=True) if want is None else [want]
+    for s in steps:
+        for d in sorted(local.get(s, ())):
+            if all(v != PERSISTENT_SOURCE for v in sources(views, s, d).values()):
+                return Plan(s, d, tuple(views))
+        if s in persistent:
+            return Plan(s, None, tuple(views))
+    return None
+
+
+class Spread:
+    """The multi-process part of a :class:`quire._checkpointer.tiers._Tier`."""
+
+    def __init__(self, tier: _Tier) -> None:
+        import jax
+
+        self.tier = tier
+        self.me, self.count = jax.process_index(), jax.process_count()
+        self.primary = current().primary_process
+        self.name = f"{tier.outer.root}/local"  # the coordination name, the same everywhere
+        self.peers = min(tier.spec.peers, self.count - 1)
+        if self.peers < tier.spec.peers:
+            log.warning(
+                "%s: LocalTier(peers=%d) with %d processes: each step is copied to the %d other "
+                "processes only",
+                tier.url,
+                tier.spec.peers,
+                self.count,
+                self.peers,
+            )
+        self.agreed: int | None = None
+        self.plan: Plan | None = None
+        self._seq = 0
+        self.copies: PeerCopies | None = None
+        if self.peers:
+            self.copies = PeerCopies(
+                tier.url,
+                self.name,
+                self.me,
+                self.count,
+                self.peers,
+                tier.spec.peer_host,
+                self._timeout(),
+            )
+        tier.inner._spread = self.name
+        tier.inner._primary = True  # each process owns its root: retention, gc, root record
+
+    def _timeout(self) -> float:
+        t = current().timeout
+        return t if t is not None else 365 * 86400.0
+
+    def _key(self, name: str) -> str:
+        return Coordinator(self.name, "x", primary=self.primary, timeout=None, name=name).key
+
+    def _exchange(self, what: str, name: str, group: list[int], payload: bytes, url: str) -> Any:
+        """``exchange`` with a message naming what the processes were doing (blocking)."""
+        try:
+            return exchange(self._key(name), group, payload, self._timeout(), url)
+        except MultiProcessError as e:
+            raise MultiProcessError(
+                f"{url}: {what}: a process did not take part within the {self._timeout():g}s "
+                f"timeout and is treated as lost (quire.configure(timeout=...)); {e}"
+            ) from e
+
+    # ------------------------------------------------------------------ saving
+    async def after_local(self, local_fut: Any, step: int, seq: int) -> None:
+        """After the local commit of ``step`` (save number ``seq``): mark this process's own
+        objects held, then the peer copies.  A local save is collective: when it failed
+        here it failed everywhere (the rare exception, a process that could not commit the
+        record the others did, makes them fail the peer copy after the timeout)."""
+        inner = self.tier.inner
+        url = inner._url(step)
+        backend = open_backend(url, inner._storage_options)
+        try:
+            await asyncio.wrap_future(local_fut)
+        except BaseException:  # the save's own error is raised by the local tier
+            log.warning("%s: step %d: local save failed; no peer copies", url, step)
+            return
+        doc = (await _commit.read(backend, url)).doc
+        await _peers.mark_own(backend, url, doc, self.me, self.primary)
+        if self.copies is not None:
+            rel = inner._fmt.name(step)
+            await self.copies.after_commit(backend, url, rel, doc, self.primary, f"{step}/{seq}")
+
+    def close(self) -> None:
+        if self.copies is not None:
+            self.copies.close()
+
+    # ------------------------------------------------------------------ agreeing
+    async def _view(self, persistent: list[int]) -> dict[str, Any]:
+        inner = self.tier.inner
+        steps: dict[str, Any] = {}
+        for s in inner.steps():
+            url = inner._url(s)
+            backend = open_backend(url, inner._storage_options)
+            try:
+                rec = await _commit.read_if_exists(backend, url)
+            except Exception as e:  # a damaged record: this process does not hold the step
+                log.warning("%s: %s; not offered for restore", url, e)
+                continue
+            if rec is None:
+                continue
+            need = _peers.owners(rec.doc, self.primary)
+            held = [j for j in need if await _peers.holds(backend, rec.doc, j)]
+            steps[str(s)] = {"d": _digest(rec.raw), "need": need, "held": held}
+        return {"steps": steps, "persistent": persistent}
+
+    def agree(self, want: int | None, persistent: list[int]) -> Plan | None:
+        """Every process's holdings, exchanged; the same :class:`Plan` everywhere (blocking,
+        collective: every process calls it)."""
+        inner = self.tier.inner
+        inner.reload()  # waits for this process's local saves and peer copies
+        self._seq += 1
+        view = inner._run(self._view(persistent))
+        rows = self._exchange(
+            "agreeing on the local tier step to restore",
+            f"{self.name}/agree/{self._seq}",
+            list(range(self.count)),
+            json.dumps(view).encode(),
+            self.tier.url,
+        )
+        views = [json.loads(bytes(r)) for r in rows]
+        plan = decide(views, want, self.primary)
+        self.plan = plan
+        if plan is not None:
+            self.agreed = max(plan.step, self.agreed or 0)
+        return plan
+
+    # ------------------------------------------------------------------ restoring
+    def load(
+        self,
+        step: int | None,
+        fn: Callable[[str], Any],
+        fallback: Callable[[int], Any],
+        persistent: list[int],
+    ) -> Any:
+        plan = self.plan
+        if plan is None or step is None or plan.step != step:
+            plan = self.agree(step, persistent)
+        self.plan = None  # used once: a later load agrees again
+        if plan is None:
+            raise CheckpointNotFoundError(
+                f"{self.tier.outer.root}: no step {'' if step is None else step} restorable "
+                f"from the local tier {self.tier.spec.url} (some process's objects have no "
+                "live holder) nor from the persistent tier"
+            )
+        inner = self.tier.inner
+        with inner._lock:
+            inner._pins[plan.step] += 1
+        try:
+            whole = inner._run(self._assemble(plan))
+        finally:
+            inner._unpin(plan.step)
+        if not whole:
+            return fallback(plan.step)
+        inner._relist()
+        return inner._load(plan.step, fn)
+
+    async def _assemble(self, plan: Plan) -> bool:
+        """Get what this process lacks of ``plan.step`` into its local root; False when the
+        whole step is to be read from the persistent tier instead."""
+        inner, outer = self.tier.inner, self.tier.outer
+        s = plan.step
+        url = inner._url(s)
+        backend = open_backend(url, inner._storage_options)
+        purl = outer._url(s)
+        pb = open_backend(purl, outer._storage_options)
+        views = plan.views
+        digest, raw = plan.digest, None
+        if digest is None:  # the persistent tier's record: local holders of it help
+            raw = (await _commit.read(pb, purl)).raw
+            digest = _digest(raw)
+            if not any(h for h in _holders(views, s, digest).values()):
+                return False
+        src = sources(views, s, digest)
+        has_rec = [p for p, v in enumerate(views) if v["steps"].get(str(s), {}).get("d") == digest]
+        if self.copies is not None:  # every process pulls what it lacks over TCP
+            await self._pull_step(plan, backend, pb, digest, raw, sorted(src), has_rec)
+            return True
+        key = f"{self.name}/restore/{self._seq}/{s}"
+        if raw is None:
+            lacking = [p for p in range(self.count) if p not in has_rec]
+            if lacking:
+                sender = has_rec[0]
+                group = sorted({sender, *lacking})
+                mine = b""
+                if self.me == sender:
+                    mine = (await _commit.read(backend, url)).raw
+                if self.me in group:
+                    rows = await run_blocking(
+                        self._exchange,
+                        f"restoring step {s}: its commit record",
+                        f"{key}/record",
+                        group,
+                        mine,
+                        url,
+                    )
+                    raw = bytes(rows[group.index(sender)])
+            if raw is None:
+                raw = (await _commit.read(backend, url)).raw
+        if _digest(raw) != digest:
+            raise CorruptCheckpointError(
+                f"{url}: the commit record received for step {s} is not the agreed one"
+            )
+        doc = _format.parse(raw, url)
+        _commit.check_locations(doc["units"], url)
+        held = _holders(views, s, digest)
+        for j, who in sorted(src.items()):
+            lacking = [p for p in range(self.count) if p not in held.get(j, [])]
+            if not lacking:
+                continue
+            if who == PERSISTENT_SOURCE:  # one process reads them, then sends them on
+                who = lacking[j % len(lacking)]
+                if self.me == who:
+                    n = await _peers.fetch_owner(pb, purl, backend, url, doc, j, self.primary)
+                    log.info(
+                        "%s: step %d: process %d's objects read from the persistent tier %s "
+                        "(%d bytes)", url, s, j, purl, n,
+                    )  # fmt: skip
+                lacking.remove(who)
+                if not lacking:
+                    continue
+            group = sorted({who, *lacking})
+            if self.me not in group:
+                continue
+            payload = b""
+            if self.me == who:
+                payload = _peers.encode(await _peers.read_owned(backend, doc, j))
+            rows = await run_blocking(
+                self._exchange,
+                f"restoring step {s}: process {j}'s objects from process {who}",
+                f"{key}/{j}",
+                group,
+                payload,
+                url,
+            )
+            if self.me in lacking:
+                objects = _peers.decode(rows[group.index(who)], url, f"process {who}", j)
+                await _peers.receive(backend, url, doc, j, self.primary, objects, f"process {who}")
+        if self.me not in has_rec:
+            await _commit.publish(backend, url, raw, doc["txids"], overwrite=True)
+        return True
+
+    async def _pull_step(
+        self,
+        plan: Plan,
+        backend: Any,
+        pb: Any,
+        digest: str,
+        raw: bytes | None,
+        owners: list[int],
+        has_rec: list[int],
+    ) -> None:
+        """``_assemble`` over TCP: each process pulls what it lacks from holders (trying the
+        next holder when one fails or does not answer in time), owners in parallel; owners
+        no process holds are read from the persistent tier by one process and pulled from
+        it by the others once it says they are there."""
+        copies = self.copies
+        assert copies is not None
+        inner, outer = self.tier.inner, self.tier.outer
+        s = plan.step
+        url, purl, rel = inner._url(s), outer._url(s), inner._fmt.name(s)
+        if raw is None:
+            if self.me in has_rec:
+                raw = (await _commit.read(backend, url)).raw
+            else:
+                start = self.me % len(has_rec)
+                errors = []
+                for h in has_rec[start:] + has_rec[:start]:
+                    try:
+                        got = await copies.fetch_record(h, rel)
+                    except PeerError as e:
+                        log.warning("%s: step %d: record from process %d: %s", url, s, h, e)
+                        errors.append(f"process {h}: {e}")
+                        continue
+                    if _digest(got) == digest:
+                        raw = got
+                        break
+                    errors.append(f"process {h}: not the agreed record")
+                if raw is None:
+                    raise PeerError(
+                        f"{url}: restoring step {s}: no holder of its commit record answered "
+                        f"(each is treated as lost): {'; '.join(errors)}"
+                    )
+        assert raw is not None
+        if _digest(raw) != digest:
+            raise CorruptCheckpointError(
+                f"{url}: the commit record received for step {s} is not the agreed one"
+            )
+        doc = _format.parse(raw, url)
+        _commit.check_locations(doc["units"], url)
+        held = _holders(plan.views, s, digest)
+        tag = f"restore/{self._seq}/{s}"
+
+        async def one(j: int) -> None:
+            hs = held.get(j, [])
+            if self.me in hs:
+                return
+            if not hs:  # no live holder: the persistent tier, through one process
+                lacking = [p for p in range(self.count) if p not in hs]
+                fetcher = lacking[j % len(lacking)]
+                if self.me == fetcher:
+                    n = await _peers.fetch_owner(pb, purl, backend, url, doc, j, self.primary)
+                    log.info(
+                        "%s: step %d: process %d's objects read from the persistent tier %s "
+                        "(%d bytes)", url, s, j, purl, n,
+                    )  # fmt: skip
+                    await copies.signal(f"{tag}/{j}")
+                    return
+                await copies.wait_for(f"{tag}/{j}", fetcher, url)
+                hs = [fetcher]
+            start = (self.me + j) % len(hs)
+            errors = []
+            for h in hs[start:] + hs[:start]:
+                try:
+                    await copies.pull(backend, url, rel, doc, self.primary, j, h)
+                    return
+                except (PeerError, CorruptCheckpointError) as e:
+                    log.warning("%s: step %d: process %d's objects from process %d: %s",
+                                url, s, j, h, e)  # fmt: skip
+                    errors.append(f"process {h}: {e}")
+            raise PeerError(
+                f"{url}: restoring step {s}: no holder of process {j}'s objects answered "
+                f"(each is treated as lost): {'; '.join(errors)}"
+            )
+
+        await gather_cancelling(*(one(j) for j in owners))
+        if self.me not in has_rec:
+            await _commit.publish(backend, url, raw, doc["txids"], overwrite=True)

@@ -1,0 +1,202 @@
+"""Peer copies of a multi-process local tier, pulled over TCP (``quire._runtime.peerlink``).
+
+Each process serves its own local root read-only with a ``PeerServer`` on the interface
+``LocalTier(peer_host=...)`` names, authenticated by the run's secret (made by process 0 and
+shared through ``jax.distributed``'s key-value store); the addresses go through the store too.
+
+After the local commit of step S, process ``j`` marks its own objects held
+(``quire._engine.tierpeers``) and says so in the key-value store (``.../ready/<j>``).  Each of
+its ``k`` ring successors ``j+1 .. j+k`` waits for that (at most ``timeout`` seconds), asks
+``j`` for its marker and then for the objects the marker names, over one connection, checks
+them (exactly ``j``'s set of S, every object against the commit record and chunk index) and
+only then writes them into its own root and marks them.  A refused or failed copy is logged
+and leaves the step with its other holders.
+
+Why TCP and not a collective: the copies run in the background, beside the training loop's
+own collectives, and a background collective issued in another order on some process can hang
+(``docs/peers.md``); a TCP pull involves two processes and no ordering.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import os
+from typing import Any
+
+from quire._engine import tierpeers as _peers
+from quire._runtime import peerlink
+from quire._runtime.ioloop import run_blocking
+from quire._runtime.multihost import _client, _first_line
+from quire._store.base import Backend
+from quire._store.url import protocol_of
+from quire.errors import CorruptCheckpointError, MultiProcessError, PeerError
+
+__all__ = ["PeerCopies"]
+
+log = logging.getLogger("quire")
+
+_MAX_MARKER = 1 << 24
+_opened: collections.Counter[str] = collections.Counter()  # per name, in call order
+
+
+class PeerCopies:
+    """This process's peer server and its pulls of its ring predecessors' objects."""
+
+    def __init__(
+        self, root: str, name: str, me: int, count: int, peers: int, host: str, timeout: float
+    ) -> None:
+        if protocol_of(root) != "file":
+            raise NotImplementedError(
+                f"LocalTier({root!r}, peers={peers}): peer copies are served from a local "
+                "directory (a path on disk or tmpfs), not a URL; use a path, or peers=0"
+            )
+        _opened[name] += 1  # the same count in every process: Checkpointers open in order
+        self.name = f"{name}#{_opened[name]}"
+        self.me, self.count, self.peers, self.timeout = me, count, peers, timeout
+        self.root = root
+        self.secret = peerlink.run_secret(_key(f"{self.name}/secret"), timeout)
+        os.makedirs(root, exist_ok=True)
+        self.server = peerlink.PeerServer(root, self.secret, host=host)
+        peerlink.publish_address(_key(f"{self.name}/address"), self.server.address)
+        self._addresses: dict[int, tuple[str, int]] = {}
+
+    def close(self) -> None:
+        self.server.close()
+
+    def _ms(self) -> int:
+        return min(2**31 - 1, max(1, int(self.timeout * 1000)))
+
+    def _address(self, j: int) -> tuple[str, int]:
+        if j not in self._addresses:
+            key = _key(f"{self.name}/address")
+            self._addresses[j] = peerlink.lookup_address(key, j, self.timeout)
+        return self._addresses[j]
+
+    async def after_commit(
+        self, backend: Backend, url: str, rel: str, doc: dict[str, Any], primary: int, tag: str
+    ) -> None:
+        """Say this process's objects of the step are ready, then pull the predecessors'.
+
+        ``rel``: the step's directory relative to the local root; ``tag``: the save's unique
+        name (the same in every process)."""
+        c = _client()
+        ready = _key(f"{self.name}/{tag}/ready")
+        await run_blocking(c.key_value_set, f"{ready}/{self.me}", "1")
+        for s in range(1, self.peers + 1):
+            j = (self.me - s) % self.count
+            try:
+                await run_blocking(c.blocking_key_value_get, f"{ready}/{j}", self._ms())
+            except Exception as e:
+                raise MultiProcessError(
+                    f"{url}: process {j} did not finish its local save within "
+                    f"{self.timeout:g}s, so process {self.me} holds no copy of its objects of "
+                    f"this step (is it stalled or dead?): {_first_line(e)}"
+                ) from e
+            try:
+                await self.pull(backend, url, rel, doc, primary, j, j)
+            except (PeerError, CorruptCheckpointError) as e:  # logged where refused
+                log.warning("%s: no copy of process %d's objects here: %s", url, j, e)
+            await run_blocking(_ack, c, f"{ready}/{j}", self.peers)
+
+    async def fetch_record(self, holder: int, rel: str) -> bytes:
+        """The commit record of step ``rel`` as process ``holder`` has it (unchecked)."""
+        addr = await run_blocking(self._address, holder)
+        return await run_blocking(  # type: ignore[no-any-return]
+            peerlink.fetch, addr, f"{rel}/quire.json", self.secret, self.timeout, _MAX_MARKER
+        )
+
+    async def signal(self, tag: str) -> None:
+        """Tell the other processes ``tag`` is done here."""
+        await run_blocking(_client().key_value_set, f"{_key(f'{self.name}/{tag}')}/{self.me}", "1")
+
+    async def wait_for(self, tag: str, j: int, url: str) -> None:
+        """Wait (at most ``timeout``) until process ``j`` signalled ``tag``."""
+        try:
+            await run_blocking(
+                _client().blocking_key_value_get,
+                f"{_key(f'{self.name}/{tag}')}/{j}",
+                self._ms(),
+            )
+        except Exception as e:
+            raise MultiProcessError(
+                f"{url}: process {j} did not signal {tag!r} within {self.timeout:g}s and is "
+                f"treated as lost: {_first_line(e)}"
+            ) from e
+
+    async def pull(
+        self,
+        backend: Backend,
+        url: str,
+        rel: str,
+        doc: dict[str, Any],
+        primary: int,
+        j: int,
+        holder: int,
+    ) -> None:
+        """Copy owner ``j``'s objects of step ``rel`` from process ``holder`` (checked).
+
+        What is asked for comes from the commit record, not from the peer: ``j``'s chunk
+        index (its size and crc32c are in the record), then exactly the packs that index
+        points into, each bounded by the extent the index gives it; only the primary's unit
+        objects are named by the holder's marker (each checked to lie under a unit's
+        location, and against its crc32c trailer on arrival)."""
+        addr = await run_blocking(self._address, holder)
+        who = f"process {holder} at {addr[0]}:{addr[1]}"
+        objects: dict[str, bytes] = {}
+        sizes: dict[str, int] = {}
+        entry = _peers.entry_of(doc, j)
+        if entry is not None:
+            index = await run_blocking(
+                peerlink.fetch,
+                addr,
+                f"{rel}/{entry['object']}",
+                self.secret,
+                self.timeout,
+                int(entry["size"]),
+            )
+            objects[entry["object"]] = index
+            sizes.update(_peers.pack_extents(doc, url, j, index, who))
+        if j == primary and _peers.unit_locations(doc):
+            marker = _peers.marker_key(str(doc["txids"][0]), j)
+            raw = await run_blocking(
+                peerlink.fetch, addr, f"{rel}/{marker}", self.secret, self.timeout, _MAX_MARKER
+            )
+            try:
+                listed = {str(k): int(n) for k, n in json.loads(raw)["objects"].items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise _peers.refused(url, who, j, f"its marker is malformed ({e})") from e
+            for k, n in listed.items():
+                if k in sizes or k in objects:
+                    continue
+                if not _peers.is_unit_key(k, doc) or n < 0:
+                    raise _peers.refused(url, who, j, f"{k!r} is not an object of its part")
+                sizes[k] = n
+        keys = sorted(sizes)
+        if keys:
+            datas = await run_blocking(
+                peerlink.fetch_many,
+                addr,
+                [f"{rel}/{k}" for k in keys],
+                self.secret,
+                self.timeout,
+                max(1, sum(sizes.values())),
+            )
+            objects.update(zip(keys, datas))
+        await _peers.receive(backend, url, doc, j, primary, objects, who)
+
+
+def _ack(c: Any, key: str, readers: int) -> None:
+    """Count one reader of ``key``; the last one deletes it (coordination memory only)."""
+    try:
+        if c.key_value_increment(f"{key}/acks", 1) >= readers:
+            c.key_value_delete(key)
+            c.key_value_delete(f"{key}/acks")
+    except Exception:  # pragma: no cover - cleanup only
+        pass
+
+
+def _key(name: str) -> str:
+    return f"quire/n/{hashlib.sha256(name.encode()).hexdigest()[:16]}/peer"

@@ -1,0 +1,155 @@
+"""One process of a multi-process local-tier run (tests/test_tiers_multihost.py).
+
+    python tier_worker.py <process id> <process count> <port> <json config>
+
+Config: ``persistent`` / ``options`` (the persistent tier and its storage options), ``local``,
+``peers`` (default 1), ``every`` (the persistent tier's EveryNSteps, default 10),
+``timeout`` (quire's), ``first`` / ``last`` (the steps to train), ``kill`` ([process, step]:
+that process SIGKILLs itself in the middle of that step's local save, after writing its
+packs), ``expect`` (the step the restore must agree on, or null), ``hang`` (a process that
+sleeps instead of taking part in a final ``latest_step()``), ``silent`` (a process whose peer
+server accepts connections and never answers).  Prints ``QUIRE-TIER <json>`` lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+
+pid, count, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+cfg = json.loads(sys.argv[4])
+
+import jax  # noqa: E402
+
+jax.distributed.initialize(
+    f"127.0.0.1:{port}", num_processes=count, process_id=pid, initialization_timeout=60
+)
+
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+import quire  # noqa: E402
+import quire.checkpointables  # noqa: E402
+from quire._engine import spreadsave as _save  # noqa: E402
+from quire.policies import EveryNSteps, LatestN  # noqa: E402
+
+quire.configure(timeout=cfg["timeout"])
+mesh = Mesh(np.array(jax.devices()), ("d",))
+
+
+def emit(**kw: object) -> None:
+    print("QUIRE-TIER " + json.dumps({"pid": pid, **kw}), flush=True)
+
+
+def put(a: np.ndarray, spec: PartitionSpec) -> jax.Array:
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+
+
+def state(step: int) -> dict[str, object]:
+    """The training state at ``step``: a deterministic function of the step."""
+    rng = np.random.default_rng(step)
+    return {
+        "w": put(rng.standard_normal((96, 48), dtype=np.float32), PartitionSpec("d")),
+        "b": put(rng.standard_normal((4096,), dtype=np.float32), PartitionSpec()),
+        "opt": rng.integers(0, 1 << 30, 777, dtype=np.int64),
+        "step": step,
+    }
+
+
+class Loader:
+    """A data iterator's position: a checkpointable unit with objects of its own."""
+
+    def __init__(self, pos: int) -> None:
+        self.pos = pos
+
+    def quire_save(self, io: quire.checkpointables.UnitIO) -> object:
+        io.write("position.bin", self.pos.to_bytes(8, "little") * 1000)
+        return {"pos": self.pos}
+
+    def quire_restore(self, io: quire.checkpointables.UnitIO, record: object) -> Loader:
+        data = io.read("position.bin")
+        assert data == int(record["pos"]).to_bytes(8, "little") * 1000  # type: ignore[index]
+        return Loader(int(record["pos"]))  # type: ignore[index]
+
+
+def same(a: dict[str, object], b: dict[str, object]) -> bool:
+    for k in ("w", "b"):
+        x, y = a[k], b[k]
+        assert isinstance(x, jax.Array) and isinstance(y, jax.Array)
+        if x.sharding != y.sharding:
+            return False
+        for sx, sy in zip(x.addressable_shards, y.addressable_shards):
+            if np.asarray(sx.data).tobytes() != np.asarray(sy.data).tobytes():
+                return False
+    return bool(np.asarray(a["opt"]).tobytes() == np.asarray(b["opt"]).tobytes()) and (
+        a["step"] == b["step"]
+    )
+
+
+kill = cfg.get("kill")
+if kill and kill[0] == pid:  # fault injection: die in the middle of that local save
+    real = _save.write_units
+
+    async def write_units(url, backend, prep, **kw):  # type: ignore[no-untyped-def]
+        out = await real(url, backend, prep, **kw)
+        if url.endswith(f"{kill[1]:08d}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    _save.write_units = write_units  # type: ignore[assignment]
+
+try:
+    with quire.Checkpointer(
+        cfg["persistent"],
+        save_policy=EveryNSteps(cfg.get("every", 10)),
+        storage_options=cfg["options"],
+        local=quire.LocalTier(
+            cfg["local"], save_policy=EveryNSteps(1), keep=LatestN(3), peers=cfg.get("peers", 1)
+        ),
+    ) as c:
+        if cfg.get("silent") == pid:  # a peer that accepts connections and never answers
+            import socket
+
+            server = c._tier.spread.copies.server  # type: ignore[union-attr]
+            address = server.address
+            server.close()
+            silent = socket.socket()
+            silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            silent.bind(address)
+            silent.listen(64)
+        t0 = time.monotonic()
+        got = c.latest_step()
+        emit(check="agreed", step=got, seconds=time.monotonic() - t0)
+        start = 1
+        if got is not None:
+            t0 = time.monotonic()
+            units = c.load_checkpointables(got, {"state": state(0), "loader": Loader(0)})
+            ok = same(units["state"], state(got)) and units["loader"].pos == got
+            emit(check="restored", step=got, same=ok, seconds=time.monotonic() - t0)
+            start = got + 1
+        for step in range(max(start, cfg["first"]), cfg["last"] + 1):
+            c.save_checkpointables(step, {"state": state(step), "loader": Loader(step)})
+        c.wait()
+        emit(check="saved", last=cfg["last"], tiers={s: c.tiers_of(s) for s in c.steps()})
+        if cfg.get("hang") is not None:
+            if pid == cfg["hang"]:
+                time.sleep(cfg["timeout"] + 3)
+            else:
+                t0 = time.monotonic()
+                try:
+                    c.latest_step()
+                    emit(check="hang", error=None)
+                except quire.MultiProcessError as e:
+                    emit(check="hang", error=str(e), seconds=time.monotonic() - t0)
+except Exception:
+    emit(check="failed", error=traceback.format_exc())
+emit(check="done")
+try:
+    jax.distributed.shutdown()
+finally:
+    sys.stdout.flush()
+    os._exit(0)
