@@ -53,6 +53,9 @@ LEASE_DIR = "leases"
 #: hold borrowed bytes, so every Checkpointer's retention deletes records, not directories.
 MARKER = f"{LEASE_DIR}/incremental.json"
 
+#: Default of ``Checkpointer(compact_below=)`` (``quire._engine.compaction``).
+COMPACT_BELOW = 0.5
+
 LeafKey = tuple[str, str]  # (unit, key path as keystr)
 
 
@@ -96,10 +99,17 @@ class Incremental:
     ----------
     root : str
         The Checkpointer root URL.
+    compact_below : float
+        A save moves the chunks it would borrow from a pack into a pack of its own when
+        they are less than this fraction of that pack's bytes (``quire._engine.compaction``);
+        0 never moves any.
     """
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, compact_below: float = COMPACT_BELOW) -> None:
+        if not 0 <= compact_below <= 1:
+            raise ValueError(f"{root}: compact_below must be within [0, 1], got {compact_below}")
         self.root = root
+        self.compact_below = compact_below
         self.base: Base | None = None
         self.pending: Base | None = None
         self.lease: str | None = None
@@ -179,7 +189,9 @@ class Incremental:
             k: [root_relative(step, v[0]), v[1], v[2]] if isinstance(v, list) else v
             for k, v in refs.items()
         }
-        prev = Previous(rel, dict(binds), dict(shards), dict(hashes))
+        base = self.base.previous if self.base is not None else Previous({}, {}, {}, {})
+        sizes = base.pack_sizes(step, refs)
+        prev = Previous(rel, dict(binds), dict(shards), dict(hashes), sizes)
         self.pending = Base(step, [txid], prev, leaves)
 
     def committed(self) -> None:
@@ -228,4 +240,13 @@ async def resume(root: Backend, url: str, step: str, process: int) -> Base | Non
     return Base(step, list(doc["txids"]), Previous(refs, binds, shards, hashes), leaves)
 
 
-__all__ = ["Base", "Carried", "Incremental", "LeafInfo", "from_root", "lease_key", "resume"]
+__all__ = [
+    "COMPACT_BELOW",
+    "Base",
+    "Carried",
+    "Incremental",
+    "LeafInfo",
+    "from_root",
+    "lease_key",
+    "resume",
+]

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from quire._engine import commit as _commit
+from quire._engine.compaction import compact
 from quire._engine.incremental import Carried, Incremental, LeafInfo, LeafKey
 from quire._format import record as _format
 from quire._format.pack import PackWriter, gather_entries
@@ -252,6 +253,10 @@ async def write_units(
             unit_records[name] = await _checkpointables.save_unit(
                 hid, obj, backend, f"d/{prep.txid}/{escape_component(name)}", url, ctx
             )
+        if sink is not None and prep.incremental is not None and sink.previous is not None:
+            inc = prep.incremental
+            root = open_backend(inc.root, backend.storage_options)
+            await compact(sink, root, sink.previous.sizes, inc.compact_below, url)
         if sink is not None:
             prep.index = await sink.finish()
             ctx.stats["objects"] = sink.packs + 1
@@ -318,7 +323,11 @@ def _wrote_incremental(
             continue
         ref = weakref.ref(v) if isinstance(v, jax.Array) else None
         leaves[prep.paths[entry.location]] = LeafInfo(entry.location, rec, ref, entry.storage)
-    inc.stats = {"borrowed_bytes": sink.borrowed_bytes, "written_bytes": sink.bytes}
+    inc.stats = {
+        "borrowed_bytes": sink.borrowed_bytes,
+        "written_bytes": sink.bytes,
+        "compacted_bytes": sink.compacted,
+    }
     inc.wrote(
         url[len(inc.root) + 1 :],
         prep.txid,

@@ -76,12 +76,14 @@ class PackWriter(Wrapped):
         self._closing: dict[asyncio.Task[None], Any] = {}  # sealed packs being completed
         self._opening: asyncio.Future[Any] | None = None
         self._size = 0
+        self._roll = False  # the next streamed chunk opens a new pack (fresh_pack)
         # Incremental saves (quire._format.borrow): every chunk's xxh3-128, and chunks equal
         # to the previous step's at their place point at its bytes instead of being written.
         self.hashes: dict[str, str] | None = None
         self.previous: Previous | None = None
         self.borrowed: dict[str, int] = {}  # borrowed target -> bytes borrowed from it
         self.borrowed_bytes = 0
+        self.compacted = 0  # bytes moved out of mostly-dead borrowed packs (own)
 
     def incremental(self, previous: Previous | None) -> None:
         """Hash every chunk into the index, borrowing from ``previous`` where equal."""
@@ -168,6 +170,36 @@ class PackWriter(Wrapped):
                 return
             except UnicodeDecodeError:
                 pass
+        await self._store(key, views, n, bind)
+
+    def fresh_pack(self) -> None:
+        """Start a new pack for the next chunks (compaction keeps the chunks it moves
+        apart from the step's changed ones: they are the ones likely to stay)."""
+        if self._streaming:
+            self._roll = True
+        else:
+            self._seal()
+
+    async def own(self, key: str, views: list[memoryview]) -> None:
+        """Write the bytes of the borrowed ``key`` (checked by the caller) into this step's
+        own packs: compaction of a mostly-dead borrowed pack.  Its binding, shard trailers
+        and hash stay; it is no longer borrowed."""
+        ref = self.refs[key]
+        assert isinstance(ref, list) and ref[0] in self.borrowed
+        n = sum(v.nbytes for v in views)
+        assert n == ref[2], (key, n, ref)
+        left = self.borrowed[ref[0]] - n
+        if left:
+            self.borrowed[ref[0]] = left
+        else:
+            del self.borrowed[ref[0]]
+        self.borrowed_bytes -= n
+        self.compacted += n
+        await self._store(key, views, n, self.binds[key])
+
+    async def _store(
+        self, key: str, views: list[memoryview], n: int, bind: tuple[str, bool]
+    ) -> None:
         if self._streaming:
             await self._stream(key, views, n, bind)
             return
@@ -190,7 +222,7 @@ class PackWriter(Wrapped):
     ) -> None:
         while self._opening is not None and not self._opening.done():
             await asyncio.shield(self._opening)
-        if not self._writers or (self._size and self._size + n > self.pack_bytes):
+        if not self._writers or (self._size and (self._roll or self._size + n > self.pack_bytes)):
             loop = asyncio.get_running_loop()
             self._opening = loop.create_future()
             try:
@@ -201,6 +233,7 @@ class PackWriter(Wrapped):
                 self._writers.append(w)
                 self._writing[id(w)] = 0
                 self._size = 0
+                self._roll = False
                 self.packs += 1
             finally:
                 self._opening.set_result(None)
