@@ -230,7 +230,10 @@ def run_machine(
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
+    first = next(IncrementalRoot.sequences)
     IncrementalRoot.TestCase().runTest()
+    ran = next(IncrementalRoot.sequences) - first - 1
+    assert ran >= examples, f"{ran} sequences ran, not {examples}"
 
 
 def test_incremental_state_machine_default_lane(
