@@ -130,7 +130,8 @@ class Checkpointer(_DecideMixin, _TierMixin, _RetainLoadMixin, _BackgroundTasks)
         ``1 / compact_below`` times the live ones, docs/format.md).
     local : quire.LocalTier, optional
         A fast per-process tier saved whenever either tier's policy says so; ``root_url`` is
-        then the persistent tier, written from the local tier's bytes (see ``docs/tiers.md``).
+        then the persistent tier, written from the local tier's bytes (see ``docs/tiers.md``);
+        with ``incremental``, a promotion uploads only what the persistent tier lacks.
 
     Raises
     ------
@@ -156,11 +157,6 @@ class Checkpointer(_DecideMixin, _TierMixin, _RetainLoadMixin, _BackgroundTasks)
     ) -> None:
         if local is not None and not isinstance(local, LocalTier):
             raise TypeError(f"local must be a quire.LocalTier, got {local!r}")
-        if local is not None and incremental:
-            raise NotImplementedError(
-                f"{root_url}: incremental=True with a local tier is not supported yet (a "
-                "promotion copies whole steps); use one of them (docs/tiers.md)"
-            )
         if save_policy is not None and not isinstance(save_policy, SavePolicy):
             raise TypeError(f"save_policy must be a quire.policies.SavePolicy, got {save_policy!r}")
         if keep is not None and not isinstance(keep, KeepPolicy):

@@ -13,8 +13,9 @@ Order of a save of step S (``_Tier.save``), the commit points marked:
    copy, in the caller's thread; it returns;
 3. background: LOCAL COMMIT (the inner Checkpointer's commit record);
 4. when the persistent policy said so, background, after 3: ``quire._engine.copying`` copies the
-   committed local step's stored bytes to ``<root>/<step>``, checking every chunk's crc32c on
-   the way, with the local step pinned against local retention; PERSISTENT COMMIT is the copy's
+   committed local step's stored bytes to ``<root>/<step>`` (an incremental root:
+   ``quire._engine.promotion`` uploads only the chunks its previous step lacks), checking
+   every chunk's crc32c on the way, with the local step pinned against local retention; PERSISTENT COMMIT is the copy's
    conditional create of ``quire.json``, after the data is synced;
 5. only then does the persistent tier count S (``latest_step``, ``steps``, ``tiers_of``) and
    its keep policy run.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -37,6 +39,7 @@ from quire._checkpointer.keep_policies import KeepPolicy
 from quire._checkpointer.retain import _as_step
 from quire._checkpointer.save_policies import SaveContext, SavePolicy
 from quire._engine.copying import copy_checkpoint
+from quire._engine.promotion import promote
 from quire._store.url import normalize
 from quire.errors import CorruptCheckpointError
 
@@ -214,7 +217,11 @@ class _Tier:
                 log.warning("%s: step %d not promoted: its local save failed", outer.root, step)
                 return
             await outer._create_root_record()  # here, not in the loop's thread: S3 may be down
-            await copy_checkpoint(
+            inc = outer._inc  # incremental: upload only what the persistent tier lacks
+            if inc is not None and not inc.started:
+                latest = outer._latest()
+                await inc.start(outer._backend, None if latest is None else outer._fmt.name(latest))
+            await (copy_checkpoint if inc is None else functools.partial(promote, inc=inc))(
                 src,
                 dst,
                 overwrite=overwrite,
