@@ -226,25 +226,43 @@ async def write_units(
     if prep.layout == "packed":  # format v2: chunks go into this process's packs
         sink = PackWriter(backend, prep.txid, pidx, cfg.pack_bytes, cfg.byte_budget)
         ctx.backend = sink
+
+    async def write_group(hid: str, items: list[tuple[Node, SaveEntry]]) -> None:
+        h = _handlers.get(hid, url=url)
+        entries = [e for _, e in items]
+        with _handlers.failures_named(h, entries, url, "saving"):
+            if prep.feed is None:
+                recs = await h.save(entries, ctx)
+            else:
+                recs = []
+                async with contextlib.aclosing(prep.feed(entries)) as batches:
+                    async for b in batches:
+                        recs += await h.save(b, ctx)
+                        del b  # not held while the next batch is read
+        for (node, _), rec in zip(items, recs):
+            if rec.get("handler") != hid:
+                rec = {**rec, "handler": hid}
+            records[id(node)] = rec
+
+    opening: asyncio.Future[Any] | None = None
     try:
         if sink is not None and prep.incremental is not None:
-            await _start_incremental(url, backend, prep, sink)
-        for hid, items in prep.groups.items():
-            h = _handlers.get(hid, url=url)
-            entries = [e for _, e in items]
-            with _handlers.failures_named(h, entries, url, "saving"):
-                if prep.feed is None:
-                    recs = await h.save(entries, ctx)
-                else:
-                    recs = []
-                    async with contextlib.aclosing(prep.feed(entries)) as batches:
-                        async for b in batches:
-                            recs += await h.save(b, ctx)
-                            del b  # not held while the next batch is read
-            for (node, _), rec in zip(items, recs):
-                if rec.get("handler") != hid:
-                    rec = {**rec, "handler": hid}
-                records[id(node)] = rec
+            # the lease and the base check overlap the first encodes (the first chunk
+            # that could be borrowed waits for them: PackWriter.incremental)
+            opening = asyncio.ensure_future(_open_incremental(url, backend, prep))
+            sink.incremental(opening)
+        for hid, items in list(prep.groups.items()):
+            await write_group(hid, items)
+        if (
+            sink is not None
+            and opening is not None
+            and await sink.resolve() is None
+            and prep.carried
+        ):
+            # leaves carried from a previous step that is gone after all are written
+            # after all (they are immutable ``jax.Array`` s)
+            for hid, items in _uncarry(prep).items():
+                await write_group(hid, items)
         for node, _, c in prep.carried.values():
             assert sink is not None
             sink.carry(c.location, c.info.location)
@@ -262,6 +280,8 @@ async def write_units(
             ctx.stats["objects"] = sink.packs + 1
         await backend.sync()
     except BaseException:
+        if opening is not None:  # its lease is released by the caller
+            await asyncio.gather(opening, return_exceptions=True)
         if sink is not None:
             await sink.abort()
         if prep.incremental is not None:
@@ -288,23 +308,27 @@ async def write_units(
     return units
 
 
-async def _start_incremental(url: str, backend: Backend, prep: PreparedSave, sink: Any) -> None:
-    """Lease, then borrow from the previous step; leaves carried from a previous step that
-    is gone after all are written after all (they are immutable ``jax.Array`` s)."""
+async def _open_incremental(url: str, backend: Backend, prep: PreparedSave) -> Any:
+    """Lease, then check the previous step: what to borrow from (None: nothing)."""
     inc = prep.incremental
     assert inc is not None
     step = url[len(inc.root) + 1 :]
-    previous = await inc.open(
-        open_backend(inc.root, backend.storage_options), step, prep.txid, prep.paths
-    )
-    sink.incremental(previous)
-    if previous is None and prep.carried:
-        groups = {k: list(v) for k, v in prep.groups.items()}
-        for node, entry, _ in prep.carried.values():
-            h = _handlers.for_value(node.value)
-            assert h is not None
-            groups.setdefault(h.id, []).append((node, entry))
-        prep.groups, prep.carried = groups, {}
+    root = open_backend(inc.root, backend.storage_options)
+    return await inc.open(root, step, prep.txid, prep.paths)
+
+
+def _uncarry(prep: PreparedSave) -> dict[str, list[tuple[Node, SaveEntry]]]:
+    """The carried leaves as leaves to write (by handler), now in ``prep.groups``."""
+    extra: dict[str, list[tuple[Node, SaveEntry]]] = {}
+    for node, entry, _ in prep.carried.values():
+        h = _handlers.for_value(node.value)
+        assert h is not None
+        extra.setdefault(h.id, []).append((node, entry))
+    groups = {k: list(v) for k, v in prep.groups.items()}
+    for hid, items in extra.items():
+        groups.setdefault(hid, []).extend(items)
+    prep.groups, prep.carried = groups, {}
+    return extra
 
 
 def _wrote_incremental(

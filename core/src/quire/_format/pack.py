@@ -81,14 +81,29 @@ class PackWriter(Wrapped):
         # to the previous step's at their place point at its bytes instead of being written.
         self.hashes: dict[str, str] | None = None
         self.previous: Previous | None = None
+        self._pending_previous: asyncio.Future[Previous | None] | None = None
         self.borrowed: dict[str, int] = {}  # borrowed target -> bytes borrowed from it
         self.borrowed_bytes = 0
         self.compacted = 0  # bytes moved out of mostly-dead borrowed packs (own)
 
-    def incremental(self, previous: Previous | None) -> None:
-        """Hash every chunk into the index, borrowing from ``previous`` where equal."""
+    def incremental(self, previous: Previous | asyncio.Future[Previous | None] | None) -> None:
+        """Hash every chunk into the index, borrowing from ``previous`` where equal
+        (a future of it: the first chunk that could be borrowed waits for it, so that
+        a save's lease round trips overlap its first encodes)."""
         self.hashes = {}
-        self.previous = previous
+        if isinstance(previous, asyncio.Future):
+            self._pending_previous = previous
+        else:
+            self._pending_previous = None
+            self.previous = previous
+
+    async def resolve(self) -> Previous | None:
+        """What this save borrows from, once known (``incremental``'s future awaited)."""
+        fut = self._pending_previous
+        if fut is not None:
+            self.previous = await asyncio.shield(fut)
+            self._pending_previous = None
+        return self.previous
 
     def _borrow(self, key: str, old: str) -> None:
         assert self.previous is not None and self.hashes is not None
@@ -146,7 +161,8 @@ class PackWriter(Wrapped):
             digest = (
                 await run_blocking(content_hash, views) if n > (1 << 16) else content_hash(views)
             )
-            old = self.previous.match(key, digest, n) if self.previous is not None else None
+            prev = await self.resolve()
+            old = prev.match(key, digest, n) if prev is not None else None
             if old is not None:
                 self._borrow(key, old)
                 return
