@@ -6,12 +6,12 @@ incremental=True, local=quire.LocalTier(...))``) the step is instead *re-packed*
 destination, key by key, through a :class:`~quire._format.pack.PackWriter` in incremental
 mode whose base is the persistent root's previous step (``quire._engine.incremental``):
 
-1. the lease, then the check that the base still exists (``Incremental.open``);
-2. every chunk of the local step is read (ranged reads of its packs), checked against
+1. every chunk of the local step is read (ranged reads of its packs), checked against
    its binding, hashed (xxh3-128) and either borrowed — the base holds the same bytes at
-   the same key path — or written into the destination's packs; mostly-dead packs are
-   compacted as a save compacts them (``quire._engine.compaction``);
-3. the chunk index; ``sync``; COMMIT: the local record with its ``indexes`` replaced by
+   the same key path; before the first borrow, the lease and the check that the base
+   still exists (``Incremental.lease``) — or written into the destination's packs;
+   mostly-dead packs are compacted as a save compacts them (``quire._engine.compaction``);
+2. the chunk index; ``sync``; COMMIT: the local record with its ``indexes`` replaced by
    the new index's entry (its borrowed packs declared) and its checksum recomputed, by the
    conditional create of ``quire.json``; the lease is released.
 
@@ -103,11 +103,10 @@ async def _promote(
     try:
         if not overwrite:
             await _commit.ensure_absent(db, dst, "pass overwrite=True to replace it")
-        previous = await inc.open(root, step, txid, paths)
-        sink.incremental(previous)
+        sink.incremental(inc.candidate(step, paths), lambda: inc.lease(root, step, txid))
         await _repack(sb, src, refs, sink)
-        if previous is not None:
-            await compact(sink, root, previous.sizes, inc.compact_below, dst)
+        if sink.previous is not None:
+            await compact(sink, root, sink.previous.sizes, inc.compact_below, dst)
         new = await sink.finish()
         await db.sync()
         assert new is not None

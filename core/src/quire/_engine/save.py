@@ -244,21 +244,12 @@ async def write_units(
                 rec = {**rec, "handler": hid}
             records[id(node)] = rec
 
-    opening: asyncio.Future[Any] | None = None
     try:
         if sink is not None and prep.incremental is not None:
-            # the lease and the base check overlap the first encodes (the first chunk
-            # that could be borrowed waits for them: PackWriter.incremental)
-            opening = asyncio.ensure_future(_open_incremental(url, backend, prep))
-            sink.incremental(opening)
+            _start_incremental(url, backend, prep, sink)
         for hid, items in list(prep.groups.items()):
             await write_group(hid, items)
-        if (
-            sink is not None
-            and opening is not None
-            and await sink.resolve() is None
-            and prep.carried
-        ):
+        if sink is not None and prep.carried and await sink.resolve() is None:
             # leaves carried from a previous step that is gone after all are written
             # after all (they are immutable ``jax.Array`` s)
             for hid, items in _uncarry(prep).items():
@@ -280,8 +271,6 @@ async def write_units(
             ctx.stats["objects"] = sink.packs + 1
         await backend.sync()
     except BaseException:
-        if opening is not None:  # its lease is released by the caller
-            await asyncio.gather(opening, return_exceptions=True)
         if sink is not None:
             await sink.abort()
         if prep.incremental is not None:
@@ -308,13 +297,15 @@ async def write_units(
     return units
 
 
-async def _open_incremental(url: str, backend: Backend, prep: PreparedSave) -> Any:
-    """Lease, then check the previous step: what to borrow from (None: nothing)."""
+def _start_incremental(url: str, backend: Backend, prep: PreparedSave, sink: Any) -> None:
+    """Hash every chunk and borrow from the previous step, whose lease is taken at the
+    first chunk found equal (``PackWriter.incremental``; the caller releases it)."""
     inc = prep.incremental
     assert inc is not None
     step = url[len(inc.root) + 1 :]
+    candidate = inc.candidate(step, prep.paths)
     root = open_backend(inc.root, backend.storage_options)
-    return await inc.open(root, step, prep.txid, prep.paths)
+    sink.incremental(candidate, lambda: inc.lease(root, step, prep.txid))
 
 
 def _uncarry(prep: PreparedSave) -> dict[str, list[tuple[Node, SaveEntry]]]:

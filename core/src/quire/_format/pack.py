@@ -25,7 +25,7 @@ A pack lost with a crashed process is garbage under an uncommitted txid.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from quire._format.borrow import Previous, content_hash, from_root
@@ -81,28 +81,40 @@ class PackWriter(Wrapped):
         # to the previous step's at their place point at its bytes instead of being written.
         self.hashes: dict[str, str] | None = None
         self.previous: Previous | None = None
-        self._pending_previous: asyncio.Future[Previous | None] | None = None
+        self._candidate: Previous | None = None  # what may be borrowed, once leased
+        self._lease: Callable[[], Awaitable[bool]] | None = None
+        self._leasing: asyncio.Future[Previous | None] | None = None
         self.borrowed: dict[str, int] = {}  # borrowed target -> bytes borrowed from it
         self.borrowed_bytes = 0
         self.compacted = 0  # bytes moved out of mostly-dead borrowed packs (own)
 
-    def incremental(self, previous: Previous | asyncio.Future[Previous | None] | None) -> None:
-        """Hash every chunk into the index, borrowing from ``previous`` where equal
-        (a future of it: the first chunk that could be borrowed waits for it, so that
-        a save's lease round trips overlap its first encodes)."""
+    def incremental(
+        self,
+        previous: Previous | None,
+        lease: Callable[[], Awaitable[bool]] | None = None,
+    ) -> None:
+        """Hash every chunk into the index, borrowing from ``previous`` where equal.
+        ``lease``: called once, before the first borrow (the first chunk found equal, or
+        :meth:`resolve`), it says whether ``previous`` may be borrowed from after all (a
+        save whose every chunk changed then makes no request for it)."""
         self.hashes = {}
-        if isinstance(previous, asyncio.Future):
-            self._pending_previous = previous
-        else:
-            self._pending_previous = None
+        self._candidate = previous
+        self._lease = lease
+        self._leasing = None
+        if lease is None:
             self.previous = previous
 
     async def resolve(self) -> Previous | None:
-        """What this save borrows from, once known (``incremental``'s future awaited)."""
-        fut = self._pending_previous
-        if fut is not None:
-            self.previous = await asyncio.shield(fut)
-            self._pending_previous = None
+        """What this save borrows from: the candidate once its lease is taken (None when
+        there is none, or it is gone)."""
+        if self._lease is None:
+            return self.previous
+        if self._leasing is None:
+            self._leasing = asyncio.ensure_future(self._take(self._lease))
+        return await asyncio.shield(self._leasing)
+
+    async def _take(self, lease: Callable[[], Awaitable[bool]]) -> Previous | None:
+        self.previous = self._candidate if await lease() else None
         return self.previous
 
     def _borrow(self, key: str, old: str) -> None:
@@ -161,9 +173,9 @@ class PackWriter(Wrapped):
             digest = (
                 await run_blocking(content_hash, views) if n > (1 << 16) else content_hash(views)
             )
-            prev = await self.resolve()
-            old = prev.match(key, digest, n) if prev is not None else None
-            if old is not None:
+            cand = self._candidate
+            old = cand.match(key, digest, n) if cand is not None else None
+            if old is not None and await self.resolve() is not None:
                 self._borrow(key, old)
                 return
             self.hashes[key] = digest
