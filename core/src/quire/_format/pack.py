@@ -339,7 +339,10 @@ class PackWriter(Wrapped):
         return index_entry(self.txid, self.process, key, data, self.borrowed)
 
     async def abort(self) -> None:
-        """Stop uploads in flight (the caller removes the txid's data)."""
+        """Stop uploads in flight (the caller removes the txid's data) and let a lease
+        being taken land (the caller releases it)."""
+        if self._leasing is not None:
+            await asyncio.gather(self._leasing, return_exceptions=True)
         self._pending = []
         for t in self._uploads:
             t.cancel()
