@@ -7,6 +7,7 @@ Run from the repository root::
     .venv/bin/python benchmarks/bench_incremental.py --peers quire-inc,quire
 
     .venv/bin/python benchmarks/bench_incremental.py --s3          # moto + 20 ms proxy
+    .venv/bin/python benchmarks/bench_incremental.py --load [--s3] # load of step 5 vs plain
 
 ``--s3``: the quire peers against moto's S3 server behind ``bench_s3.py``'s latency proxy
 (20 ms per request, ``--latency-ms``), a 40 MiB tree (``--leaf-mib``, default 1 on S3);
@@ -220,8 +221,84 @@ def s3_harness(latency_ms: float) -> tuple[Any, Any, dict[str, Any]]:
     return h, client, options
 
 
+GROUPS = 5  # --load: step s (1..GROUPS) changes the s-th fifth of the leaves
+
+
+def bench_load(args: argparse.Namespace, base: Path) -> None:
+    """``--load``: load step 5 of an incremental root against the same state from a plain
+    (non-incremental) root.  Steps 1..5 each change another fifth of the leaves, so step 5
+    owns one fifth and borrows the rest from the packs of steps 0..4 (one moved by
+    compaction at step 3); the plain root holds step 5's state, saved once.  Each load is
+    ``quire.load(step url)`` into host-backed jax arrays, memory pre-warmed, min of reps,
+    the two roots interleaved; on ``--s3``, through the latency proxy, with requests."""
+    import quire
+
+    leaf = int((args.leaf_mib or (2 if args.s3 else 8)) * MiB)
+    n = leaf // 4
+    rng = np.random.default_rng(0)
+    tree = {f"l{i:02d}": jnp.asarray(rng.standard_normal(n, np.float32)) for i in range(LEAVES)}
+    total = LEAVES * leaf
+    h = None
+    options: dict[str, Any] | None = None
+    if args.s3:
+        h, _client, options = s3_harness(args.latency_ms)
+        inc, plain = "s3://bench-inc/load-inc", "s3://bench-inc/load-plain"
+    else:
+        inc, plain = str(base / "load-inc"), str(base / "load-plain")
+    with quire.Checkpointer(
+        inc, incremental=True, gc_grace_period=None, storage_options=options
+    ) as ck:
+        ck.save(0, tree)
+        ck.wait()
+        for s in range(1, GROUPS + 1):
+            tree = dict(tree)
+            for i in range(LEAVES):
+                if i % GROUPS == s - 1:
+                    tree[f"l{i:02d}"] = jnp.asarray(rng.standard_normal(n, np.float32))
+            ck.save(s, tree)
+            ck.wait()
+    with quire.Checkpointer(plain, gc_grace_period=None, storage_options=options) as ck:
+        ck.save(GROUPS, tree)
+        ck.wait()
+    step = f"step_{GROUPS:08d}"
+    meta = quire.metadata(f"{inc}/{step}", storage_options=options)
+    borrowed = {t for e in meta.record.get("indexes", []) for t in e.get("borrowed", {})}
+    times: dict[str, list[float]] = {"incremental": [], "plain": []}
+    requests: dict[str, int | None] = {}
+    for _ in range(args.reps):
+        for name, root in (("incremental", inc), ("plain", plain)):
+            prewarm(total)
+            if h is not None:
+                h.take_log()
+            t0 = time.perf_counter()
+            got = quire.load(f"{root}/{step}", storage_options=options)
+            jax.block_until_ready(got)
+            times[name].append(time.perf_counter() - t0)
+            if h is not None:
+                requests[name] = h.take_log()
+            assert all(np.array_equal(np.asarray(got[k]), np.asarray(tree[k])) for k in tree)
+            del got
+    where = f"moto + {args.latency_ms:g} ms" if args.s3 else "local"
+    print(
+        f"# load of step {GROUPS} ({where}): {LEAVES} leaves x {leaf / MiB:g} MiB = "
+        f"{total / MiB:g} MiB, borrowing from {len(borrowed)} packs of earlier steps; "
+        f"min of {args.reps} reps"
+    )
+    print(f"{'root':<12} {'s load':>8} {'GiB/s':>7} {'requests':>9}")
+    for name, ts in times.items():
+        r = requests.get(name)
+        print(
+            f"{name:<12} {min(ts):8.3f} {total / (1 << 30) / min(ts):7.2f} "
+            f"{'-' if r is None else r:>9}"
+        )
+    print(f"speed ratio incremental/plain: {min(times['plain']) / min(times['incremental']):.3f}")
+    if h is not None:
+        h.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--load", action="store_true", help="the load benchmark (bench_load)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
@@ -237,6 +314,13 @@ def main() -> None:
         leaf = int((args.leaf_mib or 1) * MiB)
     elif args.leaf_mib:
         leaf = int(args.leaf_mib * MiB)
+    if args.load:
+        base = Path(args.dir or tempfile.mkdtemp(prefix="quire-bench-inc-"))
+        try:
+            bench_load(args, base)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        return
     peers = args.peers.split(",")
     h = None
     if args.s3:

@@ -1,5 +1,6 @@
 """A randomized state machine over an incremental Checkpointer root: saves (frozen,
-recomputed and changed leaves), retention deletes, gc, crashes at the N-th backend write
+recomputed, changed and partly changed leaves, the last making saves compact mostly-dead
+packs), retention deletes, gc, crashes at the N-th backend write
 call, and a gc running while a save is in flight.  After every step every committed step
 loads bit-identically and ``quire verify`` passes.
 
@@ -118,9 +119,14 @@ class IncrementalRoot(RuleBasedStateMachine):
                     "frozen": {k: jnp.asarray(v) for k, v in prev["frozen"].items()},
                     "x": jnp.asarray(prev["x"]),
                 }
-        changed = kind == "changed"
+        # "partly": all but one frozen leaf change, so the next save borrows a fifth of a
+        # pack and compacts it (moves that chunk into a pack of its own)
+        changed = kind in ("changed", "partly")
         frozen = (
-            {k: jnp.asarray(rand(10 * s + i)) for i, k in enumerate(self.frozen)}
+            {
+                k: jnp.asarray(rand(10 * s + i)) if kind == "changed" or i else v
+                for i, (k, v) in enumerate(self.frozen.items())
+            }
             if changed
             else self.frozen
         )
@@ -134,14 +140,14 @@ class IncrementalRoot(RuleBasedStateMachine):
             "x": np.asarray(tree["x"]),
         }
 
-    @rule(kind=st.sampled_from(["frozen", "recomputed", "changed"]))
+    @rule(kind=st.sampled_from(["frozen", "recomputed", "changed", "partly"]))
     def save(self, kind: str) -> None:
         tree = self._tree(kind)
         self.ck.save(self.step, tree)
         self.ck.wait()
         self._record(self.step, tree)
 
-    @rule(kind=st.sampled_from(["frozen", "changed"]), n=st.integers(1, 40))
+    @rule(kind=st.sampled_from(["frozen", "changed", "partly"]), n=st.integers(1, 40))
     def crash_during_save(self, kind: str, n: int) -> None:
         tree = self._tree(kind)
         self.faults.at = self.faults.calls + n
@@ -224,7 +230,10 @@ def run_machine(
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
+    first = next(IncrementalRoot.sequences)
     IncrementalRoot.TestCase().runTest()
+    ran = next(IncrementalRoot.sequences) - first - 1
+    assert ran >= examples, f"{ran} sequences ran, not {examples}"
 
 
 def test_incremental_state_machine_default_lane(

@@ -4,7 +4,8 @@ What is proved here: saves go to the local tier every N steps; steps due for the
 tier are copied there from the local tier's stored bytes (same record, same txid, same pack
 bytes: no second encode); the persistent tier counts a step only after its commit; load reads
 the local tier first and falls back to the persistent one; retention runs per tier; a wiped
-local directory restores from the persistent tier; peers>0 and several processes refuse.
+local directory restores from the persistent tier; peers>0 and several processes refuse
+(incremental promotion: tests/test_incremental_tiers.py).
 """
 
 from __future__ import annotations
@@ -167,11 +168,6 @@ def test_refusals(tmp_path: Path) -> None:
         quire.LocalTier(tmp_path, peers=-1)
     with pytest.raises(TypeError, match="LocalTier"):
         quire.Checkpointer(tmp_path, local=str(tmp_path))  # type: ignore[arg-type]
-    with pytest.raises(NotImplementedError, match="incremental=True with a local tier"):
-        quire.Checkpointer(
-            tmp_path / "p", incremental=True, local=quire.LocalTier(tmp_path / "l")
-        )
-    assert not (tmp_path / "p").exists()
 
 
 def test_quire_ls_shows_tiers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

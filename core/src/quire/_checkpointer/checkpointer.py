@@ -122,9 +122,16 @@ class Checkpointer(_DecideMixin, _TierMixin, _RetainLoadMixin, _BackgroundTasks)
         chunk index points at the earlier bytes instead (format v2 only).  Deleting a
         step then removes its record, and its bytes only once no retained step, journal or
         in-flight save uses them (a mark-and-sweep gc; see docs/checkpointer.md).
+    compact_below : float
+        Incremental only: a save does not borrow from an earlier pack when what it would
+        borrow is less than this fraction of the pack's bytes; it writes those chunks
+        again, into a pack of its own, so the mostly-dead pack goes once the steps that
+        use it are deleted (0: always borrow; stored bytes stay below about
+        ``1 / compact_below`` times the live ones, docs/format.md).
     local : quire.LocalTier, optional
         A fast per-process tier saved whenever either tier's policy says so; ``root_url`` is
-        then the persistent tier, written from the local tier's bytes (see ``docs/tiers.md``).
+        then the persistent tier, written from the local tier's bytes (see ``docs/tiers.md``);
+        with ``incremental``, a promotion uploads only what the persistent tier lacks.
 
     Raises
     ------
@@ -145,15 +152,11 @@ class Checkpointer(_DecideMixin, _TierMixin, _RetainLoadMixin, _BackgroundTasks)
         metadata: Mapping[str, Any] | None = None,
         gc_grace_period: float | None = _gc.DEFAULT_GRACE_PERIOD,
         incremental: bool = False,
+        compact_below: float = _inc.COMPACT_BELOW,
         local: LocalTier | None = None,
     ) -> None:
         if local is not None and not isinstance(local, LocalTier):
             raise TypeError(f"local must be a quire.LocalTier, got {local!r}")
-        if local is not None and incremental:
-            raise NotImplementedError(
-                f"{root_url}: incremental=True with a local tier is not supported yet (a "
-                "promotion copies whole steps); use one of them (docs/tiers.md)"
-            )
         if save_policy is not None and not isinstance(save_policy, SavePolicy):
             raise TypeError(f"save_policy must be a quire.policies.SavePolicy, got {save_policy!r}")
         if keep is not None and not isinstance(keep, KeepPolicy):
@@ -187,7 +190,7 @@ class Checkpointer(_DecideMixin, _TierMixin, _RetainLoadMixin, _BackgroundTasks)
         self._errors: list[BaseException] = []
         self._gc_done = False
         self._closed = False
-        self._inc = _inc.Incremental(self.root) if incremental else None
+        self._inc = _inc.Incremental(self.root, compact_below) if incremental else None
         # A multi-process local tier's root (set by quire._checkpointer.tiers): every process
         # saves into its own root, coordinated under this name.
         self._spread: str | None = None

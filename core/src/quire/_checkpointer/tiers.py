@@ -13,8 +13,9 @@ Order of a save of step S (``_Tier.save``), the commit points marked:
    copy, in the caller's thread; it returns;
 3. background: LOCAL COMMIT (the inner Checkpointer's commit record);
 4. when the persistent policy said so, background, after 3: ``quire._engine.copying`` copies the
-   committed local step's stored bytes to ``<root>/<step>``, checking every chunk's crc32c on
-   the way, with the local step pinned against local retention; PERSISTENT COMMIT is the copy's
+   committed local step's stored bytes to ``<root>/<step>`` (an incremental root:
+   ``quire._engine.promotion`` uploads only the chunks its previous step lacks), checking
+   every chunk's crc32c on the way, with the local step pinned against local retention; PERSISTENT COMMIT is the copy's
    conditional create of ``quire.json``, after the data is synced;
 5. only then does the persistent tier count S (``latest_step``, ``steps``, ``tiers_of``) and
    its keep policy run.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -43,6 +45,7 @@ from quire._checkpointer.retain import _as_step
 from quire._checkpointer.save_policies import SaveContext, SavePolicy
 from quire._checkpointer.tiermulti import Spread
 from quire._engine.copying import copy_checkpoint
+from quire._engine.promotion import promote
 from quire._engine.tierpeers import promote_spread
 from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator
@@ -157,6 +160,13 @@ class _Tier:
                     f"quire.Checkpointer({outer.root!r}, local=...): with several JAX processes "
                     'the local tier saves packed checkpoints only; leave layout at "packed"'
                 )
+            if outer._inc is not None:
+                raise NotImplementedError(
+                    f"quire.Checkpointer({outer.root!r}, incremental=True, local=...): with "
+                    "several JAX processes a promotion copies each process's objects whole "
+                    "and cannot borrow from the persistent tier yet; leave incremental=False "
+                    "or local=None (docs/tiers.md, Limits)"
+                )
             self.spread = Spread(self)
         else:
             self.last_step = self.inner.latest_step()
@@ -262,7 +272,12 @@ class _Tier:
                     dst_options=outer._storage_options,
                 )
             else:
-                await copy_checkpoint(
+                inc = outer._inc  # incremental: upload only what the persistent tier lacks
+                if inc is not None and not inc.started:
+                    latest = outer._latest()
+                    name = None if latest is None else outer._fmt.name(latest)
+                    await inc.start(outer._backend, name)
+                await (copy_checkpoint if inc is None else functools.partial(promote, inc=inc))(
                     src,
                     dst,
                     overwrite=overwrite,

@@ -17,7 +17,9 @@ save writes its lease before it checks that the step it borrows from still exist
 points into it.  A record that cannot be read marks every pack (nothing is swept blind).
 Old leases (a save that died) are garbage too.  A step deleted by an incremental
 Checkpointer's retention leaves a ``retired.json`` naming its txids; :func:`sweep_retired`
-removes what of those txids is not marked at once, whatever its age.
+removes what of those txids is not marked at once, whatever its age.  No pack is ever
+rewritten here: a save stops borrowing from a mostly-dead pack
+(``quire._engine.compaction``), which then dies whole.
 """
 
 from __future__ import annotations

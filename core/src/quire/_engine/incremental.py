@@ -14,8 +14,9 @@ committed (its own chunk index, root-relative, and each leaf's location, record 
 
 Order of one save (what keeps a concurrent gc from deleting borrowed bytes):
 
-1. write the **lease** ``leases/<step>-<txid>-p<process>.json`` naming every pack the
-   previous step's index points into;
+1. at the first chunk equal to the previous step's (or before carrying a leaf), write the
+   **lease** ``leases/<step>-<txid>-p<process>.json`` naming every pack the previous
+   step's index points into (a save where everything changed writes none);
 2. check that the previous step's record still exists with the same txids (else borrow
    nothing: retention or an overwrite may have removed it);
 3. write, borrowing; commit (the record's ``indexes`` declare the borrowed packs);
@@ -52,6 +53,9 @@ LEASE_DIR = "leases"
 #: Written by the first incremental save of a Checkpointer (never deleted): the root may
 #: hold borrowed bytes, so every Checkpointer's retention deletes records, not directories.
 MARKER = f"{LEASE_DIR}/incremental.json"
+
+#: Default of ``Checkpointer(compact_below=)`` (``quire._engine.compaction``).
+COMPACT_BELOW = 0.5
 
 LeafKey = tuple[str, str]  # (unit, key path as keystr)
 
@@ -96,13 +100,20 @@ class Incremental:
     ----------
     root : str
         The Checkpointer root URL.
+    compact_below : float
+        A save moves the chunks it would borrow from a pack into a pack of its own when
+        they are less than this fraction of that pack's bytes (``quire._engine.compaction``);
+        0 never moves any.
     """
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, compact_below: float = COMPACT_BELOW) -> None:
+        if not 0 <= compact_below <= 1:
+            raise ValueError(f"{root}: compact_below must be within [0, 1], got {compact_below}")
         self.root = root
+        self.compact_below = compact_below
         self.base: Base | None = None
         self.pending: Base | None = None
-        self.lease: str | None = None
+        self.lease_key: str | None = None
         self.stats: dict[str, int] = {}
         self.started = False
         self.marked = False
@@ -127,27 +138,12 @@ class Incremental:
         return info if info.storage == storage else None
 
     # -- write (quire's loop) ------------------------------------------------------
-    async def open(
-        self, root: Backend, step: str, txid: str, paths: Mapping[str, LeafKey]
-    ) -> Previous | None:
-        """Write the lease, check the previous step is still there; what to borrow from
-        (None: nothing)."""
+    def candidate(self, step: str, paths: Mapping[str, LeafKey]) -> Previous | None:
+        """What a save of ``step`` may borrow from (no I/O): the previous step, its
+        locations mapped to the new ones (``paths``: new location -> leaf), or None.  It
+        is borrowed from only once :meth:`lease` says so."""
         base = self.base
         if base is None or base.step == step:
-            return None
-        if not self.marked:
-            await root.put(MARKER, [b'{"incremental": true}'])
-            self.marked = True
-        self.lease = lease_key(step, txid, jax.process_index())
-        doc = {"created": time.time(), "packs": base.previous.packs()}
-        await root.put(self.lease, [json.dumps(doc).encode()])
-        try:
-            rec = _format.parse(await root.get(f"{base.step}/{_format.RECORD}"), self.root)
-        except (FileNotFoundError, ValueError) as e:  # deleted meanwhile, or damaged
-            log.info("%s: not borrowing from %s (%s)", self.root, base.step, e)
-            return None
-        if sorted(rec.get("txids", [])) != sorted(base.txids):
-            log.info("%s: not borrowing from %s (saved again since)", self.root, base.step)
             return None
         prev = base.previous
         prev.locations = {
@@ -155,9 +151,30 @@ class Incremental:
         }
         return prev
 
+    async def lease(self, root: Backend, step: str, txid: str) -> bool:
+        """Before the first borrow: write the lease, then check that the previous step
+        is still there with the same txids (False: borrow nothing)."""
+        base = self.base
+        assert base is not None
+        if not self.marked:
+            await root.put(MARKER, [b'{"incremental": true}'])
+            self.marked = True
+        self.lease_key = lease_key(step, txid, jax.process_index())
+        doc = {"created": time.time(), "packs": base.previous.packs()}
+        await root.put(self.lease_key, [json.dumps(doc).encode()])
+        try:
+            rec = _format.parse(await root.get(f"{base.step}/{_format.RECORD}"), self.root)
+        except (FileNotFoundError, ValueError) as e:  # deleted meanwhile, or damaged
+            log.info("%s: not borrowing from %s (%s)", self.root, base.step, e)
+            return False
+        if sorted(rec.get("txids", [])) != sorted(base.txids):
+            log.info("%s: not borrowing from %s (saved again since)", self.root, base.step)
+            return False
+        return True
+
     async def release(self, root: Backend) -> None:
         """Delete the lease (after the commit, or after a failed save)."""
-        lease, self.lease = self.lease, None
+        lease, self.lease_key = self.lease_key, None
         if lease is not None:
             try:
                 await root.delete([lease])
@@ -179,7 +196,9 @@ class Incremental:
             k: [root_relative(step, v[0]), v[1], v[2]] if isinstance(v, list) else v
             for k, v in refs.items()
         }
-        prev = Previous(rel, dict(binds), dict(shards), dict(hashes))
+        base = self.base.previous if self.base is not None else Previous({}, {}, {}, {})
+        sizes = base.pack_sizes(step, refs)
+        prev = Previous(rel, dict(binds), dict(shards), dict(hashes), sizes)
         self.pending = Base(step, [txid], prev, leaves)
 
     def committed(self) -> None:
@@ -228,4 +247,13 @@ async def resume(root: Backend, url: str, step: str, process: int) -> Base | Non
     return Base(step, list(doc["txids"]), Previous(refs, binds, shards, hashes), leaves)
 
 
-__all__ = ["Base", "Carried", "Incremental", "LeafInfo", "from_root", "lease_key", "resume"]
+__all__ = [
+    "COMPACT_BELOW",
+    "Base",
+    "Carried",
+    "Incremental",
+    "LeafInfo",
+    "from_root",
+    "lease_key",
+    "resume",
+]

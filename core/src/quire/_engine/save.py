@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from quire._engine import commit as _commit
+from quire._engine.compaction import compact
 from quire._engine.incremental import Carried, Incremental, LeafInfo, LeafKey
 from quire._format import record as _format
 from quire._format.pack import PackWriter, gather_entries
@@ -231,25 +232,34 @@ async def write_units(
     if prep.layout == "packed":  # format v2: chunks go into this process's packs
         sink = PackWriter(backend, prep.txid, pidx, cfg.pack_bytes, cfg.byte_budget)
         ctx.backend = sink
+
+    async def write_group(hid: str, items: list[tuple[Node, SaveEntry]]) -> None:
+        h = _handlers.get(hid, url=url)
+        entries = [e for _, e in items]
+        with _handlers.failures_named(h, entries, url, "saving"):
+            if prep.feed is None:
+                recs = await h.save(entries, ctx)
+            else:
+                recs = []
+                async with contextlib.aclosing(prep.feed(entries)) as batches:
+                    async for b in batches:
+                        recs += await h.save(b, ctx)
+                        del b  # not held while the next batch is read
+        for (node, _), rec in zip(items, recs):
+            if rec.get("handler") != hid:
+                rec = {**rec, "handler": hid}
+            records[id(node)] = rec
+
     try:
         if sink is not None and prep.incremental is not None:
-            await _start_incremental(url, backend, prep, sink)
-        for hid, items in prep.groups.items():
-            h = _handlers.get(hid, url=url)
-            entries = [e for _, e in items]
-            with _handlers.failures_named(h, entries, url, "saving"):
-                if prep.feed is None:
-                    recs = await h.save(entries, ctx)
-                else:
-                    recs = []
-                    async with contextlib.aclosing(prep.feed(entries)) as batches:
-                        async for b in batches:
-                            recs += await h.save(b, ctx)
-                            del b  # not held while the next batch is read
-            for (node, _), rec in zip(items, recs):
-                if rec.get("handler") != hid:
-                    rec = {**rec, "handler": hid}
-                records[id(node)] = rec
+            _start_incremental(url, backend, prep, sink)
+        for hid, items in list(prep.groups.items()):
+            await write_group(hid, items)
+        if sink is not None and prep.carried and await sink.resolve() is None:
+            # leaves carried from a previous step that is gone after all are written
+            # after all (they are immutable ``jax.Array`` s)
+            for hid, items in _uncarry(prep).items():
+                await write_group(hid, items)
         for node, _, c in prep.carried.values():
             assert sink is not None
             sink.carry(c.location, c.info.location)
@@ -258,6 +268,10 @@ async def write_units(
             unit_records[name] = await _checkpointables.save_unit(
                 hid, obj, backend, f"d/{prep.txid}/{escape_component(name)}", url, ctx
             )
+        if sink is not None and prep.incremental is not None and sink.previous is not None:
+            inc = prep.incremental
+            root = open_backend(inc.root, backend.storage_options)
+            await compact(sink, root, sink.previous.sizes, inc.compact_below, url)
         if sink is not None:
             prep.index = await sink.finish()
             ctx.stats["objects"] = sink.packs + 1
@@ -289,23 +303,29 @@ async def write_units(
     return units
 
 
-async def _start_incremental(url: str, backend: Backend, prep: PreparedSave, sink: Any) -> None:
-    """Lease, then borrow from the previous step; leaves carried from a previous step that
-    is gone after all are written after all (they are immutable ``jax.Array`` s)."""
+def _start_incremental(url: str, backend: Backend, prep: PreparedSave, sink: Any) -> None:
+    """Hash every chunk and borrow from the previous step, whose lease is taken at the
+    first chunk found equal (``PackWriter.incremental``; the caller releases it)."""
     inc = prep.incremental
     assert inc is not None
     step = url[len(inc.root) + 1 :]
-    previous = await inc.open(
-        open_backend(inc.root, backend.storage_options), step, prep.txid, prep.paths
-    )
-    sink.incremental(previous)
-    if previous is None and prep.carried:
-        groups = {k: list(v) for k, v in prep.groups.items()}
-        for node, entry, _ in prep.carried.values():
-            h = _handlers.for_value(node.value)
-            assert h is not None
-            groups.setdefault(h.id, []).append((node, entry))
-        prep.groups, prep.carried = groups, {}
+    candidate = inc.candidate(step, prep.paths)
+    root = open_backend(inc.root, backend.storage_options)
+    sink.incremental(candidate, lambda: inc.lease(root, step, prep.txid))
+
+
+def _uncarry(prep: PreparedSave) -> dict[str, list[tuple[Node, SaveEntry]]]:
+    """The carried leaves as leaves to write (by handler), now in ``prep.groups``."""
+    extra: dict[str, list[tuple[Node, SaveEntry]]] = {}
+    for node, entry, _ in prep.carried.values():
+        h = _handlers.for_value(node.value)
+        assert h is not None
+        extra.setdefault(h.id, []).append((node, entry))
+    groups = {k: list(v) for k, v in prep.groups.items()}
+    for hid, items in extra.items():
+        groups.setdefault(hid, []).extend(items)
+    prep.groups, prep.carried = groups, {}
+    return extra
 
 
 def _wrote_incremental(
@@ -324,7 +344,11 @@ def _wrote_incremental(
             continue
         ref = weakref.ref(v) if isinstance(v, jax.Array) else None
         leaves[prep.paths[entry.location]] = LeafInfo(entry.location, rec, ref, entry.storage)
-    inc.stats = {"borrowed_bytes": sink.borrowed_bytes, "written_bytes": sink.bytes}
+    inc.stats = {
+        "borrowed_bytes": sink.borrowed_bytes,
+        "written_bytes": sink.bytes,
+        "compacted_bytes": sink.compacted,
+    }
     inc.wrote(
         url[len(inc.root) + 1 :],
         prep.txid,

@@ -164,6 +164,9 @@ class Previous:
     binds, shards, hashes : dict
         The previous index's bindings (``quire._format.chunkid``), ``quire.shards`` and
         ``quire.xxh3`` maps.
+    sizes : dict, optional
+        Root-relative pack -> its size in bytes, where known (compaction asks the
+        backend for the others).
     """
 
     def __init__(
@@ -172,13 +175,32 @@ class Previous:
         binds: dict[str, tuple[str, bool]],
         shards: dict[str, str],
         hashes: dict[str, str],
+        sizes: dict[str, int] | None = None,
     ) -> None:
         self.refs = refs
         self.binds = binds
         self.shards = shards
         self.hashes = hashes
+        self.sizes = {} if sizes is None else sizes
         self.locations: dict[str, str] = {}  # new location -> previous location
         self._by_loc: dict[str, builtins.list[str]] | None = None
+
+    def pack_sizes(self, step: str, refs: Mapping[str, Any]) -> dict[str, int]:
+        """The sizes of the packs a new index ``refs`` of ``step`` points into, where
+        known: its own packs hold exactly what it points at; the sizes of borrowed ones
+        are carried over from this (its base's) ``sizes``."""
+        out: dict[str, int] = {}
+        for v in refs.values():
+            if not isinstance(v, list):
+                continue
+            if v[0].startswith(UP):
+                rel = v[0][len(UP) :]
+                if rel in self.sizes:
+                    out[rel] = self.sizes[rel]
+            else:
+                rel = f"{step}/{v[0]}"
+                out[rel] = out.get(rel, 0) + v[2]
+        return out
 
     def packs(self) -> builtins.list[str]:
         """Every root-relative pack this index points into (what a lease protects)."""

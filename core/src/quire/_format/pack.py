@@ -25,7 +25,7 @@ A pack lost with a crashed process is garbage under an uncommitted txid.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from quire._format.borrow import Previous, content_hash, from_root
@@ -76,17 +76,46 @@ class PackWriter(Wrapped):
         self._closing: dict[asyncio.Task[None], Any] = {}  # sealed packs being completed
         self._opening: asyncio.Future[Any] | None = None
         self._size = 0
+        self._roll = False  # the next streamed chunk opens a new pack (fresh_pack)
         # Incremental saves (quire._format.borrow): every chunk's xxh3-128, and chunks equal
         # to the previous step's at their place point at its bytes instead of being written.
         self.hashes: dict[str, str] | None = None
         self.previous: Previous | None = None
+        self._candidate: Previous | None = None  # what may be borrowed, once leased
+        self._lease: Callable[[], Awaitable[bool]] | None = None
+        self._leasing: asyncio.Future[Previous | None] | None = None
         self.borrowed: dict[str, int] = {}  # borrowed target -> bytes borrowed from it
         self.borrowed_bytes = 0
+        self.compacted = 0  # bytes moved out of mostly-dead borrowed packs (own)
 
-    def incremental(self, previous: Previous | None) -> None:
-        """Hash every chunk into the index, borrowing from ``previous`` where equal."""
+    def incremental(
+        self,
+        previous: Previous | None,
+        lease: Callable[[], Awaitable[bool]] | None = None,
+    ) -> None:
+        """Hash every chunk into the index, borrowing from ``previous`` where equal.
+        ``lease``: called once, before the first borrow (the first chunk found equal, or
+        :meth:`resolve`), it says whether ``previous`` may be borrowed from after all (a
+        save whose every chunk changed then makes no request for it)."""
         self.hashes = {}
-        self.previous = previous
+        self._candidate = previous
+        self._lease = lease
+        self._leasing = None
+        if lease is None:
+            self.previous = previous
+
+    async def resolve(self) -> Previous | None:
+        """What this save borrows from: the candidate once its lease is taken (None when
+        there is none, or it is gone)."""
+        if self._lease is None:
+            return self.previous
+        if self._leasing is None:
+            self._leasing = asyncio.ensure_future(self._take(self._lease))
+        return await asyncio.shield(self._leasing)
+
+    async def _take(self, lease: Callable[[], Awaitable[bool]]) -> Previous | None:
+        self.previous = self._candidate if await lease() else None
+        return self.previous
 
     def _borrow(self, key: str, old: str) -> None:
         assert self.previous is not None and self.hashes is not None
@@ -144,8 +173,9 @@ class PackWriter(Wrapped):
             digest = (
                 await run_blocking(content_hash, views) if n > (1 << 16) else content_hash(views)
             )
-            old = self.previous.match(key, digest, n) if self.previous is not None else None
-            if old is not None:
+            cand = self._candidate
+            old = cand.match(key, digest, n) if cand is not None else None
+            if old is not None and await self.resolve() is not None:
                 self._borrow(key, old)
                 return
             self.hashes[key] = digest
@@ -168,6 +198,36 @@ class PackWriter(Wrapped):
                 return
             except UnicodeDecodeError:
                 pass
+        await self._store(key, views, n, bind)
+
+    def fresh_pack(self) -> None:
+        """Start a new pack for the next chunks (compaction keeps the chunks it moves
+        apart from the step's changed ones: they are the ones likely to stay)."""
+        if self._streaming:
+            self._roll = True
+        else:
+            self._seal()
+
+    async def own(self, key: str, views: list[memoryview]) -> None:
+        """Write the bytes of the borrowed ``key`` (checked by the caller) into this step's
+        own packs: compaction of a mostly-dead borrowed pack.  Its binding, shard trailers
+        and hash stay; it is no longer borrowed."""
+        ref = self.refs[key]
+        assert isinstance(ref, list) and ref[0] in self.borrowed
+        n = sum(v.nbytes for v in views)
+        assert n == ref[2], (key, n, ref)
+        left = self.borrowed[ref[0]] - n
+        if left:
+            self.borrowed[ref[0]] = left
+        else:
+            del self.borrowed[ref[0]]
+        self.borrowed_bytes -= n
+        self.compacted += n
+        await self._store(key, views, n, self.binds[key])
+
+    async def _store(
+        self, key: str, views: list[memoryview], n: int, bind: tuple[str, bool]
+    ) -> None:
         if self._streaming:
             await self._stream(key, views, n, bind)
             return
@@ -190,7 +250,7 @@ class PackWriter(Wrapped):
     ) -> None:
         while self._opening is not None and not self._opening.done():
             await asyncio.shield(self._opening)
-        if not self._writers or (self._size and self._size + n > self.pack_bytes):
+        if not self._writers or (self._size and (self._roll or self._size + n > self.pack_bytes)):
             loop = asyncio.get_running_loop()
             self._opening = loop.create_future()
             try:
@@ -201,6 +261,7 @@ class PackWriter(Wrapped):
                 self._writers.append(w)
                 self._writing[id(w)] = 0
                 self._size = 0
+                self._roll = False
                 self.packs += 1
             finally:
                 self._opening.set_result(None)
@@ -278,7 +339,10 @@ class PackWriter(Wrapped):
         return index_entry(self.txid, self.process, key, data, self.borrowed)
 
     async def abort(self) -> None:
-        """Stop uploads in flight (the caller removes the txid's data)."""
+        """Stop uploads in flight (the caller removes the txid's data) and let a lease
+        being taken land (the caller releases it)."""
+        if self._leasing is not None:
+            await asyncio.gather(self._leasing, return_exceptions=True)
         self._pending = []
         for t in self._uploads:
             t.cancel()
