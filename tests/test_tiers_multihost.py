@@ -190,7 +190,12 @@ def test_two_processes_without_peers_restore_through_collectives(
     local = tmp_path / "local"
     base = {"persistent": url, "options": moto.options(proxy.endpoint), "local": str(local),
             "timeout": 20, "peers": 0, "every": 2}  # fmt: skip
-    ok(*launch(tmp_path, {**base, "first": 1, "last": 4}, n=2), n=2)
+    results, codes = launch(
+        tmp_path, {**base, "first": 1, "last": 4, "check_incremental": True}, n=2
+    )
+    ok(results, codes, n=2)
+    refused = [r["error"] for r in of(results, "incremental")]
+    assert len(refused) == 2 and all("incremental=True" in (e or "") for e in refused), refused
     for p in range(2):
         assert markers(local, p, 4) == [f"p{p:05d}.json"]  # no peer copies
     proxy.clear()

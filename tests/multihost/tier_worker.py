@@ -8,7 +8,8 @@ Config: ``persistent`` / ``options`` (the persistent tier and its storage option
 that process SIGKILLs itself in the middle of that step's local save, after writing its
 packs), ``expect`` (the step the restore must agree on, or null), ``hang`` (a process that
 sleeps instead of taking part in a final ``latest_step()``), ``silent`` (a process whose peer
-server accepts connections and never answers).  Prints ``QUIRE-TIER <json>`` lines.
+server accepts connections and never answers), ``check_incremental`` (first check that
+``incremental=True`` with the local tier is refused).  Prints ``QUIRE-TIER <json>`` lines.
 """
 
 from __future__ import annotations
@@ -101,6 +102,18 @@ if kill and kill[0] == pid:  # fault injection: die in the middle of that local 
         return out
 
     _save.write_units = write_units  # type: ignore[assignment]
+
+if cfg.get("check_incremental"):  # incremental + a multi-process local tier: refused
+    try:
+        quire.Checkpointer(
+            cfg["persistent"],
+            storage_options=cfg["options"],
+            incremental=True,
+            local=quire.LocalTier(cfg["local"]),
+        )
+        emit(check="incremental", error=None)
+    except NotImplementedError as e:
+        emit(check="incremental", error=str(e))
 
 try:
     with quire.Checkpointer(
