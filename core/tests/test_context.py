@@ -284,9 +284,11 @@ def test_primary_process_and_timeout_reach_the_engine(monkeypatch: pytest.Monkey
     import quire._runtime.multihost as mh
 
     class Probe(mh.Coordinator):
-        def __init__(self, url: str, what: str, *, primary: int, timeout: float | None) -> None:
+        def __init__(
+            self, url: str, what: str, *, primary: int, timeout: float | None, **kw: Any
+        ) -> None:
             seen.append((primary, timeout))
-            super().__init__(url, what, primary=primary, timeout=timeout)
+            super().__init__(url, what, primary=primary, timeout=timeout, **kw)
 
     monkeypatch.setattr(_engine, "Coordinator", Probe)
     with quire.Context(timeout=12.5):

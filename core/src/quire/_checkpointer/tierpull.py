@@ -64,7 +64,26 @@ class PeerCopies:
         self._addresses: dict[int, tuple[str, int]] = {}
 
     def close(self) -> None:
-        self.server.close()
+        """Close the server once the ``peers`` successors, which pull from it, say they are
+        closing too (their last pulls are then over), or after ``timeout``: a process that
+        closed first would fail its successor's copy of the last step."""
+        try:
+            c = _client()
+            closing = _key(f"{self.name}/closing")
+            c.key_value_set(f"{closing}/{self.me}", "1")
+            for s in range(1, min(self.peers, self.count - 1) + 1):
+                j = (self.me + s) % self.count
+                try:
+                    c.blocking_key_value_get(f"{closing}/{j}", self._ms())
+                except Exception as e:
+                    log.warning(
+                        "%s: process %d did not close within %gs; closing the peer server "
+                        "anyway (its copy of this process's last step may fail): %s",
+                        self.root, j, self.timeout, _first_line(e),
+                    )  # fmt: skip
+                    break
+        finally:
+            self.server.close()
 
     def _ms(self) -> int:
         return min(2**31 - 1, max(1, int(self.timeout * 1000)))
