@@ -220,22 +220,42 @@ def test_two_processes_without_peers_restore_through_collectives(
     assert any("p00000" in g for g in step_gets(proxy, prefix))
 
 
+def step_bytes(root: Path) -> int:
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+
 def test_a_silent_peer_is_passed_over_for_another_holder(tmp_path: Path) -> None:
-    """3 processes, ``peers=2``: process 0's directory wiped; process 1's peer server accepts
-    connections and never answers.  Process 0 pulls each owner's objects from another holder
-    after the deadline, and the restore is whole and bit-identical."""
+    """3 processes, ``peers=2`` (every process holds every object).  Nothing lost: the
+    restore reads nothing from peers (0 bytes served).  Then process 0's directory wiped and
+    process 1's peer server accepts connections and never answers: process 0 reads the byte
+    ranges its shards need from process 2 after waiting out process 1 once, whole and
+    bit-identical, and fewer bytes than the step holds; its directory is not refilled (the
+    next local save writes it)."""
     local = tmp_path / "local"
     base = {"persistent": str(tmp_path / "persistent"), "options": None, "local": str(local),
             "timeout": 4, "peers": 2}  # fmt: skip
     ok(*launch(tmp_path, {**base, "first": 1, "last": 2}, n=3), n=3)
     for p in range(3):
         assert markers(local, p, 2) == ["p00000.json", "p00001.json", "p00002.json"]
+    results, codes = launch(tmp_path, {**base, "first": 3, "last": 2}, n=3)
+    ok(results, codes, n=3)
+    restored = of(results, "restored")
+    assert [(r["step"], r["same"], r["served"], r["read"]) for r in restored] == [
+        (2, True, 0, {})
+    ] * 3
+    whole = step_bytes(local / "process_00002" / "step_00000002")
     shutil.rmtree(local / "process_00000")
     results, codes = launch(tmp_path, {**base, "first": 3, "last": 2, "silent": 1}, n=3)
     ok(results, codes, n=3)
-    assert [(r["step"], r["same"]) for r in of(results, "restored")] == [(2, True)] * 3
     restored = of(results, "restored")
+    assert [(r["step"], r["same"]) for r in restored] == [(2, True)] * 3
     assert restored[0]["seconds"] >= 4  # process 0 waited out the silent peer once
-    assert markers(local, 0, 2) == ["p00000.json", "p00001.json", "p00002.json"]
+    got, n = restored[0]["read"]["process 2"]
+    assert set(restored[0]["read"]) <= {"process 1", "process 2"}
+    assert restored[0]["read"].get("process 1", [0, 0])[0] == 0
+    record = (local / "process_00002" / "step_00000002" / "quire.json").stat().st_size
+    assert restored[2]["served"] == got + record and 0 < got < whole, (got, record, whole)
+    assert [r["read"] for r in restored[1:]] == [{}, {}]  # they hold everything
+    assert not (local / "process_00000" / "step_00000002").exists()  # not refilled
     err = (tmp_path / "logs").glob("3-2-*-0.err")
     assert any("from process 1" in f.read_text() for f in err)
