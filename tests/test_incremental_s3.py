@@ -25,7 +25,12 @@ def test_incremental_state_machine_on_moto(
     moto: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     run_machine(
-        monkeypatch, 2, tmp_path, backend=_s3_backend(), fresh_url=moto.fresh_url, options=moto.options()
+        monkeypatch,
+        2,
+        tmp_path,
+        backend=_s3_backend(),
+        fresh_url=moto.fresh_url,
+        options=moto.options(),
     )
 
 
@@ -34,5 +39,10 @@ def test_incremental_state_machine_on_moto_slow(
     moto: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     run_machine(
-        monkeypatch, 25, tmp_path, backend=_s3_backend(), fresh_url=moto.fresh_url, options=moto.options()
+        monkeypatch,
+        25,
+        tmp_path,
+        backend=_s3_backend(),
+        fresh_url=moto.fresh_url,
+        options=moto.options(),
     )

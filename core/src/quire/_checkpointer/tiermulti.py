@@ -435,9 +435,9 @@ class Spread:
         url, purl, rel = inner._url(s), outer._url(s), inner._fmt.name(s)
         backend = open_backend(url, inner._storage_options)
         pb = open_backend(purl, outer._storage_options)
-        digest, raw = plan.digest, None
+        digest, raw, praw = plan.digest, None, None
         if digest is None:  # the persistent tier's record: local holders of it help
-            raw = (await _commit.read(pb, purl)).raw
+            raw = praw = (await _commit.read(pb, purl)).raw
             digest = _digest(raw)
             if not any(h for h in _holders(views, s, digest).values()):
                 return None
@@ -465,7 +465,7 @@ class Spread:
             by_owner[j] = srcs
 
         async def persistent_record() -> bytes:
-            return await read_record(pb, purl)
+            return praw if praw is not None else await read_record(pb, purl)
 
         return RestoreReader(
             url,
