@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import json
 import logging
 import time
@@ -39,11 +38,13 @@ from quire._checkpointer.tierpull import PeerCopies
 from quire._checkpointer.tierread import (
     RestoreReader,
     Source,
+    agreed_record,
     local_source,
     peer_source,
     persistent_source,
     read_record,
 )
+from quire._checkpointer.tierread import digest as _digest
 from quire._engine import commit as _commit
 from quire._engine import tierpeers as _peers
 from quire._format import record as _format
@@ -56,7 +57,6 @@ from quire.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     MultiProcessError,
-    PeerError,
 )
 
 if TYPE_CHECKING:
@@ -77,10 +77,6 @@ class Plan:
     step: int
     digest: str | None
     views: tuple[dict[str, Any], ...]
-
-
-def _digest(raw: bytes) -> str:
-    return hashlib.sha256(raw).hexdigest()[:32]
 
 
 def _holders(views: Sequence[dict[str, Any]], step: int, digest: str) -> dict[int, list[int]]:
@@ -443,7 +439,7 @@ class Spread:
                 return None
         has_rec = [p for p, v in enumerate(views) if v["steps"].get(str(s), {}).get("d") == digest]
         if raw is None:
-            raw = await self._record(backend, url, rel, s, digest, has_rec)
+            raw = await agreed_record(copies, self.me, backend, url, rel, digest, has_rec)
         if _digest(raw) != digest:
             raise CorruptCheckpointError(
                 f"{url}: the commit record received for step {s} is not the agreed one"
@@ -475,29 +471,4 @@ class Spread:
             by_owner,
             persistent_record if in_persistent else None,
             getattr(backend, "keep_open", None),
-        )
-
-    async def _record(
-        self, backend: Any, url: str, rel: str, s: int, digest: str, has_rec: list[int]
-    ) -> bytes:
-        """The agreed record of step ``s``: this root's, else a holder's over TCP."""
-        copies = self.copies
-        assert copies is not None
-        if self.me in has_rec:
-            return await read_record(backend, url)
-        start = self.me % len(has_rec)
-        errors = []
-        for h in has_rec[start:] + has_rec[:start]:
-            try:
-                got = await copies.fetch_record(h, rel)
-            except PeerError as e:
-                log.warning("%s: step %d: record from process %d: %s", url, s, h, e)
-                errors.append(f"process {h}: {e}")
-                continue
-            if _digest(got) == digest:
-                return got
-            errors.append(f"process {h}: not the agreed record")
-        raise PeerError(
-            f"{url}: restoring step {s}: no holder of its commit record answered "
-            f"(each is treated as lost): {'; '.join(errors)}"
         )

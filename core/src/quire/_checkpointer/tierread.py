@@ -40,7 +40,16 @@ from quire.errors import PeerError
 if TYPE_CHECKING:
     from quire._checkpointer.tierpull import PeerCopies
 
-__all__ = ["RestoreReader", "Source", "local_source", "peer_source", "persistent_source"]
+__all__ = [
+    "RestoreReader",
+    "Source",
+    "agreed_record",
+    "digest",
+    "local_source",
+    "peer_source",
+    "persistent_source",
+    "read_record",
+]
 
 log = logging.getLogger("quire")
 
@@ -370,3 +379,39 @@ class RestoreReader(Backend):
 async def read_record(backend: Backend, url: str) -> bytes:
     """The commit record's bytes at ``backend`` (checked as every record read is)."""
     return (await _commit.read(backend, url)).raw
+
+
+def digest(raw: bytes) -> str:
+    """A commit record's digest, as processes compare them when agreeing on a step."""
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+async def agreed_record(
+    copies: PeerCopies,
+    me: int,
+    backend: Backend,
+    url: str,
+    rel: str,
+    want: str,
+    has_rec: builtins.list[int],
+) -> bytes:
+    """The agreed record (digest ``want``) of step ``rel``: this root's, else a holder's
+    over TCP (the next holder when one fails or sends another record)."""
+    if me in has_rec:
+        return await read_record(backend, url)
+    start = me % len(has_rec)
+    errors = []
+    for h in has_rec[start:] + has_rec[:start]:
+        try:
+            got = await copies.fetch_record(h, rel)
+        except PeerError as e:
+            log.warning("%s: the commit record from process %d: %s", url, h, e)
+            errors.append(f"process {h}: {e}")
+            continue
+        if digest(got) == want:
+            return got
+        errors.append(f"process {h}: not the agreed record")
+    raise PeerError(
+        f"{url}: restoring this step: no holder of its commit record answered (each is "
+        f"treated as lost): {'; '.join(errors)}"
+    )
