@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from quire._checkpointer.tierpull import PeerCopies
 from quire._checkpointer.tierread import (
+    PEER_STREAMS,
     RestoreReader,
     Source,
     agreed_record,
@@ -449,13 +450,14 @@ class Spread:
         held = _holders(views, s, digest)
         in_persistent = s in {int(x) for x in views[self.primary]["persistent"]}
         by_owner: dict[int, list[Source]] = {}
+        slots = {h: asyncio.Semaphore(PEER_STREAMS) for h in range(self.count)}
         for j in _peers.owners(doc, self.primary):
             hs = held.get(j, [])
             srcs = [local_source(backend, doc, j)] if self.me in hs else []
             others = [h for h in hs if h != self.me]
             if others:
                 k = (self.me + j) % len(others)
-                srcs += [peer_source(copies, h, rel, doc, j) for h in others[k:] + others[:k]]
+                srcs += [peer_source(copies, h, rel, doc, j, slots[h]) for h in others[k:] + others[:k]]
             if in_persistent:
                 srcs.append(persistent_source(pb, purl, doc, j, self.primary))
             by_owner[j] = srcs

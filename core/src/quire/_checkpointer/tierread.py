@@ -35,12 +35,13 @@ from quire._format.chunkindex import PACK_DIR
 from quire._runtime import peerlink
 from quire._runtime.ioloop import run_blocking
 from quire._store.base import Backend, Buffer, Capabilities
-from quire.errors import PeerError
+from quire.errors import MultiProcessError, PeerError
 
 if TYPE_CHECKING:
     from quire._checkpointer.tierpull import PeerCopies
 
 __all__ = [
+    "PEER_STREAMS",
     "RestoreReader",
     "Source",
     "agreed_record",
@@ -100,13 +101,23 @@ class _Local(Source):
 
 class _Peer(Source):
     def __init__(
-        self, copies: PeerCopies, holder: int, rel: str, doc: Mapping[str, Any], owner: int
+        self,
+        copies: PeerCopies,
+        holder: int,
+        rel: str,
+        doc: Mapping[str, Any],
+        owner: int,
+        slots: asyncio.Semaphore,
     ) -> None:
         super().__init__(f"process {holder}")
         self.copies, self.holder, self.rel = copies, holder, rel
-        self.doc, self.owner = doc, owner
+        self.doc, self.owner, self.slots = doc, owner, slots
 
     async def _fetch(self, key: str, limit: int, span: tuple[int, int] | None) -> bytes:
+        async with self.slots:  # this process's connections to that peer at once
+            return await self._fetch_now(key, limit, span)
+
+    async def _fetch_now(self, key: str, limit: int, span: tuple[int, int] | None) -> bytes:
         addr = await run_blocking(self.copies._address, self.holder)
         a, b = span if span is not None else (None, None)
         data = await run_blocking(
@@ -179,10 +190,21 @@ def local_source(backend: Backend, doc: Mapping[str, Any], owner: int) -> Source
     return _Local(backend, doc, owner)
 
 
+#: Range reads one process sends one peer at once (its server serves 64 connections).
+PEER_STREAMS = 4
+
+
 def peer_source(
-    copies: PeerCopies, holder: int, rel: str, doc: Mapping[str, Any], owner: int
+    copies: PeerCopies,
+    holder: int,
+    rel: str,
+    doc: Mapping[str, Any],
+    owner: int,
+    slots: asyncio.Semaphore,
 ) -> Source:
-    return _Peer(copies, holder, rel, doc, owner)
+    """Owner ``owner``'s objects at process ``holder``; ``slots``: shared by every source
+    of that holder (at most :data:`PEER_STREAMS` reads at once)."""
+    return _Peer(copies, holder, rel, doc, owner, slots)
 
 
 def persistent_source(
@@ -280,7 +302,7 @@ class RestoreReader(Backend):
                 continue
             try:
                 return await op(src)
-            except PeerError as e:
+            except MultiProcessError as e:  # a PeerError, or no address published in time
                 if src.name not in self._lost:
                     self._lost.add(src.name)
                     log.warning(
