@@ -457,7 +457,9 @@ class Spread:
             others = [h for h in hs if h != self.me]
             if others:
                 k = (self.me + j) % len(others)
-                srcs += [peer_source(copies, h, rel, doc, j, slots[h]) for h in others[k:] + others[:k]]
+                srcs += [
+                    peer_source(copies, h, rel, doc, j, slots[h]) for h in others[k:] + others[:k]
+                ]
             if in_persistent:
                 srcs.append(persistent_source(pb, purl, doc, j, self.primary))
             by_owner[j] = srcs
