@@ -512,3 +512,16 @@ def test_an_altered_range_answer_is_refused(
     for where in relay(server, flip):
         with pytest.raises(PeerError, match="does not authenticate"):
             peerlink.fetch(where, "d/tx/p00000", SECRET, 10, 1 << 20, 0, 1 << 20)
+
+
+def test_fetch_into_fills_the_callers_buffers(server: peerlink.PeerServer, tier: Path) -> None:
+    big = (tier / "d" / "tx" / "p00000").read_bytes()
+    a, b = bytearray(1_500_000), bytearray(700_001)  # across the server's 1 MiB blocks
+    n = peerlink.fetch_into(
+        server.address, "d/tx/p00000", SECRET, 30, [memoryview(a), memoryview(b)], 12_345
+    )
+    assert n == len(a) + len(b) and bytes(a + b) == big[12_345 : 12_345 + n]
+    with pytest.raises(PeerError, match="past the end"):
+        peerlink.fetch_into(server.address, "d/tx/p00000", SECRET, 30, [memoryview(a)], BIG)
+    with pytest.raises(PeerError, match="different secrets"):
+        peerlink.fetch_into(server.address, "d/tx/p00000", b"z" * 32, 30, [memoryview(a)], 0)

@@ -10,7 +10,8 @@ peer's local tier by their path relative to it.
   ``root`` on the interface it is given, in threads of its own.
 * ``publish_address`` / ``lookup_address``: a server's address through the key-value store.
 * ``fetch`` / ``fetch_many`` / ``fetch_to`` (into a file): the client, one deadline per call;
-  ``fetch`` and ``fetch_many`` also read byte ranges ``[start, end)`` of files.
+  ``fetch`` and ``fetch_many`` also read byte ranges ``[start, end)`` of files, and
+  ``fetch_into`` reads one range straight into the caller's buffers.
 
 The wire format and what its MACs bind are in ``peerwire``; the server opens files
 read-only and writes nothing.
@@ -55,6 +56,7 @@ __all__ = [
     "MAX_PATH_BYTES",
     "PeerServer",
     "fetch",
+    "fetch_into",
     "fetch_many",
     "fetch_to",
     "lookup_address",
@@ -195,6 +197,34 @@ def fetch_many(
     return out
 
 
+def fetch_into(
+    address: tuple[str, int],
+    relpath: str,
+    secret: bytes,
+    timeout: float,
+    buffers: Sequence[memoryview],
+    start: int,
+) -> int:
+    """Read the bytes ``[start, start + len(buffers))`` of the peer's file ``relpath``
+    straight into ``buffers`` (in order; no copy); their length.
+
+    As :func:`fetch` with a range.  The buffers are filled as the answer arrives: when it
+    then fails to authenticate (``PeerError``), what they hold is not to be used.
+    """
+    views = [memoryview(b) for b in buffers]
+    total = sum(v.nbytes for v in views)
+    n = 0
+
+    def work(conv: _Conversation) -> None:
+        nonlocal n
+        got = conv.get(relpath, total, views, (start, start + total))
+        assert isinstance(got, int)
+        n = got
+
+    _converse(address, secret, timeout, relpath, work)
+    return n
+
+
 def fetch_to(
     address: tuple[str, int],
     relpath: str,
@@ -256,10 +286,15 @@ class _Conversation:
         self.current = ""
 
     def get(
-        self, rel: str, limit: int, into: BinaryIO | None, span: tuple[int, int] | None = None
+        self,
+        rel: str,
+        limit: int,
+        into: BinaryIO | list[memoryview] | None,
+        span: tuple[int, int] | None = None,
     ) -> bytes | int:
         """The file ``rel`` (at most ``limit`` bytes; only ``span`` = ``[start, end)`` of it
-        when given): its bytes, or, written to ``into``, its length."""
+        when given): its bytes, or, written to ``into`` (a file, or buffers exactly as long
+        as ``span``), its length."""
         self.current = rel
         seq, self.seq = self.seq, self.seq + 1
         sock, deadline, fail = self.sock, self.deadline, self.fail
@@ -287,13 +322,20 @@ class _Conversation:
         if status == b"R" and n > 4 * MAX_PATH_BYTES:
             raise fail("malformed refusal", "is it a quire peer?", hostile=True)
         h = mac(self.secret, b"ans", self.nonce, seq, raw + rng, ahead)
-        if into is None or status == b"R":
+        if isinstance(into, list) and status == b"O":  # straight into the caller's memory
+            for v in into:
+                flat = v.cast("B") if v.format != "B" or v.ndim != 1 else v
+                for lo in range(0, flat.nbytes, BLOCK):
+                    recv_into(sock, flat[lo : lo + BLOCK], deadline)
+                    h.update(flat[lo : lo + BLOCK])
+        elif into is None or status == b"R":
             buf = bytearray(n)
             view = memoryview(buf)
             for lo in range(0, n, BLOCK):
                 recv_into(sock, view[lo : lo + BLOCK], deadline)
                 h.update(view[lo : lo + BLOCK])
         else:
+            assert not isinstance(into, list)
             block = memoryview(bytearray(min(BLOCK, n)))
             for lo in range(0, n, BLOCK):
                 piece = block[: min(BLOCK, n - lo)]
