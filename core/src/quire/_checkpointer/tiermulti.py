@@ -115,6 +115,16 @@ def sources(views: Sequence[dict[str, Any]], step: int, digest: str) -> dict[int
     return out
 
 
+def _self_contained(plan: Plan) -> bool:
+    """Whether every process holds every owner's objects of the plan's step (then no
+    process reads from another)."""
+    if plan.digest is None:
+        return False
+    held = _holders(plan.views, plan.step, plan.digest)
+    everyone = set(range(len(plan.views)))
+    return all(everyone <= set(held.get(j, ())) for j in _need(plan.views, plan.step, plan.digest))
+
+
 def decide(views: Sequence[dict[str, Any]], want: int | None, primary: int) -> Plan | None:
     """The step to restore (``want``, or the newest restorable), the same in every process.
 
@@ -314,16 +324,18 @@ class Spread:
             # went on (closing its server, or its retention deleting the step) would cut off
             # a slower one.  A failing process takes part too, then raises its own error.
             # The others wait for it twice this process's restore time, plus one deadline
-            # per other process (each may have waited out one lost peer).
+            # per other process (each may have waited out one lost peer).  Not needed when
+            # every process holds every owner's objects (the same answer everywhere).
             try:
-                self._exchange(
-                    f"restoring step {plan.step}: waiting for every process to finish reading",
-                    f"{self.name}/restored/{self._seq}",
-                    list(range(self.count)),
-                    b"",
-                    url,
-                    2 * (time.monotonic() - t0) + self.count * self._timeout(),
-                )
+                if not _self_contained(plan):
+                    self._exchange(
+                        f"restoring step {plan.step}: waiting for every process to finish reading",
+                        f"{self.name}/restored/{self._seq}",
+                        list(range(self.count)),
+                        b"",
+                        url,
+                        2 * (time.monotonic() - t0) + self.count * self._timeout(),
+                    )
             except MultiProcessError:
                 if not failed:
                     raise
