@@ -17,11 +17,16 @@ process (``quire._engine.tierpeers``).  This module adds what needs every proces
   holder (with the same record), or which the persistent tier holds.  A step some owner's
   objects were never completed for (a process killed mid-save) has no holder for them and
   is never chosen.
-* **Restore** (:meth:`Spread.load`): every process first gets what it lacks of the chosen
-  step - the record, then each owner's objects - from the least-loaded live holder (an
-  exchange among the holder and the processes lacking them), or from the persistent tier
-  for owners no live holder has (only when that tier has the step, with the same record);
-  then it loads from its own local root, which now holds the whole step.
+* **Restore** (:meth:`Spread.load`): with ``peers > 0`` (TCP), the normal load reads the
+  chosen step through a read-only view (``quire._checkpointer.tierread``): only the byte
+  ranges its shards need, each owner's from this root when it holds them, else from a live
+  holder over TCP (the next one when one fails), else from the persistent tier (only when it
+  holds the step with the same record); then every process waits until all are done reading.
+  With ``peers=0``, every process first gets what it lacks of the step - the record, then
+  each owner's objects - from the least-loaded live holder (an exchange among the holder and
+  the processes lacking them), or from the persistent tier for owners no live holder has
+  (only when that tier has the step, with the same record); then it loads from its own local
+  root, which now holds the whole step.
 """
 
 from __future__ import annotations
