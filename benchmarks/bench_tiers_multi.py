@@ -26,7 +26,9 @@ Rows (seconds of the slowest process, best of ``--reps``):
 * ``restore: persistent``: the promoted step by a plain Checkpointer on the S3 root.
 
 ``requests`` = HTTP requests through the proxy during the launch (by method; the
-Checkpointer's own listing included).  Every restore is checked byte for byte.
+Checkpointer's own listing included); ``MiB read from peers`` = what the restore's
+processes read from each other over TCP, all processes together.  Every restore is checked
+byte for byte.
 """
 
 from __future__ import annotations
@@ -115,6 +117,11 @@ def worker(pid: int, n: int, port: int, cfg: dict[str, Any]) -> None:
         same(got, state(step))
         return t
 
+    def peer_bytes(c: Any) -> int:
+        """Bytes this process's restore read from other processes (over TCP)."""
+        got = c._tier.spread.last_restore.items()
+        return sum(b for k, (b, _) in got if k.startswith("process "))
+
     phase = cfg["phase"]
     if phase == "plain":
         with quire.Checkpointer(cfg["plain"], storage_options=opts) as c:
@@ -131,12 +138,14 @@ def worker(pid: int, n: int, port: int, cfg: dict[str, Any]) -> None:
     elif phase == "restore-local":
         with tiered() as c:
             out["wall"] = timed_load(c, 3)
+            out["peer"] = peer_bytes(c)
     elif phase == "restore-peer":
         if pid == 1:
             shutil.rmtree(os.path.join(local, "process_00001"))
         sync("wiped")
         with tiered() as c:
             out["wall"] = timed_load(c, 2)
+            out["peer"] = peer_bytes(c)
     elif phase == "restore-persistent":
         with quire.Checkpointer(cfg["tiered"], storage_options=opts) as c:
             out["wall"] = timed_load(c, 2)
@@ -195,7 +204,7 @@ def main() -> None:
     client.create_bucket(Bucket=BUCKET)
     opts = {"endpoint_url": proxy.endpoint, "key": KEY, "secret": SECRET}
     base = tempfile.mkdtemp(prefix="quire-bench-tiers-multi-")
-    rows: dict[tuple[int, str], list[tuple[float, float, dict[str, int]]]] = (
+    rows: dict[tuple[int, str], list[tuple[float, float, dict[str, int], int | None]]] = (
         collections.defaultdict(list)
     )
 
@@ -216,15 +225,16 @@ def main() -> None:
 
                 rs = launch(n, {**cfg, "phase": "plain"})
                 rows[(n, "save: plain persistent")].append(
-                    (max(r["blocked"] for r in rs), max(r["wall"] for r in rs), reqs())
+                    (max(r["blocked"] for r in rs), max(r["wall"] for r in rs), reqs(), None)
                 )
                 rs = launch(n, {**cfg, "phase": "tiered"})
                 got = reqs()
                 rows[(n, "save: tiered, local + promotion")].append(
-                    (max(r["promoted"][0] for r in rs), max(r["promoted"][1] for r in rs), got)
-                )
+                    (max(r["promoted"][0] for r in rs), max(r["promoted"][1] for r in rs), got,
+                     None)
+                )  # fmt: skip
                 rows[(n, "save: tiered, local only")].append(
-                    (max(r["local"][0] for r in rs), max(r["local"][1] for r in rs), {})
+                    (max(r["local"][0] for r in rs), max(r["local"][1] for r in rs), {}, None)
                 )
                 for name, phase in [
                     ("restore: local", "restore-local"),
@@ -232,8 +242,10 @@ def main() -> None:
                     ("restore: persistent", "restore-persistent"),
                 ]:
                     reqs()
-                    wall = max(r["wall"] for r in launch(n, {**cfg, "phase": phase}))
-                    rows[(n, name)].append((wall, wall, reqs()))
+                    rs = launch(n, {**cfg, "phase": phase})
+                    wall = max(r["wall"] for r in rs)
+                    peer = sum(r["peer"] for r in rs) if "peer" in rs[0] else None
+                    rows[(n, name)].append((wall, wall, reqs(), peer))
                 print(f"{n} processes: rep {rep + 1}/{args.reps} done", file=sys.stderr)
     finally:
         proxy.stop()
@@ -246,16 +258,21 @@ def main() -> None:
         f"process, S3 = moto behind a {args.latency_ms:g} ms proxy; slowest process, best of "
         f"{args.reps}\n"
     )
-    print("| procs | row | blocked s | wall s | requests to S3 |\n|---|---|---|---|---|")
+    print(
+        "| procs | row | blocked s | wall s | requests to S3 | MiB read from peers |\n"
+        "|---|---|---|---|---|---|"
+    )
     for (n, name), rs in rows.items():
         best = min(rs, key=lambda r: r[1])
         req = ", ".join(f"{m} {k}" for m, k in sorted(best[2].items())) or "0"
-        print(f"| {n} | {name} | {best[0]:.3f} | {best[1]:.3f} | {req} |")
+        peer = "" if best[3] is None else f"{best[3] / (1 << 20):.2f}"
+        print(f"| {n} | {name} | {best[0]:.3f} | {best[1]:.3f} | {req} | {peer} |")
     for n in args.procs:
         r = {name: min(x[1] for x in rs) for (m, name), rs in rows.items() if m == n}
         print(
             f"\n{n} processes: restore lost-dir / local = "
             f"{r['restore: lost dir (peers)'] / r['restore: local']:.2f}x; persistent / "
+            f"local = {r['restore: persistent'] / r['restore: local']:.2f}x; persistent / "
             f"lost-dir = {r['restore: persistent'] / r['restore: lost dir (peers)']:.2f}x; "
             f"save blocked tiered local-only / plain = "
             f"{min(x[0] for x in rows[(n, 'save: tiered, local only')]) / min(x[0] for x in rows[(n, 'save: plain persistent')]):.2f}x"

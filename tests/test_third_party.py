@@ -102,7 +102,9 @@ def test_save_and_load_through_backend_codec_and_handler(acme: Any, service: str
     assert "quire.json" in keys
     packs = [k for k in keys if "/%packs/p00000-" in k]  # format v2: the chunks are in packs
     assert (
-        packs and tree["w"].tobytes()[:64] not in quire._runtime.ioloop.submit(backend.get(packs[0])).result()
+        packs
+        and tree["w"].tobytes()[:64]
+        not in quire._runtime.ioloop.submit(backend.get(packs[0])).result()
     )
 
 

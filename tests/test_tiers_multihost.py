@@ -9,8 +9,8 @@ A. steps 1..12 (step 10 promoted): every process's local step holds its own obje
    ring predecessor's, checked and marked;
 B. the local directories of processes 1 and 2 wiped: both holders of process 1's objects are
    gone.  Steps 12 and 11 are not restorable (the persistent tier lacks them), so every
-   process agrees on step 10, which the persistent tier holds: the restore reads only process
-   1's objects of step 10 there (and the record), each once, and is bit-identical.  Training
+   process agrees on step 10, which the persistent tier holds: the restore reads only (ranges
+   of) process 1's objects of step 10 there (and the record), and is bit-identical.  Training
    goes on (11..13 saved again); process 2 is SIGKILLed in the middle of its local save of
    step 14, and the others are killed as a job would be;
 C. process 2's local directory wiped too; all four restart: they agree on step 13 (step 14
@@ -22,6 +22,7 @@ C. process 2's local directory wiped too; all four restart: they agree on step 1
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -160,7 +161,10 @@ def test_four_processes_peer_copies_lost_holders_kill_and_hang(
     gets = step_gets(proxy, prefix)
     objects = [g for g in gets if not g.split("?")[0].endswith("quire.json")]
     assert objects and all("step_00000010/" in g and "p00001" in g for g in objects), gets
-    assert len(objects) == len(set(objects))  # each read once, by one process
+    # each process reads the ranges of them its shards need, straight from S3 (the chunk
+    # index at most once per process)
+    index = [g for g in objects if g.split("?")[0].endswith(".index.json")]
+    assert index and max(collections.Counter(index).values()) <= N, objects
     assert not of(results, "saved")  # step 14 never completed on every process
 
     # C. process 2's directory wiped after its kill: step 13 from the local tier and peers.
@@ -171,6 +175,10 @@ def test_four_processes_peer_copies_lost_holders_kill_and_hang(
     assert [r["step"] for r in of(results, "agreed")] == [13] * N
     assert [r["same"] for r in of(results, "restored")] == [True] * N
     assert step_gets(proxy, prefix) == []
+    restored = of(results, "restored")  # byte ranges from peers only, all of them served
+    assert all(k.startswith("process ") for r in restored for k in r["read"]), restored
+    peer_bytes = sum(b for r in restored for b, _ in r["read"].values())
+    assert restored[2]["read"] and peer_bytes <= sum(r["served"] for r in restored)
     hung = of(results, "hang")
     assert [r["pid"] for r in hung] == [0, 1, 2]
     for r in hung:
@@ -225,22 +233,42 @@ def test_two_processes_without_peers_restore_through_collectives(
     assert any("p00000" in g for g in step_gets(proxy, prefix))
 
 
+def step_bytes(root: Path) -> int:
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+
 def test_a_silent_peer_is_passed_over_for_another_holder(tmp_path: Path) -> None:
-    """3 processes, ``peers=2``: process 0's directory wiped; process 1's peer server accepts
-    connections and never answers.  Process 0 pulls each owner's objects from another holder
-    after the deadline, and the restore is whole and bit-identical."""
+    """3 processes, ``peers=2`` (every process holds every object).  Nothing lost: the
+    restore reads nothing from peers (0 bytes served).  Then process 0's directory wiped and
+    process 1's peer server accepts connections and never answers: process 0 reads the byte
+    ranges its shards need from process 2 after waiting out process 1 once, whole and
+    bit-identical, and fewer bytes than the step holds; its directory is not refilled (the
+    next local save writes it)."""
     local = tmp_path / "local"
     base = {"persistent": str(tmp_path / "persistent"), "options": None, "local": str(local),
             "timeout": 4, "peers": 2}  # fmt: skip
     ok(*launch(tmp_path, {**base, "first": 1, "last": 2}, n=3), n=3)
     for p in range(3):
         assert markers(local, p, 2) == ["p00000.json", "p00001.json", "p00002.json"]
+    results, codes = launch(tmp_path, {**base, "first": 3, "last": 2}, n=3)
+    ok(results, codes, n=3)
+    restored = of(results, "restored")
+    assert [(r["step"], r["same"], r["served"], r["read"]) for r in restored] == [
+        (2, True, 0, {})
+    ] * 3
+    whole = step_bytes(local / "process_00002" / "step_00000002")
     shutil.rmtree(local / "process_00000")
     results, codes = launch(tmp_path, {**base, "first": 3, "last": 2, "silent": 1}, n=3)
     ok(results, codes, n=3)
-    assert [(r["step"], r["same"]) for r in of(results, "restored")] == [(2, True)] * 3
     restored = of(results, "restored")
+    assert [(r["step"], r["same"]) for r in restored] == [(2, True)] * 3
     assert restored[0]["seconds"] >= 4  # process 0 waited out the silent peer once
-    assert markers(local, 0, 2) == ["p00000.json", "p00001.json", "p00002.json"]
+    got, requests = restored[0]["read"]["process 2"]
+    assert requests > 0 and set(restored[0]["read"]) <= {"process 1", "process 2"}
+    assert restored[0]["read"].get("process 1", [0, 0])[0] == 0
+    record = (local / "process_00002" / "step_00000002" / "quire.json").stat().st_size
+    assert restored[2]["served"] == got + record and 0 < got < whole, (got, record, whole)
+    assert [r["read"] for r in restored[1:]] == [{}, {}]  # they hold everything
+    assert not (local / "process_00000" / "step_00000002").exists()  # not refilled
     err = (tmp_path / "logs").glob("3-2-*-0.err")
     assert any("from process 1" in f.read_text() for f in err)

@@ -451,3 +451,77 @@ def test_a_link_to_the_root_itself_is_not_a_file(server: peerlink.PeerServer, ti
         peerlink.fetch(server.address, "self", SECRET, 5, 10)
     # and through it, files inside the root are served as themselves
     assert peerlink.fetch(server.address, "self/empty", SECRET, 5, 10) == b""
+
+
+def test_fetches_byte_ranges_and_counts_what_it_served(
+    server: peerlink.PeerServer, tier: Path
+) -> None:
+    big = (tier / "d" / "tx" / "p00000").read_bytes()
+    a, b = 1_000_000, 2_500_001  # across the server's 1 MiB blocks
+    assert peerlink.fetch(server.address, "d/tx/p00000", SECRET, 30, b - a, a, b) == big[a:b]
+    got = peerlink.fetch_many(
+        server.address,
+        ["d/tx/p00000", "d/tx/idx.json", "d/tx/p00000", "empty"],
+        SECRET,
+        30,
+        1 << 30,
+        [(BIG - 7, BIG), None, (5, 5), (0, 0)],
+    )
+    assert got == [big[-7:], b'{"a": 1}', b"", b""]
+    assert server.served == (b - a) + 7 + 8 and server.requests == 5
+    # a range may be longer than the file's own limit allows only up to max_bytes
+    assert peerlink.fetch(server.address, "d/tx/p00000", SECRET, 30, 10, 0, 10) == big[:10]
+
+
+def test_ranges_past_the_end_reversed_or_longer_than_asked_are_refused(
+    server: peerlink.PeerServer, tier: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="quire")
+    before = snapshot(tier.parent)
+    with pytest.raises(PeerError, match=f"range ends at byte {BIG + 1}, past the end"):
+        peerlink.fetch(server.address, "d/tx/p00000", SECRET, 10, 100, BIG - 1, BIG + 1)
+    with pytest.raises(PeerError, match="longer than the 9 bytes asked for"):
+        peerlink.fetch(server.address, "d/tx/p00000", SECRET, 10, 9, 0, 10)
+    with pytest.raises(PeerError, match="no such file"):
+        peerlink.fetch(server.address, "d/tx/nope", SECRET, 10, 9, 0, 1)
+    with pytest.raises(PeerError, match=r"with '\.\.'"):
+        peerlink.fetch(server.address, "d/../../outside/secret.txt", SECRET, 10, 9, 0, 1)
+    with pytest.raises(PeerError, match="different secrets"):
+        peerlink.fetch(server.address, "d/tx/p00000", b"y" * 32, 10, 9, 0, 1)
+    with pytest.raises(ValueError, match="both start and end"):
+        peerlink.fetch(server.address, "d/tx/p00000", SECRET, 10, 9, 0)
+    with pytest.raises(ValueError, match="bad range"):
+        peerlink.fetch(server.address, "d/tx/p00000", SECRET, 10, 9, 5, 4)
+    assert caplog.text.count("refused") >= 5 and "past the end" in caplog.text
+    assert snapshot(tier.parent) == before and server.served == 0
+
+
+def test_an_altered_range_answer_is_refused(
+    server: peerlink.PeerServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="quire")
+    spot = len(MAGIC) + NONCE + 9 + 1000
+
+    def flip(data: bytes, offset: int) -> bytes:
+        if offset <= spot < offset + len(data):
+            b = bytearray(data)
+            b[spot - offset] ^= 1
+            return bytes(b)
+        return data
+
+    for where in relay(server, flip):
+        with pytest.raises(PeerError, match="does not authenticate"):
+            peerlink.fetch(where, "d/tx/p00000", SECRET, 10, 1 << 20, 0, 1 << 20)
+
+
+def test_fetch_into_fills_the_callers_buffers(server: peerlink.PeerServer, tier: Path) -> None:
+    big = (tier / "d" / "tx" / "p00000").read_bytes()
+    a, b = bytearray(1_500_000), bytearray(700_001)  # across the server's 1 MiB blocks
+    n = peerlink.fetch_into(
+        server.address, "d/tx/p00000", SECRET, 30, [memoryview(a), memoryview(b)], 12_345
+    )
+    assert n == len(a) + len(b) and bytes(a + b) == big[12_345 : 12_345 + n]
+    with pytest.raises(PeerError, match="past the end"):
+        peerlink.fetch_into(server.address, "d/tx/p00000", SECRET, 30, [memoryview(a)], BIG)
+    with pytest.raises(PeerError, match="different secrets"):
+        peerlink.fetch_into(server.address, "d/tx/p00000", b"z" * 32, 30, [memoryview(a)], 0)

@@ -9,7 +9,9 @@ that process SIGKILLs itself in the middle of that step's local save, after writ
 packs), ``expect`` (the step the restore must agree on, or null), ``hang`` (a process that
 sleeps instead of taking part in a final ``latest_step()``), ``silent`` (a process whose peer
 server accepts connections and never answers), ``check_incremental`` (first check that
-``incremental=True`` with the local tier is refused).  Prints ``QUIRE-TIER <json>`` lines.
+``incremental=True`` with the local tier is refused).  Prints ``QUIRE-TIER <json>`` lines; the
+``restored`` line says the bytes this process's peer server answered (``served``) and what
+the restore read from others (``read``: bytes and requests per source).
 """
 
 from __future__ import annotations
@@ -142,7 +144,10 @@ try:
             t0 = time.monotonic()
             units = c.load_checkpointables(got, {"state": state(0), "loader": Loader(0)})
             ok = same(units["state"], state(got)) and units["loader"].pos == got
-            emit(check="restored", step=got, same=ok, seconds=time.monotonic() - t0)
+            spread = c._tier.spread  # type: ignore[union-attr]
+            served = spread.copies.server.served if spread.copies else None  # type: ignore[union-attr]
+            emit(check="restored", step=got, same=ok, seconds=time.monotonic() - t0,
+                 served=served, read=spread.last_restore)  # fmt: skip
             start = got + 1
         for step in range(max(start, cfg["first"]), cfg["last"] + 1):
             c.save_checkpointables(step, {"state": state(step), "loader": Loader(step)})

@@ -17,24 +17,40 @@ process (``quire._engine.tierpeers``).  This module adds what needs every proces
   holder (with the same record), or which the persistent tier holds.  A step some owner's
   objects were never completed for (a process killed mid-save) has no holder for them and
   is never chosen.
-* **Restore** (:meth:`Spread.load`): every process first gets what it lacks of the chosen
-  step - the record, then each owner's objects - from the least-loaded live holder (an
-  exchange among the holder and the processes lacking them), or from the persistent tier
-  for owners no live holder has (only when that tier has the step, with the same record);
-  then it loads from its own local root, which now holds the whole step.
+* **Restore** (:meth:`Spread.load`): with ``peers > 0`` (TCP), the normal load reads the
+  chosen step through a read-only view (``quire._checkpointer.tierread``): only the byte
+  ranges its shards need, each owner's from this root when it holds them, else from a live
+  holder over TCP (the next one when one fails), else from the persistent tier (only when it
+  holds the step with the same record); then every process waits until all are done reading.
+  With ``peers=0``, every process first gets what it lacks of the step - the record, then
+  each owner's objects - from the least-loaded live holder (an exchange among the holder and
+  the processes lacking them), or from the persistent tier for owners no live holder has
+  (only when that tier has the step, with the same record); then it loads from its own local
+  root, which now holds the whole step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from quire._checkpointer.tierpull import PeerCopies
+from quire._checkpointer.tierread import (
+    PEER_STREAMS,
+    RestoreReader,
+    Source,
+    agreed_record,
+    local_source,
+    peer_source,
+    persistent_source,
+    read_record,
+)
+from quire._checkpointer.tierread import digest as _digest
 from quire._engine import commit as _commit
 from quire._engine import tierpeers as _peers
 from quire._format import record as _format
@@ -42,13 +58,11 @@ from quire._runtime.collective import exchange
 from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.multihost import Coordinator
-from quire._runtime.tasks import gather_cancelling
-from quire._store.url import open_backend
+from quire._store.url import mounted, normalize, open_backend
 from quire.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     MultiProcessError,
-    PeerError,
 )
 
 if TYPE_CHECKING:
@@ -69,10 +83,6 @@ class Plan:
     step: int
     digest: str | None
     views: tuple[dict[str, Any], ...]
-
-
-def _digest(raw: bytes) -> str:
-    return hashlib.sha256(raw).hexdigest()[:32]
 
 
 def _holders(views: Sequence[dict[str, Any]], step: int, digest: str) -> dict[int, list[int]]:
@@ -108,6 +118,16 @@ def sources(views: Sequence[dict[str, Any]], step: int, digest: str) -> dict[int
         load[who] = load.get(who, 0) + 1
         out[j] = who
     return out
+
+
+def _self_contained(plan: Plan) -> bool:
+    """Whether every process holds every owner's objects of the plan's step (then no
+    process reads from another)."""
+    if plan.digest is None:
+        return False
+    held = _holders(plan.views, plan.step, plan.digest)
+    everyone = set(range(len(plan.views)))
+    return all(everyone <= set(held.get(j, ())) for j in _need(plan.views, plan.step, plan.digest))
 
 
 def decide(views: Sequence[dict[str, Any]], want: int | None, primary: int) -> Plan | None:
@@ -155,6 +175,7 @@ class Spread:
         self.plan: Plan | None = None
         self._seq = 0
         self.copies: PeerCopies | None = None
+        self.last_restore: dict[str, tuple[int, int]] = {}  # the last TCP restore's reads
         if self.peers:
             self.copies = PeerCopies(
                 tier.url,
@@ -175,14 +196,23 @@ class Spread:
     def _key(self, name: str) -> str:
         return Coordinator(self.name, "x", primary=self.primary, timeout=None, name=name).key
 
-    def _exchange(self, what: str, name: str, group: list[int], payload: bytes, url: str) -> Any:
+    def _exchange(
+        self,
+        what: str,
+        name: str,
+        group: list[int],
+        payload: bytes,
+        url: str,
+        timeout: float | None = None,
+    ) -> Any:
         """``exchange`` with a message naming what the processes were doing (blocking)."""
+        t = self._timeout() if timeout is None else timeout
         try:
-            return exchange(self._key(name), group, payload, self._timeout(), url)
+            return exchange(self._key(name), group, payload, t, url)
         except MultiProcessError as e:
             raise MultiProcessError(
-                f"{url}: {what}: a process did not take part within the {self._timeout():g}s "
-                f"timeout and is treated as lost (quire.configure(timeout=...)); {e}"
+                f"{url}: {what}: a process did not take part within {t:g}s and is treated as "
+                f"lost (quire.configure(timeout=...)); {e}"
             ) from e
 
     # ------------------------------------------------------------------ saving
@@ -268,6 +298,8 @@ class Spread:
                 "live holder) nor from the persistent tier"
             )
         inner = self.tier.inner
+        if self.copies is not None:  # TCP: read each range the load needs where it lies
+            return inner._load(plan.step, lambda u: self._through(plan, u, fn, fallback))
         with inner._lock:
             inner._pins[plan.step] += 1
         try:
@@ -278,6 +310,50 @@ class Spread:
             return fallback(plan.step)
         inner._relist()
         return inner._load(plan.step, fn)
+
+    def _through(
+        self, plan: Plan, url: str, fn: Callable[[str], Any], fallback: Callable[[int], Any]
+    ) -> Any:
+        """``fn(url)`` with ``url`` read through the :class:`RestoreReader` (step pinned)."""
+        failed, t0 = True, time.monotonic()
+        try:
+            reader = self.tier.inner._run(self._reader(plan))
+            if reader is None:
+                out = fallback(plan.step)
+            else:
+                with mounted(normalize(url), reader):
+                    out = fn(url)
+            failed = False
+        finally:
+            # Every process serves the others until all are done reading: a process that
+            # went on (closing its server, or its retention deleting the step) would cut off
+            # a slower one.  A failing process takes part too, then raises its own error.
+            # The others wait for it twice this process's restore time, plus one deadline
+            # per other process (each may have waited out one lost peer).  Not needed when
+            # every process holds every owner's objects (the same answer everywhere).
+            try:
+                if not _self_contained(plan):
+                    self._exchange(
+                        f"restoring step {plan.step}: waiting for every process to finish reading",
+                        f"{self.name}/restored/{self._seq}",
+                        list(range(self.count)),
+                        b"",
+                        url,
+                        2 * (time.monotonic() - t0) + self.count * self._timeout(),
+                    )
+            except MultiProcessError:
+                if not failed:
+                    raise
+        if reader is None:
+            return out
+        self.last_restore = reader.stats()
+        log.info(
+            "%s: step %d restored; read from others (bytes, requests): %s",
+            url,
+            plan.step,
+            self.last_restore or "nothing",
+        )
+        return out
 
     async def _assemble(self, plan: Plan) -> bool:
         """Get what this process lacks of ``plan.step`` into its local root; False when the
@@ -297,9 +373,6 @@ class Spread:
                 return False
         src = sources(views, s, digest)
         has_rec = [p for p, v in enumerate(views) if v["steps"].get(str(s), {}).get("d") == digest]
-        if self.copies is not None:  # every process pulls what it lacks over TCP
-            await self._pull_step(plan, backend, pb, digest, raw, sorted(src), has_rec)
-            return True
         key = f"{self.name}/restore/{self._seq}/{s}"
         if raw is None:
             lacking = [p for p in range(self.count) if p not in has_rec]
@@ -364,89 +437,59 @@ class Spread:
             await _commit.publish(backend, url, raw, doc["txids"], overwrite=True)
         return True
 
-    async def _pull_step(
-        self,
-        plan: Plan,
-        backend: Any,
-        pb: Any,
-        digest: str,
-        raw: bytes | None,
-        owners: list[int],
-        has_rec: list[int],
-    ) -> None:
-        """``_assemble`` over TCP: each process pulls what it lacks from holders (trying the
-        next holder when one fails or does not answer in time), owners in parallel; owners
-        no process holds are read from the persistent tier by one process and pulled from
-        it by the others once it says they are there."""
+    async def _reader(self, plan: Plan) -> RestoreReader | None:
+        """Over TCP (``peers > 0``): the read-only view the load reads ``plan.step``
+        through, each owner's objects from this root, else the live holders (nearest and
+        least asked first), else the persistent tier; None when no live holder has any
+        of the persistent tier's record (then it is loaded from there as any checkpoint)."""
         copies = self.copies
         assert copies is not None
         inner, outer = self.tier.inner, self.tier.outer
-        s = plan.step
+        s, views = plan.step, plan.views
         url, purl, rel = inner._url(s), outer._url(s), inner._fmt.name(s)
+        backend = open_backend(url, inner._storage_options)
+        pb = open_backend(purl, outer._storage_options)
+        digest, raw, praw = plan.digest, None, None
+        if digest is None:  # the persistent tier's record: local holders of it help
+            raw = praw = (await _commit.read(pb, purl)).raw
+            digest = _digest(raw)
+            if not any(h for h in _holders(views, s, digest).values()):
+                return None
+        has_rec = [p for p, v in enumerate(views) if v["steps"].get(str(s), {}).get("d") == digest]
         if raw is None:
-            if self.me in has_rec:
-                raw = (await _commit.read(backend, url)).raw
-            else:
-                start = self.me % len(has_rec)
-                errors = []
-                for h in has_rec[start:] + has_rec[:start]:
-                    try:
-                        got = await copies.fetch_record(h, rel)
-                    except PeerError as e:
-                        log.warning("%s: step %d: record from process %d: %s", url, s, h, e)
-                        errors.append(f"process {h}: {e}")
-                        continue
-                    if _digest(got) == digest:
-                        raw = got
-                        break
-                    errors.append(f"process {h}: not the agreed record")
-                if raw is None:
-                    raise PeerError(
-                        f"{url}: restoring step {s}: no holder of its commit record answered "
-                        f"(each is treated as lost): {'; '.join(errors)}"
-                    )
-        assert raw is not None
+            raw = await agreed_record(copies, self.me, backend, url, rel, digest, has_rec)
         if _digest(raw) != digest:
             raise CorruptCheckpointError(
                 f"{url}: the commit record received for step {s} is not the agreed one"
             )
         doc = _format.parse(raw, url)
         _commit.check_locations(doc["units"], url)
-        held = _holders(plan.views, s, digest)
-        tag = f"restore/{self._seq}/{s}"
-
-        async def one(j: int) -> None:
+        held = _holders(views, s, digest)
+        in_persistent = s in {int(x) for x in views[self.primary]["persistent"]}
+        by_owner: dict[int, list[Source]] = {}
+        slots = {h: asyncio.Semaphore(PEER_STREAMS) for h in range(self.count)}
+        for j in _peers.owners(doc, self.primary):
             hs = held.get(j, [])
-            if self.me in hs:
-                return
-            if not hs:  # no live holder: the persistent tier, through one process
-                lacking = [p for p in range(self.count) if p not in hs]
-                fetcher = lacking[j % len(lacking)]
-                if self.me == fetcher:
-                    n = await _peers.fetch_owner(pb, purl, backend, url, doc, j, self.primary)
-                    log.info(
-                        "%s: step %d: process %d's objects read from the persistent tier %s "
-                        "(%d bytes)", url, s, j, purl, n,
-                    )  # fmt: skip
-                    await copies.signal(f"{tag}/{j}")
-                    return
-                await copies.wait_for(f"{tag}/{j}", fetcher, url)
-                hs = [fetcher]
-            start = (self.me + j) % len(hs)
-            errors = []
-            for h in hs[start:] + hs[:start]:
-                try:
-                    await copies.pull(backend, url, rel, doc, self.primary, j, h)
-                    return
-                except (PeerError, CorruptCheckpointError) as e:
-                    log.warning("%s: step %d: process %d's objects from process %d: %s",
-                                url, s, j, h, e)  # fmt: skip
-                    errors.append(f"process {h}: {e}")
-            raise PeerError(
-                f"{url}: restoring step {s}: no holder of process {j}'s objects answered "
-                f"(each is treated as lost): {'; '.join(errors)}"
-            )
+            srcs = [local_source(backend, doc, j)] if self.me in hs else []
+            others = [h for h in hs if h != self.me]
+            if others:
+                k = (self.me + j) % len(others)
+                srcs += [
+                    peer_source(copies, h, rel, doc, j, slots[h]) for h in others[k:] + others[:k]
+                ]
+            if in_persistent:
+                srcs.append(persistent_source(pb, purl, doc, j, self.primary))
+            by_owner[j] = srcs
 
-        await gather_cancelling(*(one(j) for j in owners))
-        if self.me not in has_rec:
-            await _commit.publish(backend, url, raw, doc["txids"], overwrite=True)
+        async def persistent_record() -> bytes:
+            return praw if praw is not None else await read_record(pb, purl)
+
+        return RestoreReader(
+            url,
+            raw,
+            doc,
+            self.primary,
+            by_owner,
+            persistent_record if in_persistent else None,
+            getattr(backend, "keep_open", None),
+        )

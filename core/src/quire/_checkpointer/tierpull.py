@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from typing import Any
 
 from quire._engine import tierpeers as _peers
@@ -62,26 +63,20 @@ class PeerCopies:
         self.server = peerlink.PeerServer(root, self.secret, host=host)
         peerlink.publish_address(_key(f"{self.name}/address"), self.server.address)
         self._addresses: dict[int, tuple[str, int]] = {}
+        self._last_ready: str | None = None  # the key the successors delete once they pulled
 
     def close(self) -> None:
-        """Close the server once the ``peers`` successors, which pull from it, say they are
-        closing too (their last pulls are then over), or after ``timeout``: a process that
-        closed first would fail its successor's copy of the last step."""
+        """Close the server once the successors pulled this process's last step (at most
+        ``timeout``: a successor that died never acknowledges)."""
         try:
-            c = _client()
-            closing = _key(f"{self.name}/closing")
-            c.key_value_set(f"{closing}/{self.me}", "1")
-            for s in range(1, min(self.peers, self.count - 1) + 1):
-                j = (self.me + s) % self.count
-                try:
-                    c.blocking_key_value_get(f"{closing}/{j}", self._ms())
-                except Exception as e:
-                    log.warning(
-                        "%s: process %d did not close within %gs; closing the peer server "
-                        "anyway (its copy of this process's last step may fail): %s",
-                        self.root, j, self.timeout, _first_line(e),
-                    )  # fmt: skip
-                    break
+            if self._last_ready is not None:
+                c, end = _client(), time.monotonic() + self.timeout
+                while time.monotonic() < end:
+                    try:
+                        c.key_value_try_get(self._last_ready)
+                    except Exception:  # gone: every successor acknowledged
+                        break
+                    time.sleep(0.02)
         finally:
             self.server.close()
 
@@ -104,6 +99,7 @@ class PeerCopies:
         c = _client()
         ready = _key(f"{self.name}/{tag}/ready")
         await run_blocking(c.key_value_set, f"{ready}/{self.me}", "1")
+        self._last_ready = f"{ready}/{self.me}"
         for s in range(1, self.peers + 1):
             j = (self.me - s) % self.count
             try:

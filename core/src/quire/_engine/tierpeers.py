@@ -59,9 +59,13 @@ __all__ = [
     "is_safe_key",
     "is_unit_key",
     "mark_own",
+    "marked",
+    "marker_key",
+    "owned_sizes",
     "owner_of",
     "owners",
     "pack_extents",
+    "parse_marker",
     "promote_spread",
     "read_owned",
     "receive",
@@ -215,20 +219,42 @@ async def _write_marker(backend: Backend, txid: str, owner: int, sizes: Mapping[
     await backend.sync()
 
 
-async def _marked(backend: Backend, doc: Mapping[str, Any], owner: int) -> dict[str, int] | None:
-    """The objects a root's marker for ``owner`` names, or None (no marker, or damaged)."""
-    txid = _txid(doc)
+def parse_marker(raw: bytes, doc: Mapping[str, Any], owner: int) -> dict[str, int] | None:
+    """The objects a marker for ``owner`` names with their sizes, or None (malformed, or
+    naming an object outside the step's txid)."""
     try:
-        got = json.loads(await backend.get(marker_key(txid, owner)))
+        got = json.loads(raw)
         objs = got["objects"]
         ok = got["owner"] == owner and isinstance(objs, dict)
         ok = ok and all(
-            isinstance(k, str) and is_safe_key(k, doc) and isinstance(n, int)
+            isinstance(k, str) and is_safe_key(k, doc) and isinstance(n, int) and n >= 0
             for k, n in objs.items()
         )
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None
     return {str(k): int(n) for k, n in objs.items()} if ok else None
+
+
+async def marked(backend: Backend, doc: Mapping[str, Any], owner: int) -> dict[str, int] | None:
+    """The objects a root's marker for ``owner`` names, or None (no marker, or damaged)."""
+    try:
+        raw = await backend.get(marker_key(_txid(doc), owner))
+    except FileNotFoundError:
+        return None
+    return parse_marker(raw, doc, owner)
+
+
+_marked = marked
+
+
+async def owned_sizes(
+    backend: Backend, url: str, doc: Mapping[str, Any], owner: int, primary: int
+) -> dict[str, int]:
+    """``owner``'s set of the step at ``backend`` (a root without markers: the persistent
+    tier), each object with its size."""
+    keys = await _own_keys(backend, url, doc, owner, primary)
+    sizes = await asyncio.gather(*(backend.size(k) for k in keys))
+    return dict(zip(keys, sizes))
 
 
 async def holds(backend: Backend, doc: Mapping[str, Any], owner: int) -> bool:

@@ -9,7 +9,9 @@ peer's local tier by their path relative to it.
 * ``PeerServer(root, secret, host, port)``: serves read-only GETs of regular files under
   ``root`` on the interface it is given, in threads of its own.
 * ``publish_address`` / ``lookup_address``: a server's address through the key-value store.
-* ``fetch`` / ``fetch_many`` / ``fetch_to`` (into a file): the client, one deadline per call.
+* ``fetch`` / ``fetch_many`` / ``fetch_to`` (into a file): the client, one deadline per call;
+  ``fetch`` and ``fetch_many`` also read byte ranges ``[start, end)`` of files, and
+  ``fetch_into`` reads one range straight into the caller's buffers.
 
 The wire format and what its MACs bind are in ``peerwire``; the server opens files
 read-only and writes nothing.
@@ -38,6 +40,7 @@ from quire._runtime.peerwire import (
     MAGIC,
     MAX_PATH_BYTES,
     NONCE,
+    RANGE,
     REQ,
     TAG,
     Closed,
@@ -53,6 +56,7 @@ __all__ = [
     "MAX_PATH_BYTES",
     "PeerServer",
     "fetch",
+    "fetch_into",
     "fetch_many",
     "fetch_to",
     "lookup_address",
@@ -123,7 +127,13 @@ def lookup_address(key: str, index: int, timeout: float) -> tuple[str, int]:
 
 # ====================================================================== the client
 def fetch(
-    address: tuple[str, int], relpath: str, secret: bytes, timeout: float, max_bytes: int
+    address: tuple[str, int],
+    relpath: str,
+    secret: bytes,
+    timeout: float,
+    max_bytes: int,
+    start: int | None = None,
+    end: int | None = None,
 ) -> bytes:
     """The file ``relpath`` of the peer at ``address`` (blocking; at most ``timeout`` s).
 
@@ -138,14 +148,21 @@ def fetch(
     timeout : float
         Seconds for the whole call: connecting, asking and reading.
     max_bytes : int
-        The longest file accepted; the peer refuses a longer one.
+        The longest file accepted; the peer refuses a longer one.  With a range: the
+        longest range accepted.
+    start, end : int, optional
+        Only the bytes ``[start, end)`` of the file (both or neither); the peer refuses a
+        range that ends past the end of the file.
 
     Raises
     ------
     PeerError
         The peer refused, did not authenticate, answered short or not in time.
     """
-    return fetch_many(address, [relpath], secret, timeout, max_bytes)[0]
+    if (start is None) != (end is None):
+        raise ValueError("fetch: give both start and end, or neither")
+    ranges = None if start is None or end is None else [(start, end)]
+    return fetch_many(address, [relpath], secret, timeout, max_bytes, ranges)[0]
 
 
 def fetch_many(
@@ -154,23 +171,58 @@ def fetch_many(
     secret: bytes,
     timeout: float,
     max_bytes: int,
+    ranges: Sequence[tuple[int, int] | None] | None = None,
 ) -> list[bytes]:
-    """Several files of one peer over one connection, in order (see :func:`fetch`).
+    """Several files (or ranges ``[start, end)`` of files, ``ranges[i]`` for
+    ``relpaths[i]``) of one peer over one connection, in order (see :func:`fetch`).
 
-    ``max_bytes`` bounds the files together; ``timeout`` the whole call.
+    ``max_bytes`` bounds the answers together; ``timeout`` the whole call.
     """
     out: list[bytes] = []
+    if ranges is not None and len(ranges) != len(relpaths):
+        raise ValueError("fetch_many: one range (or None) per path")
+    for r in ranges or ():
+        if r is not None and not 0 <= r[0] <= r[1]:
+            raise ValueError(f"fetch_many: bad range {r}")
 
     def work(conv: _Conversation) -> None:
         left = max_bytes
-        for rel in relpaths:
-            got = conv.get(rel, left, None)
+        for i, rel in enumerate(relpaths):
+            got = conv.get(rel, left, None, None if ranges is None else ranges[i])
             assert isinstance(got, bytes)
             out.append(got)
             left -= len(got)
 
     _converse(address, secret, timeout, relpaths[0] if relpaths else "", work)
     return out
+
+
+def fetch_into(
+    address: tuple[str, int],
+    relpath: str,
+    secret: bytes,
+    timeout: float,
+    buffers: Sequence[memoryview],
+    start: int,
+) -> int:
+    """Read the bytes ``[start, start + len(buffers))`` of the peer's file ``relpath``
+    straight into ``buffers`` (in order; no copy); their length.
+
+    As :func:`fetch` with a range.  The buffers are filled as the answer arrives: when it
+    then fails to authenticate (``PeerError``), what they hold is not to be used.
+    """
+    views = [memoryview(b) for b in buffers]
+    total = sum(v.nbytes for v in views)
+    n = 0
+
+    def work(conv: _Conversation) -> None:
+        nonlocal n
+        got = conv.get(relpath, total, views, (start, start + total))
+        assert isinstance(got, int)
+        n = got
+
+    _converse(address, secret, timeout, relpath, work)
+    return n
 
 
 def fetch_to(
@@ -233,9 +285,16 @@ class _Conversation:
         self.seq = 0
         self.current = ""
 
-    def get(self, rel: str, limit: int, into: BinaryIO | None) -> bytes | int:
-        """The file ``rel`` (at most ``limit`` bytes): its bytes, or, written to ``into``,
-        its length."""
+    def get(
+        self,
+        rel: str,
+        limit: int,
+        into: BinaryIO | list[memoryview] | None,
+        span: tuple[int, int] | None = None,
+    ) -> bytes | int:
+        """The file ``rel`` (at most ``limit`` bytes; only ``span`` = ``[start, end)`` of it
+        when given): its bytes, or, written to ``into`` (a file, or buffers exactly as long
+        as ``span``), its length."""
         self.current = rel
         seq, self.seq = self.seq, self.seq + 1
         sock, deadline, fail = self.sock, self.deadline, self.fail
@@ -244,11 +303,17 @@ class _Conversation:
             raise fail(
                 f"path of {len(raw)} bytes", f"peers serve paths of at most {MAX_PATH_BYTES}"
             )
-        head = REQ.pack(b"G", len(raw), max(0, limit))
-        sock.sendall(head + raw + mac(self.secret, b"req", self.nonce, seq, head, raw).digest())
+        rng = b"" if span is None else RANGE.pack(*span)
+        head = REQ.pack(b"G" if span is None else b"R", len(raw), max(0, limit))
+        sock.sendall(
+            head + raw + rng + mac(self.secret, b"req", self.nonce, seq, head, raw, rng).digest()
+        )
         ahead = recv(sock, ANS.size, deadline)
         status, n = ANS.unpack(ahead)
-        if status not in (b"O", b"R") or (status == b"O" and n > limit):
+        want = None if span is None else span[1] - span[0]
+        if status not in (b"O", b"R") or (
+            status == b"O" and (n > limit or (want is not None and n != want))
+        ):
             raise fail(
                 f"malformed answer (status {status!r}, {n} bytes)",
                 "is it a quire peer?",
@@ -256,14 +321,21 @@ class _Conversation:
             )
         if status == b"R" and n > 4 * MAX_PATH_BYTES:
             raise fail("malformed refusal", "is it a quire peer?", hostile=True)
-        h = mac(self.secret, b"ans", self.nonce, seq, raw, ahead)
-        if into is None or status == b"R":
+        h = mac(self.secret, b"ans", self.nonce, seq, raw + rng, ahead)
+        if isinstance(into, list) and status == b"O":  # straight into the caller's memory
+            for v in into:
+                flat = v.cast("B") if v.format != "B" or v.ndim != 1 else v
+                for lo in range(0, flat.nbytes, BLOCK):
+                    recv_into(sock, flat[lo : lo + BLOCK], deadline)
+                    h.update(flat[lo : lo + BLOCK])
+        elif into is None or status == b"R":
             buf = bytearray(n)
             view = memoryview(buf)
             for lo in range(0, n, BLOCK):
                 recv_into(sock, view[lo : lo + BLOCK], deadline)
                 h.update(view[lo : lo + BLOCK])
         else:
+            assert not isinstance(into, list)
             block = memoryview(bytearray(min(BLOCK, n)))
             for lo in range(0, n, BLOCK):
                 piece = block[: min(BLOCK, n - lo)]

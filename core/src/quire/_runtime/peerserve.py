@@ -20,6 +20,7 @@ from quire._runtime.peerwire import (
     MAGIC,
     MAX_PATH_BYTES,
     NONCE,
+    RANGE,
     REQ,
     TAG,
     Closed,
@@ -76,7 +77,12 @@ class PeerServer:
     a bad MAC (the connection is dropped), a request longer than :data:`MAX_PATH_BYTES`
     (dropped), an absolute path, a path with ``..``, ``.``, empty or NUL components or
     backslashes, a path that leaves ``root`` once symlinks are resolved, anything but a
-    regular file, a file longer than the request's maximum.
+    regular file, a file longer than the request's maximum; for a range request, a range
+    that is empty-reversed (``start > end``), ends past the end of the file, or is longer
+    than the request's maximum.
+
+    :attr:`served` counts the file bytes answered (all connections), ``requests`` the files
+    or ranges answered; each answer is logged at DEBUG.
     """
 
     def __init__(
@@ -100,6 +106,8 @@ class PeerServer:
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self.served = 0  # file bytes sent, all connections together
+        self.requests = 0  # files and ranges sent
         owner = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -178,9 +186,9 @@ class PeerServer:
         if len(head) < REQ.size:
             raise Closed("short request")
         op, n, limit = REQ.unpack(head)
-        path, raw = "<unread>", b""
+        path, raw, rng = "<unread>", b"", b""
         try:
-            if op != b"G":
+            if op not in (b"G", b"R"):
                 raise _Refused(f"unknown request {op!r}", hang_up=True)
             if n > MAX_PATH_BYTES:
                 raise _Refused(
@@ -188,24 +196,43 @@ class PeerServer:
                     hang_up=True,
                 )
             raw = recv(sock, n)
+            if op == b"R":
+                rng = recv(sock, RANGE.size)
             tag = recv(sock, TAG)
             path = raw.decode("utf-8", "backslashreplace")
-            want = mac(self._secret, b"req", nonce, seq, head, raw).digest()
+            want = mac(self._secret, b"req", nonce, seq, head, raw, rng).digest()
             if not hmac.compare_digest(tag, want):
                 raise _Refused(
                     "bad MAC (not this run's secret, or a replayed request)", hang_up=True
                 )
-            fd = self._open_file(raw, limit)
+            if rng:
+                start, end = RANGE.unpack(rng)
+                if start > end or end - start > limit:
+                    raise _Refused(
+                        f"range [{start}, {end}) is reversed or longer than the {limit} "
+                        "bytes asked for"
+                    )
+                fd = self._open_file(raw, limit, end)
+            else:
+                start, end = 0, -1
+                fd = self._open_file(raw, limit)
         except _Refused as r:
             log.warning("peer server %s: refused %r from %s: %s", self.root, path[:300], who, r)
-            self._answer(sock, nonce, seq, raw, b"R", str(r))
+            self._answer(sock, nonce, seq, raw + rng, b"R", str(r))
             return not r.hang_up
         with os.fdopen(fd, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
-            self._send_file(sock, nonce, seq, raw, f, size)
+            if end < 0:
+                end = size
+            f.seek(start)
+            with self._lock:  # counted before sending: a client may act on the answer at once
+                self.served += end - start
+                self.requests += 1
+            self._send_file(sock, nonce, seq, raw + rng, f, end - start)
+        log.debug("peer server %s: sent %r [%d, %d) to %s", self.root, path, start, end, who)
         return True
 
-    def _open_file(self, raw: bytes, limit: int) -> int:
+    def _open_file(self, raw: bytes, limit: int, end: int | None = None) -> int:
         try:
             rel = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -231,9 +258,12 @@ class PeerServer:
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise _Refused("not a regular file")
-        if st.st_size > limit:
+        if end is None and st.st_size > limit:
             os.close(fd)
             raise _Refused(f"file of {st.st_size} bytes, more than the {limit} asked for")
+        if end is not None and end > st.st_size:
+            os.close(fd)
+            raise _Refused(f"range ends at byte {end}, past the end of the file ({st.st_size})")
         os.set_blocking(fd, True)
         return fd
 

@@ -4,6 +4,8 @@ One connection (numbers big-endian)::
 
     server: b"QUIREP01" + nonce (32 random bytes, fresh per connection)
     client: b"G" + u16 path length + u64 max bytes + path (UTF-8) + MAC   (one per file)
+         or b"R" + u16 path length + u64 max bytes + path + u64 start + u64 end + MAC
+                                                  (the bytes [start, end) of the file)
     server: b"O" + u64 length + body + MAC        (the file)
          or b"R" + u64 length + reason + MAC      (refused; after a bad MAC it hangs up)
 
@@ -28,7 +30,8 @@ NONCE = 32
 TAG = 32
 #: The longest request path a server reads (UTF-8 bytes); longer requests are refused.
 MAX_PATH_BYTES = 4096
-REQ = struct.Struct("!cHQ")  # b"G", path length, max bytes
+REQ = struct.Struct("!cHQ")  # b"G" / b"R", path length, max bytes
+RANGE = struct.Struct("!QQ")  # after the path of a b"R" request: start, end
 ANS = struct.Struct("!cQ")  # b"O" / b"R", length
 _SEQ = struct.Struct("!Q")
 BLOCK = 1 << 20

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from quire._runtime.config import current
@@ -40,8 +43,31 @@ def effective_options(url: str, storage_options: dict[str, Any] | None) -> dict[
     return opts
 
 
+# url -> the backend that serves it, for the code (and the background work it starts) run
+# inside ``mounted``; nothing else sees it.
+_mounts: contextvars.ContextVar[dict[str, Backend] | None] = contextvars.ContextVar(
+    "quire_mounts", default=None
+)
+
+
+@contextlib.contextmanager
+def mounted(url: str, backend: Backend) -> Iterator[None]:
+    """Inside the block (this thread / asyncio task and the work it hands to quire's
+    background threads), :func:`open_backend` of exactly ``url`` returns ``backend``: the
+    load engine reads a step through a backend the caller built (a multi-process local
+    tier's restore reader) while every message still names ``url``."""
+    token = _mounts.set({**(_mounts.get() or {}), url: backend})
+    try:
+        yield
+    finally:
+        _mounts.reset(token)
+
+
 def open_backend(url: str, storage_options: dict[str, Any] | None = None) -> Backend:
     """The backend for ``url``: its protocol's plugin, else fsspec's generic one."""
+    mounts = _mounts.get()
+    if mounts and url in mounts:
+        return mounts[url]
     proto = protocol_of(url)
     opts = effective_options(url, storage_options)
     if proto in backends.names():

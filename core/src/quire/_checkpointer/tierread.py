@@ -1,0 +1,443 @@
+"""A multi-process local tier's restore reader: each byte from the nearest live holder.
+
+:class:`RestoreReader` is a read-only :class:`~quire._store.base.Backend` over one agreed
+step (``quire._checkpointer.tiermulti.Plan``).  The load engine reads the step through it
+(``quire._store.url.mounted``: the step's local URL resolves to it for the load), unchanged:
+every chunk is checked against the chunk index and its crc32c as in any load.  Each key goes
+to its **owner**'s objects (``quire._engine.tierpeers.owner_of``: a pack or index to its
+process, anything else to the primary), and is read from
+
+1. this process's own root, when it holds that owner's objects (its marker);
+2. else a live peer holder, over the peer link (``peerlink.fetch`` with a byte range: only
+   the ranges the load asks for); a holder that fails or misses the deadline is treated as
+   lost for the rest of the load and the next one is asked;
+3. else the persistent tier, only when it holds the agreed step with the same commit
+   record (checked once, on first use).
+
+The commit record is the agreed one, served from memory.  Sizes and listings (for unit
+objects, which have no index) come from the holder's marker, or from the persistent tier.
+Nothing is written: the writes raise ``PermissionError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import hashlib
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from quire._engine import commit as _commit
+from quire._engine import tierpeers as _peers
+from quire._format.chunkindex import PACK_DIR
+from quire._runtime import peerlink
+from quire._runtime.ioloop import run_blocking
+from quire._store.base import Backend, Buffer, Capabilities
+from quire.errors import MultiProcessError, PeerError
+
+if TYPE_CHECKING:
+    from quire._checkpointer.tierpull import PeerCopies
+
+__all__ = [
+    "PEER_STREAMS",
+    "RestoreReader",
+    "Source",
+    "agreed_record",
+    "digest",
+    "local_source",
+    "peer_source",
+    "persistent_source",
+    "read_record",
+]
+
+log = logging.getLogger("quire")
+
+RECORD = "quire.json"
+_MAX_MARKER = 1 << 24
+
+
+class Source:
+    """One place an owner's objects can be read: this root, a peer, the persistent tier."""
+
+    def __init__(self, name: str, backend: Backend | None = None) -> None:
+        self.name = name
+        self.backend = backend  # a backend holding the objects (None: a peer)
+        self.bytes = 0  # bytes read from it by this load
+        self.requests = 0
+        self._listing: asyncio.Future[dict[str, int]] | None = None
+
+    async def get(self, key: str, start: int | None, end: int | None) -> bytes:
+        assert self.backend is not None
+        return await self.backend.get(key, start, end)
+
+    async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int) -> int:
+        assert self.backend is not None
+        return await self.backend.get_into(key, buffers, offset)
+
+    async def _list(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    async def listing(self) -> dict[str, int]:
+        """The owner's objects here, with their sizes (read once)."""
+        if self._listing is None:
+            self._listing = asyncio.ensure_future(self._list())
+        return await asyncio.shield(self._listing)
+
+
+class _Local(Source):
+    def __init__(self, backend: Backend, doc: Mapping[str, Any], owner: int) -> None:
+        super().__init__("this process's local tier", backend)
+        self.doc, self.owner = doc, owner
+
+    async def _list(self) -> dict[str, int]:
+        assert self.backend is not None
+        got = await _peers.marked(self.backend, self.doc, self.owner)
+        if got is None:
+            raise FileNotFoundError(f"no marker for process {self.owner}'s objects here")
+        return got
+
+
+class _Peer(Source):
+    def __init__(
+        self,
+        copies: PeerCopies,
+        holder: int,
+        rel: str,
+        doc: Mapping[str, Any],
+        owner: int,
+        slots: asyncio.Semaphore,
+    ) -> None:
+        super().__init__(f"process {holder}")
+        self.copies, self.holder, self.rel = copies, holder, rel
+        self.doc, self.owner, self.slots = doc, owner, slots
+
+    async def _fetch(self, key: str, limit: int, span: tuple[int, int] | None) -> bytes:
+        async with self.slots:  # this process's connections to that peer at once
+            return await self._fetch_now(key, limit, span)
+
+    async def _fetch_now(self, key: str, limit: int, span: tuple[int, int] | None) -> bytes:
+        addr = await run_blocking(self.copies._address, self.holder)
+        a, b = span if span is not None else (None, None)
+        data = await run_blocking(
+            peerlink.fetch,
+            addr,
+            f"{self.rel}/{key}",
+            self.copies.secret,
+            self.copies.timeout,
+            limit,
+            a,
+            b,
+        )
+        self.bytes += len(data)
+        self.requests += 1
+        return data  # type: ignore[no-any-return]
+
+    async def get(self, key: str, start: int | None, end: int | None) -> bytes:
+        if start is None or end is None:
+            size = (await self.listing()).get(key)
+            if size is None:
+                raise FileNotFoundError(f"{key}: not among {self.name}'s objects")
+            start, end = start or 0, size if end is None else end
+        return await self._fetch(key, max(0, end - start), (start, max(start, end)))
+
+    async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int) -> int:
+        async with self.slots:
+            addr = await run_blocking(self.copies._address, self.holder)
+            n = await run_blocking(
+                peerlink.fetch_into,
+                addr,
+                f"{self.rel}/{key}",
+                self.copies.secret,
+                self.copies.timeout,
+                list(buffers),
+                offset,
+            )
+        self.bytes += n
+        self.requests += 1
+        return n  # type: ignore[no-any-return]
+
+    async def _list(self) -> dict[str, int]:
+        key = _peers.marker_key(str(self.doc["txids"][0]), self.owner)
+        got = _peers.parse_marker(await self._fetch(key, _MAX_MARKER, None), self.doc, self.owner)
+        if got is None:
+            raise PeerError(f"{self.name}: its marker for process {self.owner} is malformed")
+        return got
+
+
+class _Persistent(Source):
+    def __init__(
+        self, backend: Backend, url: str, doc: Mapping[str, Any], owner: int, primary: int
+    ) -> None:
+        super().__init__(f"the persistent tier {url}", backend)
+        self.url, self.doc, self.owner, self.primary = url, doc, owner, primary
+
+    async def get(self, key: str, start: int | None, end: int | None) -> bytes:
+        data = await super().get(key, start, end)
+        self.bytes += len(data)
+        self.requests += 1
+        return data
+
+    async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int) -> int:
+        n = await super().get_into(key, buffers, offset)
+        self.bytes += n
+        self.requests += 1
+        return n
+
+    async def _list(self) -> dict[str, int]:
+        assert self.backend is not None
+        return await _peers.owned_sizes(self.backend, self.url, self.doc, self.owner, self.primary)
+
+
+def local_source(backend: Backend, doc: Mapping[str, Any], owner: int) -> Source:
+    return _Local(backend, doc, owner)
+
+
+#: Range reads one process sends one peer at once (its server serves 64 connections).
+PEER_STREAMS = 4
+
+
+def peer_source(
+    copies: PeerCopies,
+    holder: int,
+    rel: str,
+    doc: Mapping[str, Any],
+    owner: int,
+    slots: asyncio.Semaphore,
+) -> Source:
+    """Owner ``owner``'s objects at process ``holder``; ``slots``: shared by every source
+    of that holder (at most :data:`PEER_STREAMS` reads at once)."""
+    return _Peer(copies, holder, rel, doc, owner, slots)
+
+
+def persistent_source(
+    backend: Backend, url: str, doc: Mapping[str, Any], owner: int, primary: int
+) -> Source:
+    return _Persistent(backend, url, doc, owner, primary)
+
+
+class RestoreReader(Backend):
+    """Read-only view of one agreed step, each owner's objects from its sources in order.
+
+    Parameters
+    ----------
+    url : str
+        The step's URL in this process's local tier (what messages name).
+    raw : bytes
+        The agreed commit record.
+    doc : dict
+        It, parsed.
+    primary : int
+        The primary process (the owner of unit objects).
+    sources : mapping of int to list of Source
+        Per owner, where to read its objects, nearest first.
+    persistent_record : callable, optional
+        Returns (awaitable) the persistent tier's record bytes for the step; a
+        persistent source is used only when they equal ``raw``.
+    """
+
+    capabilities = Capabilities(readinto=True)
+
+    def __init__(
+        self,
+        url: str,
+        raw: bytes,
+        doc: dict[str, Any],
+        primary: int,
+        sources: Mapping[int, builtins.list[Source]],
+        persistent_record: Any = None,
+        keep_open: Any = None,
+    ) -> None:
+        super().__init__(url)
+        self.raw, self.doc, self.primary = raw, doc, primary
+        self.sources = {j: list(s) for j, s in sources.items()}
+        self._txid = str(doc["txids"][0])
+        self._lost: set[str] = set()
+        self._persistent_record = persistent_record
+        self._persistent_ok: asyncio.Future[bool] | None = None
+        self._keep_open = keep_open
+
+    @contextmanager
+    def keep_open(self) -> Iterator[None]:
+        """The local backend's ``keep_open`` scope (each local pack opened once)."""
+        if self._keep_open is None:
+            yield
+        else:
+            with self._keep_open():
+                yield
+
+    # ---------------------------------------------------------------- routing
+    def _owner(self, key: str) -> int | None:
+        if not key.startswith(f"d/{self._txid}/"):
+            return None
+        return _peers.owner_of(key, self.primary)
+
+    async def _usable(self, src: Source) -> bool:
+        if src.name in self._lost:
+            return False
+        if isinstance(src, _Persistent):
+            if self._persistent_ok is None:
+                self._persistent_ok = asyncio.ensure_future(self._check_persistent())
+            return await asyncio.shield(self._persistent_ok)
+        return True
+
+    async def _check_persistent(self) -> bool:
+        if self._persistent_record is None:
+            return False
+        try:
+            same = await self._persistent_record() == self.raw
+        except Exception as e:
+            log.warning("%s: the persistent tier's record of this step: %s", self.url, e)
+            return False
+        if not same:
+            log.warning("%s: the persistent tier holds another record of this step", self.url)
+        return bool(same)
+
+    async def _route(self, key: str, op: Any) -> Any:
+        """``op(source)`` on the first usable source of ``key``'s owner; a peer that fails
+        is lost for the rest of this load, and the next source is asked."""
+        j = self._owner(key)
+        if j is None or j not in self.sources:
+            raise FileNotFoundError(f"{self.url}/{key}: not an object of this step")
+        errors = []
+        for src in self.sources[j]:
+            if not await self._usable(src):
+                continue
+            try:
+                return await op(src)
+            except MultiProcessError as e:  # a PeerError, or no address published in time
+                if src.name not in self._lost:
+                    self._lost.add(src.name)
+                    log.warning(
+                        "%s: reading process %d's objects from %s failed (%s); treated as "
+                        "lost, the next holder is asked", self.url, j, src.name, e,
+                    )  # fmt: skip
+                errors.append(f"{src.name}: {e}")
+        raise PeerError(
+            f"{self.url}/{key}: no holder of process {j}'s objects answered (each is treated "
+            f"as lost), and the persistent tier does not hold this step with this record: "
+            f"{'; '.join(errors) or 'no holder left'}"
+        )
+
+    def stats(self) -> dict[str, tuple[int, int]]:
+        """Bytes and requests read so far from peers and the persistent tier, per source
+        name (sources not read from are left out; this root's reads are not counted)."""
+        out: dict[str, tuple[int, int]] = {}
+        for srcs in self.sources.values():
+            for s in srcs:
+                if s.requests:
+                    b, r = out.get(s.name, (0, 0))
+                    out[s.name] = (b + s.bytes, r + s.requests)
+        return out
+
+    # ---------------------------------------------------------------- reads
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        if key == RECORD:
+            return self.raw[start:end]
+        return await self._route(key, lambda s: s.get(key, start, end))  # type: ignore[no-any-return]
+
+    async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int = 0) -> int:
+        if key == RECORD:
+            return await super().get_into(key, buffers, offset)
+        return await self._route(key, lambda s: s.get_into(key, buffers, offset))  # type: ignore[no-any-return]
+
+    async def _sizes(self, key: str) -> dict[str, int]:
+        async def op(s: Source) -> dict[str, int]:
+            return await s.listing()
+
+        return await self._route(key, op)  # type: ignore[no-any-return]
+
+    async def size(self, key: str) -> int:
+        if key == RECORD:
+            return len(self.raw)
+        got = (await self._sizes(key)).get(key)
+        if got is None:
+            raise FileNotFoundError(f"{self.url}/{key}")
+        return got
+
+    async def exists(self, key: str) -> bool:
+        try:
+            await self.size(key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    async def version(self, key: str) -> str | None:
+        if key == RECORD:
+            return hashlib.sha256(self.raw).hexdigest()
+        try:
+            return f"size-{await self.size(key)}"
+        except FileNotFoundError:
+            return None
+
+    async def list(self, prefix: str = "") -> builtins.list[str]:
+        base = prefix.rstrip("/")
+        d = f"d/{self._txid}"
+        if base.startswith(f"{d}/") and not base.startswith(f"{d}/{PACK_DIR}"):
+            owners = [self.primary]
+        else:
+            owners = sorted(self.sources)
+        keys: set[str] = {RECORD}
+        for j in owners:
+            # a key routed to owner j lists j's objects
+            probe = f"{d}/{PACK_DIR}/p{j:05d}.x" if j != self.primary else f"{d}/x"
+            keys.update(await self._sizes(probe))
+        return sorted(k for k in keys if not base or k == base or k.startswith(f"{base}/"))
+
+    # ---------------------------------------------------------------- no writes
+    def _refuse(self, key: str) -> PermissionError:
+        return PermissionError(f"{self.url}/{key}: a restore reads this step; it writes nothing")
+
+    async def put(self, key: str, data: Sequence[Buffer]) -> None:
+        raise self._refuse(key)
+
+    async def put_if_absent(self, key: str, data: bytes) -> str:
+        raise self._refuse(key)
+
+    async def replace_if_match(self, key: str, data: bytes, version: str) -> str:
+        raise self._refuse(key)
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        raise self._refuse(", ".join(keys))
+
+
+async def read_record(backend: Backend, url: str) -> bytes:
+    """The commit record's bytes at ``backend`` (checked as every record read is)."""
+    return (await _commit.read(backend, url)).raw
+
+
+def digest(raw: bytes) -> str:
+    """A commit record's digest, as processes compare them when agreeing on a step."""
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+async def agreed_record(
+    copies: PeerCopies,
+    me: int,
+    backend: Backend,
+    url: str,
+    rel: str,
+    want: str,
+    has_rec: builtins.list[int],
+) -> bytes:
+    """The agreed record (digest ``want``) of step ``rel``: this root's, else a holder's
+    over TCP (the next holder when one fails or sends another record)."""
+    if me in has_rec:
+        return await read_record(backend, url)
+    start = me % len(has_rec)
+    errors = []
+    for h in has_rec[start:] + has_rec[:start]:
+        try:
+            got = await copies.fetch_record(h, rel)
+        except PeerError as e:
+            log.warning("%s: the commit record from process %d: %s", url, h, e)
+            errors.append(f"process {h}: {e}")
+            continue
+        if digest(got) == want:
+            return got
+        errors.append(f"process {h}: not the agreed record")
+    raise PeerError(
+        f"{url}: restoring this step: no holder of its commit record answered (each is "
+        f"treated as lost): {'; '.join(errors)}"
+    )

@@ -1,0 +1,152 @@
+"""The restore reader of a multi-process local tier, in one process: real local roots, a real
+``PeerServer`` on 127.0.0.1 (the holder), a dead address, and a "persistent" root.
+
+Each key goes to its owner's sources in order: this root, a live holder (byte ranges over
+the peer link, a failed holder passed over for the rest of the load), the persistent tier
+only when its record is the agreed one; the agreed record is served from memory; sizes and
+listings come from markers; nothing is written; ``mounted`` scopes the view to its block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from quire._checkpointer import tierread
+from quire._runtime import peerlink
+from quire._store.url import mounted, open_backend
+from quire.errors import PeerError
+
+SECRET = bytes(range(32))
+TX = "0123456789abcdef"
+PACK0 = f"d/{TX}/%packs/p00000-00000"
+PACK1 = f"d/{TX}/%packs/p00001-00000"
+UNIT = f"d/{TX}/loader/position.bin"
+DOC: dict[str, Any] = {"txids": [TX], "units": {}, "indexes": []}
+RAW = b'{"the": "agreed record"}'
+
+
+class Link:
+    """What a peer source uses of ``PeerCopies``: addresses, the secret, the deadline."""
+
+    def __init__(self, addresses: dict[int, tuple[str, int]]) -> None:
+        self.addresses, self.secret, self.timeout = addresses, SECRET, 5.0
+
+    def _address(self, j: int) -> tuple[str, int]:
+        return self.addresses[j]
+
+
+def write(root: Path, files: dict[str, bytes], owner: int) -> None:
+    for k, v in files.items():
+        (root / k).parent.mkdir(parents=True, exist_ok=True)
+        (root / k).write_bytes(v)
+    marker = root / f"d/{TX}/%tier/p{owner:05d}.json"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    sizes = {k: len(v) for k, v in files.items()}
+    marker.write_text(json.dumps({"owner": owner, "objects": sizes}))
+
+
+def dead_address() -> tuple[str, int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def roots(tmp_path: Path) -> dict[str, Any]:
+    mine, holder, persistent = (tmp_path / n for n in ("mine", "holder", "persistent"))
+    one = {PACK1: os.urandom(300_000), UNIT: b"position" * 10}
+    write(mine, {PACK0: os.urandom(1000)}, 0)
+    write(holder / "s", one, 1)  # the step's directory under the served root
+    for k, v in one.items():
+        (persistent / k).parent.mkdir(parents=True, exist_ok=True)
+        (persistent / k).write_bytes(v)
+    return {"mine": mine, "holder": holder, "persistent": persistent, "one": one}
+
+
+def reader(
+    roots: dict[str, Any], server: peerlink.PeerServer, persistent_raw: bytes | None
+) -> tierread.RestoreReader:
+    link = Link({1: server.address, 2: dead_address()})
+    local = open_backend(str(roots["mine"]))
+    pb = open_backend(str(roots["persistent"]))
+    slots = {h: asyncio.Semaphore(tierread.PEER_STREAMS) for h in (1, 2)}
+
+    async def record() -> bytes:
+        assert persistent_raw is not None
+        return persistent_raw
+
+    sources = {
+        0: [tierread.local_source(local, DOC, 0)],
+        1: [
+            tierread.peer_source(link, 2, "s", DOC, 1, slots[2]),  # type: ignore[arg-type]
+            tierread.peer_source(link, 1, "s", DOC, 1, slots[1]),  # type: ignore[arg-type]
+            tierread.persistent_source(pb, str(roots["persistent"]), DOC, 1, 0),
+        ],
+    }
+    return tierread.RestoreReader(
+        str(roots["mine"]), RAW, DOC, 1, sources, record if persistent_raw else None
+    )
+
+
+def test_ranges_from_the_live_holder_after_a_dead_one(roots: dict[str, Any]) -> None:
+    holder = peerlink.PeerServer(roots["holder"], SECRET)
+    with holder:
+        r = reader(roots, holder, None)
+        one = roots["one"]
+
+        async def go() -> None:
+            assert await r.get("quire.json") == RAW
+            assert await r.get(PACK0, 10, 20) == (roots["mine"] / PACK0).read_bytes()[10:20]
+            assert await r.get(PACK1, 1000, 1100) == one[PACK1][1000:1100]
+            buf = bytearray(5000)
+            assert await r.get_into(PACK1, [memoryview(buf)], 200_000) == 5000
+            assert bytes(buf) == one[PACK1][200_000:205_000]
+            assert await r.get(UNIT) == one[UNIT]  # whole: its size from the marker
+            assert await r.size(PACK1) == len(one[PACK1])
+            assert await r.exists(UNIT) and not await r.exists(f"d/{TX}/loader/nope")
+            assert await r.list(f"d/{TX}/loader") == [UNIT]
+            with pytest.raises(FileNotFoundError):
+                await r.get("d/othertx/%packs/p00001-00000")
+            with pytest.raises(PermissionError):
+                await r.put(PACK1, [b"x"])
+            with pytest.raises(PermissionError):
+                await r.delete([PACK1])
+
+        asyncio.run(go())
+        # only the ranges asked for, the unit object and the marker crossed the link
+        marker = (roots["holder"] / "s" / f"d/{TX}/%tier/p00001.json").stat().st_size
+        assert holder.served == 100 + 5000 + len(one[UNIT]) + marker
+        stats = r.stats()
+        assert set(stats) == {"process 1"} and stats["process 1"][0] == holder.served
+
+
+def test_the_persistent_tier_only_with_the_agreed_record(roots: dict[str, Any]) -> None:
+    holder = peerlink.PeerServer(roots["holder"], SECRET)
+    holder.close()  # every holder of owner 1 is gone
+    r = reader(roots, holder, RAW)
+    got = asyncio.run(r.get(PACK1, 5, 50))
+    assert got == roots["one"][PACK1][5:50]
+    assert r.stats() == {f"the persistent tier {roots['persistent']}": (45, 1)}
+    other = reader(roots, holder, b"another record")
+    with pytest.raises(PeerError, match="no holder of process 1's objects answered"):
+        asyncio.run(other.get(PACK1, 5, 50))
+    none = reader(roots, holder, None)
+    with pytest.raises(PeerError, match=r"process 2: .*process 1: "):
+        asyncio.run(none.get(PACK1, 5, 50))
+
+
+def test_mounted_only_inside_its_block(roots: dict[str, Any]) -> None:
+    with peerlink.PeerServer(roots["holder"], SECRET) as holder:
+        r = reader(roots, holder, None)
+        url = str(roots["mine"])
+        with mounted(url, r):
+            assert open_backend(url) is r
+            assert open_backend(url + "x") is not r
+        assert open_backend(url) is not r
