@@ -52,19 +52,28 @@ def background_threads() -> int:
     return max(1, int(os.environ.get("QUIRE_BACKGROUND_THREADS", str(default))))
 
 
-def background_nice() -> int:
-    """How much lower the background threads' CPU priority is (``nice`` increment, 0-19)."""
-    return min(19, max(0, int(os.environ.get("QUIRE_BACKGROUND_NICE", "19"))))
+def background_nice() -> int | str:
+    """How much lower the background threads' CPU priority is: a ``nice`` increment (0-19),
+    or ``"idle"`` (Linux's ``SCHED_IDLE``: they run only on a CPU nothing else wants)."""
+    raw = os.environ.get("QUIRE_BACKGROUND_NICE", "19").strip().lower()
+    if raw == "idle":
+        return "idle"
+    return min(19, max(0, int(raw)))
 
 
 def _lower_priority() -> None:
-    # Linux schedules threads as tasks: PRIO_PROCESS with a thread id sets that thread's
-    # nice value alone.  Elsewhere (or without the permission) the thread keeps its priority.
+    # Linux schedules threads as tasks: PRIO_PROCESS (or sched_setscheduler) with a thread
+    # id sets that thread's priority alone.  Elsewhere (or without the permission) the thread
+    # keeps its priority.
     nice = background_nice()
     if nice and sys.platform.startswith("linux"):
         try:
             tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+            if nice == "idle":
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            else:
+                assert isinstance(nice, int)
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
         except OSError:
             pass
 
