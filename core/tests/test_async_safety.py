@@ -402,3 +402,29 @@ def test_background_priority_setting(setting: str, idle: bool, nice: int) -> Non
     got_idle, got_nice, base = out.stdout.split()
     assert got_idle == str(idle)
     assert int(got_nice) - int(base) == (min(nice + int(base), 19) - int(base))
+
+
+def test_background_duty_rests_in_proportion_to_the_cpu_used(monkeypatch: Any) -> None:
+    """QUIRE_BACKGROUND_DUTY=d: a background call that used t seconds of CPU is followed by
+    t (1/d - 1) seconds of rest; "auto" is 0.5 with JAX computing on the CPU (as here)."""
+    import time
+
+    from quire._runtime import ioloop
+
+    for raw, want in [("auto", 0.5), ("0.25", 0.25), ("1", 1.0), ("7", 1.0)]:
+        monkeypatch.setenv("QUIRE_BACKGROUND_DUTY", raw)
+        ioloop.background_duty.cache_clear()
+        assert ioloop.background_duty() == want
+    ioloop.background_duty.cache_clear()
+    monkeypatch.delenv("QUIRE_BACKGROUND_DUTY")
+
+    def spin() -> float:
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.05:
+            pass
+        return time.thread_time() - t0
+
+    t0 = time.perf_counter()
+    used = ioloop._paced(spin, 3.0)  # duty 0.25
+    wall = time.perf_counter() - t0
+    assert wall >= used * 4 * 0.95, (wall, used)

@@ -4,9 +4,10 @@ Blocking work (file I/O, checksums, codecs; they release the GIL) runs in ``QUIR
 threads, except the work of an asynchronous save (``save_async``, ``Checkpointer.save``,
 ``partial.save_async``) after it has returned: that runs in a smaller pool of
 ``QUIRE_BACKGROUND_THREADS`` threads (default: half the CPU cores, at least one), at the
-lowest CPU priority (``QUIRE_BACKGROUND_NICE``, default 19, where the platform has per-thread
-nice values), so the training steps that run meanwhile keep the machine and the write takes
-the CPU time they leave (:func:`in_background`)."""
+lowest CPU priority (``QUIRE_BACKGROUND_NICE``, default 19, or ``idle``, where the platform
+has per-thread priorities), each using at most ``QUIRE_BACKGROUND_DUTY`` of a CPU (0.5 when
+JAX computes on the CPU), so the training steps that run meanwhile keep the machine and the
+write takes the CPU time they leave (:func:`in_background`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import functools
 import os
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -105,8 +107,36 @@ async def run_blocking(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     applies there too)."""
     loop = asyncio.get_running_loop()
     ctx = contextvars.copy_context()
-    ex = background_pool() if _background.get() else pool()
-    return await loop.run_in_executor(ex, ctx.run, functools.partial(fn, *args, **kwargs))
+    call = functools.partial(fn, *args, **kwargs)
+    if not _background.get():
+        return await loop.run_in_executor(pool(), ctx.run, call)
+    duty = background_duty()
+    if duty < 1.0:
+        call = functools.partial(_paced, call, 1.0 / duty - 1.0)
+    return await loop.run_in_executor(background_pool(), ctx.run, call)
+
+
+@functools.cache
+def background_duty() -> float:
+    """The share of one CPU each background thread may use (``QUIRE_BACKGROUND_DUTY``,
+    0 < duty <= 1): after a call that used ``t`` seconds of CPU it rests ``t (1/duty - 1)``.
+
+    ``auto`` (the default): 0.5 when JAX computes on the CPU, where the training steps and
+    the write share the same cores and caches, else 1 (the steps run on an accelerator)."""
+    raw = os.environ.get("QUIRE_BACKGROUND_DUTY", "auto").strip().lower()
+    if raw == "auto":
+        import jax
+
+        return 0.5 if jax.default_backend() == "cpu" else 1.0
+    return min(1.0, max(0.01, float(raw)))
+
+
+def _paced(call: Callable[[], T], rest: float) -> T:
+    t0 = time.thread_time()  # this thread's user + system time: the write's own work
+    try:
+        return call()
+    finally:
+        time.sleep((time.thread_time() - t0) * rest)
 
 
 def loop() -> asyncio.AbstractEventLoop:
