@@ -24,6 +24,8 @@ Rows, per variant, each the best (minimum) of ``--reps`` reps, interleaved insid
   host copy ``save_async`` made before issue 20, there spread over its I/O threads);
 * ``quire``     - ``quire.save_async``: ``blocked`` until it returns, ``total`` until
   ``.result()``;
+* ``no save``   - the control: nothing in the background for 2 s, the steps measured the
+  same way (its ``steps`` column is the noise floor of this machine);
 * ``orbax v1``  - ``orbax.checkpoint.v1.save_pytree_async`` with ``use_compression=False``
   (OCDBT + zarr3, the v1 defaults otherwise), then ``.result()``.
 
@@ -36,8 +38,11 @@ pre-warmed before every timed phase as in
 ``bench_local.py``.  The machine is shared: differences under ~30% are noise.
 
 On few cores the step slowdown is a trade against the write's speed: once ``save_async`` has
-returned, quire's writer uses ``QUIRE_BACKGROUND_THREADS`` threads (half the cores by default);
-more finish the write sooner and slow the steps more (run with a few values to see it on yours).
+returned, quire's writer uses ``QUIRE_BACKGROUND_THREADS`` threads (half the cores by default)
+at the lowest priority (``QUIRE_BACKGROUND_NICE``), each using at most
+``QUIRE_BACKGROUND_DUTY`` of a CPU (0.5 when JAX computes on the CPU, as here); more threads
+or a higher duty finish the write sooner and slow the steps more (run with a few values to
+see it on yours, e.g. ``QUIRE_BACKGROUND_DUTY=1``).
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ import numpy as np
 import psutil
 
 VARIANTS = "jax-1dev,jax-8dev,numpy"
-PEERS = "quire,orbax"
+PEERS = "nothing,quire,orbax"
 
 
 def build(variant: str, quick: bool) -> dict[str, Any]:
@@ -144,6 +149,26 @@ class Steps:
 
 
 # ----------------------------------------------------------------------------- peers
+class _Timer:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.perf_counter() + seconds
+
+    def done(self) -> bool:
+        return time.perf_counter() >= self.end
+
+    def result(self) -> None:
+        time.sleep(max(0.0, self.end - time.perf_counter()))
+
+
+class Nothing:
+    """The control: no save, the steps measured the same way for 2 s (the noise floor)."""
+
+    name = "no save"
+
+    def start(self, path: str, tree: dict[str, Any]) -> Any:
+        return _Timer(2.0)
+
+
 class Quire:
     name = "quire"
 
@@ -243,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None)
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
-    makers = {"quire": Quire, "orbax": OrbaxV1}
+    makers = {"nothing": Nothing, "quire": Quire, "orbax": OrbaxV1}
     peers = [makers[p.strip()]() for p in args.peers.split(",") if p.strip()]
     work = tempfile.mkdtemp(prefix="bench_async-", dir=args.dir)
     print(

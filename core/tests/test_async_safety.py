@@ -325,13 +325,17 @@ def test_an_async_save_writes_in_the_background_pool(tmp_path: Path, monkeypatch
     assert names and all(n.startswith("quire-bg") for n in names), names
     assert ioloop.background_threads() <= ioloop.io_threads()
     if sys.platform.startswith("linux") and ioloop.background_nice():  # a lower priority
-        niceness = [0]
 
-        def probe() -> None:
-            niceness[0] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        def probe() -> tuple[bool, int]:
+            tid = threading.get_native_id()
+            idle = os.sched_getscheduler(tid) == os.SCHED_IDLE
+            return idle, os.getpriority(os.PRIO_PROCESS, tid)
 
-        ioloop.background_pool().submit(probe).result()
-        assert niceness[0] >= os.getpriority(os.PRIO_PROCESS, 0) + 1
+        idle, niceness = ioloop.background_pool().submit(probe).result()
+        if ioloop.background_nice() == "idle":
+            assert idle
+        else:
+            assert niceness >= os.getpriority(os.PRIO_PROCESS, 0) + 1
     names.clear()
     quire.save(str(tmp_path / "b"), tree)
     assert names and all(n.startswith("quire-io") for n in names), names
@@ -375,3 +379,52 @@ def test_a_one_thread_background_pool_does_not_deadlock(tmp_path: Path) -> None:
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE is Linux's")
+@pytest.mark.parametrize(("setting", "idle", "nice"), [("idle", True, 0), ("7", False, 7)])
+def test_background_priority_setting(setting: str, idle: bool, nice: int) -> None:
+    """QUIRE_BACKGROUND_NICE: "idle" puts the background threads in SCHED_IDLE (they run only
+    on a CPU nothing else wants); a number lowers their nice value by that much."""
+    code = (
+        "import os, threading\n"
+        "from quire._runtime import ioloop\n"
+        "def probe():\n"
+        "    tid = threading.get_native_id()\n"
+        "    return os.sched_getscheduler(tid) == os.SCHED_IDLE, os.getpriority(os.PRIO_PROCESS, tid)\n"
+        "print(*ioloop.background_pool().submit(probe).result(), os.getpriority(os.PRIO_PROCESS, 0))\n"
+    )
+    env = {**os.environ, "QUIRE_BACKGROUND_NICE": setting}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got_idle, got_nice, base = out.stdout.split()
+    assert got_idle == str(idle)
+    assert int(got_nice) - int(base) == (min(nice + int(base), 19) - int(base))
+
+
+def test_background_duty_rests_in_proportion_to_the_cpu_used(monkeypatch: Any) -> None:
+    """QUIRE_BACKGROUND_DUTY=d: a background call that used t seconds of CPU is followed by
+    t (1/d - 1) seconds of rest; "auto" is 0.5 with JAX computing on the CPU (as here)."""
+    import time
+
+    from quire._runtime import ioloop
+
+    for raw, want in [("auto", 0.5), ("0.25", 0.25), ("1", 1.0), ("7", 1.0)]:
+        monkeypatch.setenv("QUIRE_BACKGROUND_DUTY", raw)
+        ioloop.background_duty.cache_clear()
+        assert ioloop.background_duty() == want
+    ioloop.background_duty.cache_clear()
+    monkeypatch.delenv("QUIRE_BACKGROUND_DUTY")
+
+    def spin() -> float:
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.05:
+            pass
+        return time.thread_time() - t0
+
+    t0 = time.perf_counter()
+    used = ioloop._paced(spin, 3.0)  # duty 0.25
+    wall = time.perf_counter() - t0
+    assert wall >= used * 4 * 0.95, (wall, used)

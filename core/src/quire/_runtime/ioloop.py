@@ -4,9 +4,10 @@ Blocking work (file I/O, checksums, codecs; they release the GIL) runs in ``QUIR
 threads, except the work of an asynchronous save (``save_async``, ``Checkpointer.save``,
 ``partial.save_async``) after it has returned: that runs in a smaller pool of
 ``QUIRE_BACKGROUND_THREADS`` threads (default: half the CPU cores, at least one), at the
-lowest CPU priority (``QUIRE_BACKGROUND_NICE``, default 19, where the platform has per-thread
-nice values), so the training steps that run meanwhile keep the machine and the write takes
-the CPU time they leave (:func:`in_background`)."""
+lowest CPU priority (``QUIRE_BACKGROUND_NICE``, default 19, or ``idle``, where the platform
+has per-thread priorities), each using at most ``QUIRE_BACKGROUND_DUTY`` of a CPU (0.5 when
+JAX computes on the CPU), so the training steps that run meanwhile keep the machine and the
+write takes the CPU time they leave (:func:`in_background`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import functools
 import os
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -52,19 +54,28 @@ def background_threads() -> int:
     return max(1, int(os.environ.get("QUIRE_BACKGROUND_THREADS", str(default))))
 
 
-def background_nice() -> int:
-    """How much lower the background threads' CPU priority is (``nice`` increment, 0-19)."""
-    return min(19, max(0, int(os.environ.get("QUIRE_BACKGROUND_NICE", "19"))))
+def background_nice() -> int | str:
+    """How much lower the background threads' CPU priority is: a ``nice`` increment (0-19),
+    or ``"idle"`` (Linux's ``SCHED_IDLE``: they run only on a CPU nothing else wants)."""
+    raw = os.environ.get("QUIRE_BACKGROUND_NICE", "19").strip().lower()
+    if raw == "idle":
+        return "idle"
+    return min(19, max(0, int(raw)))
 
 
 def _lower_priority() -> None:
-    # Linux schedules threads as tasks: PRIO_PROCESS with a thread id sets that thread's
-    # nice value alone.  Elsewhere (or without the permission) the thread keeps its priority.
+    # Linux schedules threads as tasks: PRIO_PROCESS (or sched_setscheduler) with a thread
+    # id sets that thread's priority alone.  Elsewhere (or without the permission) the thread
+    # keeps its priority.
     nice = background_nice()
     if nice and sys.platform.startswith("linux"):
         try:
             tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+            if nice == "idle":
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            else:
+                assert isinstance(nice, int)
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
         except OSError:
             pass
 
@@ -96,8 +107,36 @@ async def run_blocking(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     applies there too)."""
     loop = asyncio.get_running_loop()
     ctx = contextvars.copy_context()
-    ex = background_pool() if _background.get() else pool()
-    return await loop.run_in_executor(ex, ctx.run, functools.partial(fn, *args, **kwargs))
+    call = functools.partial(fn, *args, **kwargs)
+    if not _background.get():
+        return await loop.run_in_executor(pool(), ctx.run, call)
+    duty = background_duty()
+    if duty < 1.0:
+        call = functools.partial(_paced, call, 1.0 / duty - 1.0)
+    return await loop.run_in_executor(background_pool(), ctx.run, call)
+
+
+@functools.cache
+def background_duty() -> float:
+    """The share of one CPU each background thread may use (``QUIRE_BACKGROUND_DUTY``,
+    0 < duty <= 1): after a call that used ``t`` seconds of CPU it rests ``t (1/duty - 1)``.
+
+    ``auto`` (the default): 0.5 when JAX computes on the CPU, where the training steps and
+    the write share the same cores and caches, else 1 (the steps run on an accelerator)."""
+    raw = os.environ.get("QUIRE_BACKGROUND_DUTY", "auto").strip().lower()
+    if raw == "auto":
+        import jax
+
+        return 0.5 if jax.default_backend() == "cpu" else 1.0
+    return min(1.0, max(0.01, float(raw)))
+
+
+def _paced(call: Callable[[], T], rest: float) -> T:
+    t0 = time.thread_time()  # this thread's user + system time: the write's own work
+    try:
+        return call()
+    finally:
+        time.sleep((time.thread_time() - t0) * rest)
 
 
 def loop() -> asyncio.AbstractEventLoop:
