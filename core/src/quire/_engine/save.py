@@ -380,14 +380,7 @@ async def save_prepared(
         return await write_units(url, backend, prep, stats=stats)
 
     async def do_commit(units: dict[str, dict[str, Any]]) -> None:
-        data = _format.build(
-            units=units,
-            txids=[prep.txid],
-            metadata=dict(metadata or {}),
-            process_count=coord.count,
-            extra={"plugins": plugin_sources(units)},
-            indexes=await index_entries(backend, prep, coord.count),
-        )
+        data = await build_record(backend, prep, units, metadata)
         await _commit.publish(
             backend,
             url,
@@ -405,6 +398,24 @@ async def save_prepared(
         do_commit,
         lambda: _commit.drop_txids(backend, url, [prep.txid]),
         unit_digests,
+    )
+
+
+async def build_record(
+    backend: Backend,
+    prep: PreparedSave,
+    units: dict[str, dict[str, Any]],
+    metadata: Mapping[str, Any] | None,
+) -> bytes:
+    """The commit record of ``prep``'s save: its units, txid, metadata, the plugins it
+    needs and (format v2) every process's chunk index."""
+    return _format.build(
+        units=units,
+        txids=[prep.txid],
+        metadata=dict(metadata or {}),
+        process_count=prep.coord.count,
+        extra={"plugins": plugin_sources(units)},
+        indexes=await index_entries(backend, prep, prep.coord.count),
     )
 
 

@@ -28,13 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from quire._engine import commit as _commit
-from quire._engine.save import (
-    PreparedSave,
-    index_entries,
-    plugin_sources,
-    unit_digests,
-    write_units,
-)
+from quire._engine.save import PreparedSave, build_record, unit_digests, write_units
 from quire._format import record as _format
 from quire._format.chunkindex import index_key
 from quire._runtime.collective import exchange
@@ -107,14 +101,7 @@ async def save_spread(
         return units
 
     async def do_commit(units: dict[str, dict[str, Any]]) -> str:
-        data = _format.build(
-            units=units,
-            txids=[prep.txid],
-            metadata=dict(metadata or {}),
-            process_count=coord.count,
-            extra={"plugins": plugin_sources(units)},
-            indexes=await index_entries(backend, prep, coord.count),
-        )
+        data = await build_record(backend, prep, units, metadata)
         await _commit.publish(backend, url, data, [prep.txid], overwrite=overwrite)
         return data.decode()
 
