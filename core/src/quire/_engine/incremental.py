@@ -33,7 +33,7 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,15 +236,20 @@ async def resume(root: Backend, url: str, step: str, process: int) -> Base | Non
             refs[k] = [root_relative(step, r.target), r.offset, r.length]
         binds[k] = (r.crc, r.trailer)
     shards = {k: r.shard for k, r in parsed.items() if r.shard is not None}
-    leaves: dict[LeafKey, LeafInfo] = {}
+    leaves = dict(record_leaves(doc))
+    return Base(step, list(doc["txids"]), Previous(refs, binds, shards, hashes), leaves)
+
+
+def record_leaves(doc: Mapping[str, Any]) -> Iterator[tuple[LeafKey, LeafInfo]]:
+    """Every array leaf of a commit record: its (unit, key path) and its record, with its
+    location."""
     for name, unit in doc["units"].items():
         if unit.get("kind") != "pytree":
             continue
         for leaf in from_json(unit["tree"]).leaves():
             loc = leaf.value.get("location")
             if isinstance(loc, str):
-                leaves[(name, keystr(leaf.path))] = LeafInfo(loc, dict(leaf.value))
-    return Base(step, list(doc["txids"]), Previous(refs, binds, shards, hashes), leaves)
+                yield (name, keystr(leaf.path)), LeafInfo(loc, dict(leaf.value))
 
 
 __all__ = [
@@ -255,5 +260,6 @@ __all__ = [
     "LeafInfo",
     "from_root",
     "lease_key",
+    "record_leaves",
     "resume",
 ]

@@ -31,14 +31,13 @@ from typing import Any
 from quire._engine import commit as _commit
 from quire._engine.compaction import compact
 from quire._engine.copying import copy_checkpoint
-from quire._engine.incremental import Incremental, LeafInfo, LeafKey
+from quire._engine.incremental import Incremental, LeafInfo, LeafKey, record_leaves
 from quire._format import record as _format
 from quire._format.chunkcheck import check_stored
 from quire._format.chunkid import Ref
 from quire._format.chunkindex import parse_index
 from quire._format.crc import ChunkError
 from quire._format.pack import PackWriter
-from quire._format.tree import from_json, keystr
 from quire._runtime.config import current
 from quire._store.base import Backend
 from quire._store.url import normalize, open_backend
@@ -134,18 +133,8 @@ async def _promote(
 
 def _leaves(doc: Mapping[str, Any]) -> tuple[dict[str, LeafKey], dict[LeafKey, LeafInfo]]:
     """Every array leaf's (unit, key path) by location, and its record by (unit, path)."""
-    paths: dict[str, LeafKey] = {}
-    leaves: dict[LeafKey, LeafInfo] = {}
-    for name, unit in doc["units"].items():
-        if unit.get("kind") != "pytree":
-            continue
-        for leaf in from_json(unit["tree"]).leaves():
-            loc = leaf.value.get("location")
-            if isinstance(loc, str):
-                key = (name, keystr(leaf.path))
-                paths[loc] = key
-                leaves[key] = LeafInfo(loc, dict(leaf.value))
-    return paths, leaves
+    leaves = dict(record_leaves(doc))
+    return {info.location: key for key, info in leaves.items()}, leaves
 
 
 async def _repack(sb: Backend, src: str, refs: Mapping[str, Ref], sink: PackWriter) -> None:
