@@ -85,6 +85,17 @@ class Plan:
     views: tuple[dict[str, Any], ...]
 
 
+def _agreed_doc(raw: bytes, digest: str, url: str, step: int) -> dict[str, Any]:
+    """The commit record ``raw`` parsed, once checked to be the agreed one (``digest``)."""
+    if _digest(raw) != digest:
+        raise CorruptCheckpointError(
+            f"{url}: the commit record received for step {step} is not the agreed one"
+        )
+    doc = _format.parse(raw, url)
+    _commit.check_locations(doc["units"], url)
+    return doc
+
+
 def _holders(views: Sequence[dict[str, Any]], step: int, digest: str) -> dict[int, list[int]]:
     """owner -> the processes holding its objects of ``step`` with record ``digest``."""
     out: dict[int, list[int]] = {}
@@ -394,12 +405,7 @@ class Spread:
                     raw = bytes(rows[group.index(sender)])
             if raw is None:
                 raw = (await _commit.read(backend, url)).raw
-        if _digest(raw) != digest:
-            raise CorruptCheckpointError(
-                f"{url}: the commit record received for step {s} is not the agreed one"
-            )
-        doc = _format.parse(raw, url)
-        _commit.check_locations(doc["units"], url)
+        doc = _agreed_doc(raw, digest, url, s)
         held = _holders(views, s, digest)
         for j, who in sorted(src.items()):
             lacking = [p for p in range(self.count) if p not in held.get(j, [])]
@@ -458,12 +464,7 @@ class Spread:
         has_rec = [p for p, v in enumerate(views) if v["steps"].get(str(s), {}).get("d") == digest]
         if raw is None:
             raw = await agreed_record(copies, self.me, backend, url, rel, digest, has_rec)
-        if _digest(raw) != digest:
-            raise CorruptCheckpointError(
-                f"{url}: the commit record received for step {s} is not the agreed one"
-            )
-        doc = _format.parse(raw, url)
-        _commit.check_locations(doc["units"], url)
+        doc = _agreed_doc(raw, digest, url, s)
         held = _holders(views, s, digest)
         in_persistent = s in {int(x) for x in views[self.primary]["persistent"]}
         by_owner: dict[int, list[Source]] = {}
