@@ -266,6 +266,7 @@ def test_save_async_and_partial_across_processes(topology: str, run_2x4: Run, ru
     run, n = (run_2x4, 2) if topology == "2x4" else (run_4x2, 4)
     for pid in range(n):
         assert run.one("async", pid)["bad"] == []
+        assert run.one("async-pinned", pid)["bad"] == []
         p = run.one("partial", pid)
         assert p["versions"] == [1, 2, 3]
         assert p["bad_mid"] == [] and p["bad_final"] == []

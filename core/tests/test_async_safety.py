@@ -428,3 +428,34 @@ def test_background_duty_rests_in_proportion_to_the_cpu_used(monkeypatch: Any) -
     used = ioloop._paced(spin, 3.0)  # duty 0.25
     wall = time.perf_counter() - t0
     assert wall >= used * 4 * 0.95, (wall, used)
+
+
+def test_pinned_staging_reads_quires_own_copies(tmp_path: Path) -> None:
+    """``pinned_staging=True`` (the GPU default, forced here on CPU devices, which have
+    ``pinned_host`` memory too): each written shard is copied to pinned host memory before
+    ``save_async`` returns, so the caller's buffers are free at once — a donating step
+    really donates them — and the checkpoint still holds the state at the call."""
+    url = str(tmp_path / "c")
+    state = _jax_state(3)
+    want = _host(state)
+    with quire.Context(pinned_staging=True), gate(url):
+        r = quire.save_async(url, state)
+        held = [v for k, v in state.items() if k != "k"]
+        state = _step(state)
+        jax.block_until_ready(state)
+        assert all(v.is_deleted() for v in held)  # donated: quire holds none of them
+        state = _step(state)
+        jax.block_until_ready(state)
+    r.result(timeout=60)
+    _bits_equal(quire.load(url, {k: None for k in want}), want)
+
+
+def test_pinned_staging_false_keeps_the_in_place_read(tmp_path: Path) -> None:
+    step = jax.jit(lambda a: a * 2, donate_argnums=0)
+    x = jax.device_put(np.arange(1 << 12, dtype=np.float32))
+    with quire.Context(pinned_staging=False), gate(str(tmp_path / "c")):
+        r = quire.save_async(str(tmp_path / "c"), {"x": x})
+        step(x)
+        assert not x.is_deleted()  # read in place through quire's view: not donated
+    r.result(timeout=60)
+    np.testing.assert_array_equal(quire.load(str(tmp_path / "c"))["x"], np.arange(1 << 12))

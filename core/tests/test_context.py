@@ -95,7 +95,12 @@ def test_configure_sets_and_validates() -> None:
     ):
         with pytest.raises(ValueError):
             quire.configure(**bad)
-    for bad in ({"checksum": 1}, {"storage_options": {"s3": 1}}, {"leaf_handlers": [object()]}):
+    for bad in (
+        {"checksum": 1},
+        {"pinned_staging": "yes"},
+        {"storage_options": {"s3": 1}},
+        {"leaf_handlers": [object()]},
+    ):
         with pytest.raises(TypeError):
             quire.configure(**bad)
     assert current().byte_budget == 1 << 20  # a refused call changes nothing
@@ -316,6 +321,7 @@ def test_config_fields_are_all_known() -> None:
         "replica_piece_bytes",
         "replica_reads",
         "replica_read_min_bytes",
+        "pinned_staging",
     }
 
 

@@ -560,6 +560,12 @@ def scenario_save() -> None:
     ownership(url, tree)
     bad = compare(quire.load(url, abstract_tree("save")), "save")
     emit("async", url=url, bad=bad)
+    # 2b. the same through pinned host staging (the GPU default; CPU devices have pinned_host)
+    url = os.path.join(base, "async-pinned")
+    with quire.Context(pinned_staging=True):
+        quire.save_async(url, tree).result()
+    ownership(url, tree)
+    emit("async-pinned", url=url, bad=compare(quire.load(url, abstract_tree("save")), "save"))
 
     # 3. quire.partial: two versions, a delete, finalize
     url = os.path.join(base, "partial")

@@ -64,7 +64,15 @@ def _sharding_json(s: Any) -> dict[str, Any] | None:
     return {"type": type(s).__name__}
 
 
-def _plan(value: Any, storage: Any, path: tuple[Any, ...], writers: Writers | None = None) -> _Plan:
+def _plan(
+    value: Any,
+    storage: Any,
+    path: tuple[Any, ...],
+    writers: Writers | None = None,
+    stage: Callable[[Any], Any] | None = None,
+) -> _Plan:
+    """The save plan of ``value``; ``stage(shard)``, if given, is the array a ``jax.Array``
+    shard's bytes are read from (``quire._handlers.arraysnap``: a pinned host copy)."""
     cast = None if storage.dtype is None else np.dtype(storage.dtype)
     if isinstance(value, jax.Array) and writers is not None:
         # replica-parallel (quire._handlers.replicas): this process's pieces, any replica
@@ -73,7 +81,7 @@ def _plan(value: Any, storage: Any, path: tuple[Any, ...], writers: Writers | No
             tuple(value.shape),
             np.dtype(value.dtype),
             writers.chunk_shape,
-            [(c, piece_source(value, writers.chunk_shape, c)) for c in writers.mine],
+            [(c, piece_source(value, writers.chunk_shape, c, stage)) for c in writers.mine],
             not on_cpu,
             _sharding_json(value.sharding),
         )
@@ -93,7 +101,7 @@ def _plan(value: Any, storage: Any, path: tuple[Any, ...], writers: Writers | No
                 if c == 0 or sl.start % c or (sl.stop - sl.start != c and sl.stop != n):
                     aligned = False
                 coords.append(sl.start // c if c else 0)
-            owned.append((tuple(coords), _host(s.data)))
+            owned.append((tuple(coords), _host(s.data if stage is None else stage(s))))
         on_cpu = all(getattr(d, "platform", "") == "cpu" for d in sharding.device_set)
         if not aligned:
             if not value.is_fully_addressable:

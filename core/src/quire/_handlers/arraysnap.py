@@ -13,6 +13,10 @@ Found for the installed JAX (0.10, XLA:CPU) and kept true by ``core/tests/test_a
   fresh host array: the transfer's own bytes.
 * A numpy leaf is the caller's mutable memory: it is copied, into a staging buffer
   (:data:`quire._runtime.hostbuf.staging`) reused across saves.
+* With ``pinned_staging`` (on GPU by default), each shard this process writes is first
+  copied by ``jax.device_put`` into its device's ``pinned_host`` memory, every transfer
+  started before any is waited for; the bytes are read from those copies, which are
+  quire's own: the caller may donate or delete the originals as soon as the call returns.
 """
 
 from __future__ import annotations
@@ -33,17 +37,53 @@ from quire._runtime.ioloop import pool
 _Job = tuple[_Plan, int, Callable[[], "np.ndarray | None"]]
 
 
+def _pinned_memory(device: Any) -> bool:
+    try:
+        return any(m.kind == "pinned_host" for m in device.addressable_memories())
+    except Exception:  # a device type without memory spaces
+        return False
+
+
+def _stager(a: Any, pinned: bool | None) -> Callable[[Any], Any] | None:
+    """``stage(shard)``: the shard copied into its device's ``pinned_host`` memory (one
+    asynchronous ``device_put`` per shard, made once), or None to read shards as they are."""
+    if not isinstance(a, jax.Array) or pinned is False:
+        return None
+    devices = a.sharding.device_set
+    if pinned is None and not all(getattr(d, "platform", "") == "gpu" for d in devices):
+        return None
+    if not all(_pinned_memory(d) for d in devices):
+        return None
+    copies: dict[tuple[Any, ...], Any] = {}
+
+    def stage(shard: Any) -> Any:
+        key = (shard.device.id, *((s.start, s.stop, s.step) for s in shard.index))
+        if key not in copies:
+            to = jax.sharding.SingleDeviceSharding(shard.device, memory_kind="pinned_host")
+            copies[key] = jax.device_put(shard.data, to)
+        return copies[key]
+
+    return stage
+
+
 def snapshot_plans(arrays: Sequence[Any], entries: Sequence[SaveEntry]) -> list[_Plan]:
     """The save plans of ``arrays`` (the entries' values as arrays), every owned shard a
     constant the caller can no longer change: a protected view, the transfer's host array,
     a fresh cast, or a staging copy."""
-    for a in arrays:
-        if isinstance(a, jax.Array):
+    pinned = current().pinned_staging
+    stagers = [_stager(a, pinned) for a in arrays]
+    for a, stage in zip(arrays, stagers):
+        if isinstance(a, jax.Array) and stage is None:
             try:
                 a.copy_to_host_async()  # every shard's transfer starts now, all at once
             except Exception:  # not all array types support it; numpy.asarray still works
                 pass
-    plans = [_plan(a, e.storage, e.path, e.writers) for a, e in zip(arrays, entries)]
+    # With pinned staging the plans start one device_put per shard they write, all before
+    # any is read (``run`` below).
+    plans = [
+        _plan(a, e.storage, e.path, e.writers, stage)
+        for a, e, stage in zip(arrays, entries, stagers)
+    ]
     limit = current().byte_budget
     jobs: list[_Job] = []
     for a, plan in zip(arrays, plans):

@@ -180,16 +180,20 @@ def assign(units: Sequence[tuple[int, Sequence[int]]], load: dict[int, int]) -> 
 
 
 def piece_source(
-    value: jax.Array, chunk: tuple[int, ...], coords: tuple[int, ...]
+    value: jax.Array,
+    chunk: tuple[int, ...],
+    coords: tuple[int, ...],
+    stage: Callable[[Any], Any] | None = None,
 ) -> Callable[[], np.ndarray]:
     """A producer of chunk ``coords``'s data (clipped to the array) from an addressable
-    shard of ``value`` that holds it; ``LookupError`` if none does."""
+    shard of ``value`` that holds it; ``LookupError`` if none does.  ``stage(shard)``,
+    if given, is the array the piece is read from (a host staging copy of the shard)."""
     shape = tuple(value.shape)
     region = [(c * n, min((c + 1) * n, s)) for c, n, s in zip(coords, chunk, shape)]
     for s in value.addressable_shards:
         idx = [slice(*x.indices(n)[:2]) for x, n in zip(s.index, shape)]
         if all(x.start <= a and b <= x.stop for x, (a, b) in zip(idx, region)):
             local = tuple(slice(a - x.start, b - x.start) for x, (a, b) in zip(idx, region))
-            data = s.data
+            data = s.data if stage is None else stage(s)
             return lambda: np.asarray(data)[local]
     raise LookupError(f"no addressable shard holds chunk {coords} of an array of shape {shape}")

@@ -111,6 +111,14 @@ class Config:
         Shared reads happen only when the chunks several processes need add up to at
         least this many bytes (default 16 MiB): below it, the barrier and the collective
         cost more than the reads they save (measured: ``docs/scaling.md``).
+    pinned_staging : bool or None
+        How ``save_async`` (and ``Checkpointer.save``) takes accelerator shards to the host:
+        True starts a copy of every shard it writes into the device's ``pinned_host``
+        memory (page-locked, so the DMA runs at the link's full speed, as Orbax does on
+        GPU), then reads the bytes from there;
+        False reads each shard with ``copy_to_host_async`` + ``numpy.asarray`` (pageable
+        memory).  None (the default): True on GPU devices that have ``pinned_host``
+        memory, False elsewhere (on CPU the shard's own buffer is read in place).
     """
 
     byte_budget: int = 256 * 1024 * 1024
@@ -130,6 +138,7 @@ class Config:
     replica_piece_bytes: int = 1 << 20
     replica_reads: bool | None = None
     replica_read_min_bytes: int = 16 << 20
+    pinned_staging: bool | None = None
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(Config))
@@ -178,9 +187,9 @@ def _validate(name: str, v: Any) -> Any:
         return v
     if name == "primary_process":
         return _int(name, v, 0)
-    if name == "replica_reads" and v is None:
+    if name in ("replica_reads", "pinned_staging") and v is None:
         return None
-    if name in ("checksum", "verify_record", "replica_writes", "replica_reads"):
+    if name in ("checksum", "verify_record", "replica_writes", "replica_reads", "pinned_staging"):
         if not isinstance(v, bool):
             raise TypeError(f"quire option {name} must be a bool, got {v!r}")
         return v
