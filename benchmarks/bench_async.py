@@ -26,6 +26,8 @@ Rows, per variant, each the best (minimum) of ``--reps`` reps, interleaved insid
   ``.result()``;
 * ``no save``   - the control: nothing in the background for 2 s, the steps measured the
   same way (its ``steps`` column is the noise floor of this machine);
+* ``quire pinned`` / ``quire pageable`` (``--peers ...,pinned,pageable``) - ``save_async``
+  with ``pinned_staging`` forced on / off (the default, ``quire``, is on for GPU devices);
 * ``orbax v1``  - ``orbax.checkpoint.v1.save_pytree_async`` with ``use_compression=False``
   (OCDBT + zarr3, the v1 defaults otherwise), then ``.result()``.
 
@@ -181,6 +183,19 @@ class Quire:
         return self.q.save_async(path, tree)
 
 
+class QuireStaging(Quire):
+    """``save_async`` with ``pinned_staging`` forced on or off (default: on for GPU)."""
+
+    def __init__(self, pinned: bool) -> None:
+        super().__init__()
+        self.name = "quire pinned" if pinned else "quire pageable"
+        self.ctx = self.q.Context(pinned_staging=pinned)
+
+    def start(self, path: str, tree: dict[str, Any]) -> Any:
+        with self.ctx:
+            return self.q.save_async(path, tree)
+
+
 class OrbaxV1:
     name = "orbax v1"
 
@@ -268,7 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None)
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
-    makers = {"nothing": Nothing, "quire": Quire, "orbax": OrbaxV1}
+    makers = {
+        "nothing": Nothing,
+        "quire": Quire,
+        "pinned": lambda: QuireStaging(True),
+        "pageable": lambda: QuireStaging(False),
+        "orbax": OrbaxV1,
+    }
     peers = [makers[p.strip()]() for p in args.peers.split(",") if p.strip()]
     work = tempfile.mkdtemp(prefix="bench_async-", dir=args.dir)
     print(
