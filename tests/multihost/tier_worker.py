@@ -8,8 +8,9 @@ Config: ``persistent`` / ``options`` (the persistent tier and its storage option
 that process SIGKILLs itself in the middle of that step's local save, after writing its
 packs), ``expect`` (the step the restore must agree on, or null), ``hang`` (a process that
 sleeps instead of taking part in a final ``latest_step()``), ``silent`` (a process whose peer
-server accepts connections and never answers), ``check_incremental`` (first check that
-``incremental=True`` with the local tier is refused).  Prints ``QUIRE-TIER <json>`` lines; the
+server accepts connections and never answers), ``incremental`` (an incremental persistent
+tier: its promotions borrow what the previous persistent step stores), ``frozen`` (the state
+has a large leaf that never changes).  Prints ``QUIRE-TIER <json>`` lines; the
 ``restored`` line says the bytes this process's peer server answered (``served``) and what
 the restore read from others (``read``: bytes and requests per source).
 """
@@ -60,7 +61,17 @@ def state(step: int) -> dict[str, object]:
         "b": put(rng.standard_normal((4096,), dtype=np.float32), PartitionSpec()),
         "opt": rng.integers(0, 1 << 30, 777, dtype=np.int64),
         "step": step,
-    }
+    } | ({"frozen": FROZEN} if cfg.get("frozen") else {})
+
+
+# With ``frozen``: a large leaf that never changes (an incremental step borrows it).
+FROZEN = (
+    put(
+        np.random.default_rng(2**32 - 1).standard_normal((240, 512), np.float32), PartitionSpec("d")
+    )
+    if cfg.get("frozen")
+    else None
+)
 
 
 class Loader:
@@ -80,7 +91,7 @@ class Loader:
 
 
 def same(a: dict[str, object], b: dict[str, object]) -> bool:
-    for k in ("w", "b"):
+    for k in ("w", "b", "frozen") if "frozen" in b else ("w", "b"):
         x, y = a[k], b[k]
         assert isinstance(x, jax.Array) and isinstance(y, jax.Array)
         if x.sharding != y.sharding:
@@ -105,23 +116,12 @@ if kill and kill[0] == pid:  # fault injection: die in the middle of that local 
 
     _save.write_units = write_units  # type: ignore[assignment]
 
-if cfg.get("check_incremental"):  # incremental + a multi-process local tier: refused
-    try:
-        quire.Checkpointer(
-            cfg["persistent"],
-            storage_options=cfg["options"],
-            incremental=True,
-            local=quire.LocalTier(cfg["local"]),
-        )
-        emit(check="incremental", error=None)
-    except NotImplementedError as e:
-        emit(check="incremental", error=str(e))
-
 try:
     with quire.Checkpointer(
         cfg["persistent"],
         save_policy=EveryNSteps(cfg.get("every", 10)),
         storage_options=cfg["options"],
+        incremental=cfg.get("incremental", False),
         local=quire.LocalTier(
             cfg["local"], save_policy=EveryNSteps(1), keep=LatestN(3), peers=cfg.get("peers", 1)
         ),

@@ -46,6 +46,7 @@ from quire._checkpointer.save_policies import SaveContext, SavePolicy
 from quire._checkpointer.tiermulti import Spread
 from quire._engine.copying import copy_checkpoint
 from quire._engine.promotion import promote
+from quire._engine.promotion import promote_spread as promote_spread_incremental
 from quire._engine.tierpeers import promote_spread
 from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator
@@ -160,13 +161,6 @@ class _Tier:
                     f"quire.Checkpointer({outer.root!r}, local=...): with several JAX processes "
                     'the local tier saves packed checkpoints only; leave layout at "packed"'
                 )
-            if outer._inc is not None:
-                raise NotImplementedError(
-                    f"quire.Checkpointer({outer.root!r}, incremental=True, local=...): with "
-                    "several JAX processes a promotion copies each process's objects whole "
-                    "and cannot borrow from the persistent tier yet; leave incremental=False "
-                    "or local=None (docs/tiers.md, Limits)"
-                )
             self.spread = Spread(self)
         else:
             self.last_step = self.inner.latest_step()
@@ -255,7 +249,12 @@ class _Tier:
                 log.warning("%s: step %d not promoted: its local save failed", outer.root, step)
                 return
             await outer._create_root_record()  # here, not in the loop's thread: S3 may be down
-            if self.spread is not None:  # every process copies its own objects
+            inc = outer._inc  # incremental: upload only what the persistent tier lacks
+            if inc is not None and not inc.started:
+                latest = outer._latest()
+                name = None if latest is None else outer._fmt.name(latest)
+                await inc.start(outer._backend, name)
+            if self.spread is not None:  # every process promotes its own objects
                 coord = Coordinator(
                     dst,
                     "promote",
@@ -263,7 +262,11 @@ class _Tier:
                     timeout=current().timeout,
                     name=f"{self.spread.name}/{step}/{seq}/promote",
                 )
-                await promote_spread(
+                await (
+                    promote_spread
+                    if inc is None
+                    else functools.partial(promote_spread_incremental, inc=inc)
+                )(
                     src,
                     dst,
                     coord,
@@ -272,11 +275,6 @@ class _Tier:
                     dst_options=outer._storage_options,
                 )
             else:
-                inc = outer._inc  # incremental: upload only what the persistent tier lacks
-                if inc is not None and not inc.started:
-                    latest = outer._latest()
-                    name = None if latest is None else outer._fmt.name(latest)
-                    await inc.start(outer._backend, name)
                 await (copy_checkpoint if inc is None else functools.partial(promote, inc=inc))(
                     src,
                     dst,

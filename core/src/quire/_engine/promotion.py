@@ -18,6 +18,13 @@ mode whose base is the persistent root's previous step (``quire._engine.incremen
 Keys, locations, txid and units stay those of the local step, so the persistent step reads
 exactly as the local one.  What cannot be re-packed this way (format v1, several indexes,
 units stored as objects of their own) is copied whole by ``copy_checkpoint``.
+
+With several processes (:func:`promote_spread`: each process's local root holds its own
+part of the step, ``quire._engine.spreadsave``) every process re-packs the chunks of its own
+index the same way, borrowing from *its* index of the previous persistent step (as a
+multi-process incremental save does), and copies the checkpointable-unit objects it owns
+whole; once all succeeded the primary reads every process's new index, puts their entries in
+the record and commits it by the conditional create.
 """
 
 from __future__ import annotations
@@ -30,15 +37,17 @@ from typing import Any
 
 from quire._engine import commit as _commit
 from quire._engine.compaction import compact
-from quire._engine.copying import copy_checkpoint
+from quire._engine.copying import _check_unit_object, _copy_objects, _Item, copy_checkpoint
 from quire._engine.incremental import Incremental, LeafInfo, LeafKey, record_leaves
+from quire._engine.tierpeers import entry_of, unit_locations
 from quire._format import record as _format
 from quire._format.chunkcheck import check_stored
 from quire._format.chunkid import Ref
 from quire._format.chunkindex import parse_index
 from quire._format.crc import ChunkError
-from quire._format.pack import PackWriter
+from quire._format.pack import PackWriter, gather_entries
 from quire._runtime.config import current
+from quire._runtime.multihost import Coordinator
 from quire._store.base import Backend
 from quire._store.url import normalize, open_backend
 from quire.errors import CorruptCheckpointError
@@ -109,10 +118,7 @@ async def _promote(
         new = await sink.finish()
         await db.sync()
         assert new is not None
-        raw = json.loads(record.raw)
-        raw["indexes"] = [new]
-        raw["checksum"] = _format.record_checksum(raw)
-        data = json.dumps(raw, allow_nan=False, separators=(",", ":")).encode()
+        data = _with_indexes(record.raw, [new])
         inc.wrote(step, txid, sink.refs, sink.binds, sink.shards, sink.hashes or {}, leaves)
         await _commit.publish(db, dst, data, [txid], overwrite=overwrite, keep_superseded=True)
         inc.committed()
@@ -122,13 +128,100 @@ async def _promote(
         raise
     finally:
         await inc.release(root)
-        await db.close()
+        await asyncio.gather(db.close(), root.close())
     inc.stats = {
         "borrowed_bytes": sink.borrowed_bytes,
         "written_bytes": sink.bytes,
         "compacted_bytes": sink.compacted,
     }
     return inc.stats
+
+
+async def promote_spread(
+    src: str,
+    dst: str,
+    coord: Coordinator,
+    inc: Incremental,
+    *,
+    overwrite: bool,
+    src_options: dict[str, Any] | None = None,
+    dst_options: dict[str, Any] | None = None,
+) -> dict[str, int]:
+    """Promote this process's part of the multi-process local step at ``src`` (its own
+    root) to ``dst``, re-packed against ``inc``'s previous step; the primary commits the
+    record with every process's new index (``coord``: all succeed or nothing commits)."""
+    src, dst = normalize(src), normalize(dst)
+    sb, db = open_backend(src, src_options), open_backend(dst, dst_options)
+    root = open_backend(inc.root, dst_options)
+    step = dst[len(inc.root) + 1 :]
+    cfg = current()
+    sink: PackWriter | None = None
+    try:
+        record = await _commit.read(sb, src)
+        doc = record.doc
+        (txid,) = doc["txids"]  # one txid for every process (quire._engine.spreadsave)
+        entry = entry_of(doc, coord.index)
+        paths, leaves = _leaves(doc)
+        units: list[str] = []
+        if coord.is_primary:  # the checkpointable units' objects are the primary's
+            for keys in await asyncio.gather(*(sb.list(loc) for loc in unit_locations(doc))):
+                units += keys
+
+        async def work() -> dict[str, Any] | None:
+            nonlocal sink
+            if not overwrite:
+                await _commit.ensure_absent(db, dst, "pass force=True to replace it")
+            items = [_Item(k, "a checkpointable unit", _check_unit_object) for k in units]
+            await _copy_objects(sb, db, src, items, None)
+            new = None
+            if entry is not None:
+                refs = parse_index(await sb.get(entry["object"]), entry, src, doc["txids"])
+                sink = PackWriter(db, txid, coord.index, cfg.pack_bytes, cfg.byte_budget)
+                sink.incremental(inc.candidate(step, paths), lambda: inc.lease(root, step, txid))
+                await _repack(sb, src, refs, sink)
+                if sink.previous is not None:
+                    await compact(sink, root, sink.previous.sizes, inc.compact_below, dst)
+                new = await sink.finish()
+                inc.wrote(step, txid, sink.refs, sink.binds, sink.shards, sink.hashes or {}, leaves)
+            await db.sync()
+            return new
+
+        async def commit(new: dict[str, Any] | None) -> None:
+            entries = await gather_entries(db, txid, coord.count, new, coord.index)
+            data = _with_indexes(record.raw, entries or [])
+            await _commit.publish(
+                db, dst, data, record.txids, overwrite=overwrite, coord=coord, keep_superseded=True
+            )
+
+        async def cleanup() -> None:
+            kept = await _commit._txids_at(db, dst)
+            await _commit.drop_txids(db, dst, sorted(record.txids - kept))
+
+        try:
+            await _commit.collective(coord, dst, work, commit, cleanup, lambda _: {})
+        except BaseException:
+            if sink is not None:
+                await sink.abort()
+            inc.failed()
+            raise
+        inc.committed()
+    finally:
+        await inc.release(root)
+        await asyncio.gather(sb.close(), db.close(), root.close())
+    inc.stats = {
+        "borrowed_bytes": sink.borrowed_bytes if sink is not None else 0,
+        "written_bytes": sink.bytes if sink is not None else 0,
+        "compacted_bytes": sink.compacted if sink is not None else 0,
+    }
+    return inc.stats
+
+
+def _with_indexes(raw: bytes, entries: list[dict[str, Any]]) -> bytes:
+    """The commit record ``raw`` with its ``indexes`` replaced and its checksum redone."""
+    doc = json.loads(raw)
+    doc["indexes"] = entries
+    doc["checksum"] = _format.record_checksum(doc)
+    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
 
 
 def _leaves(doc: Mapping[str, Any]) -> tuple[dict[str, LeafKey], dict[LeafKey, LeafInfo]]:
