@@ -315,3 +315,25 @@ def test_copies_go_to_another_failure_domain_and_survive_its_loss(tmp_path: Path
     assert not (tmp_path / "persistent").exists() or not any(
         p.name.startswith("step_") for p in (tmp_path / "persistent").iterdir()
     )
+
+
+def test_a_memory_local_tier_serves_its_peers_from_process_memory(tmp_path: Path) -> None:
+    """``LocalTier("memory://...", peers=1)``: each process's local root lives in its own
+    memory store, served to its peers from there.  After 3 steps each root holds its own
+    objects and its ring predecessor's (one host: the plain ring); process 1 then empties its
+    root, and every process restores the last step again: process 1's objects come over TCP
+    from the memory of process 2, which holds their copy; bit-identical."""
+    base = {"persistent": str(tmp_path / "persistent"), "options": None,
+            "local": "memory://tiers-run", "timeout": 10, "peers": 1, "every": 100}  # fmt: skip
+    results, codes = launch(tmp_path, {**base, "first": 1, "last": 3, "wipe": 1})
+    ok(results, codes)
+    for r in of(results, "markers"):
+        p = r["pid"]
+        assert r["names"] == [f"p{q:05d}.json" for q in sorted({p, (p - 1) % N})], r
+    again = of(results, "rerestored")
+    assert [(r["step"], r["same"]) for r in again] == [(3, True)] * N
+    assert again[1]["read"] and set(again[1]["read"]) <= {"process 0", "process 2", "process 3"}
+    assert again[1]["read"].get("process 2", (0, 0))[0] > 0, again[1]
+    assert not (tmp_path / "persistent").exists() or not any(
+        p.name.startswith("step_") for p in (tmp_path / "persistent").iterdir()
+    )

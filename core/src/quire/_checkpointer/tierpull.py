@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from quire._checkpointer import tierplace as _place
@@ -36,6 +37,7 @@ from quire._runtime import peerlink
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.multihost import _client, _first_line
 from quire._store.base import Backend
+from quire._store.memory import MemoryBackend
 from quire._store.url import protocol_of
 from quire.errors import CorruptCheckpointError, MultiProcessError, PeerError
 
@@ -62,18 +64,13 @@ class PeerCopies:
         timeout: float,
         domain: str = "",
     ) -> None:
-        if protocol_of(root) != "file":
-            raise NotImplementedError(
-                f"LocalTier({root!r}, peers={peers}): peer copies are served from a local "
-                "directory (a path on disk or tmpfs), not a URL; use a path, or peers=0"
-            )
+        served = _served(root, peers)
         _opened[name] += 1  # the same count in every process: Checkpointers open in order
         self.name = f"{name}#{_opened[name]}"
         self.me, self.count, self.peers, self.timeout = me, count, peers, timeout
         self.root = root
         self.secret = peerlink.run_secret(_key(f"{self.name}/secret"), timeout)
-        os.makedirs(root, exist_ok=True)
-        self.server = peerlink.PeerServer(root, self.secret, host=host)
+        self.server = peerlink.PeerServer(served(), self.secret, host=host)
         peerlink.publish_address(_key(f"{self.name}/address"), self.server.address)
         self._addresses: dict[int, tuple[str, int]] = {}
         self.domains = _domains(_key(f"{self.name}/domain"), me, count, domain, timeout)
@@ -229,6 +226,32 @@ class PeerCopies:
             )
             objects.update(zip(keys, datas))
         await _peers.receive(backend, url, doc, j, primary, objects, who)
+
+
+def _served(root: str, peers: int) -> Callable[[], Any]:
+    """What this process's peer server serves (made when called, after the checks): its
+    local root, a directory on disk or in its ``memory://`` store."""
+    proto = protocol_of(root)
+    if proto == "file":
+
+        def disk() -> Any:
+            os.makedirs(root, exist_ok=True)
+            return root
+
+        return disk
+    if proto == "memory":
+
+        def memory() -> Any:
+            b = MemoryBackend(root)
+            b.fs.makedirs(b.root, exist_ok=True)
+            return peerlink.FsspecFiles(b.fs, b.root)
+
+        return memory
+    raise NotImplementedError(
+        f"LocalTier({root!r}, peers={peers}): peer copies are served from this process's "
+        "local tier: a path on disk or tmpfs, or a memory:// URL, not a remote store; use one "
+        "of those, or peers=0"
+    )
 
 
 def _domains(key: str, me: int, count: int, domain: str, timeout: float) -> list[str]:
