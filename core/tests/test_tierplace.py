@@ -63,6 +63,17 @@ def test_eight_processes_on_four_hosts() -> None:
         assert all({j, *out[j]} - dead for j in range(8))
 
 
+@pytest.mark.parametrize("blocks", [True, False])
+def test_equal_domains_give_every_process_k_copies(blocks: bool) -> None:
+    # D domains of m processes each, as blocks (0..m-1 on the first) or round-robin
+    for d, m in itertools.product(range(1, 6), range(1, 5)):
+        n = d * m
+        domains = [chr(97 + (i // m if blocks else i % d)) for i in range(n)]
+        for k in range(1, n):
+            out = check(domains, k)
+            assert Counter(h for hs in out for h in hs) == {p: k for p in range(n)}, (d, m, k)
+
+
 def test_uneven_domains() -> None:
     # 3 processes on host a, one on b: every owner of a copies to b; b's to a
     out = check(["a", "a", "a", "b"], 1)

@@ -20,11 +20,13 @@ that satisfy the most demanding of these, in turn, until it has ``k``:
 4. any other process holding fewer than ``k`` copies, then any other process (only when
    fewer than ``k`` processes lie outside the owner's domain).
 
-So whenever at least ``k`` processes lie outside an owner's domain, all of its holders do, so
-losing one whole domain loses no owner's objects when that holds for every owner; with one process per domain (or when every process is its own domain) the
-answer is the plain ring, each owner's copies on processes ``j+1 .. j+k``; with equal
-domains every process holds exactly ``k`` owners' copies.  Rule 4 is logged once, as a
-warning, by the tier that had to take it (:func:`shared_domains` says which owners).
+So whenever at least ``k`` processes lie outside an owner's domain, all of its holders do
+(then losing one whole domain loses no owner's objects, when that holds for every owner).
+With a single domain, or every process its own, the answer is the plain ring: owner ``j``'s
+copies on processes ``j+1 .. j+k``.  With domains of equal size every process holds exactly
+``k`` owners' copies (``core/tests/test_tierplace.py`` checks up to 5 domains of up to 4
+processes, every ``k``).  Rule 4 is logged once, as a warning, by the tier that had to take
+it (:func:`shared_domains` says which owners).
 """
 
 from __future__ import annotations
