@@ -54,15 +54,22 @@ def proxy(moto: MotoS3) -> Iterator[FaultProxy]:
 
 
 def launch(
-    tmp: Path, cfg: dict[str, Any], victim: int | None = None, timeout: float = 90, n: int = N
+    tmp: Path,
+    cfg: dict[str, Any],
+    victim: int | None = None,
+    timeout: float = 90,
+    n: int = N,
+    domains: list[str] | None = None,
 ) -> tuple[list[dict[str, Any]], list[int | None]]:
-    """Run ``n`` processes; when ``victim`` dies (SIGKILL), kill the others as a job would."""
+    """Run ``n`` processes; when ``victim`` dies (SIGKILL), kill the others as a job would.
+    ``domains``: each process's ``$QUIRE_FAILURE_DOMAIN`` (fake hosts)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    drop = ("XLA_FLAGS", "JAX_PLATFORMS", "QUIRE_FAILURE_DOMAIN")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     logs = tmp / "logs"
     logs.mkdir(exist_ok=True)
@@ -71,7 +78,8 @@ def launch(
     for i in range(n):
         with open(logs / f"{tag}-{i}.out", "w") as out, open(logs / f"{tag}-{i}.err", "w") as err:
             cmd = [sys.executable, str(WORKER), str(i), str(n), str(port), json.dumps(cfg)]
-            procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env))
+            own = env if domains is None else {**env, "QUIRE_FAILURE_DOMAIN": domains[i]}
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=own))
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout and any(p.poll() is None for p in procs):
         if victim is not None and procs[victim].poll() is not None:
@@ -276,6 +284,9 @@ def test_a_silent_peer_is_passed_over_for_another_holder(tmp_path: Path) -> None
     ok(*launch(tmp_path, {**base, "first": 1, "last": 2}, n=3), n=3)
     for p in range(3):
         assert markers(local, p, 2) == ["p00000.json", "p00001.json", "p00002.json"]
+    # one host: every copy shares its owner's failure domain, said once (by process 0)
+    warned = [f.read_text().count("own failure domain") for f in (tmp_path / "logs").glob("1-2-*")]
+    assert sorted(warned) == [0, 0, 0, 0, 0, 1], warned
     results, codes = launch(tmp_path, {**base, "first": 3, "last": 2}, n=3)
     ok(results, codes, n=3)
     restored = of(results, "restored")
@@ -298,3 +309,57 @@ def test_a_silent_peer_is_passed_over_for_another_holder(tmp_path: Path) -> None
     assert not (local / "process_00000" / "step_00000002").exists()  # not refilled
     err = (tmp_path / "logs").glob("3-2-*-0.err")
     assert any("from process 1" in f.read_text() for f in err)
+
+
+def test_copies_go_to_another_failure_domain_and_survive_its_loss(tmp_path: Path) -> None:
+    """4 processes on 2 fake hosts (``$QUIRE_FAILURE_DOMAIN``: processes 0, 1 on ``a``, 2, 3 on
+    ``b``), ``peers=1``: each owner's copy lands on a process of the other host (the plain
+    ring would have put process 0's on process 1).  Both of host ``a``'s directories wiped:
+    the restore still agrees on the newest local step, which the persistent tier never held,
+    and reads every missing byte from host ``b``'s processes; bit-identical."""
+    local = tmp_path / "local"
+    base = {"persistent": str(tmp_path / "persistent"), "options": None, "local": str(local),
+            "timeout": 10, "peers": 1, "every": 100}  # fmt: skip
+    hosts = ["a", "a", "b", "b"]
+    ok(*launch(tmp_path, {**base, "first": 1, "last": 2}, domains=hosts))
+    held = {0: 2, 1: 3, 2: 1, 3: 0}  # owner -> its holder, on the other host
+    for p in range(N):
+        own = sorted({p} | {j for j, h in held.items() if h == p})
+        assert markers(local, p, 2) == [f"p{q:05d}.json" for q in own], p
+        assert {hosts[q] for q in own} == {"a", "b"}
+    err = "".join(f.read_text() for f in (tmp_path / "logs").glob("1-2-*-0.err"))
+    assert "own failure domain" not in err, err  # no warning: the domains separate
+    shutil.rmtree(local / "process_00000")
+    shutil.rmtree(local / "process_00001")
+    results, codes = launch(tmp_path, {**base, "first": 3, "last": 2}, domains=hosts)
+    ok(results, codes)
+    assert [r["step"] for r in of(results, "agreed")] == [2] * N  # local only: never promoted
+    restored = of(results, "restored")
+    assert [r["same"] for r in restored] == [True] * N
+    for r in restored[:2]:  # host a's processes read from host b's only
+        assert r["read"] and set(r["read"]) <= {"process 2", "process 3"}, r
+    assert not (tmp_path / "persistent").exists() or not any(
+        p.name.startswith("step_") for p in (tmp_path / "persistent").iterdir()
+    )
+
+
+def test_a_memory_local_tier_serves_its_peers_from_process_memory(tmp_path: Path) -> None:
+    """``LocalTier("memory://...", peers=1)``: each process's local root lives in its own
+    memory store, served to its peers from there.  After 3 steps each root holds its own
+    objects and its ring predecessor's (one host: the plain ring); process 1 then empties its
+    root, and every process restores the last step again: process 1's objects come over TCP
+    from the memory of process 2, which holds their copy; bit-identical."""
+    base = {"persistent": str(tmp_path / "persistent"), "options": None,
+            "local": "memory://tiers-run", "timeout": 10, "peers": 1, "every": 100}  # fmt: skip
+    results, codes = launch(tmp_path, {**base, "first": 1, "last": 3, "wipe": 1})
+    ok(results, codes)
+    for r in of(results, "markers"):
+        p = r["pid"]
+        assert r["names"] == [f"p{q:05d}.json" for q in sorted({p, (p - 1) % N})], r
+    again = of(results, "rerestored")
+    assert [(r["step"], r["same"]) for r in again] == [(3, True)] * N
+    assert again[1]["read"] and set(again[1]["read"]) <= {"process 0", "process 2", "process 3"}
+    assert again[1]["read"].get("process 2", (0, 0))[0] > 0, again[1]
+    assert not (tmp_path / "persistent").exists() or not any(
+        p.name.startswith("step_") for p in (tmp_path / "persistent").iterdir()
+    )

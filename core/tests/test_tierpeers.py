@@ -1,5 +1,5 @@
 """The receiving side of local-tier peer copies and restores (``quire._engine.tierpeers``) and
-the agreed restore step (``quire._checkpointer.tiermulti.decide``), in one process.
+the agreed restore step (``quire._checkpointer.tierplan.decide``), in one process.
 
 Hostile or damaged traffic - a name with ``..``, a name outside the owner's set, another
 process's pack, a truncated or altered pack or index, a malformed header - is refused and
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import quire
-from quire._checkpointer.tiermulti import PERSISTENT_SOURCE, decide, sources
+from quire._checkpointer.tierplan import PERSISTENT_SOURCE, decide, sources
 from quire._engine import tierpeers as tp
 from quire._store.url import open_backend
 from quire.errors import CorruptCheckpointError

@@ -10,7 +10,10 @@ packs), ``expect`` (the step the restore must agree on, or null), ``hang`` (a pr
 sleeps instead of taking part in a final ``latest_step()``), ``silent`` (a process whose peer
 server accepts connections and never answers), ``incremental`` (an incremental persistent
 tier: its promotions borrow what the previous persistent step stores), ``frozen`` (the state
-has a large leaf that never changes).  Prints ``QUIRE-TIER <json>`` lines; the
+has a large leaf that never changes), ``wipe`` (a ``memory://`` local tier: after the saves
+that process empties its own local root in its memory store, then every process restores the
+last step again and says what it read, ``rerestored``; before that each says which markers
+its root holds for the last step, ``markers``).  Prints ``QUIRE-TIER <json>`` lines; the
 ``restored`` line says the bytes this process's peer server answered (``served``) and what
 the restore read from others (``read``: bytes and requests per source).
 """
@@ -153,6 +156,24 @@ try:
             c.save_checkpointables(step, {"state": state(step), "loader": Loader(step)})
         c.wait()
         emit(check="saved", last=cfg["last"], tiers={s: c.tiers_of(s) for s in c.steps()})
+        if cfg.get("wipe") is not None:  # a memory:// local tier: its roots live in this process
+            from fsspec.implementations.memory import MemoryFileSystem
+
+            from quire._store.memory import forget
+
+            mine = c._tier.url  # type: ignore[union-attr]
+            root = mine.removeprefix("memory://")
+            found = [k for k in MemoryFileSystem.store if "/%tier/" in k and root in k]
+            step_dir = f"step_{cfg['last']:08d}/"
+            emit(check="markers", names=sorted(k.rsplit("/", 1)[1] for k in found if step_dir in k))
+            if pid == cfg["wipe"]:
+                forget(mine)
+            c.reload()
+            got = c.latest_step()
+            units = c.load_checkpointables(got, {"state": state(0), "loader": Loader(0)})
+            ok = same(units["state"], state(got)) and units["loader"].pos == got
+            spread = c._tier.spread  # type: ignore[union-attr]
+            emit(check="rerestored", step=got, same=ok, read=spread.last_restore)
         if cfg.get("hang") is not None:
             if pid == cfg["hang"]:
                 time.sleep(cfg["timeout"] + 3)

@@ -5,15 +5,14 @@ of them together (``quire._engine.spreadsave``), and its objects are split by **
 process (``quire._engine.tierpeers``).  This module adds what needs every process:
 
 * **Peer copies** (``LocalTier(peers=k)``), after each local commit, in the background: each
-  process sends its own objects to processes ``i+1 .. i+k`` (mod N), which check them
-  against the commit record and the chunk index before writing them at the same paths in
-  their own root (:meth:`Spread.after_local`).  Transport: ``quire._runtime.collective.exchange``
-  (an all-gather behind a key-value barrier with the ``timeout`` deadline); each process
-  keeps only its ring predecessors' rows.
+  owner's objects are pulled over TCP by its ``k`` holders (``quire._checkpointer.tierpull``;
+  who holds whom: ``quire._checkpointer.tierplace``, spread over failure domains), which
+  check them against the commit record and the chunk index before writing them at the same
+  paths in their own root (:meth:`Spread.after_local`).
 * **The agreed step** (:meth:`Spread.agree`, behind ``latest_step()`` and ``load()``): each
   process publishes, for every local step, its commit record's digest and which owners'
   objects it holds whole, plus the persistent steps it lists; every process computes the
-  same answer (:func:`decide`): the newest step for which every owner's objects have a live
+  same answer (``quire._checkpointer.tierplan.decide``): the newest step for which every owner's objects have a live
   holder (with the same record), or which the persistent tier holds.  A step some owner's
   objects were never completed for (a process killed mid-save) has no holder for them and
   is never chosen.
@@ -32,13 +31,15 @@ process (``quire._engine.tierpeers``).  This module adds what needs every proces
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from quire._checkpointer.tierplace import domain_of
+from quire._checkpointer.tierplan import PERSISTENT_SOURCE, Plan, decide, holders, self_contained
+from quire._checkpointer.tierplan import sources as _sources
 from quire._checkpointer.tierpull import PeerCopies
 from quire._checkpointer.tierread import (
     PEER_STREAMS,
@@ -68,21 +69,9 @@ from quire.errors import (
 if TYPE_CHECKING:
     from quire._checkpointer.tiers import _Tier
 
-__all__ = ["PERSISTENT_SOURCE", "Plan", "Spread", "decide"]
+__all__ = ["PERSISTENT_SOURCE", "Plan", "Spread", "decide"]  # the first three: tierplan
 
 log = logging.getLogger("quire")
-
-PERSISTENT_SOURCE = -1  # a source meaning "the persistent tier"
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """A restore agreed by every process: the step, the record digest (None: the
-    persistent tier's record, read at restore), and each process's view."""
-
-    step: int
-    digest: str | None
-    views: tuple[dict[str, Any], ...]
 
 
 def _agreed_doc(raw: bytes, digest: str, url: str, step: int) -> dict[str, Any]:
@@ -94,72 +83,6 @@ def _agreed_doc(raw: bytes, digest: str, url: str, step: int) -> dict[str, Any]:
     doc = _format.parse(raw, url)
     _commit.check_locations(doc["units"], url)
     return doc
-
-
-def _holders(views: Sequence[dict[str, Any]], step: int, digest: str) -> dict[int, list[int]]:
-    """owner -> the processes holding its objects of ``step`` with record ``digest``."""
-    out: dict[int, list[int]] = {}
-    for p, v in enumerate(views):
-        info = v["steps"].get(str(step))
-        if info is not None and info["d"] == digest:
-            for j in info["held"]:
-                out.setdefault(int(j), []).append(p)
-    return out
-
-
-def _need(views: Sequence[dict[str, Any]], step: int, digest: str) -> list[int]:
-    for v in views:
-        info = v["steps"].get(str(step))
-        if info is not None and info["d"] == digest:
-            return [int(j) for j in info["need"]]
-    return []
-
-
-def sources(views: Sequence[dict[str, Any]], step: int, digest: str) -> dict[int, int]:
-    """owner -> who sends its objects: the least-loaded holder, else the persistent tier."""
-    held = _holders(views, step, digest)
-    load: dict[int, int] = {}
-    out: dict[int, int] = {}
-    for j in _need(views, step, digest):
-        hs = held.get(j, [])
-        if not hs:
-            out[j] = PERSISTENT_SOURCE
-            continue
-        who = min(hs, key=lambda p: (load.get(p, 0), p != j, p))
-        load[who] = load.get(who, 0) + 1
-        out[j] = who
-    return out
-
-
-def _self_contained(plan: Plan) -> bool:
-    """Whether every process holds every owner's objects of the plan's step (then no
-    process reads from another)."""
-    if plan.digest is None:
-        return False
-    held = _holders(plan.views, plan.step, plan.digest)
-    everyone = set(range(len(plan.views)))
-    return all(everyone <= set(held.get(j, ())) for j in _need(plan.views, plan.step, plan.digest))
-
-
-def decide(views: Sequence[dict[str, Any]], want: int | None, primary: int) -> Plan | None:
-    """The step to restore (``want``, or the newest restorable), the same in every process.
-
-    A step is restorable from the local tier when, for one record digest, every owner's
-    objects have a holder; else when the persistent tier (as the primary lists it) has it.
-    """
-    persistent = {int(s) for s in views[primary]["persistent"]}
-    local: dict[int, set[str]] = {}
-    for v in views:
-        for s, info in v["steps"].items():
-            local.setdefault(int(s), set()).add(info["d"])
-    steps = sorted(set(local) | persistent, reverse=True) if want is None else [want]
-    for s in steps:
-        for d in sorted(local.get(s, ())):
-            if all(v != PERSISTENT_SOURCE for v in sources(views, s, d).values()):
-                return Plan(s, d, tuple(views))
-        if s in persistent:
-            return Plan(s, None, tuple(views))
-    return None
 
 
 class Spread:
@@ -196,6 +119,7 @@ class Spread:
                 self.peers,
                 tier.spec.peer_host,
                 self._timeout(),
+                domain_of(tier.spec.failure_domain),
             )
         tier.inner._spread = self.name
         tier.inner._primary = True  # each process owns its root: retention, gc, root record
@@ -343,7 +267,7 @@ class Spread:
             # per other process (each may have waited out one lost peer).  Not needed when
             # every process holds every owner's objects (the same answer everywhere).
             try:
-                if not _self_contained(plan):
+                if not self_contained(plan):
                     self._exchange(
                         f"restoring step {plan.step}: waiting for every process to finish reading",
                         f"{self.name}/restored/{self._seq}",
@@ -380,9 +304,9 @@ class Spread:
         if digest is None:  # the persistent tier's record: local holders of it help
             raw = (await _commit.read(pb, purl)).raw
             digest = _digest(raw)
-            if not any(h for h in _holders(views, s, digest).values()):
+            if not any(h for h in holders(views, s, digest).values()):
                 return False
-        src = sources(views, s, digest)
+        src = _sources(views, s, digest)
         has_rec = [p for p, v in enumerate(views) if v["steps"].get(str(s), {}).get("d") == digest]
         key = f"{self.name}/restore/{self._seq}/{s}"
         if raw is None:
@@ -406,7 +330,7 @@ class Spread:
             if raw is None:
                 raw = (await _commit.read(backend, url)).raw
         doc = _agreed_doc(raw, digest, url, s)
-        held = _holders(views, s, digest)
+        held = holders(views, s, digest)
         for j, who in sorted(src.items()):
             lacking = [p for p in range(self.count) if p not in held.get(j, [])]
             if not lacking:
@@ -459,13 +383,13 @@ class Spread:
         if digest is None:  # the persistent tier's record: local holders of it help
             raw = praw = (await _commit.read(pb, purl)).raw
             digest = _digest(raw)
-            if not any(h for h in _holders(views, s, digest).values()):
+            if not any(h for h in holders(views, s, digest).values()):
                 return None
         has_rec = [p for p, v in enumerate(views) if v["steps"].get(str(s), {}).get("d") == digest]
         if raw is None:
             raw = await agreed_record(copies, self.me, backend, url, rel, digest, has_rec)
         doc = _agreed_doc(raw, digest, url, s)
-        held = _holders(views, s, digest)
+        held = holders(views, s, digest)
         in_persistent = s in {int(x) for x in views[self.primary]["persistent"]}
         by_owner: dict[int, list[Source]] = {}
         slots = {h: asyncio.Semaphore(PEER_STREAMS) for h in range(self.count)}

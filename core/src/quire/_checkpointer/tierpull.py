@@ -4,9 +4,12 @@ Each process serves its own local root read-only with a ``PeerServer`` on the in
 ``LocalTier(peer_host=...)`` names, authenticated by the run's secret (made by process 0 and
 shared through ``jax.distributed``'s key-value store); the addresses go through the store too.
 
-After the local commit of step S, process ``j`` marks its own objects held
+When the tier opens, the processes exchange their failure domains through the store too, and
+each computes the same placement (``quire._checkpointer.tierplace.place``): the ``k`` holders
+of each owner's objects, in other failure domains whenever enough processes lie outside the
+owner's.  After the local commit of step S, process ``j`` marks its own objects held
 (``quire._engine.tierpeers``) and says so in the key-value store (``.../ready/<j>``).  Each of
-its ``k`` ring successors ``j+1 .. j+k`` waits for that (at most ``timeout`` seconds), asks
+its ``k`` holders waits for that (at most ``timeout`` seconds), asks
 ``j`` for its marker and then for the objects the marker names, over one connection, checks
 them (exactly ``j``'s set of S, every object against the commit record and chunk index) and
 only then writes them into its own root and marks them.  A refused or failed copy is logged
@@ -25,13 +28,16 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
+from quire._checkpointer import tierplace as _place
 from quire._engine import tierpeers as _peers
 from quire._runtime import peerlink
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.multihost import _client, _first_line
 from quire._store.base import Backend
+from quire._store.memory import MemoryBackend
 from quire._store.url import protocol_of
 from quire.errors import CorruptCheckpointError, MultiProcessError, PeerError
 
@@ -44,25 +50,45 @@ _opened: collections.Counter[str] = collections.Counter()  # per name, in call o
 
 
 class PeerCopies:
-    """This process's peer server and its pulls of its ring predecessors' objects."""
+    """This process's peer server and its pulls of the objects of the owners it holds
+    copies of (:attr:`sources`)."""
 
     def __init__(
-        self, root: str, name: str, me: int, count: int, peers: int, host: str, timeout: float
+        self,
+        root: str,
+        name: str,
+        me: int,
+        count: int,
+        peers: int,
+        host: str,
+        timeout: float,
+        domain: str = "",
     ) -> None:
-        if protocol_of(root) != "file":
-            raise NotImplementedError(
-                f"LocalTier({root!r}, peers={peers}): peer copies are served from a local "
-                "directory (a path on disk or tmpfs), not a URL; use a path, or peers=0"
-            )
+        served = _served(root, peers)
         _opened[name] += 1  # the same count in every process: Checkpointers open in order
         self.name = f"{name}#{_opened[name]}"
         self.me, self.count, self.peers, self.timeout = me, count, peers, timeout
         self.root = root
         self.secret = peerlink.run_secret(_key(f"{self.name}/secret"), timeout)
-        os.makedirs(root, exist_ok=True)
-        self.server = peerlink.PeerServer(root, self.secret, host=host)
+        self.server = peerlink.PeerServer(served(), self.secret, host=host)
         peerlink.publish_address(_key(f"{self.name}/address"), self.server.address)
         self._addresses: dict[int, tuple[str, int]] = {}
+        self.domains = _domains(_key(f"{self.name}/domain"), me, count, domain, timeout)
+        self.placement = _place.place(self.domains, peers)  # owner -> its holders
+        self.sources = _place.sources_of(self.placement, me)  # the owners held here
+        shared = _place.shared_domains(self.domains, self.placement)
+        if shared and me == 0:  # once per tier and run
+            log.warning(
+                "%s: LocalTier(peers=%d): processes %s keep a copy in their own failure domain "
+                "(domains by process: %s): too few processes in other domains; a lost domain "
+                "may take every copy of their objects (give each process its failure domain: "
+                "LocalTier(failure_domain=...) or $%s)",
+                root,
+                peers,
+                shared,
+                self.domains,
+                _place.ENV,
+            )
         self._last_ready: str | None = None  # the key the successors delete once they pulled
 
     def close(self) -> None:
@@ -92,7 +118,7 @@ class PeerCopies:
     async def after_commit(
         self, backend: Backend, url: str, rel: str, doc: dict[str, Any], primary: int, tag: str
     ) -> None:
-        """Say this process's objects of the step are ready, then pull the predecessors'.
+        """Say this process's objects of the step are ready, then pull those of its sources.
 
         ``rel``: the step's directory relative to the local root; ``tag``: the save's unique
         name (the same in every process)."""
@@ -100,8 +126,7 @@ class PeerCopies:
         ready = _key(f"{self.name}/{tag}/ready")
         await run_blocking(c.key_value_set, f"{ready}/{self.me}", "1")
         self._last_ready = f"{ready}/{self.me}"
-        for s in range(1, self.peers + 1):
-            j = (self.me - s) % self.count
+        for j in self.sources:
             try:
                 await run_blocking(c.blocking_key_value_get, f"{ready}/{j}", self._ms())
             except Exception as e:
@@ -114,7 +139,7 @@ class PeerCopies:
                 await self.pull(backend, url, rel, doc, primary, j, j)
             except (PeerError, CorruptCheckpointError) as e:  # logged where refused
                 log.warning("%s: no copy of process %d's objects here: %s", url, j, e)
-            await run_blocking(_ack, c, f"{ready}/{j}", self.peers)
+            await run_blocking(_ack, c, f"{ready}/{j}", len(self.placement[j]))
 
     async def fetch_record(self, holder: int, rel: str) -> bytes:
         """The commit record of step ``rel`` as process ``holder`` has it (unchecked)."""
@@ -201,6 +226,50 @@ class PeerCopies:
             )
             objects.update(zip(keys, datas))
         await _peers.receive(backend, url, doc, j, primary, objects, who)
+
+
+def _served(root: str, peers: int) -> Callable[[], Any]:
+    """What this process's peer server serves (made when called, after the checks): its
+    local root, a directory on disk or in its ``memory://`` store."""
+    proto = protocol_of(root)
+    if proto == "file":
+
+        def disk() -> Any:
+            os.makedirs(root, exist_ok=True)
+            return root
+
+        return disk
+    if proto == "memory":
+
+        def memory() -> Any:
+            b = MemoryBackend(root)
+            b.fs.makedirs(b.root, exist_ok=True)
+            return peerlink.FsspecFiles(b.fs, b.root)
+
+        return memory
+    raise NotImplementedError(
+        f"LocalTier({root!r}, peers={peers}): peer copies are served from this process's "
+        "local tier: a path on disk or tmpfs, or a memory:// URL, not a remote store; use one "
+        "of those, or peers=0"
+    )
+
+
+def _domains(key: str, me: int, count: int, domain: str, timeout: float) -> list[str]:
+    """Every process's failure domain, through the key-value store (blocking)."""
+    c = _client()
+    c.key_value_set(f"{key}/{me}", domain)
+    ms = min(2**31 - 1, max(1, int(timeout * 1000)))
+    out = []
+    for j in range(count):
+        try:
+            out.append(str(c.blocking_key_value_get(f"{key}/{j}", ms)))
+        except Exception as e:
+            raise MultiProcessError(
+                f"process {me} waited {timeout:g}s for process {j} to publish its failure "
+                f"domain under {key!r} while opening the local tier; it did not (is it dead, "
+                f"or opening no local tier with peers?): {_first_line(e)}"
+            ) from e
+    return out
 
 
 def _ack(c: Any, key: str, readers: int) -> None:

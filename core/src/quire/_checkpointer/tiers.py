@@ -84,14 +84,19 @@ class LocalTier:
         Which local steps survive (default: all).
     peers : int
         With several JAX processes: copies of each process's objects of each local step on
-        the next ``peers`` processes of the ring (checked on arrival), so a lost local
-        directory is restored from its peers (default 0: from the persistent tier).
+        ``peers`` other processes (checked on arrival), in other failure domains whenever
+        enough processes lie outside this one's, so a lost local directory (or host) is
+        restored from its peers (default 0: from the persistent tier).
     storage_options : dict, optional
         fsspec options for the local tier's backend.
     peer_host : str
         The interface each process serves its local tier on to its peers (read-only,
         authenticated by a per-run secret); ``127.0.0.1`` by default: this machine only.
         Give the address other hosts reach this one at for multi-host runs.
+    failure_domain : str, optional
+        What this process dies with (a host, a rack), for choosing where its peer copies go:
+        each process's copies go to processes of other domains whenever enough exist
+        (default: ``$QUIRE_FAILURE_DOMAIN``, else the host name).
 
     Raises
     ------
@@ -105,6 +110,7 @@ class LocalTier:
     peers: int = 0
     storage_options: Mapping[str, Any] | None = None
     peer_host: str = "127.0.0.1"
+    failure_domain: str | None = None
 
     def __post_init__(self) -> None:
         if self.save_policy is not None and not isinstance(self.save_policy, SavePolicy):
@@ -115,6 +121,12 @@ class LocalTier:
             raise ValueError(f"peers must be an int >= 0, got {self.peers!r}")
         if not isinstance(self.peer_host, str) or not self.peer_host:
             raise TypeError(f"peer_host must be a host name or address, got {self.peer_host!r}")
+        if self.failure_domain is not None and (
+            not isinstance(self.failure_domain, str) or not self.failure_domain
+        ):
+            raise TypeError(
+                f"failure_domain must be a non-empty string, got {self.failure_domain!r}"
+            )
         object.__setattr__(self, "url", normalize(self.url))
 
     def process_url(self, index: int) -> str:

@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 import jax
 
 from quire._runtime.multihost import _client, _first_line
-from quire._runtime.peerserve import PeerServer
+from quire._runtime.peerserve import FsspecFiles, PeerServer
 from quire._runtime.peerwire import (
     ANS,
     BLOCK,
@@ -54,6 +54,7 @@ log = logging.getLogger("quire")
 
 __all__ = [
     "MAX_PATH_BYTES",
+    "FsspecFiles",
     "PeerServer",
     "fetch",
     "fetch_into",

@@ -1,5 +1,11 @@
 """The server side of peer fetches: ``PeerServer`` serves regular files under one directory,
-read-only, to clients holding the run's secret (wire format in ``peerwire``)."""
+read-only, to clients holding the run's secret (wire format in ``peerwire``).
+
+What it serves is a :class:`Files`: :class:`LocalFiles` (a directory on disk or tmpfs) or
+:class:`FsspecFiles` (a directory of an fsspec filesystem, e.g. the process's ``memory://``
+store).  The server checks a request's path (relative, no ``..``, ``.``, empty or NUL
+components, no backslashes) before asking either; each then keeps the answer under its root
+and to regular files, and neither writes anything."""
 
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from quire._runtime.peerwire import (
     recv,
 )
 
-__all__ = ["PeerServer"]
+__all__ = ["Files", "FsspecFiles", "LocalFiles", "PeerServer"]
 
 log = logging.getLogger("quire")
 
@@ -53,13 +59,113 @@ class _Refused(Exception):
         self.hang_up = hang_up
 
 
+class Files:
+    """What a :class:`PeerServer` serves: regular files under one root, read-only."""
+
+    label: str  # the root, for messages
+
+    def open(self, parts: list[str]) -> tuple[Any, int]:
+        """``(reader, size)`` of the file at ``parts`` (checked components) under the root;
+        the reader has ``seek``, ``readinto`` and ``close``.  Raises ``_Refused``."""
+        raise NotImplementedError
+
+
+class LocalFiles(Files):
+    """A directory on disk (or tmpfs), resolved once; symlinks are followed only while they
+    stay inside it, and only regular files are opened (``O_NOFOLLOW``, non-blocking so a
+    FIFO never stalls the server)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).resolve(strict=True)
+        if not self.root.is_dir():
+            raise NotADirectoryError(f"peer server root {self.root} is not a directory")
+        self.label = str(self.root)
+
+    def open(self, parts: list[str]) -> tuple[Any, int]:
+        try:
+            full = self.root.joinpath(*parts).resolve(strict=True)
+        except (OSError, RuntimeError):
+            raise _Refused("no such file") from None
+        if not full.is_relative_to(self.root):
+            raise _Refused("path leaves the served directory (through a symlink)")
+        try:
+            # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: the
+            # resolved path has no link left unless one was swapped in since.
+            fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            raise _Refused(f"cannot open: {e.strerror}") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise _Refused("not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0), st.st_size
+
+
+class FsspecFiles(Files):
+    """A directory of an fsspec filesystem (``root``: a path of ``fs``, e.g. the process's
+    ``memory://`` store), read with ``info`` and ``cat_file`` only, a block at a time.
+
+    The path asked for is the root joined with the checked components; a path the filesystem
+    would read as another (its ``_strip_protocol`` changes it) is refused, so nothing outside
+    the root is served.  fsspec filesystems have no symlinks to follow."""
+
+    def __init__(self, fs: Any, root: str) -> None:
+        self.fs = fs
+        self.root = str(fs._strip_protocol(root)).rstrip("/")
+        if not fs.isdir(self.root):
+            raise NotADirectoryError(f"peer server root {self.root} is not a directory of {fs}")
+        self.label = f"{type(fs).__name__}:{self.root}"
+
+    def open(self, parts: list[str]) -> tuple[Any, int]:
+        path = "/".join([self.root, *parts])
+        if self.fs._strip_protocol(path) != path:
+            raise _Refused("path the filesystem would read as another")
+        try:
+            info = self.fs.info(path)
+        except (OSError, ValueError):
+            raise _Refused("no such file") from None
+        if info.get("type") != "file":
+            raise _Refused("not a regular file")
+        return _FsspecReader(self.fs, path), int(info["size"])
+
+
+class _FsspecReader:
+    """``seek`` / ``readinto`` over ``fs.cat_file`` ranges (no shared file position)."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.fs, self.path, self.pos = fs, path, 0
+
+    def seek(self, pos: int) -> None:
+        self.pos = pos
+
+    def readinto(self, view: memoryview) -> int:
+        try:
+            data = self.fs.cat_file(self.path, self.pos, self.pos + len(view))
+        except (OSError, ValueError):
+            return 0  # gone since: the server hangs up (a short answer)
+        view[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _FsspecReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class PeerServer:
     """Serves regular files under ``root`` to clients holding ``secret`` (read-only).
 
     Parameters
     ----------
-    root : str or path
-        The directory served (this process's local tier); resolved once, at start.
+    root : str, path or Files
+        The directory served (this process's local tier): a path (resolved once, at start:
+        :class:`LocalFiles`), or a :class:`Files` such as :class:`FsspecFiles`.
     secret : bytes
         The run's secret (:func:`run_secret`), at least 16 bytes.
     host : str
@@ -87,7 +193,7 @@ class PeerServer:
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: str | os.PathLike[str] | Files,
         secret: bytes,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -97,9 +203,8 @@ class PeerServer:
     ) -> None:
         if len(secret) < 16:
             raise ValueError("a peer secret must be at least 16 bytes (use run_secret)")
-        self.root = Path(root).resolve(strict=True)
-        if not self.root.is_dir():
-            raise NotADirectoryError(f"peer server root {self.root} is not a directory")
+        self.files = root if isinstance(root, Files) else LocalFiles(root)
+        self.root = self.files.label
         self._secret = bytes(secret)
         self._idle = idle_timeout
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -147,7 +252,7 @@ class PeerServer:
         self.close()
 
     def __repr__(self) -> str:
-        return f"PeerServer({str(self.root)!r}, address={self.address})"
+        return f"PeerServer({self.root!r}, address={self.address})"
 
     # -------------------------------------------------------------- one connection
     def _serve(self, sock: socket.socket, peer: Any) -> None:
@@ -212,16 +317,16 @@ class PeerServer:
                         f"range [{start}, {end}) is reversed or longer than the {limit} "
                         "bytes asked for"
                     )
-                fd = self._open_file(raw, limit, end)
+                opened = self._open_file(raw, limit, end)
             else:
                 start, end = 0, -1
-                fd = self._open_file(raw, limit)
+                opened = self._open_file(raw, limit)
         except _Refused as r:
             log.warning("peer server %s: refused %r from %s: %s", self.root, path[:300], who, r)
             self._answer(sock, nonce, seq, raw + rng, b"R", str(r))
             return not r.hang_up
-        with os.fdopen(fd, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
+        f, size = opened
+        with f:
             if end < 0:
                 end = size
             f.seek(start)
@@ -232,7 +337,7 @@ class PeerServer:
         log.debug("peer server %s: sent %r [%d, %d) to %s", self.root, path, start, end, who)
         return True
 
-    def _open_file(self, raw: bytes, limit: int, end: int | None = None) -> int:
+    def _open_file(self, raw: bytes, limit: int, end: int | None = None) -> tuple[Any, int]:
         try:
             rel = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -242,30 +347,13 @@ class PeerServer:
         parts = rel.split("/")
         if "\\" in rel or "\0" in rel or any(p in ("", ".", "..") for p in parts):
             raise _Refused("path with '..', '.', empty or NUL components or backslashes")
-        try:
-            full = self.root.joinpath(*parts).resolve(strict=True)
-        except (OSError, RuntimeError):
-            raise _Refused("no such file") from None
-        if not full.is_relative_to(self.root):
-            raise _Refused("path leaves the served directory (through a symlink)")
-        try:
-            # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: the
-            # resolved path has no link left unless one was swapped in since.
-            fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:
-            raise _Refused(f"cannot open: {e.strerror}") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise _Refused("not a regular file")
-        if end is None and st.st_size > limit:
-            os.close(fd)
-            raise _Refused(f"file of {st.st_size} bytes, more than the {limit} asked for")
-        if end is not None and end > st.st_size:
-            os.close(fd)
-            raise _Refused(f"range ends at byte {end}, past the end of the file ({st.st_size})")
-        os.set_blocking(fd, True)
-        return fd
+        f, size = self.files.open(parts)
+        if (end is None and size > limit) or (end is not None and end > size):
+            f.close()
+            if end is None:
+                raise _Refused(f"file of {size} bytes, more than the {limit} asked for")
+            raise _Refused(f"range ends at byte {end}, past the end of the file ({size})")
+        return f, size
 
     def _answer(
         self, sock: socket.socket, nonce: bytes, seq: int, raw: bytes, status: bytes, text: str

@@ -1,0 +1,98 @@
+"""The agreed restore of a multi-process local tier, as data: each process's view of its
+holdings, and the step and sources every process computes from all the views (the same
+answer everywhere, without further messages).
+
+A **view** (one per process, exchanged by ``quire._checkpointer.tiermulti.Spread.agree``):
+``{"steps": {"<step>": {"d": record digest, "need": owners, "held": owners held here}},
+"persistent": [steps the persistent tier lists]}``.  Who holds what comes only from the
+views, that is from each root's markers (``quire._engine.tierpeers.holds``), never from
+where the copies were meant to go (``quire._checkpointer.tierplace``): a copy that failed
+is simply not held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["PERSISTENT_SOURCE", "Plan", "decide", "holders", "need", "self_contained", "sources"]
+
+PERSISTENT_SOURCE = -1  # a source meaning "the persistent tier"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A restore agreed by every process: the step, the record digest (None: the
+    persistent tier's record, read at restore), and each process's view."""
+
+    step: int
+    digest: str | None
+    views: tuple[dict[str, Any], ...]
+
+
+def holders(views: Sequence[dict[str, Any]], step: int, digest: str) -> dict[int, list[int]]:
+    """owner -> the processes holding its objects of ``step`` with record ``digest``."""
+    out: dict[int, list[int]] = {}
+    for p, v in enumerate(views):
+        info = v["steps"].get(str(step))
+        if info is not None and info["d"] == digest:
+            for j in info["held"]:
+                out.setdefault(int(j), []).append(p)
+    return out
+
+
+def need(views: Sequence[dict[str, Any]], step: int, digest: str) -> list[int]:
+    """The owners of ``step`` (with record ``digest``): every process with objects in it."""
+    for v in views:
+        info = v["steps"].get(str(step))
+        if info is not None and info["d"] == digest:
+            return [int(j) for j in info["need"]]
+    return []
+
+
+def sources(views: Sequence[dict[str, Any]], step: int, digest: str) -> dict[int, int]:
+    """owner -> who sends its objects: the least-loaded holder, else the persistent tier."""
+    held = holders(views, step, digest)
+    load: dict[int, int] = {}
+    out: dict[int, int] = {}
+    for j in need(views, step, digest):
+        hs = held.get(j, [])
+        if not hs:
+            out[j] = PERSISTENT_SOURCE
+            continue
+        who = min(hs, key=lambda p: (load.get(p, 0), p != j, p))
+        load[who] = load.get(who, 0) + 1
+        out[j] = who
+    return out
+
+
+def self_contained(plan: Plan) -> bool:
+    """Whether every process holds every owner's objects of the plan's step (then no
+    process reads from another)."""
+    if plan.digest is None:
+        return False
+    held = holders(plan.views, plan.step, plan.digest)
+    everyone = set(range(len(plan.views)))
+    return all(everyone <= set(held.get(j, ())) for j in need(plan.views, plan.step, plan.digest))
+
+
+def decide(views: Sequence[dict[str, Any]], want: int | None, primary: int) -> Plan | None:
+    """The step to restore (``want``, or the newest restorable), the same in every process.
+
+    A step is restorable from the local tier when, for one record digest, every owner's
+    objects have a holder; else when the persistent tier (as the primary lists it) has it.
+    """
+    persistent = {int(s) for s in views[primary]["persistent"]}
+    local: dict[int, set[str]] = {}
+    for v in views:
+        for s, info in v["steps"].items():
+            local.setdefault(int(s), set()).add(info["d"])
+    steps = sorted(set(local) | persistent, reverse=True) if want is None else [want]
+    for s in steps:
+        for d in sorted(local.get(s, ())):
+            if all(v != PERSISTENT_SOURCE for v in sources(views, s, d).values()):
+                return Plan(s, d, tuple(views))
+        if s in persistent:
+            return Plan(s, None, tuple(views))
+    return None
