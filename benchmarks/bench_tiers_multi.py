@@ -208,6 +208,7 @@ def orbax_rows(
     cfg: dict[str, Any],
     rows: dict[tuple[int, str], list[tuple[float, float, Any, int | None]]],
     on_disk: str,
+    broadcast: dict[tuple[int, str], list[tuple[float, float]]],
 ) -> None:
     """One rep of Orbax's emergency CheckpointManager rows (bench_tiers_orbax.py), with one
     replica per process and, with more than 2 processes, with 2 replicas as well."""
@@ -232,6 +233,7 @@ def orbax_rows(
             name = f"{tag}, {name}, from {source}"
             name += f" ({flipped} x -0.0 read as +0.0)" if flipped else ""
             rows[(n, name)].append((wall, wall, on_disk, (replicas - 1) * state_bytes(cfg, n)))
+            broadcast[(n, name)].append((wall, max(r["broadcast"] for r in rs)))
 
 
 def state_bytes(cfg: dict[str, Any], n: int) -> int:
@@ -270,6 +272,7 @@ def main() -> None:
         collections.defaultdict(list)
     )
     on_disk = "0 (persistent tier: local dir)"
+    broadcast: dict[tuple[int, str], list[tuple[float, float]]] = collections.defaultdict(list)
 
     def reqs() -> dict[str, int]:
         return dict(collections.Counter(e[0] for e in proxy.take_log()))
@@ -318,7 +321,7 @@ def main() -> None:
                 wall = max(r["wall"] for r in rs)
                 rows[(n, "restore: persistent, local dir")].append((wall, wall, on_disk, None))
                 if not args.no_orbax:
-                    orbax_rows(n, cfg, rows, on_disk)
+                    orbax_rows(n, cfg, rows, on_disk, broadcast)
                 reqs()
                 print(f"{n} processes: rep {rep + 1}/{args.reps} done", file=sys.stderr)
     finally:
@@ -344,6 +347,9 @@ def main() -> None:
         peer = "" if best[3] is None else f"{best[3] / (1 << 20):.2f}"
         print(f"| {n} | {name} | {best[0]:.3f} | {best[1]:.3f} | {req} | {peer} |")
     if not args.no_orbax:
+        print("\nOrbax restores: seconds in the broadcast (slowest process, in the best rep):")
+        for (n, name), bs in broadcast.items():
+            print(f"  {n} processes, {name}: {min(bs)[1]:.3f} of {min(bs)[0]:.3f}")
         print(
             "\nOrbax: emergency CheckpointManager (orbax-checkpoint 0.12.8), mesh (replicas, "
             "2 * procs / replicas) = (replica, d): every replica holds the whole state; replica 0 "
