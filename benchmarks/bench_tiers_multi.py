@@ -23,12 +23,19 @@ Rows (seconds of the slowest process, best of ``--reps``):
 * ``restore: local``: a restart; ``load`` of a local-only step nothing was lost of;
 * ``restore: lost dir (peers)``: process 1's local directory wiped first; ``load`` of the
   promoted step (every owner still has a live holder: nothing read from S3);
-* ``restore: persistent``: the promoted step by a plain Checkpointer on the S3 root.
+* ``restore: persistent``: the promoted step by a plain Checkpointer on the S3 root;
+* ``save: plain persistent, local dir`` / ``restore: persistent, local dir``: the same with the
+  persistent tier a local directory (to set beside Orbax's rows, whose persistent tier is one);
+* ``Orbax, R replicas, ...`` (unless ``--no-orbax``): Orbax's emergency ``CheckpointManager``
+  on the same state, processes and run (``bench_tiers_orbax.py``): save at a step both its
+  tiers save and at a local-only step; restore with nothing lost, after one process's local
+  directory is wiped, and with every local directory wiped (the row names the tier the restore
+  read); with one replica per process and, above 2 processes, with 2 replicas.
 
 ``requests`` = HTTP requests through the proxy during the launch (by method; the
 Checkpointer's own listing included); ``MiB read from peers`` = what the restore's
 processes read from each other over TCP, all processes together.  Every restore is checked
-byte for byte.
+byte for byte (Orbax's: bit for bit except for -0.0 restored as +0.0, counted in the row).
 """
 
 from __future__ import annotations
@@ -212,9 +219,10 @@ def orbax_rows(
 ) -> None:
     """One rep of Orbax's emergency CheckpointManager rows (bench_tiers_orbax.py), with one
     replica per process and, with more than 2 processes, with 2 replicas as well."""
-    for replicas in sorted({n, 2}, reverse=True):
-        run = {**cfg, "replicas": replicas, "orbax": f"{cfg['orbax']}-r{replicas}"}
-        tag = f"Orbax, {replicas} replicas"
+    for kind, replicas in [(k, r) for k in ("emergency", "p2p") for r in sorted({n, 2})[::-1]]:
+        run = {**cfg, "kind": kind, "replicas": replicas}
+        run["orbax"] = f"{cfg['orbax']}-{kind}-r{replicas}"
+        tag = f"Orbax {'P2P' if kind == 'p2p' else 'emergency'}, {replicas} replicas"
         rs = launch(n, {**run, "phase": "orbax-save"})
         for key, name in [("promoted", "local + persistent"), ("local", "local only")]:
             rows[(n, f"{tag}, save: {name}")].append(
@@ -226,14 +234,17 @@ def orbax_rows(
             ("restore: persistent", "orbax-restore-persistent"),
         ]:
             rs = launch(n, {**run, "phase": phase})
-            (source,) = {r["source"] for r in rs} - {None}  # where the one reading replica read
+            # emergency: the one replica that read; P2P: what each process read from
+            source = " + ".join(sorted({r["source"] for r in rs} - {None}))
             wall = max(r["wall"] for r in rs)
-            # the reading replica's processes hold the whole state together
-            flipped = sum(r["flipped"] for r in rs if r["source"])
+            # every replica ends with the same values; replica 0 is the first n // replicas
+            flipped = sum(r["flipped"] for r in rs if r["pid"] < n // replicas)
             name = f"{tag}, {name}, from {source}"
             name += f" ({flipped} x -0.0 read as +0.0)" if flipped else ""
-            rows[(n, name)].append((wall, wall, on_disk, (replicas - 1) * state_bytes(cfg, n)))
-            broadcast[(n, name)].append((wall, max(r["broadcast"] for r in rs)))
+            sent = None if kind == "p2p" else (replicas - 1) * state_bytes(cfg, n)
+            rows[(n, name)].append((wall, wall, on_disk, sent))
+            if kind != "p2p":
+                broadcast[(n, name)].append((wall, max(r["broadcast"] for r in rs)))
 
 
 def state_bytes(cfg: dict[str, Any], n: int) -> int:
@@ -351,12 +362,14 @@ def main() -> None:
         for (n, name), bs in broadcast.items():
             print(f"  {n} processes, {name}: {min(bs)[1]:.3f} of {min(bs)[0]:.3f}")
         print(
-            "\nOrbax: emergency CheckpointManager (orbax-checkpoint 0.12.8), mesh (replicas, "
-            "2 * procs / replicas) = (replica, d): every replica holds the whole state; replica 0 "
-            "saves to the persistent tier only (a local directory), the others to their local "
-            "directories only; a restore reads on one replica (named in the row) and "
-            "broadcasts over gloo. MiB read from peers: the state as received by the other "
-            "replicas through the broadcast."
+            "\nOrbax (orbax-checkpoint 0.12.8; persistent tier: a local directory): mesh "
+            "(replicas, 2 * procs / replicas) = (replica, d), every replica holds the whole "
+            "state. Emergency CheckpointManager: replica 0 saves to the persistent tier only, "
+            "the others to their local directories only; a restore reads on one replica "
+            "(named in the row) and broadcasts over gloo (MiB read from peers: the state as "
+            "received by the other replicas). P2P CheckpointManager: every process saves its "
+            "shards locally, replica 0 also to the persistent tier; a process lacking a step "
+            "fetches its shards from a peer over TCP (the row names the processes that did)."
         )
     for n in args.procs:
         r = {name: min(x[1] for x in rs) for (m, name), rs in rows.items() if m == n}

@@ -1,25 +1,32 @@
-"""Orbax's emergency ``CheckpointManager`` rows of ``bench_tiers_multi.py`` (one worker process).
+"""Orbax's rows of ``bench_tiers_multi.py``: one worker process of an ``orbax-*`` phase.
 
-Imported by ``bench_tiers_multi.py``'s worker for the ``orbax-*`` phases; not run on its own.
+Imported by ``bench_tiers_multi.py``'s worker; not run on its own.  ``cfg["kind"]`` picks the
+manager (orbax-checkpoint 0.12.8):
 
-Orbax's emergency manager (``orbax.checkpoint.experimental.emergency.checkpoint_manager``,
-orbax-checkpoint 0.12.8) needs a global mesh with at least 2 data-parallel replicas along one
-axis: the state is replicated over that axis and sharded within a replica.  So its state here
-has the same arrays and values as quire's rows (``w``: the ``--mib`` MiB float32 array, ``r``:
-1/16 of it, ``step``) on the mesh ``(replicas, 2 * processes / replicas)`` = ``("replica",
-"d")`` (``cfg["replicas"]``): each replica holds the whole state, ``w`` split over its devices,
-``r`` and ``step`` replicated.  Replica 0 saves to the persistent tier only, the other replicas
-to their local directories only (Orbax's design).  A restore reads the step on one replica
-(one whose every process has it locally, else replica 0 from the persistent tier) and
-broadcasts it to the other replicas with a jitted sum over the replica axis: a cross-process
-collective, gloo on CPU.
+* ``emergency``: ``orbax.checkpoint.experimental.emergency.checkpoint_manager.CheckpointManager``.
+  Replica 0 saves to the persistent tier only, the other replicas to their local directories
+  only.  A restore reads the step on one replica (one whose every process has it locally, else
+  replica 0 from the persistent tier) and broadcasts it to the other replicas with a jitted
+  sum over the replica axis: a cross-process collective, gloo on CPU.
+* ``p2p``: ``orbax.checkpoint.experimental.emergency.p2p.checkpoint_manager.CheckpointManager``.
+  Every process saves its own shards to its local directory, replica 0 also to the persistent
+  tier when due.  A restore reads each process's shards from its local directory, else fetches
+  them from a peer holding the same shards (another replica) over TCP, else (on every process,
+  when one lacks them) from the persistent tier, broadcast from replica 0.
 
-The persistent tier is a local directory (``base/orbax-persistent``), not S3: see
-``docs/tiers.md`` (Orbax rows) for why.
+Both need a global mesh with at least 2 data-parallel replicas along one axis: the state is
+replicated over that axis and sharded within a replica.  So the state here has the same arrays
+and values as quire's rows (``w``: the ``--mib`` MiB float32 array, ``r``: 1/16 of it,
+``step``) on the mesh ``(replicas, 2 * processes / replicas)`` = ``("replica", "d")``
+(``cfg["replicas"]``): each replica holds the whole state, ``w`` split over its devices, ``r``
+and ``step`` replicated.
+
+The persistent tier is a local directory, not S3: see ``docs/tiers.md`` (Orbax rows) for why.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -37,6 +44,9 @@ def worker(pid: int, n: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from orbax.checkpoint._src.logging import abstract_logger
     from orbax.checkpoint._src.multihost import multihost as ocp_multihost
     from orbax.checkpoint.experimental.emergency import checkpoint_manager as ecm
+    from orbax.checkpoint.experimental.emergency.p2p import args as p2p_args
+    from orbax.checkpoint.experimental.emergency.p2p import checkpoint_manager as p2p_cm
+    from orbax.checkpoint.experimental.emergency.p2p import options as p2p_options
 
     # The restore reads absl flags (mesh consistency); the emergency manager's save and
     # restore need Orbax's process-to-device map (its own benchmarks set both up so).
@@ -102,22 +112,52 @@ def worker(pid: int, n: int, cfg: dict[str, Any]) -> dict[str, Any]:
     abstract = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state(0)
     )
-    options = ecm.CheckpointManagerOptions(
-        local=ecm.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=2),
-        persistent=ecm.PersistentCheckpointOptions(save_interval_steps=2),
-    )
     logger = Entries()
+    p2p = cfg["kind"] == "p2p"
+
+    class Messages(logging.Handler):
+        """Keeps the P2P manager's log lines that say where its restore read."""
+
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.said: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.said.append(record.getMessage())
+
+    said = Messages()
+    if p2p:
+        logging.getLogger("absl").addHandler(said)
+        logging.getLogger("absl").setLevel(logging.INFO)
 
     def manager() -> Any:
+        if p2p:
+            return p2p_cm.CheckpointManager(
+                mesh,
+                abstract,
+                local,
+                persistent,
+                options=p2p_options.CheckpointManagerOptions(
+                    local=p2p_options.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=2),
+                    persistent=p2p_options.PersistentCheckpointOptions(save_interval_steps=2),
+                ),
+            )
+        options = ecm.CheckpointManagerOptions(
+            local=ecm.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=2),
+            persistent=ecm.PersistentCheckpointOptions(save_interval_steps=2),
+        )
         return ecm.CheckpointManager(
             local, persistent, mesh, abstract, options=options, logger=logger
         )
+
+    def composite(**kw: Any) -> Any:
+        return (p2p_args.Composite if p2p else ocp_args.Composite)(**kw)
 
     def timed_save(m: Any, step: int) -> tuple[float, float]:
         s = state(step)
         multihost_utils.sync_global_devices(f"orbax-save{step}")
         t0 = time.perf_counter()
-        m.save(step, ocp_args.Composite(state=ocp_args.PyTreeSave(s)))
+        m.save(step, composite(state=ocp_args.PyTreeSave(s)))
         t1 = time.perf_counter()
         m.wait_until_finished()
         return t1 - t0, time.perf_counter() - t0
@@ -125,10 +165,24 @@ def worker(pid: int, n: int, cfg: dict[str, Any]) -> dict[str, Any]:
     def timed_restore(m: Any, step: int) -> dict[str, Any]:
         multihost_utils.sync_global_devices(f"orbax-load{step}")
         t0 = time.perf_counter()
-        got = m.restore(step).state
+        said.said.clear()
+        if p2p:
+            got = m.restore(step, composite(state=ocp_args.PyTreeRestore(item=abstract))).state
+        else:
+            got = m.restore(step).state
         jax.block_until_ready(got)
         wall = time.perf_counter() - t0
         flipped = compare(got, state(step))
+        if p2p:  # every process reads its own shards: where from, in its log lines
+            text = "\n".join(said.said)
+            if "All hosts falling back to persistent storage" in text:
+                source = "persistent"
+            elif "fetching from P2P" in text:
+                source = f"peers (process {pid})"
+            else:
+                assert "found in local storage" in text, text
+                source = "local"
+            return {"wall": wall, "source": source, "broadcast": None, "flipped": flipped}
         entry = logger.entries[-1]
         if not entry.get("is_restoring_slice"):
             source = None  # this replica received the broadcast
@@ -151,10 +205,12 @@ def worker(pid: int, n: int, cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if phase == "orbax-save":
         with manager() as m:
-            m.save(1, ocp_args.Composite(state=ocp_args.PyTreeSave(state(1))))  # warm-up
+            m.save(1, composite(state=ocp_args.PyTreeSave(state(1))))  # warm-up
             m.wait_until_finished()
-            out["promoted"] = timed_save(m, 2)  # replica 0: persistent; others: local
-            out["local"] = timed_save(m, 3)  # replicas 1..: local; replica 0: nothing
+            # emergency: replica 0 saves persistent only, the others local only; P2P: every
+            # process saves locally, replica 0 also to the persistent tier when due
+            out["promoted"] = timed_save(m, 2)
+            out["local"] = timed_save(m, 3)
     elif phase == "orbax-restore-local":
         with manager() as m:
             out.update(timed_restore(m, 3))
