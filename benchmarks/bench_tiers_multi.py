@@ -26,8 +26,9 @@ Rows (seconds of the slowest process, best of ``--reps``):
 * ``restore: persistent``: the promoted step by a plain Checkpointer on the S3 root;
 * ``save: plain persistent, local dir`` / ``restore: persistent, local dir``: the same with the
   persistent tier a local directory (to set beside Orbax's rows, whose persistent tier is one);
-* ``Orbax, R replicas, ...`` (unless ``--no-orbax``): Orbax's emergency ``CheckpointManager``
-  on the same state, processes and run (``bench_tiers_orbax.py``): save at a step both its
+* ``Orbax emergency|P2P, R replicas, ...`` (unless ``--no-orbax``): Orbax's emergency and P2P
+  ``CheckpointManager`` on the same state values, processes and run (``bench_tiers_orbax.py``,
+  persistent tier a local directory): save at a step both its
   tiers save and at a local-only step; restore with nothing lost, after one process's local
   directory is wiped, and with every local directory wiped (the row names the tier the restore
   read); with one replica per process and, above 2 processes, with 2 replicas.
