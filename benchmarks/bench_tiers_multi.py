@@ -23,12 +23,20 @@ Rows (seconds of the slowest process, best of ``--reps``):
 * ``restore: local``: a restart; ``load`` of a local-only step nothing was lost of;
 * ``restore: lost dir (peers)``: process 1's local directory wiped first; ``load`` of the
   promoted step (every owner still has a live holder: nothing read from S3);
-* ``restore: persistent``: the promoted step by a plain Checkpointer on the S3 root.
+* ``restore: persistent``: the promoted step by a plain Checkpointer on the S3 root;
+* ``save: plain persistent, local dir`` / ``restore: persistent, local dir``: the same with the
+  persistent tier a local directory (to set beside Orbax's rows, whose persistent tier is one);
+* ``Orbax emergency|P2P, R replicas, ...`` (unless ``--no-orbax``): Orbax's emergency and P2P
+  ``CheckpointManager`` on the same state values, processes and run (``bench_tiers_orbax.py``,
+  persistent tier a local directory): save at a step both its
+  tiers save and at a local-only step; restore with nothing lost, after one process's local
+  directory is wiped, and with every local directory wiped (the row names the tier the restore
+  read); with one replica per process and, above 2 processes, with 2 replicas.
 
 ``requests`` = HTTP requests through the proxy during the launch (by method; the
 Checkpointer's own listing included); ``MiB read from peers`` = what the restore's
 processes read from each other over TCP, all processes together.  Every restore is checked
-byte for byte.
+byte for byte (Orbax's: bit for bit except for -0.0 restored as +0.0, counted in the row).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 from typing import Any
 
@@ -57,7 +66,22 @@ KEY, SECRET, BUCKET = "bench-key", "bench-secret", "quire-bench"
 def worker(pid: int, n: int, port: int, cfg: dict[str, Any]) -> None:
     import jax
 
+    if cfg["phase"].startswith("orbax"):  # its restore broadcasts with a collective
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=pid)
+    if cfg["phase"].startswith("orbax"):
+        sys.path.insert(0, HERE)
+        from bench_tiers_orbax import worker as orbax_worker
+
+        try:
+            got = orbax_worker(pid, n, cfg)
+        except BaseException:  # fail now, not at the shutdown barrier minutes later
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        print("BENCH " + json.dumps({"pid": pid, **got}), flush=True)
+        jax.distributed.shutdown()
+        return
     import numpy as np
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -128,6 +152,10 @@ def worker(pid: int, n: int, port: int, cfg: dict[str, Any]) -> None:
             c.save(1, state(1))
             c.wait()
             out["blocked"], out["wall"] = timed_save(c, 2)
+        with quire.Checkpointer(cfg["plain_dir"]) as c:  # the persistent tier on local disk
+            c.save(1, state(1))
+            c.wait()
+            out["dir"] = timed_save(c, 2)
     elif phase == "tiered":
         with tiered() as c:
             c.save(1, state(1))  # warm-up, local only
@@ -148,6 +176,9 @@ def worker(pid: int, n: int, port: int, cfg: dict[str, Any]) -> None:
             out["peer"] = peer_bytes(c)
     elif phase == "restore-persistent":
         with quire.Checkpointer(cfg["tiered"], storage_options=opts) as c:
+            out["wall"] = timed_load(c, 2)
+    elif phase == "restore-persistent-dir":
+        with quire.Checkpointer(cfg["plain_dir"]) as c:
             out["wall"] = timed_load(c, 2)
     print("BENCH " + json.dumps({"pid": pid, **out}), flush=True)
     jax.distributed.shutdown()
@@ -180,12 +211,57 @@ def launch(n: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     return results
 
 
+def orbax_rows(
+    n: int,
+    cfg: dict[str, Any],
+    rows: dict[tuple[int, str], list[tuple[float, float, Any, int | None]]],
+    on_disk: str,
+    broadcast: dict[tuple[int, str], list[tuple[float, float]]],
+) -> None:
+    """One rep of Orbax's emergency CheckpointManager rows (bench_tiers_orbax.py), with one
+    replica per process and, with more than 2 processes, with 2 replicas as well."""
+    for kind, replicas in [(k, r) for k in ("emergency", "p2p") for r in sorted({n, 2})[::-1]]:
+        run = {**cfg, "kind": kind, "replicas": replicas}
+        run["orbax"] = f"{cfg['orbax']}-{kind}-r{replicas}"
+        tag = f"Orbax {'P2P' if kind == 'p2p' else 'emergency'}, {replicas} replicas"
+        rs = launch(n, {**run, "phase": "orbax-save"})
+        for key, name in [("promoted", "local + persistent"), ("local", "local only")]:
+            rows[(n, f"{tag}, save: {name}")].append(
+                (max(r[key][0] for r in rs), max(r[key][1] for r in rs), on_disk, None)
+            )
+        for name, phase in [
+            ("restore: nothing lost", "orbax-restore-local"),
+            ("restore: one dir lost", "orbax-restore-lost"),
+            ("restore: persistent", "orbax-restore-persistent"),
+        ]:
+            rs = launch(n, {**run, "phase": phase})
+            # emergency: the one replica that read; P2P: what each process read from
+            source = " + ".join(sorted({r["source"] for r in rs} - {None}))
+            wall = max(r["wall"] for r in rs)
+            # every replica ends with the same values; replica 0 is the first n // replicas
+            flipped = sum(r["flipped"] for r in rs if r["pid"] < n // replicas)
+            name = f"{tag}, {name}, from {source}"
+            name += f" ({flipped} x -0.0 read as +0.0)" if flipped else ""
+            sent = None if kind == "p2p" else (replicas - 1) * state_bytes(cfg, n)
+            rows[(n, name)].append((wall, wall, on_disk, sent))
+            if kind != "p2p":
+                broadcast[(n, name)].append((wall, max(r["broadcast"] for r in rs)))
+
+
+def state_bytes(cfg: dict[str, Any], n: int) -> int:
+    """Bytes of the benchmark's state (the worker's ``state``)."""
+    rows = 2 * n * 64
+    cols = max(1, (cfg["mib"] << 20) // 4 // rows)
+    return rows * cols * 4 + rows * cols // 16 * 4 + 4
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--procs", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--latency-ms", type=float, default=20.0)
+    ap.add_argument("--no-orbax", action="store_true", help="leave out the Orbax rows")
     args = ap.parse_args()
 
     sys.path.insert(0, HERE)
@@ -204,9 +280,11 @@ def main() -> None:
     client.create_bucket(Bucket=BUCKET)
     opts = {"endpoint_url": proxy.endpoint, "key": KEY, "secret": SECRET}
     base = tempfile.mkdtemp(prefix="quire-bench-tiers-multi-")
-    rows: dict[tuple[int, str], list[tuple[float, float, dict[str, int], int | None]]] = (
+    rows: dict[tuple[int, str], list[tuple[float, float, dict[str, int] | str, int | None]]] = (
         collections.defaultdict(list)
     )
+    on_disk = "0 (persistent tier: local dir)"
+    broadcast: dict[tuple[int, str], list[tuple[float, float]]] = collections.defaultdict(list)
 
     def reqs() -> dict[str, int]:
         return dict(collections.Counter(e[0] for e in proxy.take_log()))
@@ -221,11 +299,16 @@ def main() -> None:
                     "plain": f"s3://{BUCKET}/plain-{run}",
                     "tiered": f"s3://{BUCKET}/tiered-{run}",
                     "local": os.path.join(base, run),
+                    "plain_dir": os.path.join(base, f"plain-{run}"),
+                    "orbax": os.path.join(base, f"orbax-{run}"),
                 }
 
                 rs = launch(n, {**cfg, "phase": "plain"})
                 rows[(n, "save: plain persistent")].append(
                     (max(r["blocked"] for r in rs), max(r["wall"] for r in rs), reqs(), None)
+                )
+                rows[(n, "save: plain persistent, local dir")].append(
+                    (max(r["dir"][0] for r in rs), max(r["dir"][1] for r in rs), on_disk, None)
                 )
                 rs = launch(n, {**cfg, "phase": "tiered"})
                 got = reqs()
@@ -246,6 +329,12 @@ def main() -> None:
                     wall = max(r["wall"] for r in rs)
                     peer = sum(r["peer"] for r in rs) if "peer" in rs[0] else None
                     rows[(n, name)].append((wall, wall, reqs(), peer))
+                rs = launch(n, {**cfg, "phase": "restore-persistent-dir"})
+                wall = max(r["wall"] for r in rs)
+                rows[(n, "restore: persistent, local dir")].append((wall, wall, on_disk, None))
+                if not args.no_orbax:
+                    orbax_rows(n, cfg, rows, on_disk, broadcast)
+                reqs()
                 print(f"{n} processes: rep {rep + 1}/{args.reps} done", file=sys.stderr)
     finally:
         proxy.stop()
@@ -264,9 +353,25 @@ def main() -> None:
     )
     for (n, name), rs in rows.items():
         best = min(rs, key=lambda r: r[1])
-        req = ", ".join(f"{m} {k}" for m, k in sorted(best[2].items())) or "0"
+        req = best[2] if isinstance(best[2], str) else (
+            ", ".join(f"{m} {k}" for m, k in sorted(best[2].items())) or "0"
+        )  # fmt: skip
         peer = "" if best[3] is None else f"{best[3] / (1 << 20):.2f}"
         print(f"| {n} | {name} | {best[0]:.3f} | {best[1]:.3f} | {req} | {peer} |")
+    if not args.no_orbax:
+        print("\nOrbax restores: seconds in the broadcast (slowest process, in the best rep):")
+        for (n, name), bs in broadcast.items():
+            print(f"  {n} processes, {name}: {min(bs)[1]:.3f} of {min(bs)[0]:.3f}")
+        print(
+            "\nOrbax (orbax-checkpoint 0.12.8; persistent tier: a local directory): mesh "
+            "(replicas, 2 * procs / replicas) = (replica, d), every replica holds the whole "
+            "state. Emergency CheckpointManager: replica 0 saves to the persistent tier only, "
+            "the others to their local directories only; a restore reads on one replica "
+            "(named in the row) and broadcasts over gloo (MiB read from peers: the state as "
+            "received by the other replicas). P2P CheckpointManager: every process saves its "
+            "shards locally, replica 0 also to the persistent tier; a process lacking a step "
+            "fetches its shards from a peer over TCP (the row names the processes that did)."
+        )
     for n in args.procs:
         r = {name: min(x[1] for x in rs) for (m, name), rs in rows.items() if m == n}
         print(
