@@ -363,3 +363,24 @@ def test_a_memory_local_tier_serves_its_peers_from_process_memory(tmp_path: Path
     assert not (tmp_path / "persistent").exists() or not any(
         p.name.startswith("step_") for p in (tmp_path / "persistent").iterdir()
     )
+
+
+def test_keeping_one_local_step_with_peers_loses_no_copy(tmp_path: Path) -> None:
+    """``LocalTier(keep=LatestN(1), peers=1)``: an owner deletes step S only once its holder
+    pulled it (the next collective local save waits for every process's copies of S), so
+    every copy lands, every step's root holds its own and its predecessor's objects, and
+    the last one restores with a directory wiped, without the persistent tier."""
+    local = tmp_path / "local"
+    base = {"persistent": str(tmp_path / "persistent"), "options": None, "local": str(local),
+            "timeout": 20, "peers": 1, "keep": 1}  # fmt: skip
+    ok(*launch(tmp_path, {**base, "first": 1, "last": 6}, n=3), n=3)
+    for p in range(3):
+        steps = sorted(d.name for d in (local / f"process_{p:05d}").iterdir() if d.is_dir())
+        assert steps == ["step_00000006"], steps
+        assert markers(local, p, 6) == sorted([f"p{p:05d}.json", f"p{(p - 1) % 3:05d}.json"])
+    for f in (tmp_path / "logs").glob("1-6-*.err"):
+        assert "no copy of process" not in f.read_text(), f.read_text()[-2000:]
+    shutil.rmtree(local / "process_00001")
+    results, codes = launch(tmp_path, {**base, "first": 7, "last": 6}, n=3)
+    ok(results, codes, n=3)
+    assert [(r["step"], r["same"]) for r in of(results, "restored")] == [(6, True)] * 3

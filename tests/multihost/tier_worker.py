@@ -126,7 +126,10 @@ try:
         storage_options=cfg["options"],
         incremental=cfg.get("incremental", False),
         local=quire.LocalTier(
-            cfg["local"], save_policy=EveryNSteps(1), keep=LatestN(3), peers=cfg.get("peers", 1)
+            cfg["local"],
+            save_policy=EveryNSteps(1),
+            keep=LatestN(cfg.get("keep", 3)),
+            peers=cfg.get("peers", 1),
         ),
     ) as c:
         if cfg.get("silent") == pid:  # a peer that accepts connections and never answers
