@@ -111,9 +111,18 @@ def worker(pid: int, n: int, port: int, cfg: dict[str, Any]) -> None:
     def timed_load(c: Any, step: int) -> float:
         abstract = state(0)
         sync(f"load{step}")
+        prof = None
+        if cfg.get("profile"):
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         t0 = time.perf_counter()
         got = c.load(step, abstract)
         t = time.perf_counter() - t0
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(os.path.join(cfg["profile"], f"{cfg['phase']}-{n}p-{pid}.prof"))
         same(got, state(step))
         return t
 
@@ -186,6 +195,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--procs", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--latency-ms", type=float, default=20.0)
+    ap.add_argument(
+        "--profile", metavar="DIR", help="cProfile each restore's load, one file per process"
+    )
     args = ap.parse_args()
 
     sys.path.insert(0, HERE)
@@ -221,6 +233,7 @@ def main() -> None:
                     "plain": f"s3://{BUCKET}/plain-{run}",
                     "tiered": f"s3://{BUCKET}/tiered-{run}",
                     "local": os.path.join(base, run),
+                    "profile": args.profile and os.path.abspath(args.profile),
                 }
 
                 rs = launch(n, {**cfg, "phase": "plain"})

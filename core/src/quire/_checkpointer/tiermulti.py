@@ -32,13 +32,21 @@ process (``quire._engine.tierpeers``).  This module adds what needs every proces
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from quire._checkpointer.tierplan import (
+    PERSISTENT_SOURCE,
+    Plan,
+    agreed_doc,
+    decide,
+    holders,
+    self_contained,
+    sources,
+)
 from quire._checkpointer.tierpull import PeerCopies
 from quire._checkpointer.tierread import (
     PEER_STREAMS,
@@ -53,113 +61,19 @@ from quire._checkpointer.tierread import (
 from quire._checkpointer.tierread import digest as _digest
 from quire._engine import commit as _commit
 from quire._engine import tierpeers as _peers
-from quire._format import record as _format
-from quire._runtime.collective import exchange
+from quire._runtime.collective import exchange, kv_exchange
 from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.multihost import Coordinator
 from quire._store.url import mounted, normalize, open_backend
-from quire.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    MultiProcessError,
-)
+from quire.errors import CheckpointNotFoundError, MultiProcessError, QuireError
 
 if TYPE_CHECKING:
     from quire._checkpointer.tiers import _Tier
 
-__all__ = ["PERSISTENT_SOURCE", "Plan", "Spread", "decide"]
+__all__ = ["PERSISTENT_SOURCE", "Plan", "Spread", "decide", "sources"]
 
 log = logging.getLogger("quire")
-
-PERSISTENT_SOURCE = -1  # a source meaning "the persistent tier"
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """A restore agreed by every process: the step, the record digest (None: the
-    persistent tier's record, read at restore), and each process's view."""
-
-    step: int
-    digest: str | None
-    views: tuple[dict[str, Any], ...]
-
-
-def _agreed_doc(raw: bytes, digest: str, url: str, step: int) -> dict[str, Any]:
-    """The commit record ``raw`` parsed, once checked to be the agreed one (``digest``)."""
-    if _digest(raw) != digest:
-        raise CorruptCheckpointError(
-            f"{url}: the commit record received for step {step} is not the agreed one"
-        )
-    doc = _format.parse(raw, url)
-    _commit.check_locations(doc["units"], url)
-    return doc
-
-
-def _holders(views: Sequence[dict[str, Any]], step: int, digest: str) -> dict[int, list[int]]:
-    """owner -> the processes holding its objects of ``step`` with record ``digest``."""
-    out: dict[int, list[int]] = {}
-    for p, v in enumerate(views):
-        info = v["steps"].get(str(step))
-        if info is not None and info["d"] == digest:
-            for j in info["held"]:
-                out.setdefault(int(j), []).append(p)
-    return out
-
-
-def _need(views: Sequence[dict[str, Any]], step: int, digest: str) -> list[int]:
-    for v in views:
-        info = v["steps"].get(str(step))
-        if info is not None and info["d"] == digest:
-            return [int(j) for j in info["need"]]
-    return []
-
-
-def sources(views: Sequence[dict[str, Any]], step: int, digest: str) -> dict[int, int]:
-    """owner -> who sends its objects: the least-loaded holder, else the persistent tier."""
-    held = _holders(views, step, digest)
-    load: dict[int, int] = {}
-    out: dict[int, int] = {}
-    for j in _need(views, step, digest):
-        hs = held.get(j, [])
-        if not hs:
-            out[j] = PERSISTENT_SOURCE
-            continue
-        who = min(hs, key=lambda p: (load.get(p, 0), p != j, p))
-        load[who] = load.get(who, 0) + 1
-        out[j] = who
-    return out
-
-
-def _self_contained(plan: Plan) -> bool:
-    """Whether every process holds every owner's objects of the plan's step (then no
-    process reads from another)."""
-    if plan.digest is None:
-        return False
-    held = _holders(plan.views, plan.step, plan.digest)
-    everyone = set(range(len(plan.views)))
-    return all(everyone <= set(held.get(j, ())) for j in _need(plan.views, plan.step, plan.digest))
-
-
-def decide(views: Sequence[dict[str, Any]], want: int | None, primary: int) -> Plan | None:
-    """The step to restore (``want``, or the newest restorable), the same in every process.
-
-    A step is restorable from the local tier when, for one record digest, every owner's
-    objects have a holder; else when the persistent tier (as the primary lists it) has it.
-    """
-    persistent = {int(s) for s in views[primary]["persistent"]}
-    local: dict[int, set[str]] = {}
-    for v in views:
-        for s, info in v["steps"].items():
-            local.setdefault(int(s), set()).add(info["d"])
-    steps = sorted(set(local) | persistent, reverse=True) if want is None else [want]
-    for s in steps:
-        for d in sorted(local.get(s, ())):
-            if all(v != PERSISTENT_SOURCE for v in sources(views, s, d).values()):
-                return Plan(s, d, tuple(views))
-        if s in persistent:
-            return Plan(s, None, tuple(views))
-    return None
 
 
 class Spread:
@@ -226,6 +140,37 @@ class Spread:
                 f"lost (quire.configure(timeout=...)); {e}"
             ) from e
 
+    def _kv(
+        self, what: str, name: str, payload: bytes, url: str, timeout: float | None = None
+    ) -> list[bytes]:
+        """``kv_exchange`` among all processes (blocking): small payloads and barriers
+        through the key-value store, with nothing to compile."""
+        t = self._timeout() if timeout is None else timeout
+        try:
+            return kv_exchange(self._key(name), list(range(self.count)), payload, t, url, what)
+        except MultiProcessError as e:
+            raise MultiProcessError(
+                f"{e}; it is treated as lost (quire.configure(timeout=...))"
+            ) from e
+
+    def _same_step(self, step: int) -> None:
+        """Check that every process restores ``step`` (what ``Checkpointer.load`` checks
+        with a JAX all-gather, here through the key-value store: no compile)."""
+        self._seq += 1
+        rows = self._kv(
+            "checking that every process restores the same step",
+            f"{self.name}/step/{self._seq}",
+            str(step).encode(),
+            self.tier.url,
+        )
+        steps = sorted({int(r) for r in rows})
+        if len(steps) > 1:
+            raise QuireError(
+                f"processes disagree on the step of {self.tier.outer.root} to restore (this "
+                f"one: {step}; all: {steps}); they see different sets of steps: pass the "
+                "step explicitly, the same on every process"
+            )
+
     # ------------------------------------------------------------------ saving
     async def after_local(self, local_fut: Any, step: int, seq: int) -> None:
         """After the local commit of ``step`` (save number ``seq``): mark this process's own
@@ -276,14 +221,13 @@ class Spread:
         inner.reload()  # waits for this process's local saves and peer copies
         self._seq += 1
         view = inner._run(self._view(persistent))
-        rows = self._exchange(
+        rows = self._kv(
             "agreeing on the local tier step to restore",
             f"{self.name}/agree/{self._seq}",
-            list(range(self.count)),
             json.dumps(view).encode(),
             self.tier.url,
         )
-        views = [json.loads(bytes(r)) for r in rows]
+        views = [json.loads(r) for r in rows]
         plan = decide(views, want, self.primary)
         self.plan = plan
         if plan is not None:
@@ -308,9 +252,12 @@ class Spread:
                 f"from the local tier {self.tier.spec.url} (some process's objects have no "
                 "live holder) nor from the persistent tier"
             )
+        self._same_step(plan.step)
         inner = self.tier.inner
         if self.copies is not None:  # TCP: read each range the load needs where it lies
-            return inner._load(plan.step, lambda u: self._through(plan, u, fn, fallback))
+            return inner._load(
+                plan.step, lambda u: self._through(plan, u, fn, fallback), agreed=True
+            )
         with inner._lock:
             inner._pins[plan.step] += 1
         try:
@@ -320,7 +267,7 @@ class Spread:
         if not whole:
             return fallback(plan.step)
         inner._relist()
-        return inner._load(plan.step, fn)
+        return inner._load(plan.step, fn, agreed=True)
 
     def _through(
         self, plan: Plan, url: str, fn: Callable[[str], Any], fallback: Callable[[int], Any]
@@ -343,11 +290,10 @@ class Spread:
             # per other process (each may have waited out one lost peer).  Not needed when
             # every process holds every owner's objects (the same answer everywhere).
             try:
-                if not _self_contained(plan):
-                    self._exchange(
+                if not self_contained(plan):
+                    self._kv(
                         f"restoring step {plan.step}: waiting for every process to finish reading",
                         f"{self.name}/restored/{self._seq}",
-                        list(range(self.count)),
                         b"",
                         url,
                         2 * (time.monotonic() - t0) + self.count * self._timeout(),
@@ -380,7 +326,7 @@ class Spread:
         if digest is None:  # the persistent tier's record: local holders of it help
             raw = (await _commit.read(pb, purl)).raw
             digest = _digest(raw)
-            if not any(h for h in _holders(views, s, digest).values()):
+            if not any(h for h in holders(views, s, digest).values()):
                 return False
         src = sources(views, s, digest)
         has_rec = [p for p, v in enumerate(views) if v["steps"].get(str(s), {}).get("d") == digest]
@@ -405,8 +351,8 @@ class Spread:
                     raw = bytes(rows[group.index(sender)])
             if raw is None:
                 raw = (await _commit.read(backend, url)).raw
-        doc = _agreed_doc(raw, digest, url, s)
-        held = _holders(views, s, digest)
+        doc = agreed_doc(raw, digest, url, s)
+        held = holders(views, s, digest)
         for j, who in sorted(src.items()):
             lacking = [p for p in range(self.count) if p not in held.get(j, [])]
             if not lacking:
@@ -459,13 +405,13 @@ class Spread:
         if digest is None:  # the persistent tier's record: local holders of it help
             raw = praw = (await _commit.read(pb, purl)).raw
             digest = _digest(raw)
-            if not any(h for h in _holders(views, s, digest).values()):
+            if not any(h for h in holders(views, s, digest).values()):
                 return None
         has_rec = [p for p, v in enumerate(views) if v["steps"].get(str(s), {}).get("d") == digest]
         if raw is None:
             raw = await agreed_record(copies, self.me, backend, url, rel, digest, has_rec)
-        doc = _agreed_doc(raw, digest, url, s)
-        held = _holders(views, s, digest)
+        doc = agreed_doc(raw, digest, url, s)
+        held = holders(views, s, digest)
         in_persistent = s in {int(x) for x in views[self.primary]["persistent"]}
         by_owner: dict[int, list[Source]] = {}
         slots = {h: asyncio.Semaphore(PEER_STREAMS) for h in range(self.count)}

@@ -1,0 +1,118 @@
+"""The step a multi-process local tier restores, agreed by every process (pure functions).
+
+Every process publishes a *view* of what it holds (``Spread._view``: per local step, the
+digest of its commit record, the owners whose objects it needs and those it holds whole,
+plus the persistent tier's steps); every process then computes the same :class:`Plan` from
+the same views (:func:`decide`), and the same sources (:func:`sources`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from quire._checkpointer.tierread import digest as _digest
+from quire._engine import commit as _commit
+from quire._format import record as _format
+from quire.errors import CorruptCheckpointError
+
+__all__ = [
+    "PERSISTENT_SOURCE",
+    "Plan",
+    "agreed_doc",
+    "decide",
+    "holders",
+    "need",
+    "self_contained",
+    "sources",
+]
+
+PERSISTENT_SOURCE = -1  # a source meaning "the persistent tier"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A restore agreed by every process: the step, the record digest (None: the
+    persistent tier's record, read at restore), and each process's view."""
+
+    step: int
+    digest: str | None
+    views: tuple[dict[str, Any], ...]
+
+
+def agreed_doc(raw: bytes, digest: str, url: str, step: int) -> dict[str, Any]:
+    """The commit record ``raw`` parsed, once checked to be the agreed one (``digest``)."""
+    if _digest(raw) != digest:
+        raise CorruptCheckpointError(
+            f"{url}: the commit record received for step {step} is not the agreed one"
+        )
+    doc = _format.parse(raw, url)
+    _commit.check_locations(doc["units"], url)
+    return doc
+
+
+def holders(views: Sequence[dict[str, Any]], step: int, digest: str) -> dict[int, list[int]]:
+    """owner -> the processes holding its objects of ``step`` with record ``digest``."""
+    out: dict[int, list[int]] = {}
+    for p, v in enumerate(views):
+        info = v["steps"].get(str(step))
+        if info is not None and info["d"] == digest:
+            for j in info["held"]:
+                out.setdefault(int(j), []).append(p)
+    return out
+
+
+def need(views: Sequence[dict[str, Any]], step: int, digest: str) -> list[int]:
+    for v in views:
+        info = v["steps"].get(str(step))
+        if info is not None and info["d"] == digest:
+            return [int(j) for j in info["need"]]
+    return []
+
+
+def sources(views: Sequence[dict[str, Any]], step: int, digest: str) -> dict[int, int]:
+    """owner -> who sends its objects: the least-loaded holder, else the persistent tier."""
+    held = holders(views, step, digest)
+    load: dict[int, int] = {}
+    out: dict[int, int] = {}
+    for j in need(views, step, digest):
+        hs = held.get(j, [])
+        if not hs:
+            out[j] = PERSISTENT_SOURCE
+            continue
+        who = min(hs, key=lambda p: (load.get(p, 0), p != j, p))
+        load[who] = load.get(who, 0) + 1
+        out[j] = who
+    return out
+
+
+def self_contained(plan: Plan) -> bool:
+    """Whether every process holds every owner's objects of the plan's step (then no
+    process reads from another)."""
+    if plan.digest is None:
+        return False
+    held = holders(plan.views, plan.step, plan.digest)
+    everyone = set(range(len(plan.views)))
+    return all(everyone <= set(held.get(j, ())) for j in need(plan.views, plan.step, plan.digest))
+
+
+def decide(views: Sequence[dict[str, Any]], want: int | None, primary: int) -> Plan | None:
+    """The step to restore (``want``, or the newest restorable), the same in every process.
+
+    A step is restorable from the local tier when, for one record digest, every owner's
+    objects have a holder; else when the persistent tier (as the primary lists it) has it.
+    """
+    persistent = {int(s) for s in views[primary]["persistent"]}
+    local: dict[int, set[str]] = {}
+    for v in views:
+        for s, info in v["steps"].items():
+            local.setdefault(int(s), set()).add(info["d"])
+    steps = sorted(set(local) | persistent, reverse=True) if want is None else [want]
+    for s in steps:
+        for d in sorted(local.get(s, ())):
+            if all(v != PERSISTENT_SOURCE for v in sources(views, s, d).values()):
+                return Plan(s, d, tuple(views))
+        if s in persistent:
+            return Plan(s, None, tuple(views))
+    return None
