@@ -49,7 +49,7 @@ from quire._checkpointer.tierplan import (
 )
 from quire._checkpointer.tierpull import PeerCopies
 from quire._checkpointer.tierread import (
-    PEER_STREAMS,
+    Holder,
     RestoreReader,
     Source,
     agreed_record,
@@ -274,6 +274,7 @@ class Spread:
     ) -> Any:
         """``fn(url)`` with ``url`` read through the :class:`RestoreReader` (step pinned)."""
         failed, t0 = True, time.monotonic()
+        reader: RestoreReader | None = None
         try:
             reader = self.tier.inner._run(self._reader(plan))
             if reader is None:
@@ -283,6 +284,8 @@ class Spread:
                     out = fn(url)
             failed = False
         finally:
+            if reader is not None:
+                reader.close_peers()  # this load's connections to its holders
             # Every process serves the others until all are done reading: a process that
             # went on (closing its server, or its retention deleting the step) would cut off
             # a slower one.  A failing process takes part too, then raises its own error.
@@ -414,7 +417,7 @@ class Spread:
         held = holders(views, s, digest)
         in_persistent = s in {int(x) for x in views[self.primary]["persistent"]}
         by_owner: dict[int, list[Source]] = {}
-        slots = {h: asyncio.Semaphore(PEER_STREAMS) for h in range(self.count)}
+        slots = {h: Holder(copies, h) for h in range(self.count)}
         for j in _peers.owners(doc, self.primary):
             hs = held.get(j, [])
             srcs = [local_source(backend, doc, j)] if self.me in hs else []
