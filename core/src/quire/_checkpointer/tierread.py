@@ -1,20 +1,24 @@
 """A multi-process local tier's restore reader: each byte from the nearest live holder.
 
 :class:`RestoreReader` is a read-only :class:`~quire._store.base.Backend` over one agreed
-step (``quire._checkpointer.tiermulti.Plan``).  The load engine reads the step through it
+step (``quire._checkpointer.tierplan.Plan``).  The load engine reads the step through it
 (``quire._store.url.mounted``: the step's local URL resolves to it for the load), unchanged:
 every chunk is checked against the chunk index and its crc32c as in any load.  Each key goes
 to its **owner**'s objects (``quire._engine.tierpeers.owner_of``: a pack or index to its
 process, anything else to the primary), and is read from
 
 1. this process's own root, when it holds that owner's objects (its marker);
-2. else a live peer holder, over the peer link (``peerlink.fetch`` with a byte range: only
-   the ranges the load asks for); a holder that fails or misses the deadline is treated as
-   lost for the rest of the load and the next one is asked;
+2. else a live peer holder, over the peer link (``peerlink.fetch_into`` with a byte range:
+   only the ranges the load asks for), the one with the fewest bytes in flight
+   (``tiersources.Holder``, whose connections stay open for the load); a holder that fails
+   or misses the deadline is treated as lost for the rest of the load and the next one is
+   asked;
 3. else the persistent tier, only when it holds the agreed step with the same commit
    record (checked once, on first use).
 
-The commit record is the agreed one, served from memory.  Sizes and listings (for unit
+While a further source is left, what a source sent is checked before the load uses it
+(``tiercheck``): bytes that fail are logged and read again from the next source.  The
+commit record is the agreed one, served from memory.  Sizes and listings (for unit
 objects, which have no index) come from the holder's marker, or from the persistent tier.
 Nothing is written: the writes raise ``PermissionError``.
 """

@@ -14,7 +14,10 @@ from typing import Any, BinaryIO
 
 from quire._runtime.peerwire import (
     ANS,
+    BASE_MAGIC,
     BLOCK,
+    FAST,
+    FAST_MAGIC,
     MAGIC,
     MAX_PATH_BYTES,
     NONCE,
@@ -22,6 +25,7 @@ from quire._runtime.peerwire import (
     REQ,
     TAG,
     Closed,
+    answer_mac,
     mac,
     recv,
     recv_into,
@@ -49,6 +53,7 @@ class Conversation:
         self.seq = 0
         self.current = ""
         self.answering = False  # an answer's first byte has arrived for the current request
+        self.fast = False  # the server greeted with FAST_MAGIC and Poly1305 is here too
 
     def get(
         self,
@@ -70,7 +75,10 @@ class Conversation:
                 f"path of {len(raw)} bytes", f"peers serve paths of at most {MAX_PATH_BYTES}"
             )
         rng = b"" if span is None else RANGE.pack(*span)
-        head = REQ.pack(b"G" if span is None else b"R", len(raw), max(0, limit))
+        op = b"G" if span is None else b"R"
+        if self.fast:  # the body's MAC through Poly1305 (``peerwire``)
+            op = op.lower()
+        head = REQ.pack(op, len(raw), max(0, limit))
         sock.sendall(
             head + raw + rng + mac(self.secret, b"req", self.nonce, seq, head, raw, rng).digest()
         )
@@ -89,7 +97,7 @@ class Conversation:
             )
         if status == b"R" and n > 4 * MAX_PATH_BYTES:
             raise fail("malformed refusal", "is it a quire peer?", hostile=True)
-        h = mac(self.secret, b"ans", self.nonce, seq, raw + rng, ahead)
+        h = answer_mac(self.secret, self.nonce, seq, self.fast, raw + rng, ahead)
         if isinstance(into, list) and status == b"O":  # straight into the caller's memory
             for v in into:
                 flat = v.cast("B") if v.format != "B" or v.ndim != 1 else v
@@ -167,7 +175,7 @@ def converse(
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             hello = recv(sock, len(MAGIC) + NONCE, deadline)
-            if hello[: len(MAGIC)] != MAGIC:
+            if hello[: len(MAGIC)] not in (BASE_MAGIC, FAST_MAGIC):
                 raise fail(
                     "the server is not a quire peer (bad greeting)",
                     "check the address the peer published",
@@ -176,7 +184,9 @@ def converse(
         except BaseException:
             sock.close()
             raise
-        return Conversation(sock, hello[len(MAGIC) :], secret, deadline, fail)
+        c = Conversation(sock, hello[len(MAGIC) :], secret, deadline, fail)
+        c.fast = FAST and hello[: len(MAGIC)] == FAST_MAGIC
+        return c
 
     def attempt(c: Conversation) -> None:
         nonlocal conv
