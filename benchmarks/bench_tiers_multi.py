@@ -54,6 +54,62 @@ KEY, SECRET, BUCKET = "bench-key", "bench-secret", "quire-bench"
 
 
 # ----------------------------------------------------------------------------- worker
+class Sampler:
+    """Every thread's stack every millisecond (cProfile sees only the calling thread; the
+    restore's reads run on quire's event loop and I/O threads): per thread, how many
+    samples each function was on the stack, and each innermost function."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.counts: dict[str, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter
+        )
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import threading
+
+        me = threading.get_ident()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        while not self._stop.wait(0.001):
+            self.samples += 1
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                if ident not in names:
+                    names = {t.ident: t.name for t in threading.enumerate()}
+                name = names.get(ident, str(ident)).split("_")[0]
+                seen, f, top = set(), frame, True
+                while f is not None:
+                    code = f.f_code
+                    key = f"{os.path.basename(code.co_filename)}:{code.co_name}"
+                    if top:
+                        self.counts[name]["SELF " + key] += 1
+                        top = False
+                    if key not in seen:
+                        seen.add(key)
+                        self.counts[name][key] += 1
+                    f = f.f_back
+
+    def dump(self, path: str) -> None:
+        with open(path, "w") as out:
+            out.write(f"{self.samples} samples, 1 ms apart\n")
+            for name, c in sorted(self.counts.items()):
+                out.write(f"== {name}\n")
+                for k, v in c.most_common(40):
+                    out.write(f"{v:6d} {k}\n")
+
+
 def worker(pid: int, n: int, port: int, cfg: dict[str, Any]) -> None:
     import jax
 
@@ -111,18 +167,22 @@ def worker(pid: int, n: int, port: int, cfg: dict[str, Any]) -> None:
     def timed_load(c: Any, step: int) -> float:
         abstract = state(0)
         sync(f"load{step}")
-        prof = None
+        prof = sampler = None
         if cfg.get("profile"):
             import cProfile
 
-            prof = cProfile.Profile()
+            prof, sampler = cProfile.Profile(), Sampler()
             prof.enable()
+            sampler.start()
         t0 = time.perf_counter()
         got = c.load(step, abstract)
         t = time.perf_counter() - t0
-        if prof is not None:
+        if prof is not None and sampler is not None:
             prof.disable()
-            prof.dump_stats(os.path.join(cfg["profile"], f"{cfg['phase']}-{n}p-{pid}.prof"))
+            sampler.stop()
+            stem = os.path.join(cfg["profile"], f"{cfg['phase']}-{n}p-{pid}")
+            prof.dump_stats(stem + ".prof")
+            sampler.dump(stem + ".samples.txt")
         same(got, state(step))
         return t
 

@@ -5,8 +5,8 @@ The load engine checks every chunk it decodes anyway; a failure there fails the 
 restore reader checks first, where another source is left to ask:
 
 * a range of a pack: every chunk the range holds whole, against its owner's chunk index
-  (``quire._format.chunkcheck.check_stored``: the crc32c of a trailer-bound chunk's message
-  and its trailer, else the CRC-32 of its bytes);
+  (as ``quire._format.chunkcheck.check_stored``: the crc32c of a trailer-bound chunk's
+  message and its trailer, else the CRC-32 of its bytes), in the I/O pool, without copies;
 * a chunk index: against the commit record's entry (size and crc32c);
 * a whole unit object: against its crc32c trailer.
 
@@ -23,10 +23,11 @@ from typing import Any
 
 from quire._engine import tierpeers as _peers
 from quire._engine.copying import _check_unit_object
-from quire._format.chunkcheck import check_stored
-from quire._format.chunkid import Ref
+from quire._format.chunkcheck import check_read, mismatch
+from quire._format.chunkid import Ref, crc_hex, trailer_hex
 from quire._format.chunkindex import parse_index
-from quire._format.crc import ChunkError
+from quire._format.crc import ChunkError, crc32c
+from quire._runtime.ioloop import run_blocking
 
 __all__ = ["ChunkChecks"]
 
@@ -77,36 +78,69 @@ class ChunkChecks:
 
     async def check_range(self, pack: str, start: int, views: Sequence[memoryview], n: int) -> int:
         """Check every chunk the bytes ``[start, start + n)`` of ``pack`` (in ``views``)
-        hold whole; the number checked.  Raises ``ChunkError`` for the first that fails."""
+        hold whole, in the I/O pool; the number checked.  Raises ``ChunkError`` for the
+        first that fails."""
         owner = _peers.owner_of(pack, self.primary)
         if owner not in self._refs:
             self._refs[owner] = asyncio.ensure_future(self._by_pack(owner))
         rs = (await asyncio.shield(self._refs[owner])).get(pack, [])
-        flat = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
-        starts, pos = [], start
-        for v in flat:
-            starts.append(pos)
-            pos += v.nbytes
-        end, done = start + n, 0
-        for off, length, key, ref in rs[bisect.bisect_left(rs, (start, -1)) :]:
-            if off + length > end:
-                break
-            i = bisect.bisect_right(starts, off) - 1
-            v, s = flat[i], starts[i]
-            if off + length <= s + v.nbytes:  # in one buffer: no copy
-                data = v[off - s : off - s + length]
-            else:
-                data = memoryview(_gather(flat, starts, off, length))
-            check_stored(ref, key, data)
-            done += 1
-        return done
+        first = bisect.bisect_left(rs, (start, -1))
+        if first == len(rs) or rs[first][0] + rs[first][1] > start + n:
+            return 0
+        return await run_blocking(_check_chunks, rs[first:], start, views, n)
 
 
-def _gather(flat: Sequence[memoryview], starts: Sequence[int], off: int, length: int) -> bytes:
-    out = bytearray()
+def _check_chunks(
+    rs: Sequence[tuple[int, int, str, Ref]], start: int, views: Sequence[memoryview], n: int
+) -> int:
+    flat = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
+    starts, pos = [], start
+    for v in flat:
+        starts.append(pos)
+        pos += v.nbytes
+    end, done = start + n, 0
+    for off, length, key, ref in rs:
+        if off + length > end:
+            break
+        _check_chunk(ref, key, _pieces(flat, starts, off, length), length)
+        done += 1
+    return done
+
+
+def _pieces(
+    flat: Sequence[memoryview], starts: Sequence[int], off: int, length: int
+) -> list[memoryview]:
+    """The bytes ``[off, off + length)`` of the views, as slices of them (no copy)."""
+    out = []
     i = bisect.bisect_right(starts, off) - 1
-    while len(out) < length:
+    pos = off
+    while pos < off + length:
         v, s = flat[i], starts[i]
-        out += v[off + len(out) - s : off + length - s]
+        piece = v[pos - s : off + length - s]
+        out.append(piece)
+        pos += piece.nbytes
         i += 1
+    return out
+
+
+def _check_chunk(ref: Ref, key: str, views: Sequence[memoryview], n: int) -> None:
+    """``chunkcheck.check_stored`` of a chunk held in several views (its bytes, then often
+    its 4-byte trailer in a buffer of its own): no copy unless the message itself is split."""
+    if not ref.trailer:
+        check_read(ref, key, views, n)  # the CRC-32 of the bytes (and a shard's trailers)
+        return
+    if trailer_hex(views, n) != ref.crc:
+        raise mismatch(ref, key)
+    body = n - 4
+    msg = views[0][:body] if views[0].nbytes >= body else memoryview(_gather(views, body))
+    if crc_hex(crc32c(msg)) != ref.crc:
+        raise ChunkError(f"{key}: crc32c checksum mismatch")
+
+
+def _gather(views: Sequence[memoryview], n: int) -> bytes:
+    out = bytearray()
+    for v in views:
+        if len(out) >= n:
+            break
+        out += v[: n - len(out)]
     return bytes(out)
