@@ -239,7 +239,8 @@ def step_bytes(root: Path) -> int:
 
 def test_a_silent_peer_is_passed_over_for_another_holder(tmp_path: Path) -> None:
     """3 processes, ``peers=2`` (every process holds every object).  Nothing lost: the
-    restore reads nothing from peers (0 bytes served).  Then process 0's directory wiped and
+    restore reads nothing from peers (0 bytes served), and a second Checkpointer opened on
+    the same roots in the same job restores too.  Then process 0's directory wiped and
     process 1's peer server accepts connections and never answers: process 0 reads the byte
     ranges its shards need from process 2 after waiting out process 1 once, whole and
     bit-identical, and fewer bytes than the step holds; its directory is not refilled (the
@@ -250,12 +251,15 @@ def test_a_silent_peer_is_passed_over_for_another_holder(tmp_path: Path) -> None
     ok(*launch(tmp_path, {**base, "first": 1, "last": 2}, n=3), n=3)
     for p in range(3):
         assert markers(local, p, 2) == ["p00000.json", "p00001.json", "p00002.json"]
-    results, codes = launch(tmp_path, {**base, "first": 3, "last": 2}, n=3)
+    results, codes = launch(tmp_path, {**base, "first": 3, "last": 2, "reopen": True}, n=3)
     ok(results, codes, n=3)
     restored = of(results, "restored")
     assert [(r["step"], r["same"], r["served"], r["read"]) for r in restored] == [
         (2, True, 0, {})
     ] * 3
+    # a second Checkpointer on the same roots in the same job agrees and restores afresh
+    # (its key-value exchanges do not meet the first one's keys)
+    assert [(r["step"], r["same"]) for r in of(results, "reopened")] == [(2, True)] * 3
     whole = step_bytes(local / "process_00002" / "step_00000002")
     shutil.rmtree(local / "process_00000")
     results, codes = launch(tmp_path, {**base, "first": 3, "last": 2, "silent": 1}, n=3)

@@ -117,15 +117,20 @@ if cfg.get("check_incremental"):  # incremental + a multi-process local tier: re
     except NotImplementedError as e:
         emit(check="incremental", error=str(e))
 
-try:
-    with quire.Checkpointer(
+
+def checkpointer() -> quire.Checkpointer:
+    return quire.Checkpointer(
         cfg["persistent"],
         save_policy=EveryNSteps(cfg.get("every", 10)),
         storage_options=cfg["options"],
         local=quire.LocalTier(
             cfg["local"], save_policy=EveryNSteps(1), keep=LatestN(3), peers=cfg.get("peers", 1)
         ),
-    ) as c:
+    )
+
+
+try:
+    with checkpointer() as c:
         if cfg.get("silent") == pid:  # a peer that accepts connections and never answers
             import socket
 
@@ -163,6 +168,12 @@ try:
                     emit(check="hang", error=None)
                 except quire.MultiProcessError as e:
                     emit(check="hang", error=str(e), seconds=time.monotonic() - t0)
+    if cfg.get("reopen"):  # a second Checkpointer on the same roots, in the same job
+        with checkpointer() as c:
+            got = c.latest_step()
+            units = c.load_checkpointables(got, {"state": state(0), "loader": Loader(0)})
+            emit(check="reopened", step=got,
+                 same=same(units["state"], state(got)) and units["loader"].pos == got)  # fmt: skip
 except Exception:
     emit(check="failed", error=traceback.format_exc())
 emit(check="done")

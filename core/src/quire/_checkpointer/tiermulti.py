@@ -32,6 +32,7 @@ process (``quire._engine.tierpeers``).  This module adds what needs every proces
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -75,6 +76,11 @@ __all__ = ["PERSISTENT_SOURCE", "Plan", "Spread", "decide", "sources"]
 
 log = logging.getLogger("quire")
 
+#: Spreads opened per coordination name, in call order: the same count in every process
+#: (Checkpointers open in the same order everywhere), so that the key-value exchanges of a
+#: later Checkpointer on the same root never meet an earlier one's keys (they stay).
+_opened: collections.Counter[str] = collections.Counter()
+
 
 class Spread:
     """The multi-process part of a :class:`quire._checkpointer.tiers._Tier`."""
@@ -86,6 +92,8 @@ class Spread:
         self.me, self.count = jax.process_index(), jax.process_count()
         self.primary = current().primary_process
         self.name = f"{tier.outer.root}/local"  # the coordination name, the same everywhere
+        _opened[self.name] += 1
+        self._kvname = f"{self.name}#{_opened[self.name]}"  # this Spread's key-value keys
         self.peers = min(tier.spec.peers, self.count - 1)
         if self.peers < tier.spec.peers:
             log.warning(
@@ -159,7 +167,7 @@ class Spread:
         self._seq += 1
         rows = self._kv(
             "checking that every process restores the same step",
-            f"{self.name}/step/{self._seq}",
+            f"{self._kvname}/step/{self._seq}",
             str(step).encode(),
             self.tier.url,
         )
@@ -223,7 +231,7 @@ class Spread:
         view = inner._run(self._view(persistent))
         rows = self._kv(
             "agreeing on the local tier step to restore",
-            f"{self.name}/agree/{self._seq}",
+            f"{self._kvname}/agree/{self._seq}",
             json.dumps(view).encode(),
             self.tier.url,
         )
@@ -296,7 +304,7 @@ class Spread:
                 if not self_contained(plan):
                     self._kv(
                         f"restoring step {plan.step}: waiting for every process to finish reading",
-                        f"{self.name}/restored/{self._seq}",
+                        f"{self._kvname}/restored/{self._seq}",
                         b"",
                         url,
                         2 * (time.monotonic() - t0) + self.count * self._timeout(),
