@@ -26,9 +26,10 @@ Rows (seconds of the slowest process, best of ``--reps``):
 * ``restore: persistent``: the promoted step by a plain Checkpointer on the S3 root.
 
 ``requests`` = HTTP requests through the proxy during the launch (by method; the
-Checkpointer's own listing included); ``MiB read from peers`` = what the restore's
-processes read from each other over TCP, all processes together.  Every restore is checked
-byte for byte.
+Checkpointer's own listing included); ``MiB (requests) read from peers`` = what the
+restore's processes read from each other over TCP, all processes together.  Every restore
+is checked byte for byte.  ``--profile DIR`` writes, per restore and process, a cProfile of
+the calling thread and a sample of every thread's stack (slower: do not time with it).
 """
 
 from __future__ import annotations
@@ -186,10 +187,10 @@ def worker(pid: int, n: int, port: int, cfg: dict[str, Any]) -> None:
         same(got, state(step))
         return t
 
-    def peer_bytes(c: Any) -> int:
-        """Bytes this process's restore read from other processes (over TCP)."""
-        got = c._tier.spread.last_restore.items()
-        return sum(b for k, (b, _) in got if k.startswith("process "))
+    def peer_bytes(c: Any) -> list[int]:
+        """Bytes and requests this process's restore read from other processes (TCP)."""
+        got = [v for k, v in c._tier.spread.last_restore.items() if k.startswith("process ")]
+        return [sum(b for b, _ in got), sum(r for _, r in got)]
 
     phase = cfg["phase"]
     if phase == "plain":
@@ -276,9 +277,9 @@ def main() -> None:
     client.create_bucket(Bucket=BUCKET)
     opts = {"endpoint_url": proxy.endpoint, "key": KEY, "secret": SECRET}
     base = tempfile.mkdtemp(prefix="quire-bench-tiers-multi-")
-    rows: dict[tuple[int, str], list[tuple[float, float, dict[str, int], int | None]]] = (
-        collections.defaultdict(list)
-    )
+    rows: dict[
+        tuple[int, str], list[tuple[float, float, dict[str, int], tuple[int, int] | None]]
+    ] = collections.defaultdict(list)
 
     def reqs() -> dict[str, int]:
         return dict(collections.Counter(e[0] for e in proxy.take_log()))
@@ -317,7 +318,9 @@ def main() -> None:
                     reqs()
                     rs = launch(n, {**cfg, "phase": phase})
                     wall = max(r["wall"] for r in rs)
-                    peer = sum(r["peer"] for r in rs) if "peer" in rs[0] else None
+                    peer = None
+                    if "peer" in rs[0]:
+                        peer = (sum(r["peer"][0] for r in rs), sum(r["peer"][1] for r in rs))
                     rows[(n, name)].append((wall, wall, reqs(), peer))
                 print(f"{n} processes: rep {rep + 1}/{args.reps} done", file=sys.stderr)
     finally:
@@ -332,13 +335,13 @@ def main() -> None:
         f"{args.reps}\n"
     )
     print(
-        "| procs | row | blocked s | wall s | requests to S3 | MiB read from peers |\n"
+        "| procs | row | blocked s | wall s | requests to S3 | MiB (requests) read from peers |\n"
         "|---|---|---|---|---|---|"
     )
     for (n, name), rs in rows.items():
         best = min(rs, key=lambda r: r[1])
         req = ", ".join(f"{m} {k}" for m, k in sorted(best[2].items())) or "0"
-        peer = "" if best[3] is None else f"{best[3] / (1 << 20):.2f}"
+        peer = "" if best[3] is None else f"{best[3][0] / (1 << 20):.2f} ({best[3][1]})"
         print(f"| {n} | {name} | {best[0]:.3f} | {best[1]:.3f} | {req} | {peer} |")
     for n in args.procs:
         r = {name: min(x[1] for x in rs) for (m, name), rs in rows.items() if m == n}
