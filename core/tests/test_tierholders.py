@@ -4,8 +4,9 @@ serving copies of it, ``quire.load`` through the reader.
 
 * A holder whose copy was altered on its disk (it still signs its answers with the run's
   secret) is passed over for the next holder, range by range, and the load is
-  bit-identical; with every holder altered, the load fails with ``CorruptCheckpointError``
-  naming them (never silently wrong).
+  bit-identical; with this root and every peer holder altered, the persistent tier (holding
+  the agreed record) serves those ranges; with every holder altered and no persistent
+  copy, the load fails with ``CorruptCheckpointError`` naming them (never silently wrong).
 * Ranges go to the holder with the fewest bytes in flight: reads issued together spread
   over both holders.
 * Each holder's connections are kept open for the load (at most ``PEER_STREAMS``), and a
@@ -77,7 +78,10 @@ def step(tmp_path: Path) -> dict[str, Any]:
 
 def damage(root: Path, pack: str) -> None:
     """Flip bytes in the middle of the pack on that holder's disk (same size)."""
-    f = root / "s" / pack
+    damage_file(root / "s" / pack)
+
+
+def damage_file(f: Path) -> None:
     data = bytearray(f.read_bytes())
     for i in range(len(data) // 3, len(data) // 3 + 64):
         data[i] ^= 0xFF
@@ -120,6 +124,44 @@ def test_altered_bytes_at_one_holder_are_read_again_from_the_next(
         assert r.retried >= 1
         assert good.served > 0
         assert any("fail their check" in m and "process 1" in m for m in caplog.messages)
+
+
+def test_altered_bytes_here_and_at_the_peers_are_read_from_the_persistent_tier(
+    step: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """This process's own root and both peer holders altered: the damaged ranges come from
+    the persistent tier, which holds the step with the agreed record."""
+    mine = step["mine"]
+    shutil.copytree(step["holders"][0] / "s", mine)
+    damage_file(mine / step["pack"])
+    for h in step["holders"]:
+        damage(h, step["pack"])
+    persistent = tmp_path / "persistent"
+    shutil.copytree(tmp_path / "saved", persistent)
+
+    async def record() -> bytes:
+        return bytes(step["raw"])
+
+    with (
+        peerlink.PeerServer(step["holders"][0], SECRET) as a,
+        peerlink.PeerServer(step["holders"][1], SECRET) as b,
+    ):
+        peers = reader(step, [a, b]).sources[0]
+        here = tierread.local_source(open_backend(str(mine)), step["doc"], 0)
+        there = tierread.persistent_source(
+            open_backend(str(persistent)), str(persistent), step["doc"], 0, 0
+        )
+        r = tierread.RestoreReader(
+            str(mine), step["raw"], step["doc"], 0, {0: [here, *peers, there]}, record
+        )
+        with caplog.at_level(logging.WARNING, logger="quire"):
+            same(load_through(r, str(step["mine"])))
+        r.close_peers()
+        stats = r.stats()
+        assert stats[f"the persistent tier {persistent}"][0] > 0
+        assert r.retried >= 3  # here, then each peer, then the persistent tier
+        for who in ("this process's local tier", "process 1", "process 2"):
+            assert any("fail their check" in m and who in m for m in caplog.messages), who
 
 
 def test_altered_bytes_at_every_holder_fail_the_load(step: dict[str, Any]) -> None:
