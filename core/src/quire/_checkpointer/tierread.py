@@ -216,9 +216,10 @@ class RestoreReader(Backend):
             return got
         if damaged:
             raise CorruptCheckpointError(
-                f"{self.url}/{key}: every holder of process {j}'s objects that answered sent "
-                f"bytes that fail their check: {'; '.join(errors)}; the step is damaged in "
-                "every tier that holds it: restore an older step"
+                f"{self.url}/{key}: every source of process {j}'s objects that answered sent "
+                f"bytes that fail their check ({'; '.join(errors)}), and no other holds this "
+                "step with this record: restore an older step, and wipe the damaged holders' "
+                "directories"
             )
         raise PeerError(
             f"{self.url}/{key}: no holder of process {j}'s objects answered (each is treated "
