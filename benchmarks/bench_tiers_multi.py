@@ -34,9 +34,11 @@ Rows (seconds of the slowest process, best of ``--reps``):
   read); with one replica per process and, above 2 processes, with 2 replicas.
 
 ``requests`` = HTTP requests through the proxy during the launch (by method; the
-Checkpointer's own listing included); ``MiB read from peers`` = what the restore's
-processes read from each other over TCP, all processes together.  Every restore is checked
-byte for byte (Orbax's: bit for bit except for -0.0 restored as +0.0, counted in the row).
+Checkpointer's own listing included); ``MiB (requests) read from peers`` = what the
+restore's processes read from each other over TCP, all processes together.  Every restore
+is checked byte for byte (Orbax's: bit for bit except for -0.0 restored as +0.0, counted
+in the row).  ``--profile DIR`` writes, per restore and process, a cProfile of
+the calling thread and a sample of every thread's stack (slower: do not time with it).
 """
 
 from __future__ import annotations
@@ -63,6 +65,62 @@ KEY, SECRET, BUCKET = "bench-key", "bench-secret", "quire-bench"
 
 
 # ----------------------------------------------------------------------------- worker
+class Sampler:
+    """Every thread's stack every millisecond (cProfile sees only the calling thread; the
+    restore's reads run on quire's event loop and I/O threads): per thread, how many
+    samples each function was on the stack, and each innermost function."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.counts: dict[str, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter
+        )
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import threading
+
+        me = threading.get_ident()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        while not self._stop.wait(0.001):
+            self.samples += 1
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                if ident not in names:
+                    names = {t.ident: t.name for t in threading.enumerate()}
+                name = names.get(ident, str(ident)).split("_")[0]
+                seen, f, top = set(), frame, True
+                while f is not None:
+                    code = f.f_code
+                    key = f"{os.path.basename(code.co_filename)}:{code.co_name}"
+                    if top:
+                        self.counts[name]["SELF " + key] += 1
+                        top = False
+                    if key not in seen:
+                        seen.add(key)
+                        self.counts[name][key] += 1
+                    f = f.f_back
+
+    def dump(self, path: str) -> None:
+        with open(path, "w") as out:
+            out.write(f"{self.samples} samples, 1 ms apart\n")
+            for name, c in sorted(self.counts.items()):
+                out.write(f"== {name}\n")
+                for k, v in c.most_common(40):
+                    out.write(f"{v:6d} {k}\n")
+
+
 def worker(pid: int, n: int, port: int, cfg: dict[str, Any]) -> None:
     import jax
 
@@ -135,16 +193,29 @@ def worker(pid: int, n: int, port: int, cfg: dict[str, Any]) -> None:
     def timed_load(c: Any, step: int) -> float:
         abstract = state(0)
         sync(f"load{step}")
+        prof = sampler = None
+        if cfg.get("profile"):
+            import cProfile
+
+            prof, sampler = cProfile.Profile(), Sampler()
+            prof.enable()
+            sampler.start()
         t0 = time.perf_counter()
         got = c.load(step, abstract)
         t = time.perf_counter() - t0
+        if prof is not None and sampler is not None:
+            prof.disable()
+            sampler.stop()
+            stem = os.path.join(cfg["profile"], f"{cfg['phase']}-{n}p-{pid}")
+            prof.dump_stats(stem + ".prof")
+            sampler.dump(stem + ".samples.txt")
         same(got, state(step))
         return t
 
-    def peer_bytes(c: Any) -> int:
-        """Bytes this process's restore read from other processes (over TCP)."""
-        got = c._tier.spread.last_restore.items()
-        return sum(b for k, (b, _) in got if k.startswith("process "))
+    def peer_bytes(c: Any) -> list[int]:
+        """Bytes and requests this process's restore read from other processes (TCP)."""
+        got = [v for k, v in c._tier.spread.last_restore.items() if k.startswith("process ")]
+        return [sum(b for b, _ in got), sum(r for _, r in got)]
 
     phase = cfg["phase"]
     if phase == "plain":
@@ -242,7 +313,7 @@ def orbax_rows(
             flipped = sum(r["flipped"] for r in rs if r["pid"] < n // replicas)
             name = f"{tag}, {name}, from {source}"
             name += f" ({flipped} x -0.0 read as +0.0)" if flipped else ""
-            sent = None if kind == "p2p" else (replicas - 1) * state_bytes(cfg, n)
+            sent = None if kind == "p2p" else ((replicas - 1) * state_bytes(cfg, n), None)
             rows[(n, name)].append((wall, wall, on_disk, sent))
             if kind != "p2p":
                 broadcast[(n, name)].append((wall, max(r["broadcast"] for r in rs)))
@@ -262,6 +333,9 @@ def main() -> None:
     ap.add_argument("--procs", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--latency-ms", type=float, default=20.0)
     ap.add_argument("--no-orbax", action="store_true", help="leave out the Orbax rows")
+    ap.add_argument(
+        "--profile", metavar="DIR", help="cProfile each restore's load, one file per process"
+    )
     args = ap.parse_args()
 
     sys.path.insert(0, HERE)
@@ -280,9 +354,10 @@ def main() -> None:
     client.create_bucket(Bucket=BUCKET)
     opts = {"endpoint_url": proxy.endpoint, "key": KEY, "secret": SECRET}
     base = tempfile.mkdtemp(prefix="quire-bench-tiers-multi-")
-    rows: dict[tuple[int, str], list[tuple[float, float, dict[str, int] | str, int | None]]] = (
-        collections.defaultdict(list)
-    )
+    rows: dict[
+        tuple[int, str],
+        list[tuple[float, float, dict[str, int] | str, tuple[int, int | None] | None]],
+    ] = collections.defaultdict(list)
     on_disk = "0 (persistent tier: local dir)"
     broadcast: dict[tuple[int, str], list[tuple[float, float]]] = collections.defaultdict(list)
 
@@ -301,6 +376,7 @@ def main() -> None:
                     "local": os.path.join(base, run),
                     "plain_dir": os.path.join(base, f"plain-{run}"),
                     "orbax": os.path.join(base, f"orbax-{run}"),
+                    "profile": args.profile and os.path.abspath(args.profile),
                 }
 
                 rs = launch(n, {**cfg, "phase": "plain"})
@@ -327,7 +403,9 @@ def main() -> None:
                     reqs()
                     rs = launch(n, {**cfg, "phase": phase})
                     wall = max(r["wall"] for r in rs)
-                    peer = sum(r["peer"] for r in rs) if "peer" in rs[0] else None
+                    peer = None
+                    if "peer" in rs[0]:
+                        peer = (sum(r["peer"][0] for r in rs), sum(r["peer"][1] for r in rs))
                     rows[(n, name)].append((wall, wall, reqs(), peer))
                 rs = launch(n, {**cfg, "phase": "restore-persistent-dir"})
                 wall = max(r["wall"] for r in rs)
@@ -348,7 +426,7 @@ def main() -> None:
         f"{args.reps}\n"
     )
     print(
-        "| procs | row | blocked s | wall s | requests to S3 | MiB read from peers |\n"
+        "| procs | row | blocked s | wall s | requests to S3 | MiB (requests) read from peers |\n"
         "|---|---|---|---|---|---|"
     )
     for (n, name), rs in rows.items():
@@ -356,7 +434,8 @@ def main() -> None:
         req = best[2] if isinstance(best[2], str) else (
             ", ".join(f"{m} {k}" for m, k in sorted(best[2].items())) or "0"
         )  # fmt: skip
-        peer = "" if best[3] is None else f"{best[3] / (1 << 20):.2f}"
+        peer = "" if best[3] is None else f"{best[3][0] / (1 << 20):.2f}"
+        peer += "" if best[3] is None or best[3][1] is None else f" ({best[3][1]})"
         print(f"| {n} | {name} | {best[0]:.3f} | {best[1]:.3f} | {req} | {peer} |")
     if not args.no_orbax:
         print("\nOrbax restores: seconds in the broadcast (slowest process, in the best rep):")

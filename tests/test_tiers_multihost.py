@@ -273,7 +273,8 @@ def test_incremental_promotions_with_two_processes(tmp_path: Path) -> None:
 
 def test_a_silent_peer_is_passed_over_for_another_holder(tmp_path: Path) -> None:
     """3 processes, ``peers=2`` (every process holds every object).  Nothing lost: the
-    restore reads nothing from peers (0 bytes served).  Then process 0's directory wiped and
+    restore reads nothing from peers (0 bytes served), and a second Checkpointer opened on
+    the same roots in the same job restores too.  Then process 0's directory wiped and
     process 1's peer server accepts connections and never answers: process 0 reads the byte
     ranges its shards need from process 2 after waiting out process 1 once, whole and
     bit-identical, and fewer bytes than the step holds; its directory is not refilled (the
@@ -287,12 +288,15 @@ def test_a_silent_peer_is_passed_over_for_another_holder(tmp_path: Path) -> None
     # one host: every copy shares its owner's failure domain, said once (by process 0)
     warned = [f.read_text().count("own failure domain") for f in (tmp_path / "logs").glob("1-2-*")]
     assert sorted(warned) == [0, 0, 0, 0, 0, 1], warned
-    results, codes = launch(tmp_path, {**base, "first": 3, "last": 2}, n=3)
+    results, codes = launch(tmp_path, {**base, "first": 3, "last": 2, "reopen": True}, n=3)
     ok(results, codes, n=3)
     restored = of(results, "restored")
     assert [(r["step"], r["same"], r["served"], r["read"]) for r in restored] == [
         (2, True, 0, {})
     ] * 3
+    # a second Checkpointer on the same roots in the same job agrees and restores afresh
+    # (its key-value exchanges do not meet the first one's keys)
+    assert [(r["step"], r["same"]) for r in of(results, "reopened")] == [(2, True)] * 3
     whole = step_bytes(local / "process_00002" / "step_00000002")
     shutil.rmtree(local / "process_00000")
     results, codes = launch(tmp_path, {**base, "first": 3, "last": 2, "silent": 1}, n=3)

@@ -40,7 +40,9 @@ SLOW = settings(max_examples=LONG, deadline=None, database=None,
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**65), 2**65) | st.floats() | st.text(max_size=6),
-    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids, max_size=3),
+    lambda kids: (
+        st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids, max_size=3)
+    ),
     max_leaves=8,
 )
 
@@ -48,13 +50,16 @@ JSON = st.recursive(
 # ----------------------------------------------------------------------------- safetensors
 def _entry() -> st.SearchStrategy[Any]:
     near = st.integers(-1, 80) | st.sampled_from([2**63, 2**64, -(2**63)])
-    return st.fixed_dictionaries(
-        {
-            "dtype": st.sampled_from([*DTYPES, "F4", "X", 3]),
-            "shape": st.lists(st.integers(-1, 6) | st.just(2**62), max_size=3) | JSON,
-            "data_offsets": st.lists(near, min_size=0, max_size=3) | JSON,
-        }
-    ) | JSON
+    return (
+        st.fixed_dictionaries(
+            {
+                "dtype": st.sampled_from([*DTYPES, "F4", "X", 3]),
+                "shape": st.lists(st.integers(-1, 6) | st.just(2**62), max_size=3) | JSON,
+                "data_offsets": st.lists(near, min_size=0, max_size=3) | JSON,
+            }
+        )
+        | JSON
+    )
 
 
 NAMES = st.from_regex(r"[a-d]{1,3}", fullmatch=True)
@@ -257,7 +262,12 @@ def test_chunk_index_fuzz_long(raw: bytes) -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=max(LONG // 10, 10), deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=max(LONG // 10, 10),
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 @given(edits=st.lists(st.tuples(PATHS, VALUES), min_size=1, max_size=2))
 def test_forged_index_loads_fuzz(tmp_path_factory: pytest.TempPathFactory, edits: Any) -> None:
     """A real checkpoint whose index is edited and re-signed: load and verify load it or

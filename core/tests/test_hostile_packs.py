@@ -137,7 +137,11 @@ def test_a_symlinked_pack_is_refused_and_its_target_never_opened(
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("field", "value", "match"),
-    [(1, 2**64, "bad reference"), (1, 2**63 - 1, "bad reference"), (2, 2**40, "too long|truncated")],
+    [
+        (1, 2**64, "bad reference"),
+        (1, 2**63 - 1, "bad reference"),
+        (2, 2**40, "too long|truncated"),
+    ],
 )
 def test_offsets_and_lengths_past_the_pack_allocate_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], field: int, value: int, match: str

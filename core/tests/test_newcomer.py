@@ -61,8 +61,16 @@ def test_storage_options_forms(tmp_path: Path, capsys: pytest.CaptureFixture[str
     from quire._cli.main import parser, storage_options
 
     args = parser().parse_args(
-        ["info", "x", "-o", "anon=true", "-o", "endpoint_url=http://h:1",
-         "--storage-options", '{"retries": 3, "anon": false}']
+        [
+            "info",
+            "x",
+            "-o",
+            "anon=true",
+            "-o",
+            "endpoint_url=http://h:1",
+            "--storage-options",
+            '{"retries": 3, "anon": false}',
+        ]
     )
     assert storage_options(args) == {"retries": 3, "anon": True, "endpoint_url": "http://h:1"}
     for cmd in ("info", "verify", "ls", "gc", "cp", "diff", "export"):

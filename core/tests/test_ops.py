@@ -74,6 +74,7 @@ def test_copy_quire_checkpoint_between_backends(tmp_path: Path) -> None:
 
 def test_copy_converts_a_safetensors_file(tmp_path: Path) -> None:
     import safetensors.numpy as st
+
     tensors = {"model.w": np.arange(12, dtype=np.float32).reshape(3, 4), "model.b": np.ones(4)}
     st.save_file(tensors, str(tmp_path / "m.safetensors"))
     res = quire.copy(tmp_path / "m.safetensors", tmp_path / "q")

@@ -323,7 +323,9 @@ def test_sigkill_at_every_call_of_a_rewriting_finalize(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("under_root", [False, True])
 def test_gc_finishes_a_finalize_killed_after_its_commit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
     under_root: bool,
 ) -> None:
     """A finalize killed between its commit and its clean-up leaves the journal and the

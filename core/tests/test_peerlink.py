@@ -525,3 +525,55 @@ def test_fetch_into_fills_the_callers_buffers(server: peerlink.PeerServer, tier:
         peerlink.fetch_into(server.address, "d/tx/p00000", SECRET, 30, [memoryview(a)], BIG)
     with pytest.raises(PeerError, match="different secrets"):
         peerlink.fetch_into(server.address, "d/tx/p00000", b"z" * 32, 30, [memoryview(a)], 0)
+
+
+# ---------------------------------------------------------------------- fast bodies
+def test_fast_bodies_bind_the_secret_the_request_and_the_connection(
+    server: peerlink.PeerServer, tier: Path
+) -> None:
+    """A ``g`` request's answer: its tag is HMAC over the request, the header and the
+    body's Poly1305 tag under a one-time key; another secret, sequence number or body
+    gives another tag."""
+    from quire._runtime import peerwire
+
+    if not peerwire.FAST:
+        pytest.skip("the cryptography package is not installed: no Poly1305")
+    sock, nonce = raw_connect(server)
+    with sock:
+        raw = b"d/tx/idx.json"
+        head = REQ.pack(b"g", len(raw), 1 << 20)
+        sock.sendall(head + raw + mac(SECRET, b"req", nonce, 0, head, raw).digest())
+        ahead = recv(sock, peerwire.ANS.size)
+        status, n = peerwire.ANS.unpack(ahead)
+        body, tag = recv(sock, n), recv(sock, peerwire.TAG)
+    assert (status, body) == (b"O", b'{"a": 1}')
+
+    def tag_of(secret: bytes, seq: int, data: bytes, fast: bool = True) -> bytes:
+        h = peerwire.answer_mac(secret, nonce, seq, fast, raw, ahead)
+        h.update(data)
+        return bytes(h.digest())
+
+    assert tag == tag_of(SECRET, 0, body)
+    assert tag != tag_of(bytes(32), 0, body)  # another secret
+    assert tag != tag_of(SECRET, 1, body)  # another request of the connection
+    assert tag != tag_of(SECRET, 0, b'{"a": 2}')  # another body
+    assert tag != tag_of(SECRET, 0, body, fast=False)  # the plain HMAC of the body
+
+
+@pytest.mark.parametrize("side", ["server", "client"])
+def test_a_side_without_poly1305_gets_hmac_bodies(
+    tier: Path, side: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from quire._runtime import peerconn, peerserve, peerwire
+
+    if side == "server":  # it greets QUIREP01: the client asks G / R
+        monkeypatch.setattr(peerserve, "FAST", False)
+        monkeypatch.setattr(peerserve, "MAGIC", peerwire.BASE_MAGIC)
+    else:  # it asks G / R of a QUIREP02 server
+        monkeypatch.setattr(peerconn, "FAST", False)
+    with peerlink.PeerServer(tier, SECRET) as s:
+        data = (tier / "d" / "tx" / "p00000").read_bytes()
+        assert peerlink.fetch(s.address, "d/tx/p00000", SECRET, 10, BIG) == data
+        assert peerlink.fetch(s.address, "d/tx/p00000", SECRET, 10, 10, 5, 15) == data[5:15]
+        with pytest.raises(PeerError, match="does not authenticate"):
+            peerlink.fetch(s.address, "d/tx/idx.json", bytes(32), 10, 100)

@@ -230,7 +230,10 @@ def test_import_quire_with_a_broken_plugin_in_a_fresh_process(
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "JAX_PLATFORMS": "cpu"}
     r = subprocess.run(
-        [sys.executable, "-m", "quire._cli.main", "plugins"], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "quire._cli.main", "plugins"],
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("failed: RuntimeError: boom") == len(registries)  # one per group
@@ -553,6 +556,8 @@ def test_missing_plugin_error_names_the_package_from_the_record(tmp_path: Any) -
     with open(f"{url}/quire.json", "w") as f:
         json.dump(doc, f)
     # The record is untrusted: its claim is quoted, not turned into install advice.
-    with pytest.raises(quire.PluginError, match="written with plugin distribution 'acme-gone-dist'") as e:
+    with pytest.raises(
+        quire.PluginError, match="written with plugin distribution 'acme-gone-dist'"
+    ) as e:
         quire.load(url)
     assert "pip install acme-gone-dist" not in str(e.value)

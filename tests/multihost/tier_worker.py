@@ -119,8 +119,9 @@ if kill and kill[0] == pid:  # fault injection: die in the middle of that local 
 
     _save.write_units = write_units  # type: ignore[assignment]
 
-try:
-    with quire.Checkpointer(
+
+def checkpointer() -> quire.Checkpointer:
+    return quire.Checkpointer(
         cfg["persistent"],
         save_policy=EveryNSteps(cfg.get("every", 10)),
         storage_options=cfg["options"],
@@ -131,7 +132,11 @@ try:
             keep=LatestN(cfg.get("keep", 3)),
             peers=cfg.get("peers", 1),
         ),
-    ) as c:
+    )
+
+
+try:
+    with checkpointer() as c:
         if cfg.get("silent") == pid:  # a peer that accepts connections and never answers
             import socket
 
@@ -161,9 +166,12 @@ try:
         emit(check="saved", last=cfg["last"], tiers={s: c.tiers_of(s) for s in c.steps()})
         if cfg.get("wipe") is not None:  # a memory:// local tier: its roots live in this process
             from fsspec.implementations.memory import MemoryFileSystem
+            from jax.experimental import multihost_utils
 
             from quire._store.memory import forget
 
+            # every process has pulled its copies (c.wait() above) before one wipes its root
+            multihost_utils.sync_global_devices("quire-test: copies pulled")
             mine = c._tier.url  # type: ignore[union-attr]
             root = mine.removeprefix("memory://")
             found = [k for k in MemoryFileSystem.store if "/%tier/" in k and root in k]
@@ -187,6 +195,12 @@ try:
                     emit(check="hang", error=None)
                 except quire.MultiProcessError as e:
                     emit(check="hang", error=str(e), seconds=time.monotonic() - t0)
+    if cfg.get("reopen"):  # a second Checkpointer on the same roots, in the same job
+        with checkpointer() as c:
+            got = c.latest_step()
+            units = c.load_checkpointables(got, {"state": state(0), "loader": Loader(0)})
+            emit(check="reopened", step=got,
+                 same=same(units["state"], state(got)) and units["loader"].pos == got)  # fmt: skip
 except Exception:
     emit(check="failed", error=traceback.format_exc())
 emit(check="done")

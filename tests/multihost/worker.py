@@ -564,7 +564,6 @@ def scenario_save() -> None:
     url = os.path.join(base, "async-pinned")
     with quire.Context(pinned_staging=True):
         quire.save_async(url, tree).result()
-    ownership(url, tree)
     emit("async-pinned", url=url, bad=compare(quire.load(url, abstract_tree("save")), "save"))
 
     # 3. quire.partial: two versions, a delete, finalize

@@ -232,7 +232,9 @@ class _RetainLoadMixin:
                 f"the step explicitly. {e}"
             ) from e
 
-    def _load(self, step: Any, fn: Callable[[str], Any]) -> Any:
+    def _load(self, step: Any, fn: Callable[[str], Any], *, agreed: bool = False) -> Any:
+        """``fn(url of step)``, the step pinned; ``agreed``: the caller has checked that
+        every process restores this step (no second check)."""
         self._wait_save()
         with self._lock:
             s = _as_step(step) if step is not None else self._latest()
@@ -240,7 +242,8 @@ class _RetainLoadMixin:
             if s is not None:
                 self._pins[s] += 1
         try:
-            self._agree(s)
+            if not agreed:
+                self._agree(s)
             if s is None:
                 raise CheckpointNotFoundError(
                     f"no committed step under {self.root} (step format {self._fmt.pattern!r}); "

@@ -31,6 +31,7 @@ process (``quire._engine.tierpeers``).  This module adds what needs every proces
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -38,11 +39,18 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from quire._checkpointer.tierplace import domain_of
-from quire._checkpointer.tierplan import PERSISTENT_SOURCE, Plan, decide, holders, self_contained
-from quire._checkpointer.tierplan import sources as _sources
+from quire._checkpointer.tierplan import (
+    PERSISTENT_SOURCE,
+    Plan,
+    agreed_doc,
+    decide,
+    holders,
+    self_contained,
+    sources,
+)
 from quire._checkpointer.tierpull import PeerCopies
 from quire._checkpointer.tierread import (
-    PEER_STREAMS,
+    Holder,
     RestoreReader,
     Source,
     agreed_record,
@@ -54,35 +62,24 @@ from quire._checkpointer.tierread import (
 from quire._checkpointer.tierread import digest as _digest
 from quire._engine import commit as _commit
 from quire._engine import tierpeers as _peers
-from quire._format import record as _format
-from quire._runtime.collective import exchange
+from quire._runtime.collective import exchange, kv_exchange
 from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.multihost import Coordinator
 from quire._store.url import mounted, normalize, open_backend
-from quire.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    MultiProcessError,
-)
+from quire.errors import CheckpointNotFoundError, MultiProcessError, QuireError
 
 if TYPE_CHECKING:
     from quire._checkpointer.tiers import _Tier
 
-__all__ = ["PERSISTENT_SOURCE", "Plan", "Spread", "decide"]  # the first three: tierplan
+__all__ = ["PERSISTENT_SOURCE", "Plan", "Spread", "decide", "sources"]
 
 log = logging.getLogger("quire")
 
-
-def _agreed_doc(raw: bytes, digest: str, url: str, step: int) -> dict[str, Any]:
-    """The commit record ``raw`` parsed, once checked to be the agreed one (``digest``)."""
-    if _digest(raw) != digest:
-        raise CorruptCheckpointError(
-            f"{url}: the commit record received for step {step} is not the agreed one"
-        )
-    doc = _format.parse(raw, url)
-    _commit.check_locations(doc["units"], url)
-    return doc
+#: Spreads opened per coordination name, in call order: the same count in every process
+#: (Checkpointers open in the same order everywhere), so that the key-value exchanges of a
+#: later Checkpointer on the same root never meet an earlier one's keys (they stay).
+_opened: collections.Counter[str] = collections.Counter()
 
 
 class Spread:
@@ -95,6 +92,8 @@ class Spread:
         self.me, self.count = jax.process_index(), jax.process_count()
         self.primary = current().primary_process
         self.name = f"{tier.outer.root}/local"  # the coordination name, the same everywhere
+        _opened[self.name] += 1
+        self._kvname = f"{self.name}#{_opened[self.name]}"  # this Spread's key-value keys
         self.peers = min(tier.spec.peers, self.count - 1)
         if self.peers < tier.spec.peers:
             log.warning(
@@ -150,6 +149,37 @@ class Spread:
                 f"lost (quire.configure(timeout=...)); {e}"
             ) from e
 
+    def _kv(
+        self, what: str, name: str, payload: bytes, url: str, timeout: float | None = None
+    ) -> list[bytes]:
+        """``kv_exchange`` among all processes (blocking): small payloads and barriers
+        through the key-value store, with nothing to compile."""
+        t = self._timeout() if timeout is None else timeout
+        try:
+            return kv_exchange(self._key(name), list(range(self.count)), payload, t, url, what)
+        except MultiProcessError as e:
+            raise MultiProcessError(
+                f"{e}; it is treated as lost (quire.configure(timeout=...))"
+            ) from e
+
+    def _same_step(self, step: int) -> None:
+        """Check that every process restores ``step`` (what ``Checkpointer.load`` checks
+        with a JAX all-gather, here through the key-value store: no compile)."""
+        self._seq += 1
+        rows = self._kv(
+            "checking that every process restores the same step",
+            f"{self._kvname}/step/{self._seq}",
+            str(step).encode(),
+            self.tier.url,
+        )
+        steps = sorted({int(r) for r in rows})
+        if len(steps) > 1:
+            raise QuireError(
+                f"processes disagree on the step of {self.tier.outer.root} to restore (this "
+                f"one: {step}; all: {steps}); they see different sets of steps: pass the "
+                "step explicitly, the same on every process"
+            )
+
     # ------------------------------------------------------------------ saving
     async def after_local(self, local_fut: Any, step: int, seq: int) -> None:
         """After the local commit of ``step`` (save number ``seq``): mark this process's own
@@ -200,14 +230,13 @@ class Spread:
         inner.reload()  # waits for this process's local saves and peer copies
         self._seq += 1
         view = inner._run(self._view(persistent))
-        rows = self._exchange(
+        rows = self._kv(
             "agreeing on the local tier step to restore",
-            f"{self.name}/agree/{self._seq}",
-            list(range(self.count)),
+            f"{self._kvname}/agree/{self._seq}",
             json.dumps(view).encode(),
             self.tier.url,
         )
-        views = [json.loads(bytes(r)) for r in rows]
+        views = [json.loads(r) for r in rows]
         plan = decide(views, want, self.primary)
         self.plan = plan
         if plan is not None:
@@ -232,9 +261,12 @@ class Spread:
                 f"from the local tier {self.tier.spec.url} (some process's objects have no "
                 "live holder) nor from the persistent tier"
             )
+        self._same_step(plan.step)
         inner = self.tier.inner
         if self.copies is not None:  # TCP: read each range the load needs where it lies
-            return inner._load(plan.step, lambda u: self._through(plan, u, fn, fallback))
+            return inner._load(
+                plan.step, lambda u: self._through(plan, u, fn, fallback), agreed=True
+            )
         with inner._lock:
             inner._pins[plan.step] += 1
         try:
@@ -244,13 +276,14 @@ class Spread:
         if not whole:
             return fallback(plan.step)
         inner._relist()
-        return inner._load(plan.step, fn)
+        return inner._load(plan.step, fn, agreed=True)
 
     def _through(
         self, plan: Plan, url: str, fn: Callable[[str], Any], fallback: Callable[[int], Any]
     ) -> Any:
         """``fn(url)`` with ``url`` read through the :class:`RestoreReader` (step pinned)."""
         failed, t0 = True, time.monotonic()
+        reader: RestoreReader | None = None
         try:
             reader = self.tier.inner._run(self._reader(plan))
             if reader is None:
@@ -260,6 +293,8 @@ class Spread:
                     out = fn(url)
             failed = False
         finally:
+            if reader is not None:
+                reader.close_peers()  # this load's connections to its holders
             # Every process serves the others until all are done reading: a process that
             # went on (closing its server, or its retention deleting the step) would cut off
             # a slower one.  A failing process takes part too, then raises its own error.
@@ -268,10 +303,9 @@ class Spread:
             # every process holds every owner's objects (the same answer everywhere).
             try:
                 if not self_contained(plan):
-                    self._exchange(
+                    self._kv(
                         f"restoring step {plan.step}: waiting for every process to finish reading",
-                        f"{self.name}/restored/{self._seq}",
-                        list(range(self.count)),
+                        f"{self._kvname}/restored/{self._seq}",
                         b"",
                         url,
                         2 * (time.monotonic() - t0) + self.count * self._timeout(),
@@ -306,7 +340,7 @@ class Spread:
             digest = _digest(raw)
             if not any(h for h in holders(views, s, digest).values()):
                 return False
-        src = _sources(views, s, digest)
+        src = sources(views, s, digest)
         has_rec = [p for p, v in enumerate(views) if v["steps"].get(str(s), {}).get("d") == digest]
         key = f"{self.name}/restore/{self._seq}/{s}"
         if raw is None:
@@ -329,7 +363,7 @@ class Spread:
                     raw = bytes(rows[group.index(sender)])
             if raw is None:
                 raw = (await _commit.read(backend, url)).raw
-        doc = _agreed_doc(raw, digest, url, s)
+        doc = agreed_doc(raw, digest, url, s)
         held = holders(views, s, digest)
         for j, who in sorted(src.items()):
             lacking = [p for p in range(self.count) if p not in held.get(j, [])]
@@ -388,11 +422,11 @@ class Spread:
         has_rec = [p for p, v in enumerate(views) if v["steps"].get(str(s), {}).get("d") == digest]
         if raw is None:
             raw = await agreed_record(copies, self.me, backend, url, rel, digest, has_rec)
-        doc = _agreed_doc(raw, digest, url, s)
+        doc = agreed_doc(raw, digest, url, s)
         held = holders(views, s, digest)
         in_persistent = s in {int(x) for x in views[self.primary]["persistent"]}
         by_owner: dict[int, list[Source]] = {}
-        slots = {h: asyncio.Semaphore(PEER_STREAMS) for h in range(self.count)}
+        slots = {h: Holder(copies, h) for h in range(self.count)}
         for j in _peers.owners(doc, self.primary):
             hs = held.get(j, [])
             srcs = [local_source(backend, doc, j)] if self.me in hs else []

@@ -16,7 +16,21 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["PERSISTENT_SOURCE", "Plan", "decide", "holders", "need", "self_contained", "sources"]
+from quire._checkpointer.tierread import digest as _digest
+from quire._engine import commit as _commit
+from quire._format import record as _format
+from quire.errors import CorruptCheckpointError
+
+__all__ = [
+    "PERSISTENT_SOURCE",
+    "Plan",
+    "agreed_doc",
+    "decide",
+    "holders",
+    "need",
+    "self_contained",
+    "sources",
+]
 
 PERSISTENT_SOURCE = -1  # a source meaning "the persistent tier"
 
@@ -29,6 +43,17 @@ class Plan:
     step: int
     digest: str | None
     views: tuple[dict[str, Any], ...]
+
+
+def agreed_doc(raw: bytes, digest: str, url: str, step: int) -> dict[str, Any]:
+    """The commit record ``raw`` parsed, once checked to be the agreed one (``digest``)."""
+    if _digest(raw) != digest:
+        raise CorruptCheckpointError(
+            f"{url}: the commit record received for step {step} is not the agreed one"
+        )
+    doc = _format.parse(raw, url)
+    _commit.check_locations(doc["units"], url)
+    return doc
 
 
 def holders(views: Sequence[dict[str, Any]], step: int, digest: str) -> dict[int, list[int]]:

@@ -143,10 +143,12 @@ class PeerCopies:
 
     async def fetch_record(self, holder: int, rel: str) -> bytes:
         """The commit record of step ``rel`` as process ``holder`` has it (unchecked)."""
-        addr = await run_blocking(self._address, holder)
-        return await run_blocking(  # type: ignore[no-any-return]
-            peerlink.fetch, addr, f"{rel}/quire.json", self.secret, self.timeout, _MAX_MARKER
-        )
+
+        def fetch() -> bytes:  # one trip to the I/O pool: the address, then the record
+            addr = self._address(holder)
+            return peerlink.fetch(addr, f"{rel}/quire.json", self.secret, self.timeout, _MAX_MARKER)
+
+        return await run_blocking(fetch)
 
     async def signal(self, tag: str) -> None:
         """Tell the other processes ``tag`` is done here."""

@@ -1,20 +1,24 @@
 """A multi-process local tier's restore reader: each byte from the nearest live holder.
 
 :class:`RestoreReader` is a read-only :class:`~quire._store.base.Backend` over one agreed
-step (``quire._checkpointer.tiermulti.Plan``).  The load engine reads the step through it
+step (``quire._checkpointer.tierplan.Plan``).  The load engine reads the step through it
 (``quire._store.url.mounted``: the step's local URL resolves to it for the load), unchanged:
 every chunk is checked against the chunk index and its crc32c as in any load.  Each key goes
 to its **owner**'s objects (``quire._engine.tierpeers.owner_of``: a pack or index to its
 process, anything else to the primary), and is read from
 
 1. this process's own root, when it holds that owner's objects (its marker);
-2. else a live peer holder, over the peer link (``peerlink.fetch`` with a byte range: only
-   the ranges the load asks for); a holder that fails or misses the deadline is treated as
-   lost for the rest of the load and the next one is asked;
+2. else a live peer holder, over the peer link (``peerlink.fetch_into`` with a byte range:
+   only the ranges the load asks for), the one with the fewest bytes in flight
+   (``tiersources.Holder``, whose connections stay open for the load); a holder that fails
+   or misses the deadline is treated as lost for the rest of the load and the next one is
+   asked;
 3. else the persistent tier, only when it holds the agreed step with the same commit
    record (checked once, on first use).
 
-The commit record is the agreed one, served from memory.  Sizes and listings (for unit
+While a further source is left, what a source sent is checked before the load uses it
+(``tiercheck``): bytes that fail are logged and read again from the next source.  The
+commit record is the agreed one, served from memory.  Sizes and listings (for unit
 objects, which have no index) come from the holder's marker, or from the persistent tier.
 Nothing is written: the writes raise ``PermissionError``.
 """
@@ -29,19 +33,30 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from quire._checkpointer.tiercheck import ChunkChecks
+from quire._checkpointer.tiersources import (
+    PEER_STREAMS,
+    Holder,
+    Source,
+    is_peer,
+    is_persistent,
+    local_source,
+    peer_source,
+    persistent_source,
+)
 from quire._engine import commit as _commit
 from quire._engine import tierpeers as _peers
 from quire._format.chunkindex import PACK_DIR
-from quire._runtime import peerlink
-from quire._runtime.ioloop import run_blocking
+from quire._format.crc import ChunkError
 from quire._store.base import Backend, Buffer, Capabilities
-from quire.errors import MultiProcessError, PeerError
+from quire.errors import CorruptCheckpointError, MultiProcessError, PeerError
 
 if TYPE_CHECKING:
     from quire._checkpointer.tierpull import PeerCopies
 
 __all__ = [
     "PEER_STREAMS",
+    "Holder",
     "RestoreReader",
     "Source",
     "agreed_record",
@@ -55,166 +70,6 @@ __all__ = [
 log = logging.getLogger("quire")
 
 RECORD = "quire.json"
-_MAX_MARKER = 1 << 24
-
-
-class Source:
-    """One place an owner's objects can be read: this root, a peer, the persistent tier."""
-
-    def __init__(self, name: str, backend: Backend | None = None) -> None:
-        self.name = name
-        self.backend = backend  # a backend holding the objects (None: a peer)
-        self.bytes = 0  # bytes read from it by this load
-        self.requests = 0
-        self._listing: asyncio.Future[dict[str, int]] | None = None
-
-    async def get(self, key: str, start: int | None, end: int | None) -> bytes:
-        assert self.backend is not None
-        return await self.backend.get(key, start, end)
-
-    async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int) -> int:
-        assert self.backend is not None
-        return await self.backend.get_into(key, buffers, offset)
-
-    async def _list(self) -> dict[str, int]:
-        raise NotImplementedError
-
-    async def listing(self) -> dict[str, int]:
-        """The owner's objects here, with their sizes (read once)."""
-        if self._listing is None:
-            self._listing = asyncio.ensure_future(self._list())
-        return await asyncio.shield(self._listing)
-
-
-class _Local(Source):
-    def __init__(self, backend: Backend, doc: Mapping[str, Any], owner: int) -> None:
-        super().__init__("this process's local tier", backend)
-        self.doc, self.owner = doc, owner
-
-    async def _list(self) -> dict[str, int]:
-        assert self.backend is not None
-        got = await _peers.marked(self.backend, self.doc, self.owner)
-        if got is None:
-            raise FileNotFoundError(f"no marker for process {self.owner}'s objects here")
-        return got
-
-
-class _Peer(Source):
-    def __init__(
-        self,
-        copies: PeerCopies,
-        holder: int,
-        rel: str,
-        doc: Mapping[str, Any],
-        owner: int,
-        slots: asyncio.Semaphore,
-    ) -> None:
-        super().__init__(f"process {holder}")
-        self.copies, self.holder, self.rel = copies, holder, rel
-        self.doc, self.owner, self.slots = doc, owner, slots
-
-    async def _fetch(self, key: str, limit: int, span: tuple[int, int] | None) -> bytes:
-        async with self.slots:  # this process's connections to that peer at once
-            return await self._fetch_now(key, limit, span)
-
-    async def _fetch_now(self, key: str, limit: int, span: tuple[int, int] | None) -> bytes:
-        addr = await run_blocking(self.copies._address, self.holder)
-        a, b = span if span is not None else (None, None)
-        data = await run_blocking(
-            peerlink.fetch,
-            addr,
-            f"{self.rel}/{key}",
-            self.copies.secret,
-            self.copies.timeout,
-            limit,
-            a,
-            b,
-        )
-        self.bytes += len(data)
-        self.requests += 1
-        return data  # type: ignore[no-any-return]
-
-    async def get(self, key: str, start: int | None, end: int | None) -> bytes:
-        if start is None or end is None:
-            size = (await self.listing()).get(key)
-            if size is None:
-                raise FileNotFoundError(f"{key}: not among {self.name}'s objects")
-            start, end = start or 0, size if end is None else end
-        return await self._fetch(key, max(0, end - start), (start, max(start, end)))
-
-    async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int) -> int:
-        async with self.slots:
-            addr = await run_blocking(self.copies._address, self.holder)
-            n = await run_blocking(
-                peerlink.fetch_into,
-                addr,
-                f"{self.rel}/{key}",
-                self.copies.secret,
-                self.copies.timeout,
-                list(buffers),
-                offset,
-            )
-        self.bytes += n
-        self.requests += 1
-        return n  # type: ignore[no-any-return]
-
-    async def _list(self) -> dict[str, int]:
-        key = _peers.marker_key(str(self.doc["txids"][0]), self.owner)
-        got = _peers.parse_marker(await self._fetch(key, _MAX_MARKER, None), self.doc, self.owner)
-        if got is None:
-            raise PeerError(f"{self.name}: its marker for process {self.owner} is malformed")
-        return got
-
-
-class _Persistent(Source):
-    def __init__(
-        self, backend: Backend, url: str, doc: Mapping[str, Any], owner: int, primary: int
-    ) -> None:
-        super().__init__(f"the persistent tier {url}", backend)
-        self.url, self.doc, self.owner, self.primary = url, doc, owner, primary
-
-    async def get(self, key: str, start: int | None, end: int | None) -> bytes:
-        data = await super().get(key, start, end)
-        self.bytes += len(data)
-        self.requests += 1
-        return data
-
-    async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int) -> int:
-        n = await super().get_into(key, buffers, offset)
-        self.bytes += n
-        self.requests += 1
-        return n
-
-    async def _list(self) -> dict[str, int]:
-        assert self.backend is not None
-        return await _peers.owned_sizes(self.backend, self.url, self.doc, self.owner, self.primary)
-
-
-def local_source(backend: Backend, doc: Mapping[str, Any], owner: int) -> Source:
-    return _Local(backend, doc, owner)
-
-
-#: Range reads one process sends one peer at once (its server serves 64 connections).
-PEER_STREAMS = 4
-
-
-def peer_source(
-    copies: PeerCopies,
-    holder: int,
-    rel: str,
-    doc: Mapping[str, Any],
-    owner: int,
-    slots: asyncio.Semaphore,
-) -> Source:
-    """Owner ``owner``'s objects at process ``holder``; ``slots``: shared by every source
-    of that holder (at most :data:`PEER_STREAMS` reads at once)."""
-    return _Peer(copies, holder, rel, doc, owner, slots)
-
-
-def persistent_source(
-    backend: Backend, url: str, doc: Mapping[str, Any], owner: int, primary: int
-) -> Source:
-    return _Persistent(backend, url, doc, owner, primary)
 
 
 class RestoreReader(Backend):
@@ -257,6 +112,19 @@ class RestoreReader(Backend):
         self._persistent_record = persistent_record
         self._persistent_ok: asyncio.Future[bool] | None = None
         self._keep_open = keep_open
+        self._bad: set[tuple[str, str]] = set()  # (source, key): its bytes failed a check
+        self._indexes: dict[str, asyncio.Future[bytes]] = {}
+        self.checks = ChunkChecks(doc, url, primary, self._index_of)
+        self.retried = 0  # reads sent again to the next source after a failed check
+
+    async def close(self) -> None:
+        self.close_peers()
+
+    def close_peers(self) -> None:
+        """Close the connections kept open to peers."""
+        for srcs in self.sources.values():
+            for s in srcs:
+                s.close()
 
     @contextmanager
     def keep_open(self) -> Iterator[None]:
@@ -276,7 +144,7 @@ class RestoreReader(Backend):
     async def _usable(self, src: Source) -> bool:
         if src.name in self._lost:
             return False
-        if isinstance(src, _Persistent):
+        if is_persistent(src):
             if self._persistent_ok is None:
                 self._persistent_ok = asyncio.ensure_future(self._check_persistent())
             return await asyncio.shield(self._persistent_ok)
@@ -294,18 +162,31 @@ class RestoreReader(Backend):
             log.warning("%s: the persistent tier holds another record of this step", self.url)
         return bool(same)
 
-    async def _route(self, key: str, op: Any) -> Any:
+    def _order(self, j: int) -> builtins.list[Source]:
+        """Owner ``j``'s sources in the order to ask them: this root first, then the peer
+        holders with the fewest bytes asked of them (ties in the order given: rotated per
+        process and owner, so that processes spread over them), the persistent tier last."""
+        srcs = self.sources[j]
+        ranked = iter(sorted((s for s in srcs if is_peer(s)), key=lambda s: s.load()))
+        return [next(ranked) if is_peer(s) else s for s in srcs]
+
+    async def _route(self, key: str, op: Any, check: Any = None) -> Any:
         """``op(source)`` on the first usable source of ``key``'s owner; a peer that fails
-        is lost for the rest of this load, and the next source is asked."""
+        is lost for the rest of this load, and the next source is asked.  ``check(result)``
+        (awaitable), when given, is run while a later source is left: bytes that fail it
+        are read again from the next source (logged), and that source is not asked for
+        ``key`` again."""
         j = self._owner(key)
         if j is None or j not in self.sources:
             raise FileNotFoundError(f"{self.url}/{key}: not an object of this step")
         errors = []
-        for src in self.sources[j]:
-            if not await self._usable(src):
+        order = self._order(j)
+        damaged = False
+        for i, src in enumerate(order):
+            if (src.name, key) in self._bad or not await self._usable(src):
                 continue
             try:
-                return await op(src)
+                got = await op(src)
             except MultiProcessError as e:  # a PeerError, or no address published in time
                 if src.name not in self._lost:
                     self._lost.add(src.name)
@@ -314,11 +195,55 @@ class RestoreReader(Backend):
                         "lost, the next holder is asked", self.url, j, src.name, e,
                     )  # fmt: skip
                 errors.append(f"{src.name}: {e}")
+                continue
+            later = any(
+                (s.name, key) not in self._bad and s.name not in self._lost for s in order[i + 1 :]
+            )
+            if check is None or not (later or damaged):
+                return got
+            try:
+                await check(got)
+            except (ChunkError, CorruptCheckpointError) as e:
+                self._bad.add((src.name, key))
+                self.retried += 1
+                damaged = True
+                log.warning(
+                    "%s/%s: the bytes read from %s fail their check (%s); read again from "
+                    "the next holder", self.url, key, src.name, e,
+                )  # fmt: skip
+                errors.append(f"{src.name}: {e}")
+                continue
+            return got
+        if damaged:
+            raise CorruptCheckpointError(
+                f"{self.url}/{key}: every source of process {j}'s objects that answered sent "
+                f"bytes that fail their check ({'; '.join(errors)}), and no other holds this "
+                "step with this record: restore an older step, and wipe the damaged holders' "
+                "directories"
+            )
         raise PeerError(
             f"{self.url}/{key}: no holder of process {j}'s objects answered (each is treated "
             f"as lost), and the persistent tier does not hold this step with this record: "
             f"{'; '.join(errors) or 'no holder left'}"
         )
+
+    async def _check(
+        self, key: str, start: int, views: Sequence[memoryview], n: int, whole: bool
+    ) -> None:
+        """The check of bytes ``[start, start + n)`` of ``key`` read into ``views``."""
+        owner = self.checks.index_owner(key)
+        if owner is not None:
+            if whole:
+                self.checks.check_index(owner, b"".join(bytes(v) for v in views))
+        elif f"/{PACK_DIR}/" in key:
+            await self.checks.check_range(key, start, views, n)
+        elif whole and _peers.is_unit_key(key, self.doc):
+            self.checks.check_unit(key, b"".join(bytes(v) for v in views))
+
+    async def _index_of(self, owner: int) -> bytes:
+        entry = _peers.entry_of(self.doc, owner)
+        assert entry is not None
+        return await self.get(str(entry["object"]))
 
     def stats(self) -> dict[str, tuple[int, int]]:
         """Bytes and requests read so far from peers and the persistent tier, per source
@@ -335,12 +260,28 @@ class RestoreReader(Backend):
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         if key == RECORD:
             return self.raw[start:end]
-        return await self._route(key, lambda s: s.get(key, start, end))  # type: ignore[no-any-return]
+        if start is None and end is None and self.checks.index_owner(key) is not None:
+            if key not in self._indexes:  # read once: the load and the checks both need it
+                self._indexes[key] = asyncio.ensure_future(self._get(key, None, None))
+            return await asyncio.shield(self._indexes[key])
+        return await self._get(key, start, end)
+
+    async def _get(self, key: str, start: int | None, end: int | None) -> bytes:
+        whole = not start and end is None
+
+        async def check(data: bytes) -> None:
+            await self._check(key, start or 0, [memoryview(data)], len(data), whole)
+
+        return await self._route(key, lambda s: s.get(key, start, end), check)  # type: ignore[no-any-return]
 
     async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int = 0) -> int:
         if key == RECORD:
             return await super().get_into(key, buffers, offset)
-        return await self._route(key, lambda s: s.get_into(key, buffers, offset))  # type: ignore[no-any-return]
+
+        async def check(n: int) -> None:
+            await self._check(key, offset, buffers, n, False)
+
+        return await self._route(key, lambda s: s.get_into(key, buffers, offset), check)  # type: ignore[no-any-return]
 
     async def _sizes(self, key: str) -> dict[str, int]:
         async def op(s: Source) -> dict[str, int]:

@@ -391,14 +391,14 @@ class _TierMixin:
             self._tier.inner.reload()
         super().reload()  # type: ignore[misc]
 
-    def _load(self, step: Any, fn: Callable[[str], Any]) -> Any:
+    def _load(self, step: Any, fn: Callable[[str], Any], *, agreed: bool = False) -> Any:
         plain = super()._load  # type: ignore[misc]
         if self._tier is None:
-            return plain(step, fn)
+            return plain(step, fn, agreed=agreed)
         self._tier.inner._wait_save()  # a step being saved locally counts once committed
         if self._tier.spread is not None:
             s = _as_step(step) if step is not None else None
             persistent = super().steps()  # type: ignore[misc]
-            return self._tier.spread.load(s, fn, lambda st: plain(st, fn), persistent)
+            return self._tier.spread.load(s, fn, lambda st: plain(st, fn, agreed=True), persistent)
         s = _as_step(step) if step is not None else self.latest_step()
         return self._tier.load(s, fn, lambda st: plain(st, fn))

@@ -17,10 +17,16 @@ waits for all the others'), then a jitted ``ppermute`` of a ``(n, W)`` uint8 arr
 row per process, ``W`` a power of two at most ``round_bytes``; a payload longer than ``W``
 goes in ``ceil(longest / W)`` rounds, so each process holds one row to send and one received
 row on its device at a time, besides the bytes it returns.
+
+``kv_exchange(key, group, payload, timeout, url, what)`` gives every process of ``group``
+every other one's small payload through the key-value store alone: no collective, so
+nothing to compile (a JAX all-gather compiles once per process start, 15-80 ms on a loaded
+CPU host).  For agreements and barriers of a few kilobytes, not for bulk bytes.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from quire._runtime.multihost import _client, _first_line
 from quire.errors import MultiProcessError
 
-__all__ = ["RING_ROUND_BYTES", "exchange", "ring_shift"]
+__all__ = ["RING_ROUND_BYTES", "exchange", "kv_exchange", "ring_shift"]
 
 _MIN_ROW = 1 << 16
 
@@ -150,6 +156,45 @@ def exchange(
         pass
     flat = memoryview(table.tobytes() if not table.flags.c_contiguous else table.data).cast("B")
     return [flat[i * width : i * width + lengths[p]] for i, p in enumerate(group)]
+
+
+def kv_exchange(
+    key: str, group: Sequence[int], payload: bytes, timeout: float, url: str, what: str
+) -> list[bytes]:
+    """Every group member's (small) payload, in ``group`` order, through the key-value
+    store only (blocking; call it off the loop).  Also a barrier: it returns once every
+    member has published.
+
+    Each process publishes ``payload`` under ``key/<its index>`` (base64) and waits, at
+    most ``timeout`` seconds in all, for the others'.  The keys stay in the store (a
+    process cannot know when the others have read its own): keep payloads small, and
+    ``key`` unique to the call and the same in every process.
+
+    Raises
+    ------
+    MultiProcessError
+        A member published nothing within ``timeout`` (the message names it, ``url`` and
+        ``what`` the processes were doing).
+    """
+    me = jax.process_index()
+    c = _client()
+    c.key_value_set(f"{key}/{me}", base64.b64encode(payload).decode("ascii"))
+    deadline = time.monotonic() + timeout
+    out: list[bytes] = []
+    for p in group:
+        if p == me:
+            out.append(bytes(payload))
+            continue
+        ms = min(2**31 - 1, max(1, int((deadline - time.monotonic()) * 1000)))
+        try:
+            got = c.blocking_key_value_get(f"{key}/{p}", ms)
+        except Exception as e:
+            raise MultiProcessError(
+                f"{url}: {what}: process {me} waited {timeout:g}s for process {p}; it did "
+                f"not take part (is it stalled or dead?): {_first_line(e)}"
+            ) from e
+        out.append(base64.b64decode(str(got)))
+    return out
 
 
 @functools.lru_cache(maxsize=32)

@@ -12,6 +12,8 @@ peer's local tier by their path relative to it.
 * ``fetch`` / ``fetch_many`` / ``fetch_to`` (into a file): the client, one deadline per call;
   ``fetch`` and ``fetch_many`` also read byte ranges ``[start, end)`` of files, and
   ``fetch_into`` reads one range straight into the caller's buffers.
+* ``Pool(address, size)``: connections to one peer kept open between calls (``pool=``),
+  for a caller that sends a peer many requests (a restore's range reads).
 
 The wire format and what its MACs bind are in ``peerwire``; the server opens files
 read-only and writes nothing.
@@ -19,36 +21,21 @@ read-only and writes nothing.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
 import secrets
-import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
 
 import jax
 
 from quire._runtime.multihost import _client, _first_line
+from quire._runtime.peerconn import Conversation, LocalWrite, Pool, converse
 from quire._runtime.peerserve import FsspecFiles, PeerServer
-from quire._runtime.peerwire import (
-    ANS,
-    BLOCK,
-    MAGIC,
-    MAX_PATH_BYTES,
-    NONCE,
-    RANGE,
-    REQ,
-    TAG,
-    Closed,
-    mac,
-    recv,
-    recv_into,
-)
-from quire.errors import MultiProcessError, PeerError
+from quire._runtime.peerwire import MAX_PATH_BYTES
+from quire.errors import MultiProcessError
 
 log = logging.getLogger("quire")
 
@@ -56,6 +43,7 @@ __all__ = [
     "MAX_PATH_BYTES",
     "FsspecFiles",
     "PeerServer",
+    "Pool",
     "fetch",
     "fetch_into",
     "fetch_many",
@@ -135,6 +123,8 @@ def fetch(
     max_bytes: int,
     start: int | None = None,
     end: int | None = None,
+    *,
+    pool: Pool | None = None,
 ) -> bytes:
     """The file ``relpath`` of the peer at ``address`` (blocking; at most ``timeout`` s).
 
@@ -163,7 +153,7 @@ def fetch(
     if (start is None) != (end is None):
         raise ValueError("fetch: give both start and end, or neither")
     ranges = None if start is None or end is None else [(start, end)]
-    return fetch_many(address, [relpath], secret, timeout, max_bytes, ranges)[0]
+    return fetch_many(address, [relpath], secret, timeout, max_bytes, ranges, pool=pool)[0]
 
 
 def fetch_many(
@@ -173,6 +163,8 @@ def fetch_many(
     timeout: float,
     max_bytes: int,
     ranges: Sequence[tuple[int, int] | None] | None = None,
+    *,
+    pool: Pool | None = None,
 ) -> list[bytes]:
     """Several files (or ranges ``[start, end)`` of files, ``ranges[i]`` for
     ``relpaths[i]``) of one peer over one connection, in order (see :func:`fetch`).
@@ -186,7 +178,7 @@ def fetch_many(
         if r is not None and not 0 <= r[0] <= r[1]:
             raise ValueError(f"fetch_many: bad range {r}")
 
-    def work(conv: _Conversation) -> None:
+    def work(conv: Conversation) -> None:
         left = max_bytes
         for i, rel in enumerate(relpaths):
             got = conv.get(rel, left, None, None if ranges is None else ranges[i])
@@ -194,7 +186,7 @@ def fetch_many(
             out.append(got)
             left -= len(got)
 
-    _converse(address, secret, timeout, relpaths[0] if relpaths else "", work)
+    converse(address, secret, timeout, relpaths[0] if relpaths else "", work, pool)
     return out
 
 
@@ -205,6 +197,8 @@ def fetch_into(
     timeout: float,
     buffers: Sequence[memoryview],
     start: int,
+    *,
+    pool: Pool | None = None,
 ) -> int:
     """Read the bytes ``[start, start + len(buffers))`` of the peer's file ``relpath``
     straight into ``buffers`` (in order; no copy); their length.
@@ -216,13 +210,13 @@ def fetch_into(
     total = sum(v.nbytes for v in views)
     n = 0
 
-    def work(conv: _Conversation) -> None:
+    def work(conv: Conversation) -> None:
         nonlocal n
         got = conv.get(relpath, total, views, (start, start + total))
         assert isinstance(got, int)
         n = got
 
-    _converse(address, secret, timeout, relpath, work)
+    converse(address, secret, timeout, relpath, work, pool)
     return n
 
 
@@ -251,171 +245,21 @@ def fetch_to(
     part = target.with_name(f"{target.name}.part-{secrets.token_hex(4)}")
     n = 0
 
-    def work(conv: _Conversation) -> None:
+    def work(conv: Conversation) -> None:
         nonlocal n
         try:
             # unbuffered: every write error surfaces in conv.get, none at close
             f = open(part, "xb", buffering=0)  # noqa: SIM115 - closed just below
         except OSError as e:
-            raise _LocalWrite() from e
+            raise LocalWrite() from e
         with f:
             got = conv.get(relpath, max_bytes, f)
             assert isinstance(got, int)
             n = got
 
     try:
-        _converse(address, secret, timeout, relpath, work)
+        converse(address, secret, timeout, relpath, work)
         os.replace(part, target)
     finally:
         part.unlink(missing_ok=True)
     return n
-
-
-class _LocalWrite(Exception):
-    """Writing the caller's destination failed (the OSError is its cause)."""
-
-
-class _Conversation:
-    """One connection's requests, numbered from 0 (see ``peerwire``)."""
-
-    def __init__(
-        self, sock: socket.socket, nonce: bytes, secret: bytes, deadline: float, fail: Any
-    ) -> None:
-        self.sock, self.nonce, self.secret = sock, nonce, secret
-        self.deadline, self.fail = deadline, fail
-        self.seq = 0
-        self.current = ""
-
-    def get(
-        self,
-        rel: str,
-        limit: int,
-        into: BinaryIO | list[memoryview] | None,
-        span: tuple[int, int] | None = None,
-    ) -> bytes | int:
-        """The file ``rel`` (at most ``limit`` bytes; only ``span`` = ``[start, end)`` of it
-        when given): its bytes, or, written to ``into`` (a file, or buffers exactly as long
-        as ``span``), its length."""
-        self.current = rel
-        seq, self.seq = self.seq, self.seq + 1
-        sock, deadline, fail = self.sock, self.deadline, self.fail
-        raw = rel.encode("utf-8")
-        if len(raw) > MAX_PATH_BYTES:
-            raise fail(
-                f"path of {len(raw)} bytes", f"peers serve paths of at most {MAX_PATH_BYTES}"
-            )
-        rng = b"" if span is None else RANGE.pack(*span)
-        head = REQ.pack(b"G" if span is None else b"R", len(raw), max(0, limit))
-        sock.sendall(
-            head + raw + rng + mac(self.secret, b"req", self.nonce, seq, head, raw, rng).digest()
-        )
-        ahead = recv(sock, ANS.size, deadline)
-        status, n = ANS.unpack(ahead)
-        want = None if span is None else span[1] - span[0]
-        if status not in (b"O", b"R") or (
-            status == b"O" and (n > limit or (want is not None and n != want))
-        ):
-            raise fail(
-                f"malformed answer (status {status!r}, {n} bytes)",
-                "is it a quire peer?",
-                hostile=True,
-            )
-        if status == b"R" and n > 4 * MAX_PATH_BYTES:
-            raise fail("malformed refusal", "is it a quire peer?", hostile=True)
-        h = mac(self.secret, b"ans", self.nonce, seq, raw + rng, ahead)
-        if isinstance(into, list) and status == b"O":  # straight into the caller's memory
-            for v in into:
-                flat = v.cast("B") if v.format != "B" or v.ndim != 1 else v
-                for lo in range(0, flat.nbytes, BLOCK):
-                    recv_into(sock, flat[lo : lo + BLOCK], deadline)
-                    h.update(flat[lo : lo + BLOCK])
-        elif into is None or status == b"R":
-            buf = bytearray(n)
-            view = memoryview(buf)
-            for lo in range(0, n, BLOCK):
-                recv_into(sock, view[lo : lo + BLOCK], deadline)
-                h.update(view[lo : lo + BLOCK])
-        else:
-            assert not isinstance(into, list)
-            block = memoryview(bytearray(min(BLOCK, n)))
-            for lo in range(0, n, BLOCK):
-                piece = block[: min(BLOCK, n - lo)]
-                recv_into(sock, piece, deadline)
-                h.update(piece)
-                try:
-                    done = 0
-                    while done < len(piece):  # a raw file may write part of it
-                        done += into.write(piece[done:]) or 0
-                except OSError as e:
-                    raise _LocalWrite() from e
-        tag = recv(sock, TAG, deadline)
-        good = hmac.compare_digest(tag, h.digest())
-        if status == b"R":
-            reason = buf.decode("utf-8", "replace")
-            if not good:
-                raise fail(
-                    f"refused, and the refusal does not authenticate ({reason})",
-                    "the two processes hold different secrets: are they the same run?",
-                    hostile=True,
-                )
-            raise fail(
-                f"refused: {reason}",
-                "the peer does not serve that file: read it from another holder",
-            )
-        if not good:
-            raise fail(
-                "the answer does not authenticate (altered in transit, or another secret)",
-                "check that both processes are the same run; read from another holder",
-                hostile=True,
-            )
-        return n if into is not None else bytes(buf)
-
-
-def _converse(
-    address: tuple[str, int],
-    secret: bytes,
-    timeout: float,
-    first: str,
-    work: Callable[[_Conversation], None],
-) -> None:
-    """Connect, check the greeting, run ``work``; every failure as a :class:`PeerError`."""
-    deadline = time.monotonic() + timeout
-    where = f"{address[0]}:{address[1]}"
-    conv: _Conversation | None = None
-
-    def fail(why: str, fix: str, *, hostile: bool = False) -> PeerError:
-        current = conv.current if conv is not None and conv.current else first
-        if hostile:  # an answer that is not what a peer of this run sends: say so
-            log.warning("peer %s: refused its answer for %r: %s", where, current, why)
-        return PeerError(f"peer {where}, file {current!r}: {why}; {fix}")
-
-    try:
-        with socket.create_connection(address, timeout=max(0.001, timeout)) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = recv(sock, len(MAGIC) + NONCE, deadline)
-            if hello[: len(MAGIC)] != MAGIC:
-                raise fail(
-                    "the server is not a quire peer (bad greeting)",
-                    "check the address the peer published",
-                    hostile=True,
-                )
-            conv = _Conversation(sock, hello[len(MAGIC) :], secret, deadline, fail)
-            work(conv)
-    except PeerError:
-        raise
-    except TimeoutError:
-        raise fail(
-            f"no answer within the {timeout:g}s deadline",
-            "treat the peer as lost and read from another holder",
-        ) from None
-    except Closed as e:
-        raise fail(
-            f"short answer ({e})", "the peer died or dropped the connection", hostile=True
-        ) from None
-    except _LocalWrite as e:
-        assert isinstance(e.__cause__, OSError)
-        raise e.__cause__ from None  # writing the caller's file failed: not the peer's doing
-    except OSError as e:
-        raise fail(
-            f"cannot reach the peer ({e})", "treat it as lost and read from another holder"
-        ) from e

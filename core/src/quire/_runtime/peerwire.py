@@ -15,6 +15,17 @@ and path (and, in an answer, its header and body).  A request recorded on one co
 fails on another (other nonce) and later on the same one (other sequence number); an
 answer is bound to its request, so a client accepts no body that the secret's holder did
 not send for that path.
+
+**Fast bodies.**  HMAC-SHA256 runs at about 2 GB/s per core; a server that can compute
+Poly1305 (the ``cryptography`` package importable) greets with ``QUIREP02`` instead of
+``QUIREP01``, and a client that can too then asks with ``g`` / ``r`` instead of ``G`` /
+``R``.  The answer to such a request is MACed as above, except that the body enters the
+HMAC as its Poly1305 tag under a one-time key, ``HMAC-SHA256(secret, "key" + nonce +
+sequence number)``: never used twice (one answer per sequence number, a fresh nonce per
+connection) and never sent, so the body stays bound to the secret, the request and the
+connection (a forgery succeeds with probability about ``length / 2**106``), at about 13
+GB/s.  The request's MAC covers the letter, so an attacker cannot switch it; altering the
+greeting only makes the client ask for HMAC-SHA256 bodies (or be refused).
 """
 
 from __future__ import annotations
@@ -25,7 +36,16 @@ import struct
 import time
 from typing import Any
 
-MAGIC = b"QUIREP01"
+try:
+    from cryptography.hazmat.primitives import poly1305 as _poly1305
+except ImportError:  # pragma: no cover - cryptography is usually installed
+    _poly1305 = None  # type: ignore[assignment]
+
+#: The greeting of a server that MACs bodies with HMAC-SHA256 only, and of one that can
+#: also use Poly1305 (``g`` / ``r`` requests).
+BASE_MAGIC, FAST_MAGIC = b"QUIREP01", b"QUIREP02"
+FAST = _poly1305 is not None
+MAGIC = FAST_MAGIC if FAST else BASE_MAGIC  # what this process's server sends
 NONCE = 32
 TAG = 32
 #: The longest request path a server reads (UTF-8 bytes); longer requests are refused.
@@ -44,6 +64,36 @@ def mac(secret: bytes, label: bytes, nonce: bytes, seq: int, *parts: bytes) -> A
     for p in parts:
         h.update(p)
     return h
+
+
+class _FastAnswer:
+    """An answer's MAC whose body goes in as its Poly1305 tag under a one-time key."""
+
+    def __init__(self, secret: bytes, nonce: bytes, seq: int, parts: tuple[bytes, ...]) -> None:
+        assert _poly1305 is not None
+        key = hmac.new(secret, b"key", "sha256")
+        key.update(nonce)
+        key.update(_SEQ.pack(seq))
+        self._body = _poly1305.Poly1305(key.digest())
+        self._head = mac(secret, b"ans", nonce, seq, *parts)
+        self._tag: bytes | None = None
+
+    def update(self, data: Any) -> None:
+        self._body.update(data)
+
+    def digest(self) -> bytes:
+        if self._tag is None:
+            self._head.update(self._body.finalize())
+            self._tag = self._head.digest()
+        return self._tag
+
+
+def answer_mac(secret: bytes, nonce: bytes, seq: int, fast: bool, *parts: bytes) -> Any:
+    """The MAC of an answer (``update`` with the body, then ``digest``): ``parts`` are the
+    request (path and range) and the answer's header; ``fast``: the request was ``g`` / ``r``."""
+    if fast:
+        return _FastAnswer(secret, nonce, seq, parts)
+    return mac(secret, b"ans", nonce, seq, *parts)
 
 
 class Closed(Exception):
