@@ -270,6 +270,29 @@ def test_gc_honours_a_young_lease(tmp_path: Path) -> None:
     assert not pack.exists() and not lease.exists()  # an old lease is a dead save's
 
 
+def test_gc_passes_over_a_lease_released_while_it_marks(tmp_path: Path) -> None:
+    """Another process's save may release its lease between the gc's listing of the leases
+    and its look at one (seen with 4 processes): the gc passes over it, it does not fail."""
+    trees = [{"frozen": frozen_tree(), "lora": jnp.asarray(rand(s))} for s in range(2)]
+    steps_bytes(tmp_path, trees, incremental=True)
+    (tmp_path / "leases").mkdir(exist_ok=True)
+    lease = tmp_path / "leases" / "step_00000009-x-p00003.json"
+    lease.write_text('{"packs": []}')
+    backend = open_backend(str(tmp_path))
+    listed = backend.list
+
+    async def list_then_release(prefix: str = "") -> list[str]:
+        keys = await listed(prefix)
+        lease.unlink(missing_ok=True)  # the other process's save released it just now
+        return keys
+
+    backend.list = list_then_release  # type: ignore[method-assign]
+    steps = [_root.StepDir(name(s), s, (f"{name(s)}/quire.json",)) for s in range(2)]
+    live = _io.submit(_gc.mark(backend, str(tmp_path), steps, 60)).result()
+    assert not live.everything and live.stale_leases == ()
+    assert any(p.endswith("p00000-00000") for p in live.packs)  # step 1 borrows step 0's
+
+
 def test_cli_gc_keeps_borrowed_packs(tmp_path: Path) -> None:
     frozen = frozen_tree()
     trees = [{"frozen": frozen, "lora": jnp.asarray(rand(s))} for s in range(3)]

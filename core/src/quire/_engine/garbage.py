@@ -287,7 +287,10 @@ async def mark(
     for key in await backend.list(f"{LEASE_DIR}/"):
         if key == MARKER:
             continue
-        t = await backend.modified(key)
+        try:
+            t = await backend.modified(key)
+        except FileNotFoundError:
+            continue  # released between the listing and now (another process's save)
         if grace_period > 0 and (t is None or now - t < grace_period):
             try:
                 doc = json.loads(await backend.get(key))
