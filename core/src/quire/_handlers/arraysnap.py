@@ -22,6 +22,7 @@ Found for the installed JAX (0.10, XLA:CPU) and kept true by ``core/tests/test_a
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +36,8 @@ from quire._runtime.hostbuf import staging
 from quire._runtime.ioloop import pool
 
 _Job = tuple[_Plan, int, Callable[[], "np.ndarray | None"]]
+
+log = logging.getLogger("quire")
 
 
 def _pinned_memory(device: Any) -> bool:
@@ -60,7 +63,13 @@ def _stager(a: Any, pinned: bool | None) -> Callable[[Any], Any] | None:
         key = (shard.device.id, *((s.start, s.stop, s.step) for s in shard.index))
         if key not in copies:
             to = jax.sharding.SingleDeviceSharding(shard.device, memory_kind="pinned_host")
-            copies[key] = jax.device_put(shard.data, to)
+            try:
+                copies[key] = jax.device_put(shard.data, to)
+            except Exception as e:  # a dtype or layout the platform cannot stage there
+                log.debug("pinned staging of a %s shard failed (%s); read as it is", a.dtype, e)
+                data = shard.data
+                data.copy_to_host_async()
+                copies[key] = data
         return copies[key]
 
     return stage
