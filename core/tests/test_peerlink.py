@@ -302,18 +302,24 @@ def relay(
     return fake_peer(threading_behave)
 
 
-def test_an_altered_answer_is_refused(
-    server: peerlink.PeerServer, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.WARNING, logger="quire")
-    spot = len(MAGIC) + NONCE + 9 + 100_000  # a byte of the body
+def flip_at(spot: int, mask: int = 1) -> Callable[[bytes, int], bytes]:
+    """A ``relay`` damage that XORs ``mask`` into the byte at stream offset ``spot``."""
 
     def flip(data: bytes, offset: int) -> bytes:
         if offset <= spot < offset + len(data):
             b = bytearray(data)
-            b[spot - offset] ^= 1
+            b[spot - offset] ^= mask
             return bytes(b)
         return data
+
+    return flip
+
+
+def test_an_altered_answer_is_refused(
+    server: peerlink.PeerServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="quire")
+    flip = flip_at(len(MAGIC) + NONCE + 9 + 100_000)  # a byte of the body
 
     for where in relay(server, flip):
         with pytest.raises(PeerError, match="does not authenticate"):
@@ -379,14 +385,7 @@ def test_fetch_to_writes_only_an_authenticated_whole_file(
         peerlink.fetch_to(server.address, "d/tx/p00000", b"y" * 32, 30, BIG, dest)
     with pytest.raises(PeerError, match="leaves the served directory"):
         peerlink.fetch_to(server.address, "escape", SECRET, 30, BIG, dest)
-    spot = len(MAGIC) + NONCE + 9 + 2_500_000
-
-    def flip(data: bytes, offset: int) -> bytes:
-        if offset <= spot < offset + len(data):
-            b = bytearray(data)
-            b[spot - offset] ^= 0x80
-            return bytes(b)
-        return data
+    flip = flip_at(len(MAGIC) + NONCE + 9 + 2_500_000, 0x80)
 
     for where in relay(server, flip):
         with pytest.raises(PeerError, match="does not authenticate"):
@@ -500,14 +499,7 @@ def test_an_altered_range_answer_is_refused(
     server: peerlink.PeerServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="quire")
-    spot = len(MAGIC) + NONCE + 9 + 1000
-
-    def flip(data: bytes, offset: int) -> bytes:
-        if offset <= spot < offset + len(data):
-            b = bytearray(data)
-            b[spot - offset] ^= 1
-            return bytes(b)
-        return data
+    flip = flip_at(len(MAGIC) + NONCE + 9 + 1000)
 
     for where in relay(server, flip):
         with pytest.raises(PeerError, match="does not authenticate"):
