@@ -102,24 +102,18 @@ async def _promote(
     (entry,) = doc["indexes"]
     txid = entry["txid"]
     refs = parse_index(await sb.get(entry["object"]), entry, src, doc["txids"])
-    paths, leaves = _leaves(doc)
+    leaves = dict(record_leaves(doc))
     db = open_backend(dst, dst_options)
     root = open_backend(inc.root, dst_options)
-    step = dst[len(inc.root) + 1 :]
     cfg = current()
     sink = PackWriter(db, txid, entry["process"], cfg.pack_bytes, cfg.byte_budget)
     try:
         if not overwrite:
             await _commit.ensure_absent(db, dst, "pass overwrite=True to replace it")
-        sink.incremental(inc.candidate(step, paths), lambda: inc.lease(root, step, txid))
-        await _repack(sb, src, refs, sink)
-        if sink.previous is not None:
-            await compact(sink, root, sink.previous.sizes, inc.compact_below, dst)
-        new = await sink.finish()
+        new = await _rewrite(sink, sb, src, refs, inc, root, dst, leaves)
         await db.sync()
         assert new is not None
         data = _with_indexes(record.raw, [new])
-        inc.wrote(step, txid, sink.refs, sink.binds, sink.shards, sink.hashes or {}, leaves)
         await _commit.publish(db, dst, data, [txid], overwrite=overwrite, keep_superseded=True)
         inc.committed()
     except BaseException:
@@ -129,11 +123,7 @@ async def _promote(
     finally:
         await inc.release(root)
         await asyncio.gather(db.close(), root.close())
-    inc.stats = {
-        "borrowed_bytes": sink.borrowed_bytes,
-        "written_bytes": sink.bytes,
-        "compacted_bytes": sink.compacted,
-    }
+    inc.stats = _stats(sink)
     return inc.stats
 
 
@@ -153,7 +143,6 @@ async def promote_spread(
     src, dst = normalize(src), normalize(dst)
     sb, db = open_backend(src, src_options), open_backend(dst, dst_options)
     root = open_backend(inc.root, dst_options)
-    step = dst[len(inc.root) + 1 :]
     cfg = current()
     sink: PackWriter | None = None
     try:
@@ -161,7 +150,7 @@ async def promote_spread(
         doc = record.doc
         (txid,) = doc["txids"]  # one txid for every process (quire._engine.spreadsave)
         entry = entry_of(doc, coord.index)
-        paths, leaves = _leaves(doc)
+        leaves = dict(record_leaves(doc))
         units: list[str] = []
         if coord.is_primary:  # the checkpointable units' objects are the primary's
             for keys in await asyncio.gather(*(sb.list(loc) for loc in unit_locations(doc))):
@@ -177,12 +166,7 @@ async def promote_spread(
             if entry is not None:
                 refs = parse_index(await sb.get(entry["object"]), entry, src, doc["txids"])
                 sink = PackWriter(db, txid, coord.index, cfg.pack_bytes, cfg.byte_budget)
-                sink.incremental(inc.candidate(step, paths), lambda: inc.lease(root, step, txid))
-                await _repack(sb, src, refs, sink)
-                if sink.previous is not None:
-                    await compact(sink, root, sink.previous.sizes, inc.compact_below, dst)
-                new = await sink.finish()
-                inc.wrote(step, txid, sink.refs, sink.binds, sink.shards, sink.hashes or {}, leaves)
+                new = await _rewrite(sink, sb, src, refs, inc, root, dst, leaves)
             await db.sync()
             return new
 
@@ -208,12 +192,42 @@ async def promote_spread(
     finally:
         await inc.release(root)
         await asyncio.gather(sb.close(), db.close(), root.close())
-    inc.stats = {
-        "borrowed_bytes": sink.borrowed_bytes if sink is not None else 0,
-        "written_bytes": sink.bytes if sink is not None else 0,
-        "compacted_bytes": sink.compacted if sink is not None else 0,
-    }
+    inc.stats = _stats(sink)
     return inc.stats
+
+
+async def _rewrite(
+    sink: PackWriter,
+    sb: Backend,
+    src: str,
+    refs: Mapping[str, Ref],
+    inc: Incremental,
+    root: Backend,
+    dst: str,
+    leaves: dict[LeafKey, LeafInfo],
+) -> dict[str, Any] | None:
+    """Re-pack ``refs`` (one process's index of the local step ``src``) into ``sink``,
+    borrowing from ``inc``'s previous step and compacting as a save does; the index entry
+    (None: nothing written), what was written noted in ``inc``."""
+    step, txid = dst[len(inc.root) + 1 :], sink.txid
+    paths = {info.location: key for key, info in leaves.items()}
+    sink.incremental(inc.candidate(step, paths), lambda: inc.lease(root, step, txid))
+    await _repack(sb, src, refs, sink)
+    if sink.previous is not None:
+        await compact(sink, root, sink.previous.sizes, inc.compact_below, dst)
+    new = await sink.finish()
+    inc.wrote(step, txid, sink.refs, sink.binds, sink.shards, sink.hashes or {}, leaves)
+    return new
+
+
+def _stats(sink: PackWriter | None) -> dict[str, int]:
+    if sink is None:
+        return {"borrowed_bytes": 0, "written_bytes": 0, "compacted_bytes": 0}
+    return {
+        "borrowed_bytes": sink.borrowed_bytes,
+        "written_bytes": sink.bytes,
+        "compacted_bytes": sink.compacted,
+    }
 
 
 def _with_indexes(raw: bytes, entries: list[dict[str, Any]]) -> bytes:
@@ -222,12 +236,6 @@ def _with_indexes(raw: bytes, entries: list[dict[str, Any]]) -> bytes:
     doc["indexes"] = entries
     doc["checksum"] = _format.record_checksum(doc)
     return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
-
-
-def _leaves(doc: Mapping[str, Any]) -> tuple[dict[str, LeafKey], dict[LeafKey, LeafInfo]]:
-    """Every array leaf's (unit, key path) by location, and its record by (unit, path)."""
-    leaves = dict(record_leaves(doc))
-    return {info.location: key for key, info in leaves.items()}, leaves
 
 
 async def _repack(sb: Backend, src: str, refs: Mapping[str, Ref], sink: PackWriter) -> None:
