@@ -118,7 +118,10 @@ class Rule:
     ``action``: ``"forward"``; an HTTP status (``"503"``, ``"500"``, ``"403"``, ``"412"``,
     ...) answered by the proxy with the flavour's error body; ``"reset"`` (RST before the
     server sees the request); ``"reset-after"`` (the server handles it, the reply is lost);
-    ``"stall"`` (no reply for ``delay`` s, then close); ``"hold"`` (wait for
+    ``"stall"`` (no reply for ``delay`` s, then close); ``"stop-reading"`` (read the
+    headers and the first ``body_bytes`` of the body, then read nothing more and say
+    nothing for ``delay`` s, then close: a client sending a large body blocks once the
+    socket buffers are full); ``"hold"`` (wait for
     :meth:`FaultProxy.release`, then forward - or drop it when ``drop`` is set or the client
     has gone).  ``times`` matching requests are affected (-1: all), after ``skip`` of them,
     and with ``every=n`` only every n-th of them.
@@ -132,6 +135,7 @@ class Rule:
     every: int = 1
     delay: float = 30.0
     drop: bool = False
+    body_bytes: int = 0  # "stop-reading": body bytes read before it stops
     code: str | None = None  # the S3 error code of an injected status (default per status)
     hits: int = 0
     arrived: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
@@ -240,9 +244,22 @@ class FaultProxy:
         self._thread.join(5)
 
     # -- serving -----------------------------------------------------------------------
+    def _pick_stop_reading(self, method: str, target: str) -> Rule | None:
+        """A "stop-reading" rule for this request (decided before its body is read)."""
+        with self._lock:
+            for r in self.rules:
+                if r.action == "stop-reading" and r.times != 0 and r.matches(method, target):
+                    if r.times > 0:
+                        r.times -= 1
+                    r.hits += 1
+                    return r
+        return None
+
     def _pick(self, method: str, target: str) -> Rule | None:
         with self._lock:
             for r in self.rules:
+                if r.action == "stop-reading":
+                    continue
                 if r.times != 0 and r.matches(method, target):
                     r.hits += 1
                     if r.hits <= r.skip or (r.hits - r.skip) % r.every:
@@ -307,6 +324,18 @@ class FaultProxy:
             elif lname == "range":
                 rng = value
             headers.append(h)
+        stop = self._pick_stop_reading(method, target)
+        if stop is not None:
+            with self._lock:
+                self.log.append((method, target, "stop-reading", rng))
+            stop.arrived.release()
+            if expect:
+                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                await writer.drain()
+            if stop.body_bytes:
+                await reader.readexactly(min(stop.body_bytes, length or stop.body_bytes))
+            await asyncio.sleep(stop.delay)  # reads nothing more: the client's send blocks
+            raise ConnectionResetError("stop-reading rule: connection dropped")
         if expect:
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             await writer.drain()

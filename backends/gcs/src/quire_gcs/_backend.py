@@ -338,8 +338,9 @@ class GCSBackend(ObjectStoreBackend):
     async def put_small(self, key: str, views: builtins.list[memoryview], total: int) -> None:
         body = _join(views) or b""
         await self.run(
-            "upload", key, lambda _n: self._simple_upload(key, body, {}), missing="bucket"
-        )
+            "upload", key, lambda _n: self._simple_upload(key, body, {}), missing="bucket",
+            nbytes=total,
+        )  # fmt: skip
 
     async def put_large(self, key: str, views: builtins.list[memoryview], total: int) -> None:
         session_url = await self.resumable_start(key, total)
@@ -417,27 +418,30 @@ class GCSBackend(ObjectStoreBackend):
                 offset = got
             stop = min(offset + self.chunk_size, end)
             rng = f"bytes {offset}-{stop - 1}/{size}" if stop > offset else f"bytes */{size}"
-            async with budget.hold(stop - offset):
-                try:
-                    status, headers, body = await self._http(
-                        "PUT", session_url, headers={"Content-Range": rng},
-                        data=_join(byte_slice(views, offset - start, stop - start)),
-                        ok=(200, 201, 308),
-                    )  # fmt: skip
-                except HTTPStatusError as e:
-                    # aiohttp repeats a PUT whose connection dropped; if the first copy
-                    # arrived, a strict server refuses the repeat (its start offset, or the
-                    # session it completed). Resync.
-                    if e.status not in (400, 404, 410):
-                        raise
-                    got = await confirmed()
-                    if isinstance(got, str) or got > offset:
-                        return got
+            try:
+                status, headers, body = await self._http(
+                    "PUT", session_url, headers={"Content-Range": rng},
+                    data=_join(byte_slice(views, offset - start, stop - start)),
+                    ok=(200, 201, 308),
+                )  # fmt: skip
+            except HTTPStatusError as e:
+                # aiohttp repeats a PUT whose connection dropped; if the first copy
+                # arrived, a strict server refuses the repeat (its start offset, or the
+                # session it completed). Resync.
+                if e.status not in (400, 404, 410):
                     raise
+                got = await confirmed()
+                if isinstance(got, str) or got > offset:
+                    return got
+                raise
             return _progress(status, headers, body)
 
         while True:
-            got = await self.run("resumable upload", key, send)
+            # The chunk is held in the budget outside the request's deadline (waiting for
+            # memory is not a slow server).
+            piece = min(self.chunk_size, end - offset)
+            async with budget.hold(piece):
+                got = await self.run("resumable upload", key, send, nbytes=piece)
             if isinstance(got, str):
                 return got
             offset = got
@@ -445,9 +449,11 @@ class GCSBackend(ObjectStoreBackend):
                 return offset
 
     async def resumable_cancel(self, session_url: str) -> None:
-        """Cancel a session (it would expire anyway); errors are ignored."""
-        with contextlib.suppress(Exception):
-            await self._http("DELETE", session_url, ok=(200, 204, 499))
+        """Cancel a session after a failure being reported (it would expire anyway): one
+        try within a request deadline; errors are ignored."""
+        with contextlib.suppress(Exception):  # broad: clean-up after a failure being raised
+            async with asyncio.timeout(self.request_deadline()):
+                await self._http("DELETE", session_url, ok=(200, 204, 499))
 
     async def stream_writer(self, key: str) -> Any:
         """A resumable upload fed by concurrent writes at offsets (``quire_gcs._stream``)."""

@@ -196,6 +196,7 @@ class S3Backend(ObjectStoreBackend):
         config.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
         # quire keeps many chunk transfers in flight; botocore's default pool is 10.
         config.setdefault("max_pool_connections", 64)
+        self.max_requests = int(config["max_pool_connections"])
         return {**options, "config_kwargs": config}
 
     # -- clients -----------------------------------------------------------------
@@ -219,7 +220,17 @@ class S3Backend(ObjectStoreBackend):
         return await fn(**self._fs._get_s3_method_kwargs(fn, **kw))
 
     async def _call(self, op: str, method: str, key: str | None, **kw: Any) -> Any:
-        return await self.run(op, key, lambda _n: self._request(method, key, **kw))
+        body = kw.get("Body")
+        nbytes = len(body) if body is not None else 0
+        return await self.run(op, key, lambda _n: self._request(method, key, **kw), nbytes=nbytes)
+
+    async def abort_upload(self, key: str, upload_id: str) -> None:
+        """Abort a multipart upload after a failure already being reported: one try,
+        within a request deadline; a failure here leaves only an incomplete upload,
+        which the bucket's lifecycle rule (or ``quire gc``'s listing) cleans up."""
+        with contextlib.suppress(Exception):  # broad: clean-up after a failure being raised
+            async with asyncio.timeout(self.request_deadline()):
+                await self._request("abort_multipart_upload", key, UploadId=upload_id)
 
     # -- errors ------------------------------------------------------------------
     def endpoint(self) -> str | None:
@@ -349,8 +360,7 @@ class S3Backend(ObjectStoreBackend):
 
             await self.complete_upload(key, upload_id, parts, total)
         except BaseException:
-            with contextlib.suppress(Exception):
-                await self._request("abort_multipart_upload", key, UploadId=upload_id)
+            await self.abort_upload(key, upload_id)
             raise
 
     async def complete_upload(
@@ -373,7 +383,8 @@ class S3Backend(ObjectStoreBackend):
                         return
                 raise
 
-        await self.run("CompleteMultipartUpload", key, complete)
+        # The server assembles the parts before it answers: time for reading ``total``.
+        await self.run("CompleteMultipartUpload", key, complete, nbytes=total)
 
     async def holds(self, key: str, data: bytes) -> str | None:
         # One GET gives the bytes and the ETag of the same version.

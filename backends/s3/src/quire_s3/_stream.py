@@ -16,7 +16,6 @@ opened: an object that never fills a part (the last, small pack of a save) is on
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,6 +104,8 @@ class MultipartStream:
         self.parts.buffers.clear()
         if self._creating is None:
             return
-        with contextlib.suppress(Exception):
+        try:
             upload_id = await self._upload_id()
-            await self.b._request("abort_multipart_upload", self.key, UploadId=upload_id)
+        except Exception:  # broad: no upload was created, so there is nothing to abort
+            return
+        await self.b.abort_upload(self.key, upload_id)

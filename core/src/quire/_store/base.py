@@ -26,6 +26,8 @@ QUIRE_STORAGE_OPTIONS = frozenset(
         "multipart_threshold",
         "multipart_chunksize",
         "read_part_size",
+        "request_timeout",
+        "request_min_rate",
     }
 )
 

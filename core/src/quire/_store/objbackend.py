@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import builtins
+import contextvars
 import errno
 import logging
 import socket
@@ -25,6 +26,7 @@ from quire._store.objerrors import ErrorMapping
 from quire._store.objstore import (
     NO_SUCH_NAME,
     RESOLVE_DEADLINE,
+    AttemptTimeout,
     ObjectInfo,
     RetriesExhausted,
     RetryPolicy,
@@ -36,6 +38,10 @@ from quire._store.objwrites import UploadHelpers
 
 T = TypeVar("T")
 MiB = 1 << 20
+# Set inside an attempt of :meth:`ObjectStoreBackend.run` (a nested request takes no slot).
+_in_attempt: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "quire_in_attempt", default=False
+)
 
 
 class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
@@ -58,7 +64,12 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
         ``retry_deadline`` (s, 120), ``retry_backoff`` (s, 0.1), ``retry_max_backoff``
         (s, 10), ``upload_budget`` (bytes held by uploads in flight; default
         ``quire.configure``'s ``byte_budget``), ``read_part_size`` (bytes; larger
-        reads are split into concurrent ranged requests; 64 MiB).  An ``endpoint_url``
+        reads are split into concurrent ranged requests; 64 MiB), ``request_timeout``
+        (s, 60) and ``request_min_rate`` (bytes/s, 1 MiB): each attempt of a request -
+        waiting for a connection, sending the body, reading the whole reply - must end
+        within ``request_timeout + bytes / request_min_rate`` seconds, else it is
+        abandoned and retried like any timeout (so no request waits without a
+        deadline, whatever the server or the network does).  An ``endpoint_url``
         (top level or in ``client_kwargs``) carrying ``user:password@`` is stripped of
         it, with a warning: credentials go in the store's own options.
 
@@ -94,6 +105,9 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
     fsspec_class: ClassVar[str] = ""
     #: Uploads of at least this many bytes go through :meth:`put_large`.
     large_threshold: int = 64 * MiB
+    #: Requests one client may have in flight (keep it at most its connection pool's size:
+    #: a request waits for a slot before its deadline starts).
+    max_requests: int = 64
     _client_cache: ClassVar[objstore.ClientCache]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -110,10 +124,18 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
         self.retry = RetryPolicy.pop_from(opts)
         self.upload_budget = int(opts.pop("upload_budget", current().byte_budget))
         self.read_part_size = max(1, int(opts.pop("read_part_size", 64 * MiB)))
+        self.request_timeout = float(opts.pop("request_timeout", 60.0))
+        self.request_min_rate = float(opts.pop("request_min_rate", MiB))
+        if not (self.request_timeout > 0 and self.request_min_rate > 0):
+            raise ValueError(
+                f"{url}: request_timeout and request_min_rate must be positive "
+                f"(got {self.request_timeout}, {self.request_min_rate})"
+            )
         self._secret_values = self.secret_values(opts) + found
         self._options = self.configure(opts)
         self._token = repr(sorted(self._options.items(), key=lambda kv: kv[0]))
         self._fs: Any = None
+        self._slots: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._private = False
         self._budget: ByteBudget | None = None
@@ -218,7 +240,9 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
     def _bind(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
-            self._fs, self._private = self._client_cache.get(self._options, self._token)
+            self._fs, self._slots, self._private = self._client_cache.get(
+                self._options, self._token, self.max_requests
+            )
             self._loop = loop
             self._budget = ByteBudget(self.upload_budget)
 
@@ -228,14 +252,33 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
         self._fs = self._loop = None
 
     # -- retries -------------------------------------------------------------------------
+    def request_deadline(self, nbytes: int = 0) -> float:
+        """Seconds one attempt of a request moving ``nbytes`` may take, all of it: a
+        connection from the pool, the body sent, the whole reply read
+        (``request_timeout + nbytes / request_min_rate``).
+
+        :meth:`run` applies it to every attempt; a request made outside :meth:`run` (a
+        clean-up after a failure) should run under ``asyncio.timeout`` of it too.
+
+        Parameters
+        ----------
+        nbytes : int
+            The bytes the request sends or reads (0 when small or unknown).
+        """
+        return self.request_timeout + max(0, nbytes) / self.request_min_rate
+
     async def run(
         self,
         op: str,
         key: str | None,
         attempt: Callable[[int], Awaitable[T]],
         missing: str = "object",
+        nbytes: int = 0,
     ) -> T:
         """``await attempt(n)`` with retries; permanent failures become typed errors.
+
+        Each attempt runs under :meth:`request_deadline` of ``nbytes``: one that has not
+        ended by then is cancelled and counts as a transient failure (a timeout).
 
         Parameters
         ----------
@@ -248,6 +291,8 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
             one may have reached the server before its reply was lost).
         missing : str
             What a "not found" reply means (see :meth:`map_error`).
+        nbytes : int
+            The bytes the request moves (its body or the reply's), for its deadline.
 
         Raises
         ------
@@ -269,7 +314,31 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
                     dns.errno == getattr(socket, "EAI_AGAIN", errno.EAGAIN)
                     and loop.time() - start < RESOLVE_DEADLINE
                 )
-            return self.is_transient(e)
+            return isinstance(e, AttemptTimeout) or self.is_transient(e)
+
+        limit = self.request_deadline(nbytes)
+        self._bind()
+        slots = self._slots
+        assert slots is not None
+
+        async def timed(n: int) -> T:
+            token = _in_attempt.set(True)
+            try:
+                async with asyncio.timeout(limit):
+                    return await attempt(n)
+            except TimeoutError as e:
+                # Ours, or the client's own timeout: both mean "no answer in time".
+                raise AttemptTimeout(limit) from e
+            finally:
+                _in_attempt.reset(token)
+
+        async def bounded(n: int) -> T:
+            # A request made inside another's attempt (the read-back of a conditional
+            # write) runs in that one's slot, under both deadlines.
+            if _in_attempt.get():
+                return await timed(n)
+            async with slots:
+                return await timed(n)
 
         def on_retry(n: int, pause: float, e: BaseException) -> None:
             self.log.info(
@@ -282,7 +351,7 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
             )
 
         try:
-            return await retrying(attempt, self.retry, transient, on_retry)
+            return await retrying(bounded, self.retry, transient, on_retry)
         except PreconditionFailed:
             raise
         except Exception as e:
@@ -354,7 +423,8 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
         if end is not None and end <= s:
             await self.size(key)  # FileNotFoundError for a missing key, as for any read
             return b""
-        return await self.run("read", key, lambda _n: self.read_range(key, s, end))
+        n = 0 if end is None else end - s
+        return await self.run("read", key, lambda _n: self.read_range(key, s, end), nbytes=n)
 
     async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int = 0) -> int:
         views = objstore.views(buffers)
@@ -364,7 +434,10 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
 
         async def span(start: int, part: builtins.list[memoryview], length: int) -> int:
             return await self.run(
-                "read", key, lambda _n: self.read_range_into(key, start, part, length)
+                "read",
+                key,
+                lambda _n: self.read_range_into(key, start, part, length),
+                nbytes=length,
             )
 
         return await objstore.read_spans(span, views, offset, self.read_part_size)

@@ -83,6 +83,20 @@ class RetryPolicy:
         return random.uniform(b / 2, b)
 
 
+class AttemptTimeout(TimeoutError):
+    """One attempt of a request did not end within its deadline (it was abandoned).
+
+    Parameters
+    ----------
+    limit : float
+        The attempt's deadline, in seconds.
+    """
+
+    def __init__(self, limit: float) -> None:
+        super().__init__(f"no complete reply within {limit:.1f}s (request_timeout)")
+        self.limit = limit
+
+
 class RetriesExhausted(Exception):
     """Transient failures lasted past the deadline; ``last`` is the final one.
 
@@ -234,6 +248,10 @@ class ClientCache:
     option set (``token``) lives there for the process, closed at exit.  Changes to the
     environment or to fsspec's config after the first use of an option set are not seen
     by its client.  On any other loop each backend gets its own, closed by ``close()``.
+
+    Each client comes with a semaphore of request slots, shared by every backend using
+    it: a request waits for a slot *before* its deadline starts, so waiting behind other
+    requests for one of the client's pooled connections never counts as a timeout.
     """
 
     def __init__(
@@ -243,29 +261,39 @@ class ClientCache:
     ) -> None:
         self._factory = factory
         self._close = close
-        self._shared: dict[str, tuple[asyncio.AbstractEventLoop, Any]] = {}
+        self._shared: dict[str, tuple[asyncio.AbstractEventLoop, Any, asyncio.Semaphore]] = {}
         atexit.register(self.close_shared)
 
-    def get(self, options: dict[str, Any], token: str) -> tuple[Any, bool]:
-        """``(client, private)`` for the running loop."""
+    def get(
+        self, options: dict[str, Any], token: str, slots: int
+    ) -> tuple[Any, asyncio.Semaphore, bool]:
+        """``(client, request slots, private)`` for the running loop.
+
+        Parameters
+        ----------
+        options, token : dict, str
+            The client's options and their identity.
+        slots : int
+            Requests the client may have in flight (at most its connection pool's size).
+        """
         loop = asyncio.get_running_loop()
         if loop is not getattr(_io, "_loop", None):
-            return self._factory(options), True
+            return self._factory(options), asyncio.Semaphore(slots), True
         hit = self._shared.get(token)
         if hit is None or hit[0] is not loop:
-            hit = (loop, self._factory(options))
+            hit = (loop, self._factory(options), asyncio.Semaphore(slots))
             self._shared[token] = hit
-        return hit[1], False
+        return hit[1], hit[2], False
 
     async def release(self, client: Any, private: bool) -> None:
         if private:
             await self._close(client)
 
     def close_shared(self) -> None:
-        for loop, client in list(self._shared.values()):
+        for loop, client, _slots in list(self._shared.values()):
             if loop.is_running() and not loop.is_closed():
                 fut = asyncio.run_coroutine_threadsafe(self._close(client), loop)
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception):  # broad: at exit, closing is best effort
                     fut.result(timeout=2)
         self._shared.clear()
 

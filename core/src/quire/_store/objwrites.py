@@ -32,7 +32,7 @@ class UploadHelpers:
         async def version(self, key: str) -> str | None: ...
         def where(self, key: str | None) -> str: ...
         async def run(self, op: str, key: str | None, attempt: Callable[[int], Awaitable[T]],
-                      missing: str = "object") -> T: ...  # fmt: skip
+                      missing: str = "object", nbytes: int = 0) -> T: ...  # fmt: skip
 
     async def upload_parts(
         self,
@@ -134,4 +134,4 @@ class UploadHelpers:
                 return mine
             raise PreconditionFailed(f"{self.where(key)} {what}")
 
-        return await self.run(op, key, attempt, missing)
+        return await self.run(op, key, attempt, missing, nbytes=len(body))
