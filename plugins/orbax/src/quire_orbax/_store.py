@@ -62,6 +62,26 @@ def _fsspec_options(options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k not in QUIRE_STORAGE_OPTIONS}
 
 
+def _object_store_fs(proto: str, url: str, options: dict[str, Any]) -> tuple[Any, str]:
+    """The fsspec file system and path of an ``s3://`` / ``gs://`` URL.
+
+    For ``gs://`` the class is named, as quire-gcs does: ``gcsfs.GCSFileSystem`` (what
+    fsspec's registry gives) is chosen when gcsfs is first imported, by the
+    ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` environment variable at that moment; its
+    experimental subclass first probes each bucket over gRPC, which against an emulator or
+    without a route to Google waits about a minute per call.  Reading Orbax's JSON files
+    needs none of it, and the behaviour must not depend on which module imported gcsfs.
+    """
+    if proto == "gs":
+        from gcsfs.core import GCSFileSystem
+
+        return GCSFileSystem(**options), GCSFileSystem._strip_protocol(url)
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    return fs, str(path)
+
+
 class Store:
     """An Orbax checkpoint's location: fsspec for the JSON files, tensorstore for arrays.
 
@@ -88,9 +108,7 @@ class Store:
             self.root = str(local_path(url))
             return
         try:
-            import fsspec
-
-            self.fs, path = fsspec.core.url_to_fs(url, **_fsspec_options(self.options))
+            self.fs, path = _object_store_fs(self.protocol, url, _fsspec_options(self.options))
         except ImportError as e:
             pkg = "s3fs" if self.protocol == "s3" else "gcsfs"
             raise PluginError(
