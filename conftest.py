@@ -1,4 +1,5 @@
-"""Session-wide check (issue 14): the test suite leaves no temporary directories behind.
+"""Session-wide checks: the suite leaves no temporary directories behind (issue 14), and no
+test leaves process-wide state behind for the next (issue 29: ``isolation_guard.py``).
 
 Everything the suite (and the processes it starts) creates through :mod:`tempfile` goes into
 one private folder for the session (``TMPDIR`` and ``tempfile.tempdir`` point there;
@@ -19,6 +20,15 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+pytest_plugins = ["isolation_guard"]
+
+# Process-wide settings the whole run shares, made before any test (or import) can see the
+# defaults: gcsfs reads this one once, when first imported, to pick fsspec's gs:// class
+# (its experimental variant probes each bucket over gRPC, ~60 s per call against the GCS
+# emulator).  Set here, not by a fixture: a fixture that sets it after another test imported
+# gcsfs makes the outcome depend on file order (isolation_guard.py reports such changes).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 _PRIVATE = pytest.StashKey[Path]()
 _SAVED = pytest.StashKey[tuple[str | None, str | None, str | None]]()
