@@ -131,10 +131,9 @@ def _parse(raw: bytes, url: str, n: int) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{where} claims version {doc.get('journal_version')!r}")
     if not isinstance(doc.get("metadata"), dict) or not isinstance(doc.get("deleted"), list):
         raise CorruptCheckpointError(f"{where} has malformed fields")
-    if doc.get("tree") is not None:
-        _format._check_tree(url, doc["tree"])
-        _commit.check_tree_locations(doc["tree"], where)
     _schema.check_journal(doc, where)
+    if doc.get("tree") is not None:
+        _commit.check_tree_locations(doc["tree"], where)
     # format v2: this version's chunk indexes
     if "indexes" in doc and any(
         e["txid"] != doc.get("txid") for e in check_entries(doc["indexes"], where)
