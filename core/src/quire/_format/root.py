@@ -100,6 +100,12 @@ async def read_root_record(backend: Backend, url: str) -> dict[str, Any] | None:
         raw = await backend.get(ROOT_RECORD)
     except FileNotFoundError:
         return None
+    return parse_root_record(raw, url)
+
+
+def parse_root_record(raw: bytes, url: str) -> dict[str, Any]:
+    """Parse and check a root record's bytes: what every reader of one runs, and what its
+    creation runs on the record before publishing it; ``CorruptCheckpointError``."""
     try:
         doc = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
