@@ -129,7 +129,7 @@ async def _read(backend: Backend, url: str, *, under: str, missing_ok: bool) -> 
                     " It holds an unfinalized partial save: run quire.partial.finalize(url) "
                     "to commit it, or quire.partial.load(url) to read it"
                 )
-        except Exception:  # listing is only for the hint
+        except Exception:  # broad: a hint only; CheckpointNotFoundError is raised below
             pass
         if not hint and not under:
             hint = await root_hint(backend)

@@ -261,7 +261,7 @@ async def root_hint(backend: Backend) -> str:
     try:
         doc = await read_root_record(backend, "")
         _, dirs = await backend.list_dir("")
-    except Exception:  # only for the hint
+    except Exception:  # broad: a hint in a "no checkpoint here" error only
         return ""
     if doc is not None:
         fmt = StepFormat(doc["step_format"])
@@ -277,7 +277,7 @@ async def root_hint(backend: Backend) -> str:
         )
     try:
         have = [d for d in dirs if await backend.exists(f"{d}/{_format.RECORD}")]
-    except Exception:
+    except Exception:  # broad: a hint in a "no checkpoint here" error only
         return ""
     if have:
         shown = ", ".join(have[:10]) + (" ..." if len(have) > 10 else "")
