@@ -189,6 +189,13 @@ def test_meshes_jax_accepts_save_and_load(tmp_path: Path, names: tuple[Any, ...]
     assert quire.load(url, target)["x"].sharding == x.sharding
 
 
+@pytest.mark.parametrize("n", [2**51, bounds.MAX_DIM])
+def test_an_empty_array_with_a_huge_dimension_loads(tmp_path: Path, n: int) -> None:
+    url = str(tmp_path / "e")
+    quire.save(url, {"x": np.zeros((0, n), np.int8)})  # numpy allows it: no byte is held
+    assert quire.load(url)["x"].shape == (0, n)
+
+
 def test_a_size0_array_sharded_over_the_mesh_saves(tmp_path: Path) -> None:
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
     x = jax.device_put(np.zeros((0, 4), np.float32), NamedSharding(mesh, P("a", "b")))

@@ -56,11 +56,24 @@ def max_chunks(devices: int) -> int:
 #: :data:`MAX_MESH_DEVICES` devices).
 MAX_CHUNKS = max_chunks(MAX_MESH_DEVICES)
 
-#: Bytes an array (and a chunk) may claim: 1 PiB.  A saved array is in the devices' memory
-#: when it is saved, and the whole device memory of the largest JAX machines is of that
-#: order; a chunk is at most one device shard.  It keeps a forged shape from reaching an
-#: allocation.
+#: Bytes an array (and a chunk of a non-empty array) may claim: 1 PiB.  A saved array is
+#: in the devices' memory when it is saved, and the whole device memory of the largest JAX
+#: machines is of that order; a chunk is at most one device shard.  It keeps a forged
+#: shape from reaching an allocation.  An empty array allocates nothing and has no chunk:
+#: its chunk shape (the shard's, its 0s made 1s) is not bounded.
 MAX_CLAIMED_BYTES = 2**50
+
+#: One dimension of a shape: numpy's ``intp`` (an empty array may have any such dimension).
+MAX_DIM = 2**63 - 1
+
+#: Bytes of one process's chunk index object: 2 GiB.  An index holds about 200 bytes per
+#: chunk (and 8 per inner chunk of a sharded array): ten million chunks of one process,
+#: or at the default ``pack_bytes`` some hundreds of TiB of its data.
+MAX_INDEX_BYTES = 1 << 31
+
+#: An offset or length inside a stored object (a pack): no object is this large (S3's
+#: limit is 5 TiB); a pack is at most ``pack_bytes``, or one chunk (``MAX_CLAIMED_BYTES``).
+MAX_OBJECT_BYTES = 1 << 50
 
 #: What ``quire._format.paths`` escapes a key (or a unit's name) to, at most, and an
 #: escaped key path (longer ones are cut and end in a hash).

@@ -37,6 +37,7 @@ from quire._format.bounds import (
     MAX_CLAIMED_BYTES,
     MAX_COMPONENT,
     MAX_DEPTH,
+    MAX_DIM,
     MAX_LOCATION,
     MAX_MESH_DEVICES,
     MAX_NDIM,
@@ -166,11 +167,11 @@ def _shape(v: Any, where: str, low: int) -> tuple[int, ...]:
     if (
         type(v) is list
         and len(v) <= MAX_NDIM
-        and all(type(x) is int and low <= x <= 1 << 62 for x in v)
+        and all(type(x) is int and low <= x <= MAX_DIM for x in v)
     ):
         return tuple(v)
     items = _list(v, where, MAX_NDIM)
-    return tuple(_int(x, f"{where}[{i}]", low, 1 << 62) for i, x in enumerate(items))
+    return tuple(_int(x, f"{where}[{i}]", low, MAX_DIM) for i, x in enumerate(items))
 
 
 def _location(v: Any, where: str, ctx: _Ctx) -> str:
@@ -226,7 +227,7 @@ def _array_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
         raise Invalid(where + "/dtype", f"{_short(name)} is not a supported dtype")
     itemsize = SUPPORTED[name].itemsize
     nbytes = math.prod(shape) * itemsize
-    if nbytes > MAX_CLAIMED_BYTES or math.prod(chunk) * itemsize > MAX_CLAIMED_BYTES:
+    if nbytes > MAX_CLAIMED_BYTES or (nbytes and math.prod(chunk) * itemsize > MAX_CLAIMED_BYTES):
         raise Invalid(where + "/shape", f"claims {nbytes} bytes, beyond any real checkpoint")
     if "nbytes" in rec and rec["nbytes"] != nbytes:
         raise Invalid(where + "/nbytes", f"{_short(rec['nbytes'])} is not {nbytes}")

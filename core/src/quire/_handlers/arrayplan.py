@@ -176,7 +176,8 @@ def layout_from_record(rec: Mapping[str, Any], url: str | None = None) -> ArrayL
         ):
             raise ValueError(f"inner chunk shape {inner_t} does not divide {chunk}")
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes > MAX_CLAIMED_BYTES or math.prod(chunk) * dtype.itemsize > MAX_CLAIMED_BYTES:
+        chunk_bytes = math.prod(chunk) * dtype.itemsize if nbytes else 0  # empty: no chunk
+        if nbytes > MAX_CLAIMED_BYTES or chunk_bytes > MAX_CLAIMED_BYTES:
             raise ValueError(f"claims {nbytes} bytes, beyond any real checkpoint")
         codecs = rec.get("codecs", [])
         if not isinstance(codecs, list) or not all(
