@@ -19,12 +19,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import concurrent.futures.thread  # registers its exit hook before ours (see below)
 import json
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -57,21 +55,6 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger("quire")
-
-_open_checkpointers: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
-
-
-def _close_at_exit() -> None:
-    for c in list(_open_checkpointers):
-        try:
-            c.close()
-        except BaseException as e:
-            log.error("quire.Checkpointer(%r): background work failed at exit: %r", c.root, e)
-
-
-# quire's one exit hook (``_exit``) closes every open Checkpointer first, then waits for
-# the other in-flight writes.
-_exit.add_closer(_close_at_exit)
 
 
 class Checkpointer(_DecideMixin, _TierMixin, _RetainLoadMixin, _BackgroundTasks):
@@ -217,10 +200,12 @@ class Checkpointer(_DecideMixin, _TierMixin, _RetainLoadMixin, _BackgroundTasks)
         self._last_save_time = time.monotonic()
         self._tier = None if local is None else _Tier(self, local, Checkpointer, gc_grace_period)
         if self._tier is not None:  # closed by this one, after the promotions that read it
-            _open_checkpointers.discard(self._tier.inner)
+            _exit.closed(self._tier.inner)
         if save_policy is not None:
             save_policy.attach()
-        _open_checkpointers.add(self)
+        # quire's one exit hook closes this Checkpointer if it is still open then, before it
+        # waits for the other in-flight writes.
+        _exit.close_at_exit(self)
 
     # ------------------------------------------------------------------ plumbing
     def _url(self, step: int) -> str:
@@ -444,7 +429,7 @@ class Checkpointer(_DecideMixin, _TierMixin, _RetainLoadMixin, _BackgroundTasks)
             self.wait()
         finally:
             self._closed = True
-            _open_checkpointers.discard(self)
+            _exit.closed(self)
             if self._save_policy is not None:
                 self._save_policy.detach()
             if self._tier is not None:
