@@ -216,6 +216,62 @@ def test_few_private_modules_at_the_top() -> None:
     assert not {m for m in top if (SRC / (m.split(".")[1] + ".py")).is_file()} - TOP_PRIVATE
 
 
+#: Rooms whose classes hold their parts (objects with narrow interfaces, each owning its
+#: state) rather than being assembled from mixins that read each other's attributes through
+#: ``self`` (STYLE.md habit 20).
+COMPOSED = ("quire._checkpointer",)
+_TYPING_BASES = {"Protocol", "Generic", "typing.Protocol", "typing.Generic"}
+
+
+def assembled(root: Path) -> list[str]:
+    """Classes of the COMPOSED rooms that look assembled from mixins: named ``*Mixin``, with
+    two or more bases (``Protocol`` / ``Generic`` aside), or declaring under ``if
+    TYPE_CHECKING:`` in their body the attributes some other class sets."""
+    out = []
+    for mod, path in modules(root).items():
+        if not any(mod == p or mod.startswith(p + ".") for p in COMPOSED):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = [ast.unparse(b) for b in node.bases]
+            bases = [b for b in bases if b.split("[")[0] not in _TYPING_BASES]
+            declares = any(
+                isinstance(s, ast.If) and "TYPE_CHECKING" in ast.unparse(s.test) for s in node.body
+            )
+            if node.name.endswith("Mixin") or len(bases) > 1 or declares:
+                out.append(
+                    f"{mod}.{node.name}({', '.join(bases)}) looks assembled from mixins: hold "
+                    "the parts as attributes and pass them what they need"
+                )
+    return out
+
+
+def test_checkpointer_classes_are_composed_not_mixed() -> None:
+    assert assembled(SRC) == []
+
+
+def test_the_mixin_check_finds_each_kind(tmp_path: Path) -> None:
+    room = tmp_path / "quire" / "_checkpointer"
+    room.mkdir(parents=True)
+    (room / "__init__.py").write_text('"""A room."""\n')
+    (room / "parts.py").write_text(
+        "from typing import TYPE_CHECKING, Generic, Protocol, TypeVar\n"
+        "T = TypeVar('T')\n"
+        "class SavingMixin: ...\n"
+        "class Big(Base, Other): ...\n"
+        "class Reads:\n    if TYPE_CHECKING:\n        _lock: object\n"
+        "class Fine(Base): ...\n"
+        "class Contract(Protocol, Generic[T]): ...\n"
+    )
+    found = assembled(tmp_path / "quire")
+    assert [f.split("(")[0] for f in found] == [
+        "quire._checkpointer.parts.SavingMixin",
+        "quire._checkpointer.parts.Big",
+        "quire._checkpointer.parts.Reads",
+    ]
+
+
 def test_no_module_over_500_lines() -> None:
     long = {
         str(p.relative_to(SRC)): n

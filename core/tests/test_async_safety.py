@@ -193,7 +193,7 @@ def test_checkpointer_save_is_as_safe(tmp_path: Path) -> None:
     state["host"] = np.arange(1000, dtype=np.float32)
     want = _host(state)
     with quire.Checkpointer(tmp_path / "run") as ckpt:
-        with gate(ckpt._url(1)):
+        with gate(ckpt._main.url(1)):
             assert ckpt.save(1, state)
             state["host"][:] = -1
             state = _step({k: v for k, v in state.items() if k != "host"})

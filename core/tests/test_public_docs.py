@@ -143,7 +143,7 @@ def test_public_api_has_numpydoc() -> None:
 
 
 def test_the_walk_sees_what_it_should() -> None:
-    """The walker reaches Checkpointer methods from a mixin and flags an undocumented one."""
+    """The walker reaches the Checkpointer's methods and flags an undocumented function."""
 
     def bare(x: int) -> int:
         return x

@@ -1,80 +1,42 @@
 """``quire.Checkpointer``: a sequence of step checkpoints under one root, for training loops.
 
-Layout and garbage rules: see ``quire._engine.garbage``.  Threads and ordering:
-
-* ``save`` runs the device-to-host copy in the caller's thread (``quire.save_async``),
-  then the write and the commit on quire's event loop.  One save is in flight at a time:
-  the next ``save`` (and ``load``) waits for it first.
-* After each commit, the keep policy runs as a background task; these tasks run one
-  after another, never two at once.  The automatic garbage collection runs once, as part
-  of the first save (so no later save of this Checkpointer can race with it).
-* A background failure is kept and raised by the next public call, by ``wait`` or
-  ``close``, or when the ``with`` block exits — never dropped.  Checkpointers still open
-  when the interpreter exits are closed then (errors are logged), before quire's I/O
-  threads stop.
+The Checkpointer holds its parts: its root (``quire._checkpointer.steproot``, where the
+threads and the order of a save are described) and its ``Tiers`` (the save decision, and
+a local tier if any: ``quire._checkpointer.tiers``).  Garbage rules: ``quire._engine.garbage``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import concurrent.futures
-import concurrent.futures.thread  # registers its exit hook before ours (see below)
-import json
 import logging
-import threading
-import time
-import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from quire import _api
-from quire._checkpointer.deciding import _DecideMixin
-from quire._checkpointer.keep_policies import KeepPolicy, StepInfo
-from quire._checkpointer.retain import (
-    _as_step,
-    _await_response,
-    _clean_metrics,
-    _RetainLoadMixin,
-)
+from quire._checkpointer.deciding import preempted
+from quire._checkpointer.keep_policies import BestN, KeepPolicy
+from quire._checkpointer.ledger import as_step
 from quire._checkpointer.save_policies import SavePolicy
-from quire._checkpointer.tasks import _BackgroundTasks
-from quire._checkpointer.tiers import LocalTier, _Tier, _TierMixin
+from quire._checkpointer.steproot import StepRoot
+from quire._checkpointer.tiering import arrange
+from quire._checkpointer.tiers import LocalTier
 from quire._engine import garbage as _gc
 from quire._engine import incremental as _inc
-from quire._format import root as _root
 from quire._format.record import PYTREE
-from quire._handlers.units import as_mapping
 from quire._runtime import exithook as _exit
 from quire._runtime.config import current
-from quire._store.url import normalize, open_backend
 
 if TYPE_CHECKING:
     import os
     import types
 
+    from quire.metadata import CheckpointMetadata
 
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger("quire")
 
-_open_checkpointers: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
-
-def _close_at_exit() -> None:
-    for c in list(_open_checkpointers):
-        try:
-            c.close()
-        except BaseException as e:
-            log.error("quire.Checkpointer(%r): background work failed at exit: %r", c.root, e)
-
-
-# quire's one exit hook (``_exit``) closes every open Checkpointer first, then waits for
-# the other in-flight writes.
-_exit.add_closer(_close_at_exit)
-
-
-class Checkpointer(_DecideMixin, _TierMixin, _RetainLoadMixin, _BackgroundTasks):
+class Checkpointer:
     """Numbered checkpoints of a training run under one root URL.
 
     Each step is an ordinary quire checkpoint at ``<root>/<step_format.format(step)>``
@@ -159,98 +121,23 @@ class Checkpointer(_DecideMixin, _TierMixin, _RetainLoadMixin, _BackgroundTasks)
             raise TypeError(f"local must be a quire.LocalTier, got {local!r}")
         if save_policy is not None and not isinstance(save_policy, SavePolicy):
             raise TypeError(f"save_policy must be a quire.policies.SavePolicy, got {save_policy!r}")
-        if keep is not None and not isinstance(keep, KeepPolicy):
-            raise TypeError(f"keep must be a quire.policies.KeepPolicy, got {keep!r}")
-        if gc_grace_period is not None and not gc_grace_period >= 0:
-            raise ValueError(f"gc_grace_period must be >= 0 seconds or None, got {gc_grace_period}")
-        self.root = normalize(root_url)
-        self._storage_options = dict(storage_options) if storage_options else None
-        self._backend = open_backend(self.root, self._storage_options)
-        self._save_policy = save_policy
-        self._keep = keep
-        self._gc_grace = gc_grace_period
-        self._metadata = dict(metadata or {})
-        try:
-            json.dumps(self._metadata, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"Checkpointer metadata must be JSON-serialisable: {e}") from e
-
         import jax
 
-        self._primary = jax.process_index() == current().primary_process
-        self._lock = threading.RLock()
-        self._committed: dict[int, StepInfo | None] = {}  # None: record not read yet
-        self._deleting: set[int] = set()
-        self._pins: collections.Counter[int] = collections.Counter()
-        self._deferred = False  # a deletion waits for a load to end
-        self._inflight_step: int | None = None
-        self._save_fut: concurrent.futures.Future[Any] | None = None
-        self._tail: concurrent.futures.Future[Any] | None = None  # last background task
-        self._pending: set[concurrent.futures.Future[Any]] = set()
-        self._errors: list[BaseException] = []
-        self._gc_done = False
         self._closed = False
-        self._inc = _inc.Incremental(self.root, compact_below) if incremental else None
-        # A multi-process local tier's root (set by quire._checkpointer.tiers): every process
-        # saves into its own root, coordinated under this name.
-        self._spread: str | None = None
-        self._spread_seq = 0
-
-        doc = self._run(_root.read_root_record(self._backend, self.root))
-        if doc is not None and step_format is not None and doc["step_format"] != step_format:
-            raise ValueError(
-                f"{self.root} was written with step_format {doc['step_format']!r}, not "
-                f"{step_format!r}; pass step_format={doc['step_format']!r} or leave it out"
-            )
-        if doc is not None and metadata is not None and doc.get("metadata") != self._metadata:
-            log.warning(
-                "%s: keeping the run metadata recorded by the first writer; the metadata "
-                "passed to this Checkpointer differs and is not stored",
-                self.root,
-            )
-        self._root_doc = doc
-        self._fmt = _root.StepFormat(
-            step_format or (doc["step_format"] if doc else _root.DEFAULT_STEP_FORMAT)
+        self._main = StepRoot(
+            root_url,
+            storage_options,
+            step_format=step_format,
+            metadata=metadata,
+            keep=keep,
+            gc_grace_period=gc_grace_period,
+            incremental=incremental,
+            compact_below=compact_below,
+            maintainer=jax.process_index() == current().primary_process,
         )
-        self._relist()
-        self._last_saved_step: int | None = self._latest()
-        self._last_save_time = time.monotonic()
-        self._tier = None if local is None else _Tier(self, local, Checkpointer, gc_grace_period)
-        if self._tier is not None:  # closed by this one, after the promotions that read it
-            _open_checkpointers.discard(self._tier.inner)
-        if save_policy is not None:
-            save_policy.attach()
-        _open_checkpointers.add(self)
-
-    # ------------------------------------------------------------------ plumbing
-    def _url(self, step: int) -> str:
-        return f"{self.root}/{self._fmt.name(step)}"
-
-    def _latest(self) -> int | None:
-        with self._lock:
-            live = [s for s in self._committed if s not in self._deleting]
-            return max(live) if live else None
-
-    def _relist(self) -> None:
-        found = set(self._run(_root.committed_steps(self._backend, self._fmt)))
-        with self._lock:
-            self._committed = {s: self._committed.get(s) for s in sorted(found)}
-
-    async def _load_infos(self) -> None:
-        with self._lock:
-            todo = [s for s, info in self._committed.items() if info is None]
-
-        async def one(step: int) -> None:
-            doc = await _gc.read_step_record(self._backend, self.root, self._fmt.name(step))
-            with self._lock:
-                if doc is None:  # deleted by someone else
-                    self._committed.pop(step, None)
-                elif step in self._committed:
-                    self._committed[step] = StepInfo(
-                        step, doc["_created"].timestamp(), _root.record_metrics(doc)
-                    )
-
-        await asyncio.gather(*(one(s) for s in todo))
+        self.root = self._main.root
+        self._tier = arrange(self._main, save_policy, local, gc_grace_period)
+        _exit.close_at_exit(self)  # if still open then (errors are logged)
 
     # ------------------------------------------------------------------ saving
     def save(
@@ -289,7 +176,8 @@ class Checkpointer(_DecideMixin, _TierMixin, _RetainLoadMixin, _BackgroundTasks)
         Exception
             The error of an earlier background save or deletion.
         """
-        return self._save(step, {PYTREE: tree}, metrics, metadata, force, single=True)
+        self._check_open()
+        return self._tier.save(as_step(step), {PYTREE: tree}, metrics, metadata, force, True)
 
     def save_checkpointables(
         self,
@@ -316,139 +204,266 @@ class Checkpointer(_DecideMixin, _TierMixin, _RetainLoadMixin, _BackgroundTasks)
         bool
             Whether it saves.
         """
-        return self._save(step, checkpointables, metrics, metadata, force, single=False)
+        self._check_open()
+        return self._tier.save(as_step(step), checkpointables, metrics, metadata, force, False)
 
-    def _save(
-        self,
-        step: Any,
-        units: Mapping[str, Any],
-        metrics: Mapping[str, Any] | None,
-        metadata: Mapping[str, Any] | None,
-        force: bool,
-        *,
-        single: bool,
-    ) -> bool:
+    def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"quire.Checkpointer({self.root!r}) is closed")
-        self._raise_background()
-        step = _as_step(step)
-        if self._tier is not None:
-            return self._tier.save(step, units, metrics, metadata, force, single)
-        if not force and not self._decide(step):
-            log.debug(
-                "%s: not saving step %d (save policy, or not after the last save)", self.root, step
-            )
-            return False
-        user = dict(metadata or {})
-        if _root.METRICS_KEY in user:
-            raise ValueError(
-                f"metadata key {_root.METRICS_KEY!r} is reserved; pass metrics=... instead"
-            )
-        clean = _clean_metrics(metrics, step)
-        if metrics is not None:
-            user[_root.METRICS_KEY] = clean
-        self._wait_save()  # at most one save in flight
-        with self._lock:
-            being_deleted = step in self._deleting
-        if being_deleted:
-            self._drain()
-            self._raise_background()
-        self._ensure_root_record()
-        url = self._url(step)
-        if self._inc is not None and not self._inc.started:
-            latest = self._latest()  # an earlier run's last step: borrow its bytes
-            self._run(
-                self._inc.start(self._backend, None if latest is None else self._fmt.name(latest))
-            )
-        spread = None
-        if self._spread is not None:
-            self._spread_seq += 1
-            spread = f"{self._spread}/{step}/{self._spread_seq}"
-        resp = _api.save_units_async(
-            url,
-            units if single else as_mapping(units),
-            self._inc,
-            spread,
-            metadata=user,
-            overwrite=force,
-            storage_options=self._storage_options,
-        )
-        with self._lock:
-            self._inflight_step = step
-            self._last_saved_step = step
-            self._last_save_time = time.monotonic()
-            self._save_fut = self._spawn(self._finish_save(resp, step, clean, url))
-        return True
+        self._main.raise_errors()
 
-    async def _finish_save(
-        self, resp: _api.AsyncResponse[Any], step: int, metrics: dict[str, Any], url: str
-    ) -> None:
-        try:
-            await _await_response(resp)
-        except BaseException as e:
-            if self._inc is not None:
-                self._inc.failed()
-                await self._inc.release(self._backend)
-            with self._lock:
-                self._inflight_step = None
-            e.add_note(f"(background save of step {step} to {url})")
-            raise
-        if self._inc is not None:
-            self._inc.committed()
-            await self._inc.release(self._backend)
-        await self._after_commit(step, metrics)
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`save` would save at ``step``.
 
-    def _ensure_root_record(self) -> None:
-        self._run(self._create_root_record())
+        False for a step at or below the latest committed or started one; otherwise the
+        save policy's answer (True without a policy) or, with a local tier, either tier's
+        policy's answer.  Asking has no side effect.
 
-    async def _create_root_record(self) -> None:
-        if self._primary and self._root_doc is None:
-            await _gc.create_root_record(self._backend, self._fmt.pattern, self._metadata)
-            self._root_doc = await _root.read_root_record(self._backend, self.root)
+        Parameters
+        ----------
+        step : int
+            The step number (non-negative).
 
-    async def _after_commit(self, step: int, metrics: dict[str, Any]) -> None:
-        """The step is committed (durably): count it, collect garbage once, run retention."""
-        with self._lock:
-            self._committed[step] = StepInfo(step, time.time(), metrics)
-            self._inflight_step = None
-            run_gc = self._primary and self._gc_grace is not None and not self._gc_done
-            self._gc_done = True
-        if run_gc:
-            # Inside the save: the next save waits for it, so GC never races our own writes.
-            try:
-                await self._auto_gc()
-            except Exception as e:  # the save did commit; GC can run again later
-                log.warning("%s: automatic garbage collection failed: %r", self.root, e)
-        if self._keep is not None:
-            self._schedule(self._retain)
+        Returns
+        -------
+        bool
+            Whether ``save(step, ...)`` would save (without ``force``).
+        """
+        self._main.raise_errors()
+        return self._tier.should_save(as_step(step))
+
+    @property
+    def preempted(self) -> bool:
+        """Whether an :class:`~quire.policies.OnPreemption` policy received a notice.
+
+        Check it right after a save: if it is True then, the saved state is the latest and
+        the loop may stop (a notice arriving later makes the next step save).
+        """
+        return preempted(self._tier.policies())
 
     def wait(self) -> None:
         """Wait for the save in flight and background deletions; raise their errors.
 
         With a local tier: its saves and deletions too, then the promotions.
         """
-        try:
-            if self._tier is not None:
-                self._tier.inner.wait()
-        finally:
-            self._drain()
-            self._raise_background()
+        self._tier.wait()
+
+    # ------------------------------------------------------------------ reading
+    def steps(self) -> list[int]:
+        """Committed steps, ascending, in any tier (as of the last listing plus own saves)."""
+        return self._tier.steps()
+
+    def latest_step(self) -> int | None:
+        """The highest step committed in any tier (its local tier included), or None."""
+        return self._tier.latest()
+
+    def tiers_of(self, step: int) -> tuple[str, ...]:
+        """The tiers that hold ``step`` committed: ``"local"`` and/or ``"persistent"``.
+
+        Parameters
+        ----------
+        step : int
+            The step number.
+
+        Returns
+        -------
+        tuple of str
+            Fastest first; empty if no tier holds it.
+        """
+        return self._tier.tiers_of(as_step(step))
+
+    def reload(self) -> None:
+        """List the roots again (every tier), to see steps written or deleted by others.
+
+        Waits for this Checkpointer's background work first (see :meth:`wait`).
+        """
+        self._tier.reload()
+
+    def load(
+        self,
+        step: int | None = None,
+        abstract: Any = None,
+        *,
+        partial: bool = False,
+        transform: Any = None,
+        shardings: Any = None,
+    ) -> Any:
+        """Load ``step`` (default: the latest committed one), as ``quire.load`` does.
+
+        Waits for a save in flight first.  Every process checks that all processes
+        restore the same step.  The step cannot be deleted while it is being loaded.
+
+        Parameters
+        ----------
+        step : int, optional
+            The step; None for the latest committed step.
+        abstract : pytree, optional
+            The target tree (see ``quire.load``).
+        partial : bool
+            Load only the keys in ``abstract``, ignoring the others (e.g. only the params
+            of another run's checkpoint).
+        transform, shardings
+            Model surgery and shardings / partition rules, as for ``quire.load``.
+
+        Raises
+        ------
+        CheckpointNotFoundError
+            No such committed step (or none at all).
+        TreeMismatchError
+            ``abstract`` does not match (see ``quire.load``).
+        QuireError
+            Processes disagree on the step to restore.
+        """
+        return self._tier.load(
+            step,
+            lambda url: _api.load(
+                url,
+                abstract,
+                partial=partial,
+                storage_options=self._main.paths.options,
+                transform=transform,
+                shardings=shardings,
+            ),
+        )
+
+    def load_checkpointables(
+        self,
+        step: int | None = None,
+        abstract: Mapping[str, Any] | None = None,
+        *,
+        partial: bool = False,
+    ) -> dict[str, Any]:
+        """Load named units of ``step`` (default: latest); see ``quire.load_checkpointables``.
+
+        Parameters
+        ----------
+        step : int, optional
+            The step (default: the latest committed one).
+        abstract : mapping of str to target, optional
+            Unit name -> target, as for ``quire.load_checkpointables`` (None: every unit,
+            as saved).
+        partial : bool
+            For pytree units, load only the keys present in the target.
+
+        Returns
+        -------
+        dict
+            Unit name -> loaded value.
+
+        Raises
+        ------
+        CheckpointNotFoundError
+            No committed step (or not that one).
+        """
+        return self._tier.load(  # type: ignore[no-any-return]
+            step,
+            lambda url: _api.load_checkpointables(
+                url, abstract, partial=partial, storage_options=self._main.paths.options
+            ),
+        )
+
+    # ------------------------------------------------------------------ inspection
+    @overload
+    def metadata(self, step: None = None) -> dict[str, Any]: ...
+
+    @overload
+    def metadata(self, step: int) -> CheckpointMetadata: ...
+
+    def metadata(self, step: int | None = None) -> dict[str, Any] | CheckpointMetadata:
+        """A step's :class:`~quire.CheckpointMetadata`, or the run's metadata (a dict).
+
+        ``step=None`` returns the ``metadata`` stored in ``checkpointer.json`` (or, before
+        the first save, the one passed to the constructor).
+
+        Parameters
+        ----------
+        step : int, optional
+            A committed step; None for the run's metadata.
+
+        Returns
+        -------
+        CheckpointMetadata or dict
+            The step's metadata, or the run's (a dict) when ``step`` is None.
+        """
+        self._main.raise_errors()
+        if step is None:
+            return self._main.run_metadata()
+        m: CheckpointMetadata = _api.metadata(
+            self._main.url(as_step(step)), storage_options=self._main.paths.options
+        )
+        return m
+
+    def metrics(self, step: int) -> dict[str, Any]:
+        """The metrics saved with ``step`` (empty if none); reads only ``quire.json``.
+
+        Parameters
+        ----------
+        step : int
+            A committed step.
+
+        Returns
+        -------
+        dict
+            The ``metrics`` given to :meth:`save` for that step.
+
+        Raises
+        ------
+        CheckpointNotFoundError
+            No committed step ``step``.
+        """
+        self._main.raise_errors()
+        return self._main.metrics(as_step(step))
+
+    def best_step(self, metric: str, *, mode: str = "max") -> int | None:
+        """The committed step with the best ``metric``, or None.
+
+        Parameters
+        ----------
+        metric : str
+            The name of a metric passed to :meth:`save`; steps without it are ignored.
+        mode : {"max", "min"}
+            Whether a higher or a lower value is better.
+
+        Returns
+        -------
+        int or None
+            The best step, or None when no committed step has ``metric``.
+        """
+        self._main.raise_errors()
+        ranked = BestN(1, metric=metric, mode=mode).ranked(self._main.infos())
+        return ranked[0] if ranked else None
+
+    def gc(self, grace_period: float | None = None, *, dry_run: bool = False) -> _gc.GcReport:
+        """Remove uncommitted steps and superseded data older than ``grace_period`` seconds.
+
+        Parameters
+        ----------
+        grace_period : float, optional
+            Default: the Checkpointer's ``gc_grace_period`` (one hour if that is None).
+            Data younger than this may belong to a writer still in flight.
+        dry_run : bool
+            Only report what would be removed.
+
+        Returns
+        -------
+        GcReport
+            ``removable`` (removed unless ``dry_run``) and ``kept`` (too young, or of
+            unknown age on backends that do not report modification times).
+        """
+        return self._main.gc(grace_period, dry_run=dry_run)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Wait for background work, raise its errors, and release the save policy."""
         if self._closed:
-            self._raise_background()
+            self._main.raise_errors()
             return
         try:
             self.wait()
         finally:
             self._closed = True
-            _open_checkpointers.discard(self)
-            if self._save_policy is not None:
-                self._save_policy.detach()
-            if self._tier is not None:
-                self._tier.close()
+            _exit.closed(self)
+            self._tier.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -470,6 +485,6 @@ class Checkpointer(_DecideMixin, _TierMixin, _RetainLoadMixin, _BackgroundTasks)
 
     def __repr__(self) -> str:
         return (
-            f"Checkpointer({self.root!r}, step_format={self._fmt.pattern!r}, "
-            f"save_policy={self._save_policy!r}, keep={self._keep!r})"
+            f"Checkpointer({self.root!r}, step_format={self._main.paths.fmt.pattern!r}, "
+            f"save_policy={self._tier.policies()[0]!r}, keep={self._main.keep!r})"
         )

@@ -1,82 +1,88 @@
-"""Whether ``quire.Checkpointer`` saves at a step: its save policy (or, with a local tier,
-either tier's), agreed by every process, and the preemption notice (mixed into
-``Checkpointer``; see ``quire._checkpointer.checkpointer`` for threads and ordering)."""
+"""Whether a tier saves at a step: a :class:`SaveDecider` per tier (its save policy and
+when it last saved), and the preemption notice of the policies."""
 
 from __future__ import annotations
 
-import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from quire._checkpointer.retain import _as_step
 from quire._checkpointer.save_policies import OnPreemption, SaveContext, SavePolicy
 
-if TYPE_CHECKING:
-    from quire._checkpointer.tiers import _Tier
 
+class SaveDecider:
+    """A tier's save decision: its policy, asked with the steps the caller has seen.
 
-class _DecideMixin:
-    if TYPE_CHECKING:
-        _lock: threading.RLock
-        _save_policy: SavePolicy | None
-        _last_saved_step: int | None
-        _last_save_time: float
-        _inflight_step: int | None
-        _tier: _Tier | None
+    Parameters
+    ----------
+    policy : SavePolicy or None
+        The tier's save policy.
+    last_step : int or None
+        What the policy sees as the last saved step until the first :meth:`saved` (the
+        latest step found at opening).
+    without_policy : bool
+        The answer for a step above the floor when ``policy`` is None.
+    follow_primary : bool
+        With several JAX processes, a policy that is not ``deterministic`` (time, signals)
+        may answer differently in each: every process then follows process 0's answer (a
+        collective, so every process must ask).
+    """
 
-        def _latest(self) -> int | None: ...
-        def _raise_background(self) -> None: ...
+    def __init__(
+        self,
+        policy: SavePolicy | None,
+        last_step: int | None,
+        *,
+        without_policy: bool,
+        follow_primary: bool,
+    ) -> None:
+        self.policy = policy
+        self.last_step = last_step
+        self.last_time = time.monotonic()
+        self._without_policy = without_policy
+        self._follow_primary = follow_primary
 
-    def _decide(self, step: int, local_floor: int | None = None) -> bool:
-        with self._lock:
-            seen = (self._latest(), self._last_saved_step, self._inflight_step, local_floor)
-            floor = max((s for s in seen if s is not None), default=None)
-            ctx = SaveContext(step, self._last_saved_step, self._last_save_time, time.monotonic())
-        if floor is not None and step <= floor:
+    def due(self, step: int, *floors: int | None) -> bool:
+        """Whether to save at ``step``: never at or below a floor (the highest step the
+        caller holds or is saving; None: none) or the last saved step, else the policy's
+        answer.  Asking has no side effect (but may be a collective: ``follow_primary``)."""
+        seen = [s for s in (*floors, self.last_step) if s is not None]
+        ctx = SaveContext(step, self.last_step, self.last_time, time.monotonic())
+        if seen and step <= max(seen):
             answer = False
-        elif self._save_policy is None:
-            answer = True
+        elif self.policy is None:
+            answer = self._without_policy
         else:
-            answer = bool(self._save_policy.should_save(ctx))
-        policy = self._save_policy
-        if policy is not None and not policy.deterministic and jax.process_count() > 1:
+            answer = bool(self.policy.should_save(ctx))
+        policy = self.policy
+        if (
+            self._follow_primary
+            and policy is not None
+            and not policy.deterministic
+            and jax.process_count() > 1
+        ):
             # Time- and signal-based answers may differ: every process follows process 0.
             answer = bool(multihost_utils.broadcast_one_to_all(np.asarray(answer)))
         return answer
 
-    def should_save(self, step: int) -> bool:
-        """Whether :meth:`save` would save at ``step``.
+    def saved(self, step: int) -> None:
+        """A save of ``step`` started (what the policy sees as the last save from now on)."""
+        self.last_step, self.last_time = step, time.monotonic()
 
-        False for a step at or below the latest committed or started one; otherwise the
-        save policy's answer (True without a policy) or, with a local tier, either tier's
-        policy's answer.  Asking has no side effect.
+    def attach(self) -> None:
+        if self.policy is not None:
+            self.policy.attach()
 
-        Parameters
-        ----------
-        step : int
-            The step number (non-negative).
+    def detach(self) -> None:
+        if self.policy is not None:
+            self.policy.detach()
 
-        Returns
-        -------
-        bool
-            Whether ``save(step, ...)`` would save (without ``force``).
-        """
-        self._raise_background()
-        if self._tier is not None:
-            return any(self._tier.due(_as_step(step)))
-        return self._decide(_as_step(step))
 
-    @property
-    def preempted(self) -> bool:
-        """Whether an :class:`~quire.policies.OnPreemption` policy received a notice.
-
-        Check it right after a save: if it is True then, the saved state is the latest and
-        the loop may stop (a notice arriving later makes the next step save).
-        """
-        ps = (self._save_policy, None if self._tier is None else self._tier.policy)
-        parts = [q for p in ps for q in getattr(p, "policies", (p,))]
-        return any(isinstance(q, OnPreemption) and q.preempted for q in parts)
+def preempted(policies: Iterable[SavePolicy | None]) -> bool:
+    """Whether an :class:`~quire.policies.OnPreemption` among ``policies`` (or inside a
+    combination of them) received a notice."""
+    parts = [q for p in policies for q in getattr(p, "policies", (p,))]
+    return any(isinstance(q, OnPreemption) and q.preempted for q in parts)

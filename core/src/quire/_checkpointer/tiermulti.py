@@ -70,7 +70,8 @@ from quire._store.url import mounted, normalize, open_backend
 from quire.errors import CheckpointNotFoundError, MultiProcessError, QuireError
 
 if TYPE_CHECKING:
-    from quire._checkpointer.tiers import _Tier
+    from quire._checkpointer.steproot import StepPaths, StepRoot
+    from quire._checkpointer.tiers import LocalTier
 
 __all__ = ["PERSISTENT_SOURCE", "Plan", "Spread", "decide", "sources"]
 
@@ -83,45 +84,62 @@ _opened: collections.Counter[str] = collections.Counter()
 
 
 class Spread:
-    """The multi-process part of a :class:`quire._checkpointer.tiers._Tier`."""
+    """The multi-process part of a local tier (``quire._checkpointer.tiers._Tier``).
 
-    def __init__(self, tier: _Tier) -> None:
+    Parameters
+    ----------
+    spec : LocalTier
+        The tier's configuration.
+    url : str
+        This process's local root.
+    local : StepRoot
+        What keeps that root (saves, pins, loads, listings).
+    persistent : StepPaths
+        Where the persistent tier's steps are.
+    """
+
+    def __init__(self, spec: LocalTier, url: str, local: StepRoot, persistent: StepPaths) -> None:
         import jax
 
-        self.tier = tier
+        self.spec, self.url, self.local, self.persistent = spec, url, local, persistent
         self.me, self.count = jax.process_index(), jax.process_count()
         self.primary = current().primary_process
-        self.name = f"{tier.outer.root}/local"  # the coordination name, the same everywhere
+        self.name = f"{persistent.root}/local"  # the coordination name, the same everywhere
         _opened[self.name] += 1
         self._kvname = f"{self.name}#{_opened[self.name]}"  # this Spread's key-value keys
-        self.peers = min(tier.spec.peers, self.count - 1)
-        if self.peers < tier.spec.peers:
+        self.peers = min(spec.peers, self.count - 1)
+        if self.peers < spec.peers:
             log.warning(
                 "%s: LocalTier(peers=%d) with %d processes: each step is copied to the %d other "
                 "processes only",
-                tier.url,
-                tier.spec.peers,
+                url,
+                spec.peers,
                 self.count,
                 self.peers,
             )
         self.agreed: int | None = None
         self.plan: Plan | None = None
         self._seq = 0
+        self.saves = 0  # local saves so far: the same count in every process
         self.copies: PeerCopies | None = None
         self.last_restore: dict[str, tuple[int, int]] = {}  # the last TCP restore's reads
         if self.peers:
             self.copies = PeerCopies(
-                tier.url,
+                url,
                 self.name,
                 self.me,
                 self.count,
                 self.peers,
-                tier.spec.peer_host,
+                spec.peer_host,
                 self._timeout(),
-                domain_of(tier.spec.failure_domain),
+                domain_of(spec.failure_domain),
             )
-        tier.inner._spread = self.name
-        tier.inner._primary = True  # each process owns its root: retention, gc, root record
+
+    def save_name(self, step: int) -> str:
+        """The coordination name of the next local save (of ``step``): every process saves
+        into its own root, together (``quire._engine.spreadsave``)."""
+        self.saves += 1
+        return f"{self.name}/{step}/{self.saves}"
 
     def _timeout(self) -> float:
         t = current().timeout
@@ -170,12 +188,12 @@ class Spread:
             "checking that every process restores the same step",
             f"{self._kvname}/step/{self._seq}",
             str(step).encode(),
-            self.tier.url,
+            self.url,
         )
         steps = sorted({int(r) for r in rows})
         if len(steps) > 1:
             raise QuireError(
-                f"processes disagree on the step of {self.tier.outer.root} to restore (this "
+                f"processes disagree on the step of {self.persistent.root} to restore (this "
                 f"one: {step}; all: {steps}); they see different sets of steps: pass the "
                 "step explicitly, the same on every process"
             )
@@ -186,9 +204,8 @@ class Spread:
         objects held, then the peer copies.  A local save is collective: when it failed
         here it failed everywhere (the rare exception, a process that could not commit the
         record the others did, makes them fail the peer copy after the timeout)."""
-        inner = self.tier.inner
-        url = inner._url(step)
-        backend = open_backend(url, inner._storage_options)
+        url = self.local.url(step)
+        backend = open_backend(url, self.local.paths.options)
         try:
             await asyncio.wrap_future(local_fut)
         except BaseException:  # the save's own error is raised by the local tier
@@ -197,7 +214,7 @@ class Spread:
         doc = (await _commit.read(backend, url)).doc
         await _peers.mark_own(backend, url, doc, self.me, self.primary)
         if self.copies is not None:
-            rel = inner._fmt.name(step)
+            rel = self.local.paths.name(step)
             await self.copies.after_commit(backend, url, rel, doc, self.primary, f"{step}/{seq}")
 
     def close(self) -> None:
@@ -206,11 +223,10 @@ class Spread:
 
     # ------------------------------------------------------------------ agreeing
     async def _view(self, persistent: list[int]) -> dict[str, Any]:
-        inner = self.tier.inner
         steps: dict[str, Any] = {}
-        for s in inner.steps():
-            url = inner._url(s)
-            backend = open_backend(url, inner._storage_options)
+        for s in self.local.steps():
+            url = self.local.url(s)
+            backend = open_backend(url, self.local.paths.options)
             try:
                 rec = await _commit.read_if_exists(backend, url)
             except Exception as e:  # a damaged record: this process does not hold the step
@@ -226,15 +242,15 @@ class Spread:
     def agree(self, want: int | None, persistent: list[int]) -> Plan | None:
         """Every process's holdings, exchanged; the same :class:`Plan` everywhere (blocking,
         collective: every process calls it)."""
-        inner = self.tier.inner
-        inner.reload()  # waits for this process's local saves and peer copies
+        self.local.wait()  # this process's local saves and peer copies
+        self.local.reload()
         self._seq += 1
-        view = inner._run(self._view(persistent))
+        view = self.local.run(self._view(persistent))
         rows = self._kv(
             "agreeing on the local tier step to restore",
             f"{self._kvname}/agree/{self._seq}",
             json.dumps(view).encode(),
-            self.tier.url,
+            self.url,
         )
         views = [json.loads(r) for r in rows]
         plan = decide(views, want, self.primary)
@@ -257,26 +273,25 @@ class Spread:
         self.plan = None  # used once: a later load agrees again
         if plan is None:
             raise CheckpointNotFoundError(
-                f"{self.tier.outer.root}: no step {'' if step is None else step} restorable "
-                f"from the local tier {self.tier.spec.url} (some process's objects have no "
+                f"{self.persistent.root}: no step {'' if step is None else step} restorable "
+                f"from the local tier {self.spec.url} (some process's objects have no "
                 "live holder) nor from the persistent tier"
             )
         self._same_step(plan.step)
-        inner = self.tier.inner
+        local = self.local
         if self.copies is not None:  # TCP: read each range the load needs where it lies
-            return inner._load(
+            return local.load(
                 plan.step, lambda u: self._through(plan, u, fn, fallback), agreed=True
             )
-        with inner._lock:
-            inner._pins[plan.step] += 1
+        local.pin(plan.step)
         try:
-            whole = inner._run(self._assemble(plan))
+            whole = local.run(self._assemble(plan))
         finally:
-            inner._unpin(plan.step)
+            local.unpin(plan.step)
         if not whole:
             return fallback(plan.step)
-        inner._relist()
-        return inner._load(plan.step, fn, agreed=True)
+        local.relist()
+        return local.load(plan.step, fn, agreed=True)
 
     def _through(
         self, plan: Plan, url: str, fn: Callable[[str], Any], fallback: Callable[[int], Any]
@@ -285,7 +300,7 @@ class Spread:
         failed, t0 = True, time.monotonic()
         reader: RestoreReader | None = None
         try:
-            reader = self.tier.inner._run(self._reader(plan))
+            reader = self.local.run(self._reader(plan))
             if reader is None:
                 out = fallback(plan.step)
             else:
@@ -327,12 +342,11 @@ class Spread:
     async def _assemble(self, plan: Plan) -> bool:
         """Get what this process lacks of ``plan.step`` into its local root; False when the
         whole step is to be read from the persistent tier instead."""
-        inner, outer = self.tier.inner, self.tier.outer
         s = plan.step
-        url = inner._url(s)
-        backend = open_backend(url, inner._storage_options)
-        purl = outer._url(s)
-        pb = open_backend(purl, outer._storage_options)
+        url = self.local.url(s)
+        backend = open_backend(url, self.local.paths.options)
+        purl = self.persistent.url(s)
+        pb = open_backend(purl, self.persistent.options)
         views = plan.views
         digest, raw = plan.digest, None
         if digest is None:  # the persistent tier's record: local holders of it help
@@ -408,11 +422,10 @@ class Spread:
         of the persistent tier's record (then it is loaded from there as any checkpoint)."""
         copies = self.copies
         assert copies is not None
-        inner, outer = self.tier.inner, self.tier.outer
         s, views = plan.step, plan.views
-        url, purl, rel = inner._url(s), outer._url(s), inner._fmt.name(s)
-        backend = open_backend(url, inner._storage_options)
-        pb = open_backend(purl, outer._storage_options)
+        url, purl, rel = self.local.url(s), self.persistent.url(s), self.local.paths.name(s)
+        backend = open_backend(url, self.local.paths.options)
+        pb = open_backend(purl, self.persistent.options)
         digest, raw, praw = plan.digest, None, None
         if digest is None:  # the persistent tier's record: local holders of it help
             raw = praw = (await _commit.read(pb, purl)).raw

@@ -1,22 +1,25 @@
 """Multi-tier checkpoints: a fast local tier under the persistent one (``quire.LocalTier``).
 
 A tier is a quire Checkpointer root.  The persistent tier is the Checkpointer's own root; the
-local tier is a second root per process, ``<local url>/process_<index>``, kept by an inner
-Checkpointer (same format, commit protocol, retention and garbage rules, so ``quire.load``,
-``quire verify`` and ``quire cp`` work on it unchanged).
+local tier is a second root per process, ``<local url>/process_<index>``, kept by a
+``StepRoot`` of its own (``quire._checkpointer.steproot``: the same format, commit protocol,
+retention and garbage rules as the persistent root, so ``quire.load``, ``quire verify`` and
+``quire cp`` work on it unchanged).  The Checkpointer holds the local tier as a ``_Tier``.
 
-Order of a save of step S (``_Tier.save``), the commit points marked:
+Order of a save of step S (``Checkpointer`` with ``_Tier.save`` and ``_Tier.promotion``), the
+commit points marked:
 
 1. decide: the local tier saves when either tier's policy says so (the persistent tier is only
    ever written from local bytes);
-2. the local save (``quire.save_async`` through the inner Checkpointer): the one device-to-host
+2. the local save (``quire.save_async`` through the local StepRoot): the one device-to-host
    copy, in the caller's thread; it returns;
-3. background: LOCAL COMMIT (the inner Checkpointer's commit record);
+3. background: LOCAL COMMIT (the local step's commit record);
 4. when the persistent policy said so, background, after 3: ``quire._engine.copying`` copies the
    committed local step's stored bytes to ``<root>/<step>`` (an incremental root:
    ``quire._engine.promotion`` uploads only the chunks its previous step lacks), checking
-   every chunk's crc32c on the way, with the local step pinned against local retention; PERSISTENT COMMIT is the copy's
-   conditional create of ``quire.json``, after the data is synced;
+   every chunk's crc32c on the way, with the local step pinned against local retention;
+   PERSISTENT COMMIT is the copy's conditional create of ``quire.json``, after the data is
+   synced;
 5. only then does the persistent tier count S (``latest_step``, ``steps``, ``tiers_of``) and
    its keep policy run.
 
@@ -32,19 +35,22 @@ tier; a promotion copies each process's own objects (``quire._engine.tierpeers``
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from quire._checkpointer.deciding import SaveDecider
 from quire._checkpointer.keep_policies import KeepPolicy
-from quire._checkpointer.retain import _as_step
-from quire._checkpointer.save_policies import SaveContext, SavePolicy
+from quire._checkpointer.ledger import as_step
+from quire._checkpointer.save_policies import SavePolicy
+from quire._checkpointer.steproot import StepRoot
 from quire._checkpointer.tiermulti import Spread
 from quire._engine.copying import copy_checkpoint
+from quire._engine.incremental import COMPACT_BELOW
 from quire._engine.promotion import promote
 from quire._engine.promotion import promote_spread as promote_spread_incremental
 from quire._engine.tierpeers import promote_spread
@@ -52,9 +58,6 @@ from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator
 from quire._store.url import normalize
 from quire.errors import CorruptCheckpointError
-
-if TYPE_CHECKING:
-    from quire._checkpointer.checkpointer import Checkpointer
 
 __all__ = ["LOCAL", "PERSISTENT", "LocalTier"]
 
@@ -146,69 +149,84 @@ class LocalTier:
 
 
 class _Tier:
-    """The local tier of one Checkpointer (the ``outer`` one, whose root is persistent)."""
+    """A Checkpointer's local tier over its persistent root: what the Checkpointer's saves,
+    decisions and reads go through when it has one.
+
+    It holds this process's local root (a :class:`StepRoot`), the local tier's
+    :class:`SaveDecider` and, with several processes, its :class:`Spread`; it is given the
+    Checkpointer's own root (``persistent``) and save decision (``decider``), and uses them
+    only through their methods: it promotes to the persistent root, never writes it
+    otherwise.
+    """
 
     def __init__(
         self,
-        outer: Checkpointer,
         spec: LocalTier,
-        make: Callable[..., Checkpointer],
+        persistent: StepRoot,
+        decider: SaveDecider,
         gc_grace_period: float | None,
     ) -> None:
         import jax
 
-        self.outer = outer
         self.spec = spec
+        self.persistent = persistent
+        self.outer_decider = decider
         self.url = spec.process_url(jax.process_index())
-        opts = dict(spec.storage_options) if spec.storage_options else None
-        self.inner = make(
-            self.url, keep=spec.keep, storage_options=opts, gc_grace_period=gc_grace_period
+        several = jax.process_count() > 1  # every process its own root (.tiermulti)
+        if several and current().layout != "packed":
+            raise NotImplementedError(
+                f"quire.Checkpointer({persistent.root!r}, local=...): with several JAX processes "
+                'the local tier saves packed checkpoints only; leave layout at "packed"'
+            )
+        self.inner = StepRoot(
+            self.url,
+            spec.storage_options,
+            step_format=None,
+            metadata=None,
+            keep=spec.keep,
+            gc_grace_period=gc_grace_period,
+            incremental=False,
+            compact_below=COMPACT_BELOW,
+            # each process owns its root: retention, gc, root record
+            maintainer=several or jax.process_index() == current().primary_process,
         )
-        self.policy = spec.save_policy
-        self.spread: Spread | None = None
-        self.last_step: int | None = None
-        if jax.process_count() > 1:  # every process its own root (quire._checkpointer.tiermulti)
-            if current().layout != "packed":
-                raise NotImplementedError(
-                    f"quire.Checkpointer({outer.root!r}, local=...): with several JAX processes "
-                    'the local tier saves packed checkpoints only; leave layout at "packed"'
-                )
-            self.spread = Spread(self)
-        else:
-            self.last_step = self.inner.latest_step()
-            if spec.peers:
-                log.warning(
-                    "%s: LocalTier(peers=%d) with one JAX process: no peer to copy to",
-                    self.url,
-                    spec.peers,
-                )
-        self.last_time = time.monotonic()
-        if self.policy is not None:
-            self.policy.attach()
+        self.spread = Spread(spec, self.url, self.inner, persistent.paths) if several else None
+        if not several and spec.peers:
+            log.warning(
+                "%s: LocalTier(peers=%d) with one JAX process: no peer to copy to",
+                self.url,
+                spec.peers,
+            )
+        # Without a policy of its own, the local tier saves only what the persistent one does.
+        self.decider = SaveDecider(
+            spec.save_policy,
+            None if several else self.inner.latest(),
+            without_policy=False,
+            follow_primary=False,
+        )
+        self.decider.attach()
+        decider.attach()
 
     # ------------------------------------------------------------------ deciding
     def floor(self) -> int | None:
         """The highest step the local tier holds or is saving (with several processes: saved
         in this run or agreed for restore, the same in every process)."""
-        if self.spread is not None:
-            got = [self.last_step, self.spread.agreed]
-            live = [s for s in got if s is not None]
-            return max(live) if live else None
-        with self.inner._lock:
-            got = [self.last_step, self.inner._latest(), self.inner._inflight_step]
+        got = [self.decider.last_step]
+        got.append(self.spread.agreed if self.spread is not None else self.inner.floor())
         live = [s for s in got if s is not None]
         return max(live) if live else None
 
     def due(self, step: int) -> tuple[bool, bool]:
         """(local policy says save, persistent policy says save) at ``step``."""
         floor = self.floor()
-        persistent = self.outer._decide(step, floor)
-        if floor is not None and step <= floor:
-            return False, persistent
-        if self.policy is None:
-            return False, persistent
-        ctx = SaveContext(step, self.last_step, self.last_time, time.monotonic())
-        return bool(self.policy.should_save(ctx)), persistent
+        persistent = self.outer_decider.due(step, self.persistent.floor(), floor)
+        return self.decider.due(step, floor), persistent
+
+    def should_save(self, step: int) -> bool:
+        return any(self.due(step))
+
+    def policies(self) -> tuple[SavePolicy | None, ...]:
+        return (self.outer_decider.policy, self.decider.policy)
 
     # ------------------------------------------------------------------ saving
     def save(
@@ -220,52 +238,51 @@ class _Tier:
         force: bool,
         single: bool,
     ) -> bool:
+        """Save ``step`` locally when either tier's policy says so (or ``force``), and promote
+        it when the persistent policy does; return whether it saves."""
         local, persistent = self.due(step)
         if force:
             local = persistent = True
         if not (local or persistent):
-            log.debug("%s: not saving step %d (neither tier's policy)", self.outer.root, step)
+            log.debug("%s: not saving step %d (neither tier's policy)", self.persistent.root, step)
             return False
-        inner, outer = self.inner, self.outer
         if persistent:
-            outer._wait_save()  # at most one promotion in flight
-        # force: the outer Checkpointer decided; the local tier saves whatever it holds.
-        inner._save(step, units, metrics, metadata, True, single=single)
-        with inner._lock:
-            local_fut = inner._save_fut
-        seq = inner._spread_seq
-        if self.spread is not None and local_fut is not None:
+            self.persistent.wait_save()  # at most one promotion in flight
+        spread = self.spread
+        name = None if spread is None else functools.partial(spread.save_name, step)
+        # overwrite: either tier decided; the local tier replaces whatever it holds.
+        local_fut = self.inner.save(
+            step, units, metrics, metadata, overwrite=True, single=single, spread=name
+        )
+        seq = 0 if spread is None else spread.saves
+        if spread is not None:
             # the next local save waits for this step's peer copies; a promotion does not
-            copies = inner._spawn(self.spread.after_local(local_fut, step, seq))
-            with inner._lock:
-                inner._save_fut = copies
-        self.last_step, self.last_time = step, time.monotonic()
-        if persistent and local_fut is not None:
-            with inner._lock:
-                inner._pins[step] += 1  # local retention must not delete what we copy
-            with outer._lock:
-                outer._inflight_step = step
-                outer._last_saved_step = step
-                outer._last_save_time = time.monotonic()
-                outer._save_fut = outer._spawn(self._promote(local_fut, step, force, seq))
+            self.inner.follow_save(spread.after_local(local_fut, step, seq))
+        self.decider.saved(step)
+        if persistent:
+            self.inner.pin(step)  # local retention must not delete what we copy
+            self.persistent.begin(step, self._promote(local_fut, step, force, seq))
+            self.outer_decider.saved(step)
         return True
 
-    async def _promote(self, local_fut: Any, step: int, overwrite: bool, seq: int) -> None:
-        inner, outer = self.inner, self.outer
-        src, dst = inner._url(step), outer._url(step)
+    async def _promote(
+        self, local_fut: concurrent.futures.Future[Any], step: int, overwrite: bool, seq: int
+    ) -> dict[str, Any] | None:
+        """Copy ``step`` to the persistent root once its local save commits; return its
+        metrics (None: the local save failed).  The local step is pinned until it ends."""
+        inner = self.inner
+        src, dst = inner.url(step), self.persistent.url(step)
         try:
             try:
                 await asyncio.wrap_future(local_fut)
             except BaseException:
                 # The local save's own error is raised by the local tier (wait / next save).
-                log.warning("%s: step %d not promoted: its local save failed", outer.root, step)
-                return
-            await outer._create_root_record()  # here, not in the loop's thread: S3 may be down
-            inc = outer._inc  # incremental: upload only what the persistent tier lacks
-            if inc is not None and not inc.started:
-                latest = outer._latest()
-                name = None if latest is None else outer._fmt.name(latest)
-                await inc.start(outer._backend, name)
+                log.warning(
+                    "%s: step %d not promoted: its local save failed", self.persistent.root, step
+                )
+                return None
+            inc = await self.persistent.prepare()  # here, not in the loop's thread: S3 may be down
+            src_opts, dst_opts = inner.paths.options, self.persistent.paths.options
             if self.spread is not None:  # every process promotes its own objects
                 coord = Coordinator(
                     dst,
@@ -278,127 +295,89 @@ class _Tier:
                     promote_spread
                     if inc is None
                     else functools.partial(promote_spread_incremental, inc=inc)
-                )(
-                    src,
-                    dst,
-                    coord,
-                    overwrite=overwrite,
-                    src_options=inner._storage_options,
-                    dst_options=outer._storage_options,
-                )
+                )(src, dst, coord, overwrite=overwrite, src_options=src_opts, dst_options=dst_opts)
             else:
                 await (copy_checkpoint if inc is None else functools.partial(promote, inc=inc))(
-                    src,
-                    dst,
-                    overwrite=overwrite,
-                    src_options=inner._storage_options,
-                    dst_options=outer._storage_options,
+                    src, dst, overwrite=overwrite, src_options=src_opts, dst_options=dst_opts
                 )
-            with inner._lock:
-                info = inner._committed.get(step)
-            metrics = dict(info.metrics) if info is not None else {}
+            info = inner.info(step)
+            return dict(info.metrics) if info is not None else {}
         except BaseException as e:
             e.add_note(f"(background promotion of step {step} from {src} to {dst})")
             raise
         finally:
-            with outer._lock:
-                outer._inflight_step = None
-            self.inner._unpin(step)
-        await outer._after_commit(step, metrics)  # the persistent tier counts the step now
+            inner.unpin(step)
 
     # ------------------------------------------------------------------ reading
     def steps(self) -> list[int]:
-        return self.inner.steps()
+        """Steps committed in either tier."""
+        return sorted(set(self.persistent.steps()) | set(self.inner.steps()))
 
-    def load(
-        self, step: int | None, fn: Callable[[str], Any], fallback: Callable[[int], Any]
-    ) -> Any:
-        """Load ``step`` from the local tier if it holds it, else ``fallback(step)``."""
-        if step is None or step not in self.inner.steps():
-            return fallback(step)  # type: ignore[arg-type]
+    def latest(self) -> int | None:
+        """The highest step committed in either tier (with several processes: agreed by
+        every process, a collective)."""
+        if self.spread is not None:
+            plan = self.spread.agree(None, self.persistent.steps())
+            return None if plan is None else plan.step
+        return max(self.steps(), default=None)
+
+    def tiers_of(self, step: int) -> tuple[str, ...]:
+        out = []
+        if step in self.inner.steps():
+            out.append(LOCAL)
+        if step in self.persistent.steps():
+            out.append(PERSISTENT)
+        return tuple(out)
+
+    def load(self, step: int | None, fn: Callable[[str], Any]) -> Any:
+        """Load ``step`` (None: the latest of either tier) from the local tier if it holds it
+        (with several processes: the agreed step, from wherever its bytes lie), else from the
+        persistent root."""
+        self.inner.wait_save()  # a step being saved locally counts once committed
+        fallback = self.persistent.load
+        if self.spread is not None:
+            s = as_step(step) if step is not None else None
+            agreed = functools.partial(fallback, fn=fn, agreed=True)
+            return self.spread.load(s, fn, agreed, self.persistent.steps())
+        s = as_step(step) if step is not None else self.latest()
+        if s is None or s not in self.inner.steps():
+            return fallback(s, fn)
         try:
-            return self.inner._load(step, fn)
+            return self.inner.load(s, fn)
         except (CorruptCheckpointError, FileNotFoundError) as e:
-            if step not in self.outer.steps():
+            if s not in self.persistent.steps():
                 raise
             log.warning(
                 "%s: step %d is damaged in the local tier (%s); loading it from the persistent "
                 "tier %s",
                 self.url,
-                step,
+                s,
                 e,
-                self.outer.root,
+                self.persistent.root,
             )
-            return fallback(step)
+            return fallback(s, fn)
+
+    # ------------------------------------------------------------------ lifetime
+    def reload(self) -> None:
+        """Wait for the local tier's background work, then list both roots again."""
+        self.inner.wait()
+        self.inner.reload()
+        self.wait()
+        self.persistent.reload()
+
+    def wait(self) -> None:
+        """Wait for the local saves, deletions and peer copies, then the promotions."""
+        try:
+            self.inner.wait()
+        finally:
+            self.persistent.wait()
 
     def close(self) -> None:
+        """After :meth:`wait`: let go of the policies and the peers."""
+        self.outer_decider.detach()
         try:
-            self.inner.close()
+            self.inner.wait()
         finally:
             if self.spread is not None:
                 self.spread.close()
-            if self.policy is not None:
-                self.policy.detach()
-
-
-class _TierMixin:
-    """The tier-aware reading methods of ``Checkpointer`` (the plain ones without a tier)."""
-
-    if TYPE_CHECKING:
-        _tier: _Tier | None
-
-    def steps(self) -> list[int]:
-        """Committed steps, ascending, in any tier (as of the last listing plus own saves)."""
-        own: list[int] = super().steps()  # type: ignore[misc]
-        if self._tier is None:
-            return own
-        return sorted(set(own) | set(self._tier.steps()))
-
-    def latest_step(self) -> int | None:
-        """The highest step committed in any tier (its local tier included), or None."""
-        if self._tier is None:
-            return super().latest_step()  # type: ignore[misc, no-any-return]
-        if self._tier.spread is not None:  # agreed by every process (collective)
-            plan = self._tier.spread.agree(None, super().steps())  # type: ignore[misc]
-            return None if plan is None else plan.step
-        steps = self.steps()
-        return steps[-1] if steps else None
-
-    def tiers_of(self, step: int) -> tuple[str, ...]:
-        """The tiers that hold ``step`` committed: ``"local"`` and/or ``"persistent"``.
-
-        Parameters
-        ----------
-        step : int
-            The step number.
-
-        Returns
-        -------
-        tuple of str
-            Fastest first; empty if no tier holds it.
-        """
-        step = _as_step(step)
-        out = []
-        if self._tier is not None and step in self._tier.steps():
-            out.append(LOCAL)
-        if step in super().steps():  # type: ignore[misc]
-            out.append(PERSISTENT)
-        return tuple(out)
-
-    def reload(self) -> None:
-        """List the roots again (every tier), to see steps written or deleted by others."""
-        if self._tier is not None:
-            self._tier.inner.reload()
-        super().reload()  # type: ignore[misc]
-
-    def _load(self, step: Any, fn: Callable[[str], Any], *, agreed: bool = False) -> Any:
-        plain = super()._load  # type: ignore[misc]
-        if self._tier is None:
-            return plain(step, fn, agreed=agreed)
-        self._tier.inner._wait_save()  # a step being saved locally counts once committed
-        if self._tier.spread is not None:
-            s = _as_step(step) if step is not None else None
-            persistent = super().steps()  # type: ignore[misc]
-            return self._tier.spread.load(s, fn, lambda st: plain(st, fn, agreed=True), persistent)
-        s = _as_step(step) if step is not None else self.latest_step()
-        return self._tier.load(s, fn, lambda st: plain(st, fn))
+            self.decider.detach()

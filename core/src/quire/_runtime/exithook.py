@@ -7,7 +7,7 @@ daemon thread, which the interpreter would stop mid-write.  So one hook, registe
 after the hook of ``concurrent.futures.thread`` that makes thread pools refuse new
 work, because hooks run last-registered first), does, in order:
 
-1. the registered closers (each open Checkpointer waits for its own work),
+1. closes the objects registered open (each open Checkpointer waits for its own work),
 2. waits for every write still in flight (naming what it waits for, so that a long
    wait — or a Ctrl-C during it — is never silent),
 3. logs the error of every write whose result nobody asked for.
@@ -21,22 +21,28 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("quire")
 
 _lock = threading.Lock()
-_closers: list[Callable[[], None]] = []
+_open: weakref.WeakSet[Any] = weakref.WeakSet()  # objects to close at exit (Checkpointers)
 _writes: weakref.WeakSet[Any] = weakref.WeakSet()  # AsyncResponse of writes
 _running: set[Any] = set()  # those still in flight, held strongly
 WAIT_NOTICE_S = 1.0  # say what exit waits for once it has waited this long
 
 
-def add_closer(fn: Callable[[], None]) -> None:
-    """Run ``fn`` at exit, before in-flight writes are waited for."""
+def close_at_exit(obj: Any) -> None:
+    """Call ``obj.close()`` at exit, before in-flight writes are waited for, unless
+    :func:`closed` is called first (held weakly: a dropped object is not closed)."""
     with _lock:
-        _closers.append(fn)
+        _open.add(obj)
+
+
+def closed(obj: Any) -> None:
+    """``obj`` was closed: exit need not close it."""
+    with _lock:
+        _open.discard(obj)
 
 
 def track(response: Any) -> None:
@@ -91,12 +97,12 @@ def _at_exit() -> None:
 
 def _finish() -> None:
     with _lock:
-        closers = list(_closers)
-    for fn in closers:
+        still_open = list(_open)
+    for obj in still_open:
         try:
-            fn()
+            obj.close()
         except BaseException as e:  # keep going: the other writes must still finish
-            log.error("quire: background work failed at exit: %r", e)
+            log.error("quire: %r: background work failed at exit: %r", obj, e)
     with _lock:
         writes = list(_writes) + [w for w in _running if w not in _writes]
     pending = [w for w in writes if not w._future.done()]
