@@ -40,6 +40,7 @@ from quire.errors import (
     MultiProcessError,
     PluginError,
     QuireError,
+    SnapshotError,
     TreeMismatchError,
     UnsupportedLeafError,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "PartitionRules",
     "PluginError",
     "QuireError",
+    "SnapshotError",
     "Source",
     "StorageOptions",
     "TreeMismatchError",

@@ -315,6 +315,12 @@ class Checkpointer(_DecideMixin, _TierMixin, _RetainLoadMixin, _BackgroundTasks)
         -------
         bool
             Whether it saves.
+
+        Raises
+        ------
+        SnapshotError
+            A unit's state could not be captured at the call (see
+            :mod:`quire.checkpointables`); nothing is saved.
         """
         return self._save(step, checkpointables, metrics, metadata, force, single=False)
 
