@@ -222,3 +222,6 @@ class TestRandomHandler(CheckpointableHandlerSuite):
 
     def assert_restored(self, original: Any, restored: Any) -> None:
         assert restored.getstate() == original.getstate()
+
+    def mutate(self, obj: Any) -> None:
+        obj.random()

@@ -143,3 +143,7 @@ class TestJsonCheckpointable(CheckpointableHandlerSuite):
     @pytest.fixture
     def obj(self) -> Any:
         return {"lr": 0.1, "layers": [64, 64], "name": "run-1", "nested": {"x": None, "b": True}}
+
+    def mutate(self, obj: Any) -> None:
+        obj["nested"]["x"] = "changed"
+        obj["layers"].append(128)

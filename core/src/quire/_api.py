@@ -226,7 +226,8 @@ def save_checkpointables_async(
     checkpointables: Mapping[str, Any],
     **options: Unpack[SaveOptions],
 ) -> AsyncResponse[None]:
-    """:func:`save_checkpointables` in the background (blocks only for host copies).
+    """:func:`save_checkpointables` in the background: returns once every unit's state at
+    the call is safe from the caller (host copies of arrays, a snapshot of each other unit).
 
     Parameters
     ----------
@@ -238,6 +239,15 @@ def save_checkpointables_async(
     AsyncResponse
         ``.result()`` waits for the commit and raises what
         :func:`save_checkpointables` would.
+
+    Raises
+    ------
+    SnapshotError
+        A checkpointable unit's state could not be captured at the call (its snapshot step
+        failed, or it has none and writing it at the call failed; see
+        :mod:`quire.checkpointables`).  Raised at once; nothing is saved.
+    UnsupportedLeafError
+        A leaf has a type no installed leaf handler saves (raised at once).
     """
     return _start_save(
         "save_checkpointables_async", url, as_mapping(checkpointables), True, options

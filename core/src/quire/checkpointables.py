@@ -14,12 +14,24 @@ each named unit in one checkpoint, committed together.  A unit is one of
 
 ``quire.save(url, tree)`` is the single-unit case: the unit is named ``"pytree"``.
 
-Call order of a handler during a save (in quire's I/O thread pool, after every array
-is written, before the commit)::
+Call order of a handler during a save (``save`` in quire's I/O thread pool, after every
+array is written, before the commit)::
 
     handles(obj) -> save(obj, io) -> JSON record      # files go through io.write(...)
 
-and during a load::
+An async save (``save_checkpointables_async``, ``Checkpointer.save_checkpointables``)
+first captures every unit at the call, in the caller's thread, before it returns::
+
+    handles(obj) -> snapshot(obj) -> snap             # optional; a new object, never obj
+                 -> ... later: save(snap, io) -> JSON record
+    handles(obj) -> save(obj, memory io)              # no snapshot: written at the call,
+                 -> ... later: its bytes are put     #   only the bytes go later
+
+(``quire_snapshot()`` / ``quire_save`` likewise for a :class:`Checkpointable`).  A unit
+that can be neither snapshotted nor written at the call raises
+:class:`quire.errors.SnapshotError` from the call; the live object is never written later.
+
+During a load::
 
     load(io, record, target) -> object
 """

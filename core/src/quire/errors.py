@@ -20,6 +20,7 @@ __all__ = [
     "PeerError",
     "PluginError",
     "QuireError",
+    "SnapshotError",
     "TreeMismatchError",
     "UnreadableRecordError",
     "UnsupportedLeafError",
@@ -87,6 +88,12 @@ class TreeMismatchError(QuireError, ValueError):
 
 class UnsupportedLeafError(QuireError, TypeError):
     """A leaf of the tree has a type no installed leaf handler can save."""
+
+
+class SnapshotError(QuireError, TypeError):
+    """An async save could not capture a checkpointable unit's state at the call: its
+    snapshot step failed, or it has none and writing it at the call failed.  Raised before
+    the call returns; nothing is saved."""
 
 
 class PluginError(QuireError):

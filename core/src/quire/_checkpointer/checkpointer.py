@@ -203,6 +203,12 @@ class Checkpointer:
         -------
         bool
             Whether it saves.
+
+        Raises
+        ------
+        SnapshotError
+            A unit's state could not be captured at the call (see
+            :mod:`quire.checkpointables`); nothing is saved.
         """
         self._check_open()
         return self._tier.save(as_step(step), checkpointables, metrics, metadata, force, False)

@@ -140,8 +140,18 @@ def prepare_save(
     for name, obj in units.items():
         hid = _checkpointables.handler_for(obj) if name != PYTREE else None
         if hid is not None:
-            h = _checkpointables.get(hid, url=url)
-            objects[name] = (hid, _checkpointables.snapshot(h, obj) if copy else obj)
+            if copy:  # the unit's state at the call, never the live object later
+                h = _checkpointables.get(hid, url=url)
+                obj = _checkpointables.capture(
+                    hid,
+                    h,
+                    obj,
+                    url=url,
+                    name=name,
+                    prefix=f"d/{txid}/{escape_component(name)}",
+                    writes=coord.is_primary or _checkpointables.is_inline(h),
+                )
+            objects[name] = (hid, obj)
             continue
         root = walk(obj, _is_leaf_value, what=url if name == PYTREE else f"{url} unit {name!r}")
         roots[name] = root

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -35,6 +36,10 @@ class JsonHandler:
 
     def handles(self, obj: Any) -> bool:
         return type(obj) is dict and bool(obj) and is_json_config(obj)
+
+    def snapshot(self, obj: Any) -> Any:
+        """A copy for an async save (plain JSON data always deep-copies)."""
+        return copy.deepcopy(obj)
 
     def save(self, obj: Any, io: UnitIO) -> Any:
         return obj

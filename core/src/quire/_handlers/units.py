@@ -69,6 +69,18 @@ class Checkpointable(Protocol):
     ``quire_restore`` reads it back and returns the restored object (often ``self``,
     restored in place).  When loading, pass the object (or anything with
     ``quire_restore``) as the unit's target.
+
+    An async save (``save_checkpointables_async``, ``Checkpointer.save_checkpointables``)
+    captures the unit's state at the call, in the caller's thread, before it returns:
+
+    * with an optional ``quire_snapshot()`` method, it calls that and later (in quire's I/O
+      threads) ``quire_save`` of what it returned: a new object holding the state at the
+      call, never ``self``;
+    * without one, it calls ``quire_save`` at once with an ``io`` that keeps the bytes in
+      memory, and writes them later.
+
+    If neither works, the call raises :class:`quire.errors.SnapshotError` and saves nothing.
+    A blocking save calls ``quire_save`` of the object itself.
     """
 
     def quire_save(self, io: UnitIO) -> Any:
@@ -106,7 +118,14 @@ class Checkpointable(Protocol):
 
 @runtime_checkable
 class CheckpointableHandler(Protocol):
-    """Saves and loads objects of types you do not own, as a named unit."""
+    """Saves and loads objects of types you do not own, as a named unit.
+
+    An async save captures the unit at the call: with an optional ``snapshot(obj)`` method
+    the handler returns a new object holding ``obj``'s state at the call (in the caller's
+    thread), and ``save`` later writes that; without one, ``save(obj, io)`` runs at the call
+    into memory and only its bytes are written later.  If neither works, the call raises
+    :class:`quire.errors.SnapshotError` and saves nothing.
+    """
 
     id: str
 

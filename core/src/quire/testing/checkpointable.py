@@ -15,12 +15,16 @@ object::
         def target(self, obj):
             return make_loader(position=0)   # what load_checkpointables gets as target
 
+        def mutate(self, obj):
+            next(obj)                         # what the training loop does after a save
+
 Override :meth:`CheckpointableHandlerSuite.assert_restored` when ``==`` does not
 compare your objects.  Never override a ``test_*`` method to make it pass.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,6 +34,27 @@ import pytest
 from quire.testing._common import UrlFixture, flip_byte, json_roundtrips, record_of
 
 __all__ = ["CheckpointableHandlerSuite"]
+
+
+class _Gate:
+    """A unit saved before the one under test whose background write waits for ``open``:
+    an async save's later writes then surely run after the caller's next step."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    def quire_snapshot(self) -> _Gate:
+        snap = _Gate()
+        snap.open = self.open
+        return snap
+
+    def quire_save(self, io: Any) -> Any:
+        if not self.open.wait(60):
+            raise TimeoutError("the test never opened the gate")
+        return {"gate": 1}
+
+    def quire_restore(self, io: Any, record: Any) -> _Gate:
+        return self
 
 
 class CheckpointableHandlerSuite(UrlFixture):
@@ -65,6 +90,20 @@ class CheckpointableHandlerSuite(UrlFixture):
             The object that was saved (from the ``obj`` fixture).
         """
         return None
+
+    def mutate(self, obj: Any) -> None:
+        """Change ``obj`` in place, as the caller's next step would after an async save
+        (advance an iterator, draw from a generator, edit a config).
+
+        Parameters
+        ----------
+        obj : Any
+            The object from the ``obj`` fixture.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__}: provide mutate(obj) changing obj in place; the suite "
+            "checks that an async save holds the state at the call, not the object later"
+        )
 
     def assert_restored(self, original: Any, restored: Any) -> None:
         """Assert ``restored`` equals ``original`` (override when ``==`` does not compare).
@@ -128,6 +167,26 @@ class CheckpointableHandlerSuite(UrlFixture):
         quire.save_checkpointables_async(url, {"unit": obj}).result(timeout=120)
         out = quire.load_checkpointables(url, {"unit": self.target(obj)})
         self.assert_restored(obj, out["unit"])
+
+    def test_async_save_holds_the_state_at_the_call(self, tmp_path: Path, obj: Any) -> None:
+        """The caller changes the object right after ``save_checkpointables_async`` returns,
+        before the background write; the checkpoint holds the state at the call."""
+        import quire
+
+        at_call, after, url = (str(tmp_path / n) for n in ("at_call", "after", "async"))
+        quire.save_checkpointables(at_call, {"unit": obj})
+        gate = _Gate()
+        r = quire.save_checkpointables_async(url, {"gate": gate, "unit": obj})
+        self.mutate(obj)
+        gate.open.set()
+        r.result(timeout=120)
+        quire.save_checkpointables(after, {"unit": obj})
+        expected = quire.load_checkpointables(at_call, {"unit": self.target(obj)})["unit"]
+        got = quire.load_checkpointables(url, {"unit": self.target(obj)})["unit"]
+        moved = quire.load_checkpointables(after, {"unit": self.target(obj)})["unit"]
+        with pytest.raises(AssertionError):  # mutate() must change what is saved
+            self.assert_restored(expected, moved)
+        self.assert_restored(expected, got)
 
     def test_overwrite(self, url: str, obj: Any) -> None:
         import quire
