@@ -62,6 +62,9 @@ def _layout(v: Any) -> list[str]:
         extras.append("no checksum")
     if v.sharding and v.sharding.get("type") == "named":
         extras.append(f"mesh={v.sharding.get('mesh')} spec={v.sharding.get('spec')}")
+        types = v.sharding.get("axis_types") or []
+        if any(t != "Auto" for t in types):
+            extras.append(f"axis_types=[{', '.join(map(str, types))}]")
     elif v.sharding and v.sharding.get("type"):
         extras.append(f"sharding={v.sharding.get('type')}")
     return extras

@@ -21,6 +21,7 @@ from quire._format.tree import KeyPath, Node, from_json, keystr, walk
 from quire._handlers import select as _handlers
 from quire._handlers import unit_ops as _checkpointables
 from quire._handlers.base import LoadContext, LoadEntry
+from quire._handlers.meshes import Placer
 from quire._handlers.owned import verify_leaves
 from quire._runtime import registry as _registry
 from quire._runtime.budget import ByteBudget
@@ -185,17 +186,25 @@ async def _load_tree(
         pairs = [(leaf, leaf.value, None) for leaf in saved.leaves()]
     else:
         handler_cache: dict[str, Any] = {}
+        leaves = {leaf.path: leaf.value for leaf in saved.leaves()}
+        # Targets on an abstract mesh (jax.eval_shape of a sharded state) made concrete.
+        placer = Placer(rec.get("sharding") for rec in leaves.values())
+        placed: dict[int, Any] = {}
 
         def check(t: Node, rec: Any) -> str | None:
+            target, why = placer.target(t.value)
+            if why is not None:
+                return why
+            placed[id(t)] = target
             h = handler_cache.get(rec["handler"]) or _handlers.get(rec["handler"], url=url)
             handler_cache[rec["handler"]] = h
-            why: str | None = h.check(LoadEntry(t.path, rec, t.value))
+            why = h.check(LoadEntry(t.path, rec, target))
             return why
 
-        leaves = {leaf.path: leaf.value for leaf in saved.leaves()}
         target_root, pairs = pair_with_target(
             leaves, abstract, partial=partial, check=check, subject=f"checkpoint {url}"
         )
+        pairs = [(n, rec, placed.get(id(n), target)) for n, rec, target in pairs]
     cfg = current()
     shared = cfg.replica_reads
     if shared is None:  # on where reading costs more than exchanging: object stores

@@ -56,6 +56,8 @@ MAX_CHUNKS = 1 << 24
 MAX_CLAIMED_BYTES = 2**50
 _DIST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _TXID = re.compile(r"^[A-Za-z0-9]{1,64}$")
+#: A mesh axis's type, as ``jax.sharding.AxisType`` names it.
+AXIS_TYPES = ("Auto", "Explicit", "Manual")
 
 
 # ------------------------------------------------------------------------------ scalars
@@ -193,6 +195,12 @@ def _sharding(v: Any, where: str, shape: tuple[int, ...]) -> int | None:
     devices = math.prod(mesh.values())
     if devices > MAX_MESH_DEVICES:
         raise Invalid(where + "/mesh", f"claims {devices} devices")
+    if "axis_types" in s:  # since issue 31; a record without them rebuilds Auto axes
+        types = _list(s["axis_types"], where + "/axis_types", len(mesh))
+        if len(types) != len(mesh) or any(t not in AXIS_TYPES for t in types):
+            raise Invalid(
+                where + "/axis_types", f"is not one of {AXIS_TYPES} per mesh axis: {_short(types)}"
+            )
     spec = _list(_req(s, "spec", where), where + "/spec", len(shape))
     used: set[str] = set()
     for d, p in enumerate(spec):
