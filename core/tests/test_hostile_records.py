@@ -130,6 +130,7 @@ HOSTILE: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
         ),
         "j/sharding/axis_types",
     ),
+    "variable not a string": (_set("a", "variable", {"class": "Param"}), "a/variable"),
     "PRNG impl nope": (_set("k", "impl", "nope"), "k/impl"),
     "too-long location": (_loc("a", lambda t, d: f"d/{t}/" + "x" * 5000), "a/location"),
     "long component": (_loc("a", lambda t, d: f"d/{t}/" + "x" * 300), "a/location"),

@@ -310,6 +310,8 @@ def _tree(node: Any, where: str, ctx: _Ctx, depth: int = 0) -> None:
     kind = _req(n, "kind", where)
     if kind == "leaf":
         hid = _str(_req(n, "handler", where), where + "/handler", 200)
+        if "variable" in n:  # a Flax NNX Variable's class name, shown only (issue 31)
+            _str(n["variable"], where + "/variable", 200)
         rule = LEAF_RULES.get(hid)
         if rule is not None:
             rule(n, where, ctx)
