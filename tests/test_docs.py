@@ -153,3 +153,21 @@ def test_relative_links_lead_somewhere() -> None:
             resolved = (path.parent / target).resolve()
             assert resolved.is_relative_to(REPO), f"{path.name}: {target} leaves the repository"
             assert resolved.exists(), f"{path.name}: {target} does not exist"
+
+
+def test_no_page_names_a_file_outside_the_repository() -> None:
+    """The published site must not point outside the repository: docs/architecture.md named
+    ``../shared/tools/import_circles.py``, a file beside the checkout (issue 31).  A ``../``
+    path to a file in inline code must be a file of the repository, from the page's folder
+    (fenced code blocks hold examples, not references, and are left out)."""
+    for path in FILES:
+        text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+        for span in re.findall(r"`([^`]+)`", text):
+            for rel in re.findall(
+                r"(?:^|\s)((?:\.\./)+[\w./-]+\.(?:py|md|txt|toml|ya?ml|json|sh))\b", span
+            ):
+                resolved = (path.parent / rel).resolve()
+                assert resolved.is_relative_to(REPO) and resolved.is_file(), (
+                    f"{path.relative_to(REPO)} names {rel}, which is not a file of the repository"
+                )
+

@@ -18,7 +18,7 @@ import quire
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 sys.path.insert(0, HERE)
-from make_golden import expected, incremental_expected  # noqa: E402
+from make_golden import expected, incremental_expected, jaxlibs_expected  # noqa: E402
 
 V1 = os.path.join(HERE, "v1")
 
@@ -73,6 +73,8 @@ def test_golden_loads(name: str, version: str) -> None:
             assert np.array_equal(
                 np.asarray(sharded), np.arange(64, dtype=np.float32).reshape(8, 8)
             )
+            # Written before records kept axis types (issue 31): rebuilt on Auto axes.
+            assert sharded.sharding.mesh.axis_types == (jax.sharding.AxisType.Auto,) * 2
             assert np.array_equal(jax.random.key_data(key), jax.random.key_data(jax.random.key(5)))
             assert quire.metadata(path).custom == {"golden": True}
         same(want, got)
@@ -169,3 +171,30 @@ def test_golden_incremental_root() -> None:
         assert int(got.pop("step")) == want.pop("step")
         same(want, got)
         assert main(["verify", path]) == 0
+
+
+def test_golden_axis_types_and_nnx_variables() -> None:
+    """The optional fields of issue 31 (docs/format.md): a sharding's ``axis_types`` and a
+    leaf's NNX ``variable``, as first written; loaded without flax's help."""
+    path = os.path.join(HERE, "jaxlibs", "plain")
+    assert os.path.isfile(os.path.join(path, "quire.json")), (
+        f"golden checkpoint {path} is missing; it is committed with the repository "
+        "(tests/golden/make_golden.py --jaxlibs writes it once)"
+    )
+    got = quire.load(path)
+    x = got["x"]
+    assert x.sharding.mesh.axis_types == (jax.sharding.AxisType.Explicit,) * 2
+    assert x.sharding.spec == jax.sharding.PartitionSpec("x", "y")
+    want = jaxlibs_expected()
+    assert np.array_equal(np.asarray(x), want["x"])
+    for key in ("nnx/w/value", "nnx/mean/value"):
+        a, b, c = key.split("/")
+        assert np.array_equal(np.asarray(got[a][b][c]), want[key])
+    key = got["nnx"]["key"]["value"]
+    assert np.array_equal(jax.random.key_data(key), jax.random.key_data(jax.random.key(5)))
+    tree = quire.metadata(path).tree["nnx"]
+    assert [tree[k]["value"].variable for k in ("key", "mean", "w")] == [
+        "RngKey",
+        "BatchStat",
+        "Param",
+    ]

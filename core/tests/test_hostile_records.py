@@ -114,6 +114,23 @@ HOSTILE: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
         _set("j", "sharding", {"type": "named", "mesh": {"x": 2}, "spec": [["q"]]}),
         "j/sharding/spec[0]",
     ),
+    "axis type unknown": (
+        _set(
+            "j",
+            "sharding",
+            {"type": "named", "mesh": {"x": 2, "y": 2}, "spec": ["x"], "axis_types": ["Auto", "x"]},
+        ),
+        "j/sharding/axis_types",
+    ),
+    "axis types short": (
+        _set(
+            "j",
+            "sharding",
+            {"type": "named", "mesh": {"x": 2, "y": 2}, "spec": ["x"], "axis_types": ["Auto"]},
+        ),
+        "j/sharding/axis_types",
+    ),
+    "variable not a string": (_set("a", "variable", {"class": "Param"}), "a/variable"),
     "PRNG impl nope": (_set("k", "impl", "nope"), "k/impl"),
     "too-long location": (_loc("a", lambda t, d: f"d/{t}/" + "x" * 5000), "a/location"),
     "long component": (_loc("a", lambda t, d: f"d/{t}/" + "x" * 300), "a/location"),

@@ -5,6 +5,7 @@
     .venv/bin/python tests/golden/make_golden.py --v2-rewritten   # v2/rewritten only
     .venv/bin/python tests/golden/make_golden.py --v2-index3      # v2 with chunk index format 3
     .venv/bin/python tests/golden/make_golden.py --incremental    # an incremental root
+    .venv/bin/python tests/golden/make_golden.py --jaxlibs        # axis types, NNX Variables
 
 ``v2`` holds chunk indexes of format 2 (a CRC-32 for every key), written before the crc32c
 trailer binding; ``v2-index3`` the same checkpoints (and the rewritten journal) with format-3
@@ -120,11 +121,53 @@ def incremental() -> None:
     print("wrote", out)
 
 
+def jaxlibs_expected() -> dict[str, np.ndarray]:
+    """The values of ``jaxlibs``: ``x`` (sharded on an Explicit (4, 2) mesh) and the NNX
+    Variables' values, by key path."""
+    return {
+        "x": np.arange(64, dtype=np.float32).reshape(8, 8),
+        "nnx/w/value": np.arange(6, dtype=np.float32).reshape(2, 3) / 4,
+        "nnx/mean/value": np.full(3, 0.5, np.float32),
+    }
+
+
+def jaxlibs() -> None:
+    """``jaxlibs``: a format-v2 checkpoint with the optional fields of issue 31: a mesh's
+    ``axis_types`` (Explicit) in a sharding record and NNX Variable classes (``variable``)
+    on leaves."""
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    import jax
+    from flax import nnx
+
+    import quire
+
+    out = os.path.join(HERE, "jaxlibs")
+    if os.path.exists(out) and "--force" not in sys.argv:
+        sys.exit(f"{out} exists; pass --force to rewrite it")
+    shutil.rmtree(out, ignore_errors=True)
+    want = jaxlibs_expected()
+
+    class Tiny(nnx.Module):
+        def __init__(self) -> None:
+            self.w = nnx.Param(jax.numpy.asarray(want["nnx/w/value"]))
+            self.mean = nnx.BatchStat(jax.numpy.asarray(want["nnx/mean/value"]))
+            self.key = nnx.RngKey(jax.random.key(5))
+
+    mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    x = jax.device_put(
+        want["x"], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", "y"))
+    )
+    quire.save(os.path.join(out, "plain"), {"x": x, "nnx": nnx.state(Tiny())})
+    print("wrote", out)
+
+
 def main() -> None:
     if "--v2-rewritten" in sys.argv:
         return rewritten()
     if "--incremental" in sys.argv:
         return incremental()
+    if "--jaxlibs" in sys.argv:
+        return jaxlibs()
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import jax
 

@@ -40,6 +40,9 @@ class LeafMetadata:
         "configuration"}`` objects): ``bytes``, the ``codecs``, then ``crc32c`` when
         checksummed; or one ``sharding_indexed`` holding that chain (its ``"codecs"``) when the
         array has inner chunks.  Empty where the leaf's handler does not say.
+    variable : str, optional
+        The class of the Flax NNX ``Variable`` that held the leaf (``"Param"``,
+        ``"BatchStat"``, ``"RngKey"``, ``"OptState"``, ...), where it was one.
     """
 
     shape: tuple[int, ...]
@@ -52,6 +55,7 @@ class LeafMetadata:
     sharding: dict[str, Any] | None = None
     location: str | None = None
     codec_chain: tuple[dict[str, Any], ...] = ()
+    variable: str | None = None
 
 
 @dataclass(frozen=True)

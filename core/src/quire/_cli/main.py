@@ -48,9 +48,9 @@ from quire.metadata import LeafMetadata
 # ----------------------------------------------------------------------------- info
 def _layout(v: Any) -> list[str]:
     """Codecs, chunk grid and layout of one array leaf (issue 10: what ``info`` shows)."""
-    extras = []
+    extras = [f"nnx.{v.variable}"] if v.variable else []
     if v.handler == "prng_key":
-        return ["prng key"] + ([] if v.checksum else ["no checksum"])
+        return [*extras, "prng key"] + ([] if v.checksum else ["no checksum"])
     shape, chunk = tuple(v.shape), tuple(v.chunk_shape or v.shape)
     grid = [-(-s // max(1, c)) for s, c in zip(shape, chunk)]
     extras.append(f"chunks={list(chunk)} grid={grid}" if chunk != shape else "1 chunk")
@@ -62,6 +62,9 @@ def _layout(v: Any) -> list[str]:
         extras.append("no checksum")
     if v.sharding and v.sharding.get("type") == "named":
         extras.append(f"mesh={v.sharding.get('mesh')} spec={v.sharding.get('spec')}")
+        types = v.sharding.get("axis_types") or []
+        if any(t != "Auto" for t in types):
+            extras.append(f"axis_types=[{', '.join(map(str, types))}]")
     elif v.sharding and v.sharding.get("type"):
         extras.append(f"sharding={v.sharding.get('type')}")
     return extras

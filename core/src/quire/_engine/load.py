@@ -7,7 +7,7 @@ import collections
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import jax
@@ -21,6 +21,7 @@ from quire._format.tree import KeyPath, Node, from_json, keystr, walk
 from quire._handlers import select as _handlers
 from quire._handlers import unit_ops as _checkpointables
 from quire._handlers.base import LoadContext, LoadEntry
+from quire._handlers.meshes import Placer
 from quire._handlers.owned import verify_leaves
 from quire._runtime import registry as _registry
 from quire._runtime.budget import ByteBudget
@@ -36,7 +37,7 @@ from quire.errors import (
     QuireError,
     TreeMismatchError,
 )
-from quire.metadata import CheckpointMetadata
+from quire.metadata import CheckpointMetadata, LeafMetadata
 
 log = logging.getLogger("quire")
 
@@ -85,7 +86,26 @@ def _diff_message(subject: str, missing: list[str], extra: list[str], bad: list[
     if missing and not extra and not bad:
         fix = "pass partial=True to load only the keys in the target, or " + fix
     lines.append(f"  To fix: {fix}.")
+    nnx = _nnx_hint(missing, extra)
+    if nnx:
+        lines.append(f"  {nnx}")
     return "\n".join(lines)
+
+
+def _nnx_hint(missing: list[str], extra: list[str]) -> str | None:
+    """The likely cause when the two sides differ by Flax NNX's ``/value`` level."""
+    if {f"{p}/value" for p in extra} & set(missing):
+        return (
+            "The checkpoint holds Flax NNX Variables (key paths end in /value) and the target "
+            "a pure dict: load into nnx.state(nnx.eval_shape(make_model)) instead."
+        )
+    if {f"{p}/value" for p in missing} & set(extra):
+        return (
+            "The checkpoint holds a pure dict (nnx.to_pure_dict) and the target Flax NNX "
+            "Variables: load it into nnx.to_pure_dict(abstract_state), then "
+            "nnx.replace_by_pure_dict(abstract_state, loaded)."
+        )
+    return None
 
 
 def pair_with_target(
@@ -185,17 +205,25 @@ async def _load_tree(
         pairs = [(leaf, leaf.value, None) for leaf in saved.leaves()]
     else:
         handler_cache: dict[str, Any] = {}
+        leaves = {leaf.path: leaf.value for leaf in saved.leaves()}
+        # Targets on an abstract mesh (jax.eval_shape of a sharded state) made concrete.
+        placer = Placer(rec.get("sharding") for rec in leaves.values())
+        placed: dict[int, Any] = {}
 
         def check(t: Node, rec: Any) -> str | None:
+            target, why = placer.target(t.value)
+            if why is not None:
+                return why
+            placed[id(t)] = target
             h = handler_cache.get(rec["handler"]) or _handlers.get(rec["handler"], url=url)
             handler_cache[rec["handler"]] = h
-            why: str | None = h.check(LoadEntry(t.path, rec, t.value))
+            why = h.check(LoadEntry(t.path, rec, target))
             return why
 
-        leaves = {leaf.path: leaf.value for leaf in saved.leaves()}
         target_root, pairs = pair_with_target(
             leaves, abstract, partial=partial, check=check, subject=f"checkpoint {url}"
         )
+        pairs = [(n, rec, placed.get(id(n), target)) for n, rec, target in pairs]
     cfg = current()
     shared = cfg.replica_reads
     if shared is None:  # on where reading costs more than exchanging: object stores
@@ -332,6 +360,9 @@ def metadata_tree(url: str, tree_json: dict[str, Any]) -> Any:
                 f"{url}/quire.json: malformed {hid!r} leaf record: {e!r}"
             ) from e
         for leaf, m in zip(leaves, ms):
+            variable = leaf.value.get("variable")
+            if isinstance(m, LeafMetadata) and variable is not None:
+                m = replace(m, variable=variable)
             metas[id(leaf)] = m
     return rebuild_saved(saved, metas)
 

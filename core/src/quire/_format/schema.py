@@ -63,6 +63,8 @@ from quire.errors import CorruptCheckpointError
 
 # Every bound is in quire._format.bounds, with the reason it is out of the writers' reach.
 _TXID = re.compile(r"^[A-Za-z0-9]{1,64}$")
+#: A mesh axis's type, as ``jax.sharding.AxisType`` names it.
+AXIS_TYPES = ("Auto", "Explicit", "Manual")
 
 
 # ------------------------------------------------------------------------------ scalars
@@ -199,6 +201,12 @@ def _sharding(v: Any, where: str, shape: tuple[int, ...]) -> int | None:
     devices = math.prod(mesh.values())
     if devices > MAX_MESH_DEVICES:
         raise Invalid(where + "/mesh", f"claims {devices} devices")
+    if "axis_types" in s:  # since issue 31; a record without them rebuilds Auto axes
+        types = _list(s["axis_types"], where + "/axis_types", len(mesh))
+        if len(types) != len(mesh) or any(t not in AXIS_TYPES for t in types):
+            raise Invalid(
+                where + "/axis_types", f"is not one of {AXIS_TYPES} per mesh axis: {_short(types)}"
+            )
     spec = _list(_req(s, "spec", where), where + "/spec", len(shape))
     used: set[str] = set()
     for d, p in enumerate(spec):
@@ -301,6 +309,8 @@ def _tree(node: Any, where: str, ctx: _Ctx, depth: int = 0) -> None:
     kind = _req(n, "kind", where)
     if kind == "leaf":
         hid = _str(_req(n, "handler", where), where + "/handler", None)
+        if "variable" in n:  # a Flax NNX Variable's class name, shown only (issue 31)
+            _str(n["variable"], where + "/variable", None)
         rule = LEAF_RULES.get(hid)
         if rule is not None:
             rule(n, where, ctx)

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 
+from quire._format import jaxlibs
 from quire._format.bounds import MAX_DEPTH, MAX_TYPE_NAME
 from quire.errors import UnsupportedLeafError
 
@@ -43,6 +44,7 @@ class Node:
     path: KeyPath = ()
     typename: str | None = None
     treedef: Any = None  # custom JAX node: rebuild with treedef.unflatten(children)
+    variable: str | None = None  # a leaf's Flax NNX Variable class (quire._format.jaxlibs)
 
     def leaves(self) -> Iterator[Node]:
         if self.kind == "leaf":
@@ -83,11 +85,16 @@ def walk(tree: Any, is_leaf: Callable[[Any], bool], *, what: str = "tree") -> No
 
     A tree nested deeper than ``MAX_DEPTH`` is refused (``UnsupportedLeafError``): its
     record would be refused by every load.
+
+    A leaf under a Flax NNX ``Variable`` gets the Variable's class name (``Node.variable``);
+    a Variable holding a ``{"value": ...}`` dict, and an Equinox module's field that is no
+    leaf, raise :class:`~quire.errors.UnsupportedLeafError` naming the fix
+    (:mod:`quire._format.jaxlibs`).
     """
 
-    def go(x: Any, path: KeyPath) -> Node:
+    def go(x: Any, path: KeyPath, variable: str | None, module: str | None) -> Node:
         if is_leaf(x):
-            return Node("leaf", value=x, path=path)
+            return Node("leaf", value=x, path=path, variable=variable)
         if len(path) >= MAX_DEPTH:
             raise UnsupportedLeafError(
                 f"{what}: the tree is nested deeper than {MAX_DEPTH} levels at "
@@ -102,9 +109,10 @@ def walk(tree: Any, is_leaf: Callable[[Any], bool], *, what: str = "tree") -> No
                         f"{what}: dict key {k!r} at {keystr(path)!r} is a {type(k).__name__}; "
                         "quire saves dicts with str or int keys only (convert the key)"
                     )
-            return Node("dict", keys, [go(x[k], (*path, k)) for k in keys], path=path)
+            kids = [go(x[k], (*path, k), variable, module) for k in keys]
+            return Node("dict", keys, kids, path=path)
         if type(x) in (list, tuple):
-            kids = [go(v, (*path, i)) for i, v in enumerate(x)]
+            kids = [go(v, (*path, i), variable, module) for i, v in enumerate(x)]
             return Node(
                 "list" if type(x) is list else "tuple", list(range(len(x))), kids, path=path
             )
@@ -112,12 +120,21 @@ def walk(tree: Any, is_leaf: Callable[[Any], bool], *, what: str = "tree") -> No
         kids_with_keys, treedef = jax.tree_util.tree_flatten_with_path(
             x, is_leaf=lambda c: c is not x
         )
+        name = f"{type(x).__module__}.{type(x).__qualname__}"
         if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # type: ignore[attr-defined]
             raise UnsupportedLeafError(
-                f"{what}: leaf at {keystr(path)!r} has type {type(x).__module__}.{type(x).__qualname__}, "
-                "which no installed leaf handler saves; convert it to an array or scalar, register "
-                "it as a JAX pytree node, or register a quire leaf handler for it"
+                f"{what}: leaf at {keystr(path)!r} has type {name}, which no installed leaf "
+                "handler saves; convert it to an array or scalar, register it as a JAX pytree "
+                "node, or register a quire leaf handler for it"
+                + (jaxlibs.equinox_hint(module) if module else "")
             )
+        var = jaxlibs.nnx_variable_type(x)
+        if var is not None and len(kids_with_keys) == 1:
+            why = jaxlibs.nested_value_error(var, kids_with_keys[0][1])
+            if why:
+                raise UnsupportedLeafError(f"{what}: {keystr(path)!r} {why}")
+        if jaxlibs.is_equinox_module(x):
+            module = type(x).__qualname__
         keys = [_jax_key(kp[-1]) if kp else i for i, (kp, _) in enumerate(kids_with_keys)]
         # named children only when the names are distinct strings (keys turned into strings
         # may collide: 1.0 and "1.0"); else by position
@@ -125,17 +142,22 @@ def walk(tree: Any, is_leaf: Callable[[Any], bool], *, what: str = "tree") -> No
         kind = "dict" if named else "list"
         if kind == "list":
             keys = list(range(len(keys)))
-        kids = [go(v, (*path, k)) for k, (_, v) in zip(keys, kids_with_keys)]
+        kids = [
+            go(v, (*path, k), var or variable, module) for k, (_, v) in zip(keys, kids_with_keys)
+        ]
         name = f"{type(x).__module__}.{type(x).__qualname__}"[:MAX_TYPE_NAME]
         return Node(kind, keys, kids, path=path, typename=name, treedef=treedef)
 
-    return go(tree, ())
+    return go(tree, (), None, None)
 
 
 def to_json(node: Node, leaf_record: Callable[[Node], dict[str, Any]]) -> dict[str, Any]:
     """The JSON form of a walked tree; leaf records come from ``leaf_record``."""
     if node.kind == "leaf":
-        return {"kind": "leaf", **leaf_record(node)}
+        rec = {"kind": "leaf", **leaf_record(node)}
+        if node.variable is not None:
+            rec["variable"] = node.variable
+        return rec
     out: dict[str, Any] = {"kind": node.kind}
     if node.kind == "dict":
         out["keys"] = list(node.keys)

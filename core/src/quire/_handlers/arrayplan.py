@@ -14,6 +14,7 @@ from quire._format.bounds import MAX_CLAIMED_BYTES
 from quire._format.dtypes import dtype_from_name, dtype_name
 from quire._format.tree import keystr
 from quire._handlers import codecs as _codecs
+from quire._handlers.meshes import sharding_json
 from quire._handlers.replicas import Writers, piece_source
 from quire._handlers.zarr_layout import ArrayLayout, inner_chunks_for
 from quire._runtime.config import current
@@ -49,23 +50,6 @@ def _cast(f: Callable[[], np.ndarray], dtype: np.dtype[Any]) -> Callable[[], np.
     return lambda: f().astype(dtype)
 
 
-def _sharding_json(s: Any) -> dict[str, Any] | None:
-    if isinstance(s, jax.sharding.NamedSharding):
-        # axis names as strings on both sides (JAX takes any hashable name)
-        spec = [
-            None if p is None else [str(a) for a in p] if isinstance(p, tuple) else str(p)
-            for p in s.spec
-        ]
-        return {
-            "type": "named",
-            "mesh": {str(k): int(v) for k, v in s.mesh.shape.items()},
-            "spec": spec,
-        }
-    if isinstance(s, jax.sharding.SingleDeviceSharding):
-        return {"type": "single"}
-    return {"type": type(s).__name__}
-
-
 def _plan(
     value: Any,
     storage: Any,
@@ -85,7 +69,7 @@ def _plan(
             writers.chunk_shape,
             [(c, piece_source(value, writers.chunk_shape, c, stage)) for c in writers.mine],
             not on_cpu,
-            _sharding_json(value.sharding),
+            sharding_json(value.sharding),
         )
     elif isinstance(value, jax.Array):
         shape = tuple(value.shape)
@@ -115,7 +99,7 @@ def _plan(
                 )
             chunk = shape
             owned = [(tuple(0 for _ in shape), _host(value))]
-        plan = _Plan(shape, src, chunk, owned, not on_cpu, _sharding_json(sharding))
+        plan = _Plan(shape, src, chunk, owned, not on_cpu, sharding_json(sharding))
     else:
         arr = np.asarray(value)
         swapped = not arr.dtype.isnative and arr.dtype.kind in "iufc"

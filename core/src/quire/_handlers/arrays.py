@@ -23,6 +23,7 @@ from quire._handlers.arrayplan import (
 )
 from quire._handlers.arraysnap import snapshot_plans
 from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
+from quire._handlers.meshes import saved_sharding
 from quire._handlers.zarr_io import (
     ArrayLayout,
     ChunkError,
@@ -326,7 +327,7 @@ class ArrayHandler:
             return arr
         sharding = getattr(target, "sharding", None) if target is not None else None
         if sharding is None or isinstance(target, type):
-            sharding = self._default_sharding(e.record)
+            sharding = saved_sharding(e.record)
         idx_map = sharding.addressable_devices_indices_map(shape)
         regions: dict[tuple[tuple[int, int], ...], list[Any]] = {}
         for dev, idx in idx_map.items():
@@ -403,18 +404,6 @@ class ArrayHandler:
                 f"this machine's {mem} bytes of memory; refusing to allocate. If the checkpoint is "
                 "genuine, load it sharded over more devices/processes or leave it out (partial=True)"
             )
-
-    def _default_sharding(self, rec: Mapping[str, Any]) -> Any:
-        s = rec.get("sharding") or {}
-        if s.get("type") == "named" and jax.process_count() == 1:
-            mesh_shape = s.get("mesh") or {}
-            sizes = [int(v) for v in mesh_shape.values()]
-            if math.prod(sizes) == jax.device_count():
-                devs = np.array(jax.devices()).reshape(sizes)
-                mesh = jax.sharding.Mesh(devs, tuple(mesh_shape))
-                spec = [tuple(p) if isinstance(p, list) else p for p in s.get("spec", [])]
-                return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
     async def _load_one(self, e: LoadEntry, ctx: LoadContext) -> Any:
         kind = _target_kind(e.target, self.id)

@@ -18,6 +18,24 @@ from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry
 from quire.errors import CorruptCheckpointError, UnsupportedLeafError
 
 
+def key_impl_name(value: Any) -> str | None:
+    """The PRNG implementation's name (``"threefry2x32"``, ``"rbg"``, ...) of a typed key
+    array or ``jax.ShapeDtypeStruct`` of one; None for anything else."""
+    dtype = getattr(value, "dtype", None)
+    try:
+        if dtype is None or not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            return None
+    except TypeError:
+        return None
+    impl: Any = (
+        jax.random.key_impl(value)
+        if isinstance(value, jax.Array)
+        else getattr(dtype, "_impl", None)  # a ShapeDtypeStruct: key_impl takes arrays only
+    )
+    name = getattr(impl, "name", impl)
+    return str(name) if name is not None else None
+
+
 class JaxArrayHandler(ArrayHandler):
     """``jax.Array`` leaves with any sharding over the process's devices."""
 
@@ -82,6 +100,39 @@ class PRNGKeyHandler(ArrayHandler):
 
     def _record_shape(self, rec: Mapping[str, Any]) -> tuple[int, ...]:
         return tuple(rec.get("key_shape", rec["shape"]))
+
+    def check(self, entry: LoadEntry) -> str | None:
+        """Why ``entry``'s target cannot receive the saved keys, or None: a target that is
+        not a typed key array, keys of another implementation (their bits mean nothing to
+        it), or another shape.
+
+        Parameters
+        ----------
+        entry : LoadEntry
+            The saved record and the target leaf.
+        """
+        t = entry.target
+        shape = getattr(t, "shape", None)
+        if shape is None or isinstance(t, type):
+            return None
+        impl, saved = entry.record.get("impl"), self._record_shape(entry.record)
+        want = key_impl_name(t)
+        what = f"saved {impl} PRNG keys of shape {saved}"
+        if want is None:
+            return (
+                f"{what}, target {getattr(t, 'dtype', '?')} of shape {tuple(shape)}, not a typed "
+                f"key: make the target a key (jax.random.key(0, impl={impl!r}) or its "
+                "jax.eval_shape), or load without one and take jax.random.key_data"
+            )
+        if want != impl:
+            return (
+                f"{what}, target {want} keys: a key's bits mean nothing to another "
+                f"implementation; make the target {impl} keys (jax.random.key(0, impl={impl!r})) "
+                "or start this run from fresh keys"
+            )
+        if tuple(shape) != saved:
+            return f"{what}, target {want} keys of shape {tuple(shape)}"
+        return None
 
     async def _load_one(self, e: LoadEntry, ctx: LoadContext) -> Any:
         impl = e.record.get("impl")

@@ -22,6 +22,8 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+import jax
+
 T = TypeVar("T")
 
 _lock = threading.Lock()
@@ -31,6 +33,18 @@ _background_pool: concurrent.futures.ThreadPoolExecutor | None = None
 _background: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "quire_background", default=False
 )
+# JAX's mesh in context (``jax.set_mesh``) of the thread that submitted the work: JAX keeps
+# it per thread, so quire's loop would not see it otherwise.
+_mesh: contextvars.ContextVar[Any] = contextvars.ContextVar("quire_jax_mesh", default=None)
+
+
+def caller_mesh() -> Any:
+    """The ``jax.sharding.Mesh`` in context where the current operation was called (set by
+    ``with jax.set_mesh(mesh):``; carried over by :func:`submit`), or None."""
+    got = _mesh.get()
+    if got is None:
+        got = jax.sharding.get_mesh()
+    return None if got is None or got.empty else got
 
 
 def io_threads() -> int:
@@ -196,7 +210,8 @@ def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
 
     The coroutine runs in a copy of the caller's :mod:`contextvars` context (the callback
     ``run_coroutine_threadsafe`` schedules captures it, and the task copies it), so the
-    ``quire.Context`` in effect at the call applies to the whole operation.
+    ``quire.Context`` in effect at the call applies to the whole operation; so does JAX's
+    mesh in context (:func:`caller_mesh`), which JAX keeps per thread.
     """
     lp = loop()
     try:
@@ -211,7 +226,11 @@ def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         # UnitIO) must not have that coroutine's blocking work queue behind it in the
         # small background pool, which it may be filling: that work runs in the I/O pool.
         coro = _in_foreground(coro)
-    return asyncio.run_coroutine_threadsafe(coro, lp)
+    token = _mesh.set(caller_mesh())
+    try:
+        return asyncio.run_coroutine_threadsafe(coro, lp)
+    finally:
+        _mesh.reset(token)
 
 
 async def _in_foreground(aw: Awaitable[T]) -> T:

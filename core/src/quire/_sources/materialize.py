@@ -20,6 +20,7 @@ import numpy as np
 
 from quire._engine.load import pair_with_target
 from quire._format.tree import Node, keystr, walk
+from quire._handlers.meshes import Placer, is_abstract
 from quire._runtime import ioloop as _io
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
@@ -29,7 +30,7 @@ from quire._sources.base import Source
 from quire._sources.lazy import LazyValue, Region, full_region, install_materializer
 from quire._sources.opening import open as open_source
 from quire._sources.partition import sharding_for, sharding_table
-from quire.errors import QuireError
+from quire.errors import QuireError, TreeMismatchError
 
 __all__ = ["load_and_transform", "materialize_leaf"]
 
@@ -110,6 +111,11 @@ async def materialize_leaf(
     out_dtype = np.dtype(dtype) if dtype is not None else v.dtype
     budget = budget or ByteBudget(current().byte_budget)
     shape = v.shape
+    if is_abstract(sharding):  # LazyArray.read(sharding=...) of an eval_shape target
+        sharding, why = Placer(saved_shardings([v])).sharding(sharding)
+        if why is not None:
+            where = ", ".join(sorted({f"{s.url}:{s.key}" for s in v.sources()})) or "a value"
+            raise TreeMismatchError(f"reading {where}: {why}", mismatched=[why])
     if sharding is None:
         a, need = await _read_cast(v, full_region(shape), out_dtype, budget)
         await budget.release(need)  # handed to the caller
@@ -164,6 +170,17 @@ install_materializer(materialize_leaf)  # LazyValue.read runs it: _lazy sits bel
 
 
 # ----------------------------------------------------------------------------- transform
+def saved_shardings(values: Any) -> list[Any]:
+    """The sharding records the lazy values among ``values`` were saved with, where their
+    source says (quire's own: ``saved_sharding`` of its readers)."""
+    return [
+        getattr(s.reader, "saved_sharding", None)
+        for v in values
+        if isinstance(v, LazyValue)
+        for s in v.sources()
+    ]
+
+
 def _is_value_leaf(x: Any) -> bool:
     return isinstance(x, LazyValue) or not isinstance(x, dict | list | tuple)
 
@@ -226,12 +243,19 @@ async def materialize_tree(
     vroot = walk(value_tree, _is_value_leaf, what=what)
     vleaves = {n.path: n.value for n in vroot.leaves()}
     table = sharding_table(shardings)
+    placed: dict[int, Any] = {}
     if abstract is None:
         troot = vroot
         pairs = [(n, n.value, None) for n in vroot.leaves()]
     else:
+        # Targets on an abstract mesh (jax.eval_shape of a sharded state) made concrete.
+        placer = Placer(saved_shardings(vleaves.values()))
 
         def check(t: Node, v: Any) -> str | None:
+            target, why = placer.target(t.value)
+            if why is not None:
+                return why
+            placed[id(t)] = target
             want, got = getattr(t.value, "shape", None), getattr(v, "shape", None)
             if v is None and want is not None:
                 return f"the transform gave None, target shape {want}"
@@ -247,6 +271,7 @@ async def materialize_tree(
         troot, pairs = pair_with_target(
             vleaves, abstract, partial=partial, check=check, subject=f"the {what}"
         )
+        pairs = [(n, v, placed.get(id(n), target)) for n, v, target in pairs]
     budget = ByteBudget(current().byte_budget)
     results: dict[int, Any] = {}
 

@@ -38,9 +38,13 @@ LAZY_HANDLERS = ("numpy", "jax")
 
 
 class _Reader:
+    """Regions of one array leaf; ``saved_sharding`` is its sharding record (a target on an
+    abstract mesh resolves against it: ``quire._handlers.meshes``)."""
+
     def __init__(self, src: QuireSource, backend: Backend, rec: dict[str, Any], path: Any) -> None:
         self.src, self.backend, self.rec, self.path = src, backend, rec, path
         self.layout = layout_from_record(rec, src.url)
+        self.saved_sharding = rec.get("sharding")
 
     async def read_region(self, region: Region) -> np.ndarray:
         out = np.empty(region_shape(region), self.layout.dtype)
