@@ -27,7 +27,8 @@ import pytest
 
 _BEFORE = pytest.StashKey[dict[str, Any]]()
 # Environment variables that are not a test's doing: pytest's own, and those libraries set
-# for themselves once per process on first import (jax: TPU_SKIP_MDS_QUERY).
+# for themselves once per process on first use (jax: TPU_SKIP_MDS_QUERY; torch's compiler:
+# TORCHINDUCTOR_CACHE_DIR).
 _ENV_NOT_A_TESTS_DOING = frozenset(
     {
         "PYTEST_CURRENT_TEST",
@@ -35,6 +36,7 @@ _ENV_NOT_A_TESTS_DOING = frozenset(
         "TF_CPP_MIN_LOG_LEVEL",
         "GRPC_ENABLE_FORK_SUPPORT",
         "TPU_SKIP_MDS_QUERY",
+        "TORCHINDUCTOR_CACHE_DIR",
     }
 )
 
@@ -44,6 +46,10 @@ def _quire_loop_tasks() -> list[str]:
     loop = getattr(io, "_loop", None) if io is not None else None
     if loop is None or loop.is_closed():
         return []
+    # Work submitted from another thread becomes a task only when the loop next runs its
+    # callbacks: let it run them once, so nothing submitted is missed.
+    if loop.is_running():
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=30)
     try:
         tasks = asyncio.all_tasks(loop)
     except RuntimeError:  # the set changed while it was copied: look again
@@ -112,8 +118,9 @@ def _diff(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
         if what == "fsspec registry" and a is None:
             continue  # fsspec imported by this test: registering on import is its own doing
         if what == "loggers" and isinstance(a, dict) and isinstance(b, dict):
-            # A logger made during the test starts at NOTSET (0): any other level was set.
-            changed = {k: (a.get(k, 0), b[k]) for k in b if a.get(k, 0) != b[k]}
+            # Loggers that existed before: a library that makes its own logger on first use
+            # (werkzeug, flask_cors under moto) may set its level; nobody else's changes.
+            changed = {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]}
             out += [f"logger {k or 'root'!r} level {x} -> {y}" for k, (x, y) in changed.items()]
             continue
         if isinstance(a, dict) and isinstance(b, dict):

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LEAKY = """
 import logging, os
 import fsspec.config
+import quire  # its loggers exist before the tests run
 
 def test_sets_an_environment_variable():
     os.environ["QUIRE_ISOLATION_PROBE"] = "left behind"

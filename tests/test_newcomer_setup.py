@@ -105,6 +105,7 @@ def test_demo_uses_the_public_api_and_leaves_nothing_behind(tmp_path: Path) -> N
 def test_the_suite_fails_when_it_leaves_quire_temp_dirs(tmp_path: Path) -> None:
     """The root conftest's check, run on a tiny suite that leaks one folder."""
     shutil.copy(REPO / "conftest.py", tmp_path / "conftest.py")
+    shutil.copy(REPO / "isolation_guard.py", tmp_path / "isolation_guard.py")
     (tmp_path / "test_leak.py").write_text(
         "import tempfile as t\n\n"  # (not spelled out: test_newcomer scans for it)
         "def test_leaks():\n    t.mkdtemp(prefix='quire-leaky-')\n\n"

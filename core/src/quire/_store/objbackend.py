@@ -10,11 +10,9 @@ from __future__ import annotations
 import abc
 import asyncio
 import builtins
-import contextvars
 import errno
 import logging
 import socket
-import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -22,6 +20,7 @@ from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._store import objstore
 from quire._store.base import Backend, Buffer, Capabilities, PreconditionFailed
+from quire._store.objclients import ClientCache, bounded
 from quire._store.objerrors import ErrorMapping
 from quire._store.objstore import (
     NO_SUCH_NAME,
@@ -32,16 +31,11 @@ from quire._store.objstore import (
     RetryPolicy,
     name_resolution_error,
     retrying,
-    strip_userinfo,
 )
 from quire._store.objwrites import UploadHelpers
 
 T = TypeVar("T")
 MiB = 1 << 20
-# Set inside an attempt of :meth:`ObjectStoreBackend.run` (a nested request takes no slot).
-_in_attempt: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "quire_in_attempt", default=False
-)
 
 
 class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
@@ -108,18 +102,18 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
     #: Requests one client may have in flight (keep it at most its connection pool's size:
     #: a request waits for a slot before its deadline starts).
     max_requests: int = 64
-    _client_cache: ClassVar[objstore.ClientCache]
+    _client_cache: ClassVar[ClientCache]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # One cache (one shared client per option set on quire's loop) per backend class.
-        cls._client_cache = objstore.ClientCache(cls.new_client, cls.close_client)
+        cls._client_cache = ClientCache(cls.new_client, cls.close_client)
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         super().__init__(url, storage_options)
         self.bucket, self.root = objstore.split_bucket_url(url)
         opts = dict(self.storage_options)
-        found = self._strip_endpoint_credentials(opts)
+        found = objstore.strip_endpoint_credentials(opts, f"{self.scheme}://{self.bucket}")
         self.storage_options = dict(opts)  # as callers see it: no credentials in URLs
         self.retry = RetryPolicy.pop_from(opts)
         self.upload_budget = int(opts.pop("upload_budget", current().byte_budget))
@@ -127,10 +121,7 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
         self.request_timeout = float(opts.pop("request_timeout", 60.0))
         self.request_min_rate = float(opts.pop("request_min_rate", MiB))
         if not (self.request_timeout > 0 and self.request_min_rate > 0):
-            raise ValueError(
-                f"{url}: request_timeout and request_min_rate must be positive "
-                f"(got {self.request_timeout}, {self.request_min_rate})"
-            )
+            raise ValueError(f"{url}: request_timeout and request_min_rate must be positive")
         self._secret_values = self.secret_values(opts) + found
         self._options = self.configure(opts)
         self._token = repr(sorted(self._options.items(), key=lambda kv: kv[0]))
@@ -139,28 +130,6 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._private = False
         self._budget: ByteBudget | None = None
-
-    def _strip_endpoint_credentials(self, opts: dict[str, Any]) -> list[str]:
-        found: list[str] = []
-        ck = opts.get("client_kwargs")
-        for holder in (opts, ck if isinstance(ck, dict) else None):
-            url = holder.get("endpoint_url") if holder is not None else None
-            if holder is None or not isinstance(url, str):
-                continue
-            clean, parts = strip_userinfo(url)
-            if parts:
-                if holder is ck:
-                    holder = opts["client_kwargs"] = dict(ck)
-                holder["endpoint_url"] = clean
-                found += parts
-                warnings.warn(
-                    f"{self.scheme}://{self.bucket}: endpoint_url {clean} carried user:password@; "
-                    "it was removed (credentials in a URL end up in logs): pass them as "
-                    "storage options instead",
-                    UserWarning,
-                    stacklevel=4,
-                )
-        return found
 
     # -- hooks: configuration and clients -----------------------------------------------
     def configure(self, options: dict[str, Any]) -> dict[str, Any]:
@@ -246,6 +215,11 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
             self._loop = loop
             self._budget = ByteBudget(self.upload_budget)
 
+    def _request_slots(self) -> asyncio.Semaphore:
+        self._bind()
+        assert self._slots is not None
+        return self._slots
+
     async def close(self) -> None:
         if self._fs is not None:
             await self._client_cache.release(self._fs, self._private)
@@ -253,12 +227,10 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
 
     # -- retries -------------------------------------------------------------------------
     def request_deadline(self, nbytes: int = 0) -> float:
-        """Seconds one attempt of a request moving ``nbytes`` may take, all of it: a
-        connection from the pool, the body sent, the whole reply read
-        (``request_timeout + nbytes / request_min_rate``).
-
-        :meth:`run` applies it to every attempt; a request made outside :meth:`run` (a
-        clean-up after a failure) should run under ``asyncio.timeout`` of it too.
+        """Seconds one attempt of a request moving ``nbytes`` may take, all of it (pooled
+        connection, body sent, whole reply read): ``request_timeout + nbytes /
+        request_min_rate``.  :meth:`run` applies it to every attempt; wrap a clean-up
+        request made outside :meth:`run` in ``asyncio.timeout`` of it.
 
         Parameters
         ----------
@@ -277,8 +249,8 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
     ) -> T:
         """``await attempt(n)`` with retries; permanent failures become typed errors.
 
-        Each attempt runs under :meth:`request_deadline` of ``nbytes``: one that has not
-        ended by then is cancelled and counts as a transient failure (a timeout).
+        Each attempt runs under :meth:`request_deadline` of ``nbytes``, or is cancelled and
+        counts as a transient failure (a timeout).
 
         Parameters
         ----------
@@ -316,29 +288,10 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
                 )
             return isinstance(e, AttemptTimeout) or self.is_transient(e)
 
-        limit = self.request_deadline(nbytes)
-        self._bind()
-        slots = self._slots
-        assert slots is not None
+        limit, slots = self.request_deadline(nbytes), self._request_slots()
 
-        async def timed(n: int) -> T:
-            token = _in_attempt.set(True)
-            try:
-                async with asyncio.timeout(limit):
-                    return await attempt(n)
-            except TimeoutError as e:
-                # Ours, or the client's own timeout: both mean "no answer in time".
-                raise AttemptTimeout(limit) from e
-            finally:
-                _in_attempt.reset(token)
-
-        async def bounded(n: int) -> T:
-            # A request made inside another's attempt (the read-back of a conditional
-            # write) runs in that one's slot, under both deadlines.
-            if _in_attempt.get():
-                return await timed(n)
-            async with slots:
-                return await timed(n)
+        def attempt_in_time(n: int) -> Awaitable[T]:
+            return bounded(attempt, n, limit, slots)
 
         def on_retry(n: int, pause: float, e: BaseException) -> None:
             self.log.info(
@@ -351,7 +304,7 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
             )
 
         try:
-            return await retrying(bounded, self.retry, transient, on_retry)
+            return await retrying(attempt_in_time, self.retry, transient, on_retry)
         except PreconditionFailed:
             raise
         except Exception as e:

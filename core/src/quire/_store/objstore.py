@@ -2,8 +2,6 @@
 
 * :class:`RetryPolicy` and :func:`retrying`: transient failures retried with jittered
   exponential backoff until a deadline;
-* :class:`ClientCache`: one client (file system, connection pool) per option set on
-  quire's event loop, closed at exit; a private one on any other loop;
 * buffer helpers: flat views of the buffers a backend is handed, byte-range slices of
   them without copying, reading a response stream into them, a large ranged read as
   concurrent spans;
@@ -16,16 +14,14 @@
 from __future__ import annotations
 
 import asyncio
-import atexit
-import contextlib
 import random
 import socket
+import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from quire._runtime import ioloop as _io
 from quire._store.base import Buffer
 
 T = TypeVar("T")
@@ -220,6 +216,38 @@ def strip_userinfo(url: str) -> tuple[str, list[str]]:
     return urlunsplit(parts._replace(netloc=netloc)), [s for s in (user, password) if s]
 
 
+def strip_endpoint_credentials(opts: dict[str, Any], where: str) -> list[str]:
+    """Remove ``user:password@`` from ``opts``' ``endpoint_url`` (top level or in
+    ``client_kwargs``, copied before it is changed), with a warning; the parts removed.
+
+    Parameters
+    ----------
+    opts : dict
+        Storage options, changed in place.
+    where : str
+        ``scheme://bucket``, for the warning.
+    """
+    found: list[str] = []
+    ck = opts.get("client_kwargs")
+    for holder in (opts, ck if isinstance(ck, dict) else None):
+        url = holder.get("endpoint_url") if holder is not None else None
+        if holder is None or not isinstance(url, str):
+            continue
+        clean, parts = strip_userinfo(url)
+        if parts:
+            if holder is ck:
+                holder = opts["client_kwargs"] = dict(ck)
+            holder["endpoint_url"] = clean
+            found += parts
+            warnings.warn(
+                f"{where}: endpoint_url {clean} carried user:password@; it was removed "
+                "(credentials in a URL end up in logs): pass them as storage options instead",
+                UserWarning,
+                stacklevel=4,
+            )
+    return found
+
+
 def name_resolution_error(e: BaseException) -> socket.gaierror | None:
     """The :class:`socket.gaierror` behind ``e`` (its cause chain, or the ``os_error`` /
     ``error`` attributes aiohttp and botocore wrap it in), or None."""
@@ -237,65 +265,6 @@ def name_resolution_error(e: BaseException) -> socket.gaierror | None:
         if isinstance(kwargs, dict):
             todo.append(kwargs.get("error"))
     return None
-
-
-# ----------------------------------------------------------------------------- clients
-class ClientCache:
-    """Clients by option set: shared on quire's event loop, private elsewhere.
-
-    Every save and load runs on quire's loop; building a client costs ~0.2 s and a pool of
-    warm connections is what makes many small requests fast, so one client per distinct
-    option set (``token``) lives there for the process, closed at exit.  Changes to the
-    environment or to fsspec's config after the first use of an option set are not seen
-    by its client.  On any other loop each backend gets its own, closed by ``close()``.
-
-    Each client comes with a semaphore of request slots, shared by every backend using
-    it: a request waits for a slot *before* its deadline starts, so waiting behind other
-    requests for one of the client's pooled connections never counts as a timeout.
-    """
-
-    def __init__(
-        self,
-        factory: Callable[[dict[str, Any]], Any],
-        close: Callable[[Any], Coroutine[Any, Any, None]],
-    ) -> None:
-        self._factory = factory
-        self._close = close
-        self._shared: dict[str, tuple[asyncio.AbstractEventLoop, Any, asyncio.Semaphore]] = {}
-        atexit.register(self.close_shared)
-
-    def get(
-        self, options: dict[str, Any], token: str, slots: int
-    ) -> tuple[Any, asyncio.Semaphore, bool]:
-        """``(client, request slots, private)`` for the running loop.
-
-        Parameters
-        ----------
-        options, token : dict, str
-            The client's options and their identity.
-        slots : int
-            Requests the client may have in flight (at most its connection pool's size).
-        """
-        loop = asyncio.get_running_loop()
-        if loop is not getattr(_io, "_loop", None):
-            return self._factory(options), asyncio.Semaphore(slots), True
-        hit = self._shared.get(token)
-        if hit is None or hit[0] is not loop:
-            hit = (loop, self._factory(options), asyncio.Semaphore(slots))
-            self._shared[token] = hit
-        return hit[1], hit[2], False
-
-    async def release(self, client: Any, private: bool) -> None:
-        if private:
-            await self._close(client)
-
-    def close_shared(self) -> None:
-        for loop, client, _slots in list(self._shared.values()):
-            if loop.is_running() and not loop.is_closed():
-                fut = asyncio.run_coroutine_threadsafe(self._close(client), loop)
-                with contextlib.suppress(Exception):  # broad: at exit, closing is best effort
-                    fut.result(timeout=2)
-        self._shared.clear()
 
 
 # ----------------------------------------------------------------------------- buffers
