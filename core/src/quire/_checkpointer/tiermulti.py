@@ -119,6 +119,7 @@ class Spread:
                 tier.spec.peer_host,
                 self._timeout(),
                 domain_of(tier.spec.failure_domain),
+                tier.spec.peer_tls,
             )
         tier.inner._spread = self.name
         tier.inner._primary = True  # each process owns its root: retention, gc, root record
