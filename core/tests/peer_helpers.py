@@ -60,6 +60,16 @@ def tls_connect(
     return creds.client_context.wrap_socket(sock)
 
 
+def read_exact(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes from ``sock`` (a raw client's view of an answer), however they arrive."""
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        assert chunk, f"closed after {len(out)} of {n} bytes"
+        out += chunk
+    return bytes(out)
+
+
 def fake_peer(behave: Callable[[socket.socket], None]) -> Iterator[tuple[str, int]]:
     """A TCP listener on 127.0.0.1 that runs ``behave(conn)`` per accepted connection
     (iterate once: yields its address, closes it after)."""

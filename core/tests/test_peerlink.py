@@ -20,12 +20,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from peer_helpers import BIG, fake_peer, flip_at, make_tier, relay, snapshot, tls_connect
+from peer_helpers import (
+    BIG,
+    fake_peer,
+    flip_at,
+    make_tier,
+    read_exact,
+    relay,
+    snapshot,
+    tls_connect,
+)
 
 from quire._runtime import peerlink
 from quire._runtime.collective import ring_shift
 from quire._runtime.peertls import Credentials
-from quire._runtime.peerwire import ANS, MAX_PATH_BYTES, REQ, recv
+from quire._runtime.peerwire import ANS, MAX_PATH_BYTES, REQ
 from quire.errors import MultiProcessError, PeerError
 
 
@@ -138,9 +147,9 @@ def test_oversize_or_unknown_requests_are_refused_unread(
     for head in (REQ.pack(b"G", MAX_PATH_BYTES + 1, 10, 0, 0), REQ.pack(b"X", 1, 10, 0, 0)):
         with tls_connect(server.address, creds) as sock:
             sock.sendall(head)
-            status, n = ANS.unpack(recv(sock, ANS.size, time.monotonic() + 5))
+            status, n = ANS.unpack(read_exact(sock, ANS.size))
             assert status == b"R"
-            recv(sock, n, time.monotonic() + 5)
+            read_exact(sock, n)
             assert sock.recv(10) == b""  # and the server hung up
     assert "oversize request" in caplog.text and "unknown request" in caplog.text
     with pytest.raises(PeerError, match=f"at most {MAX_PATH_BYTES}"):

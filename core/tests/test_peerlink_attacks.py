@@ -28,12 +28,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from peer_helpers import BIG, fake_peer, flip_at, make_tier, relay, run_of, tls_connect
+from peer_helpers import BIG, fake_peer, flip_at, make_tier, read_exact, relay, run_of, tls_connect
 
 from quire._runtime import peerlink
 from quire._runtime.peerserve import _Warnings
 from quire._runtime.peertls import Credentials, Identity
-from quire._runtime.peerwire import ANS, REQ, recv
+from quire._runtime.peerwire import ANS, REQ
 from quire.errors import PeerError
 
 RUN, CERTS = run_of(2)  # processes 0 and 1 of one run
@@ -239,8 +239,8 @@ def test_a_request_split_over_records_and_segments_is_read_whole(
         sock.sendall(message[:cut])
         time.sleep(0.2)  # the server has read the first piece alone
         sock.sendall(message[cut:])
-        status, n = ANS.unpack(recv(sock, ANS.size, time.monotonic() + 5))
-        assert (status, recv(sock, n, time.monotonic() + 5)) == (b"O", b'{"a": 1}')
+        status, n = ANS.unpack(read_exact(sock, ANS.size))
+        assert (status, read_exact(sock, n)) == (b"O", b'{"a": 1}')
     assert server.requests == 1
 
 

@@ -14,17 +14,7 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from quire._runtime.peertls import Pinned
-from quire._runtime.peerwire import (
-    ANS,
-    BLOCK,
-    MAX_PATH_BYTES,
-    MAX_REASON,
-    REQ,
-    Closed,
-    recv,
-    recv_into,
-    send_all,
-)
+from quire._runtime.peerwire import ANS, BLOCK, MAX_PATH_BYTES, MAX_REASON, REQ, Closed, TLSStream
 from quire.errors import PeerError
 
 __all__ = ["Conversation", "LocalWrite", "Pool", "converse"]
@@ -44,7 +34,7 @@ class Conversation:
     """One TLS connection's requests; ``deadline`` and ``fail`` are those of the call it
     serves now (a pooled connection serves several)."""
 
-    def __init__(self, sock: ssl.SSLSocket, deadline: float, fail: Any) -> None:
+    def __init__(self, sock: TLSStream, deadline: float, fail: Any) -> None:
         self.sock, self.deadline, self.fail = sock, deadline, fail
         self.current = ""
         self.answering = False  # an answer's first byte has arrived for the current request
@@ -69,10 +59,10 @@ class Conversation:
             )
         start, end = span if span is not None else (0, 0)
         op = b"G" if span is None else b"R"
-        send_all(sock, REQ.pack(op, len(raw), max(0, limit), start, end) + raw, deadline)
-        ahead = recv(sock, 1, deadline)
+        sock.send_all(REQ.pack(op, len(raw), max(0, limit), start, end) + raw, deadline)
+        ahead = sock.recv(1, deadline)
         self.answering = True
-        status, n = ANS.unpack(ahead + recv(sock, ANS.size - 1, deadline))
+        status, n = ANS.unpack(ahead + sock.recv(ANS.size - 1, deadline))
         want = None if span is None else end - start
         if (
             status not in (b"O", b"R")
@@ -85,23 +75,23 @@ class Conversation:
                 hostile=True,
             )
         if status == b"R":
-            reason = recv(sock, n, deadline).decode("utf-8", "replace")
+            reason = sock.recv(n, deadline).decode("utf-8", "replace")
             raise fail(
                 f"refused: {reason}",
                 "the peer does not serve that file: read it from another holder",
             )
         if isinstance(into, list):  # straight into the caller's memory
             for v in into:
-                recv_into(sock, v.cast("B") if v.format != "B" or v.ndim != 1 else v, deadline)
+                sock.recv_into(v, deadline)
             return n
         if into is None:
             buf = bytearray(n)
-            recv_into(sock, memoryview(buf), deadline)
+            sock.recv_into(memoryview(buf), deadline)
             return bytes(buf)
         block = memoryview(bytearray(min(BLOCK, n)))
         for lo in range(0, n, BLOCK):
             piece = block[: min(BLOCK, n - lo)]
-            recv_into(sock, piece, deadline)
+            sock.recv_into(piece, deadline)
             try:
                 done = 0
                 while done < len(piece):  # a raw file may write part of it
@@ -111,7 +101,7 @@ class Conversation:
         return n
 
 
-def _handshake(address: tuple[str, int], peer: Pinned, deadline: float, fail: Any) -> ssl.SSLSocket:
+def _handshake(address: tuple[str, int], peer: Pinned, deadline: float, fail: Any) -> TLSStream:
     """A TLS connection to ``address`` that is process ``peer.index`` (checked), asking
     again while the server closes new connections unanswered (every slot taken)."""
     pause = _BUSY_FIRST
@@ -119,15 +109,10 @@ def _handshake(address: tuple[str, int], peer: Pinned, deadline: float, fail: An
         sock = socket.create_connection(address, timeout=max(0.001, deadline - time.monotonic()))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            tls = peer.context.wrap_socket(sock, do_handshake_on_connect=False)
-        except BaseException:
-            sock.close()
-            raise
-        try:
-            tls.settimeout(max(0.001, deadline - time.monotonic()))
-            tls.do_handshake()  # one deadline for the whole handshake
+            tls = TLSStream(sock, peer.context, server_side=False)
+            tls.handshake(deadline)
         except (ssl.SSLEOFError, ConnectionResetError, BrokenPipeError):
-            tls.close()  # closed before any TLS byte: the server is full; again, if in time
+            sock.close()  # closed before any TLS byte: the server is full; again, if in time
             if time.monotonic() + pause >= deadline:
                 raise fail(
                     "the peer kept closing new connections unanswered (all its connection "
@@ -138,7 +123,7 @@ def _handshake(address: tuple[str, int], peer: Pinned, deadline: float, fail: An
             pause = min(_BUSY_MAX, 2 * pause)
             continue
         except ssl.SSLCertVerificationError as e:
-            tls.close()
+            sock.close()
             raise fail(
                 f"its TLS certificate is not one of this run's ({e.verify_message})",
                 f"a man in the middle, or not process {peer.index} of this run: check the "
@@ -146,18 +131,18 @@ def _handshake(address: tuple[str, int], peer: Pinned, deadline: float, fail: An
                 hostile=True,
             ) from None
         except ssl.SSLError as e:
-            tls.close()
+            sock.close()
             raise fail(
                 f"TLS 1.3 handshake failed ({e})",
                 "is it a quire peer of this run (TLS 1.3, certificates of the run)?",
                 hostile=True,
             ) from None
         except BaseException:
-            tls.close()
+            sock.close()
             raise
         why = peer.check(tls)
         if why is not None:
-            tls.close()
+            sock.close()
             raise fail(why, "check the address it published", hostile=True)
         return tls
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from quire._runtime.peerfiles import Files, FsspecFiles, LocalFiles, Refused
 from quire._runtime.peertls import Credentials
-from quire._runtime.peerwire import ANS, BLOCK, MAX_PATH_BYTES, REQ, Closed, recv, send_all
+from quire._runtime.peerwire import ANS, BLOCK, MAX_PATH_BYTES, REQ, Closed, TLSStream
 
 __all__ = ["Files", "FsspecFiles", "LocalFiles", "PeerServer"]
 
@@ -250,33 +250,18 @@ class PeerServer:
             if counter[addr] <= 0:
                 del counter[addr]
 
-    def _track(self, sock: socket.socket, old: socket.socket | None = None) -> bool:
-        with self._lock:
-            if old is not None:
-                self._open.discard(old)
-            if self._closed:
-                return False
-            self._open.add(sock)
-            return True
-
     def _serve(self, sock: socket.socket, peer: Any) -> None:
         addr, who = str(peer[0]), f"{peer[0]}:{peer[1]}"
-        conn: socket.socket = sock
         shaking = True
         try:
-            if not self._track(sock):
-                return
+            with self._lock:
+                if self._closed:
+                    return
+                self._open.add(sock)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(self._handshake_s)
+            tls = TLSStream(sock, self.credentials.server_context, server_side=True)
             try:
-                tls = self.credentials.server_context.wrap_socket(
-                    sock, server_side=True, do_handshake_on_connect=False
-                )
-                conn = tls
-                self._track(tls, sock)
-                # one deadline for the whole handshake (ssl keeps it across its reads)
-                tls.settimeout(self._handshake_s)
-                tls.do_handshake()
+                tls.handshake(time.monotonic() + self._handshake_s)
                 process = self.credentials.who(tls.getpeercert(binary_form=True))
             except OSError as e:  # ssl.SSLError and TimeoutError among them
                 self._warn(
@@ -304,21 +289,18 @@ class PeerServer:
             if shaking:
                 self._release(self._handshakes, addr)
             with self._lock:
-                self._open.discard(conn)
-            conn.close()
+                self._open.discard(sock)
+            sock.close()
             self._release(self._conns, addr)
 
-    def _request(self, sock: socket.socket, who: str) -> bool:
+    def _request(self, tls: TLSStream, who: str) -> bool:
         """Serve one request; False when the connection is over."""
-        sock.settimeout(self._idle_s)
         try:
-            first = sock.recv(1)
-        except TimeoutError:
-            return False  # idle for too long
-        if not first:
-            return False  # the client is done
+            first = tls.recv(1, time.monotonic() + self._idle_s)
+        except (TimeoutError, Closed):
+            return False  # idle for too long, or the client is done
         deadline = time.monotonic() + self._request_s
-        op, n, limit, start, end = REQ.unpack(first + recv(sock, REQ.size - 1, deadline))
+        op, n, limit, start, end = REQ.unpack(first + tls.recv(REQ.size - 1, deadline))
         path = "<unread>"
         try:
             if op not in (b"G", b"R"):
@@ -328,7 +310,7 @@ class PeerServer:
                     f"oversize request: path of {n} bytes (at most {MAX_PATH_BYTES})",
                     hang_up=True,
                 )
-            raw = recv(sock, n, deadline)
+            raw = tls.recv(n, deadline)
             path = raw.decode("utf-8", "backslashreplace")
             if op == b"R":
                 if start > end or end - start > limit:
@@ -343,14 +325,14 @@ class PeerServer:
         except Refused as r:
             self._warn("peer server %s: refused %r from %s: %s", self.root, path[:300], who, r)
             body = str(r).encode()
-            send_all(sock, ANS.pack(b"R", len(body)) + body, deadline)
+            tls.send_all(ANS.pack(b"R", len(body)) + body, deadline)
             return not r.hang_up
         with f:
             f.seek(start)
             with self._lock:  # counted before sending: a client may act on the answer at once
                 self.served += end - start
                 self.requests += 1
-            self._send_file(sock, f, end - start, deadline + (end - start) / _MIN_RATE)
+            self._send_file(tls, f, end - start, deadline + (end - start) / _MIN_RATE)
         log.debug("peer server %s: sent %r [%d, %d) to %s", self.root, path, start, end, who)
         return True
 
@@ -372,15 +354,21 @@ class PeerServer:
             raise Refused(f"range ends at byte {end}, past the end of the file ({size})")
         return f, size
 
-    def _send_file(self, sock: socket.socket, f: Any, size: int, deadline: float) -> None:
-        send_all(sock, ANS.pack(b"O", size), deadline)
+    def _send_file(self, tls: TLSStream, f: Any, size: int, deadline: float) -> None:
+        head = ANS.pack(b"O", size)
+        if not size:
+            tls.send_all(head, deadline)
+            return
         left = size
-        buf = bytearray(min(BLOCK, max(1, size)))
+        buf = bytearray(len(head) + min(BLOCK, size))
+        buf[: len(head)] = head  # the header goes out with the first block
         view = memoryview(buf)
+        at = len(head)
         while left:
-            n = f.readinto(view[: min(len(buf), left)])
+            n = f.readinto(view[at : at + min(len(buf) - at, left)])
             if not n:
                 # the file shrank under us: the client sees a short answer; hang up
                 raise Closed(f"file shrank to {size - left} bytes while being sent")
-            send_all(sock, view[:n], deadline)
+            tls.send_all(view[: at + n], deadline)
             left -= n
+            at = 0

@@ -262,9 +262,10 @@ class Pinned:
     context: ssl.SSLContext = dataclasses.field(repr=False, compare=False)
     named: bool = True  # an ephemeral certificate: its SAN names the process too
 
-    def check(self, sock: ssl.SSLSocket) -> str | None:
-        """Why the peer on ``sock`` (after the handshake) is not process :attr:`index`;
-        None when it is."""
+    def check(self, sock: Any) -> str | None:
+        """Why the peer on ``sock`` (after the handshake: an ``ssl.SSLSocket`` or
+        ``SSLObject``, anything with ``getpeercert``) is not process :attr:`index`; None
+        when it is."""
         der = sock.getpeercert(binary_form=True)
         if der is None or hashlib.sha256(der).digest() != self.fingerprint:
             return (
