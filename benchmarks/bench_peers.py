@@ -12,13 +12,14 @@ pack file of ``--mib`` MiB in their own tier directory (written, then read back 
 is in the page cache).  Each process runs a server of each transport on its directory.  The
 ways a pack moves:
 
-* **tls**: ``peerlink.fetch`` over TLS 1.3 (this checkout: ``ssl``, AES-GCM records, the
-  ephemeral certificates pinned through the key-value store);
+* **tls**: ``peerlink.fetch_into`` (a restore's read: into a buffer allocated once) over TLS
+  1.3 (this checkout: ``ssl``, AES-GCM records, the ephemeral certificates pinned through
+  the key-value store);
 * **old**: the peer link of ``--baseline-rev`` (default ``b5b9b53``, the last commit with the
   MAC framing), loaded from ``git show <rev>:core/src/quire/_runtime/peer*.py`` into a
-  temporary package: HMAC-SHA256 over requests and answer headers, the body through
-  Poly1305 under a one-time key (its fast path, taken when ``cryptography`` is importable,
-  which the benchmark checks);
+  temporary package, its ``fetch_into`` into the same buffer: HMAC-SHA256 over requests and
+  answer headers, the body through Poly1305 under a one-time key (its fast path, taken when
+  ``cryptography`` is importable, which the benchmark checks);
 * **ring_shift**: read the pack into memory, ``ring_shift(payload, shift=1)`` (a jitted
   ``ppermute`` over gloo, in rounds of ``--round-mib`` MiB; the barrier included).
 
@@ -124,7 +125,7 @@ def worker(pid: int, nproc: int, port: int, opts: dict[str, Any]) -> None:
         t, c = time.perf_counter(), cpu()
         if active:
             out = fn()
-            assert len(out) == nbytes, len(out)
+            assert (out if isinstance(out, int) else len(out)) == nbytes, out
         barrier()
         return time.perf_counter() - t, cpu() - c
 
@@ -133,8 +134,10 @@ def worker(pid: int, nproc: int, port: int, opts: dict[str, Any]) -> None:
     server = peerlink.PeerServer(tier, creds)
     peerlink.publish_address("bench/tls", server.address)
     tls_at = {j: peerlink.lookup_address("bench/tls", j, 60) for j in (prev, one_src)}
+    into = [memoryview(bytearray(nbytes))]  # one buffer, touched once: no allocation timed
+    into[0][:] = pack.read_bytes()
     ways: dict[str, Any] = {
-        "tls": lambda j: peerlink.fetch(tls_at[j], "pack", creds.peer(j), 600, nbytes),
+        "tls": lambda j: peerlink.fetch_into(tls_at[j], "pack", creds.peer(j), 600, into, 0),
     }
     old_server = None
     if opts.get("old"):
@@ -146,7 +149,7 @@ def worker(pid: int, nproc: int, port: int, opts: dict[str, Any]) -> None:
         old_server = old.PeerServer(tier, secret)
         old.publish_address("bench/old", old_server.address)
         old_at = {j: old.lookup_address("bench/old", j, 60) for j in (prev, one_src)}
-        ways["old"] = lambda j: old.fetch(old_at[j], "pack", secret, 600, nbytes)
+        ways["old"] = lambda j: old.fetch_into(old_at[j], "pack", secret, 600, into, 0)
     calls = 0
 
     def shift() -> bytes:
