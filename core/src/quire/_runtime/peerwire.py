@@ -37,7 +37,7 @@ MAX_REASON = 4 * MAX_PATH_BYTES
 REQ = struct.Struct("!cHQQQ")  # b"G" / b"R", path length, max bytes, start, end
 ANS = struct.Struct("!cQ")  # b"O" / b"R", length
 BLOCK = 1 << 20
-_READ = 1 << 20  # the most one socket read takes
+_READ = 1 << 18  # the most one socket read takes (a buffer of this size per connection)
 
 
 class Closed(Exception):
