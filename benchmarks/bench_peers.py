@@ -1,38 +1,52 @@
-"""Peer copies between JAX processes: ``ring_shift`` (a collective) against TCP ``fetch``.
+"""Peer copies between JAX processes: TLS ``fetch`` against the old MAC framing and
+``ring_shift``, in one run.
 
-Run from the repository root::
+Run from the repository root (a git checkout: the baseline is read from its history)::
 
-    .venv/bin/python benchmarks/bench_peers.py                        # 64 MiB, 2 and 4 processes, 16 MiB rounds
-    .venv/bin/python benchmarks/bench_peers.py --mib 256 --procs 2 4 --reps 3 --round-mib 16
+    .venv/bin/python benchmarks/bench_peers.py                         # 64 MiB, 2 processes
+    .venv/bin/python benchmarks/bench_peers.py --mib 256 --procs 2 4 --reps 3
+    .venv/bin/python benchmarks/bench_peers.py --baseline-rev none     # no old framing
 
 N processes (``jax.distributed.initialize`` on 127.0.0.1, one CPU device each) each hold one
 pack file of ``--mib`` MiB in their own tier directory (written, then read back once so it
-is in the page cache).  Each repetition moves every process's pack to the next process of
-the ring, all processes at once, in two ways:
+is in the page cache).  Each process runs a server of each transport on its directory.  The
+ways a pack moves:
 
+* **tls**: ``peerlink.fetch_into`` (a restore's read: into a buffer allocated once) over TLS
+  1.3 (this checkout: ``ssl``, AES-GCM records, the ephemeral certificates pinned through
+  the key-value store);
+* **old**: the peer link of ``--baseline-rev`` (default ``b5b9b53``, the last commit with the
+  MAC framing), loaded from ``git show <rev>:core/src/quire/_runtime/peer*.py`` into a
+  temporary package, its ``fetch_into`` into the same buffer: HMAC-SHA256 over requests and
+  answer headers, the body through Poly1305 under a one-time key (its fast path, taken when
+  ``cryptography`` is importable, which the benchmark checks);
 * **ring_shift**: read the pack into memory, ``ring_shift(payload, shift=1)`` (a jitted
-  ``ppermute`` over gloo, in rounds of ``--round-mib`` MiB; the barrier included);
-* **tcp fetch**: ``peerlink.fetch`` of the previous process's pack from its ``PeerServer``
-  (HMAC-SHA256 over the body on both sides, the server reading the file block by block).
+  ``ppermute`` over gloo, in rounds of ``--round-mib`` MiB; the barrier included).
+
+Two patterns: **one link** (process 1 fetches process 0's pack, the others wait: one
+connection, its client and its server alone on the machine) and **all links** (every
+process fetches the previous process's pack at once, as after a local commit).
 
 Timing: a distributed barrier, the transfer, another barrier; the primary's wall time
-between them, the minimum of ``--reps``, after a first untimed call of each way (jit
-compilation, connection set-up).  Right before every timed phase each process allocates
-and touches ~3x the payload, then frees it (memory left free is handed back to the host on
-this VM and is slow to touch again).  Reported: MB/s per process (one pack received per
-process) and the ratio of the two ways.  The first ``ring_shift`` call's time (compilation
-included) is reported separately.
+between them, the minimum of ``--reps`` after one untimed call of each way (connection
+set-up, jit compilation).  CPU: ``os.times()`` (user + system, every thread) of every
+process between the two barriers, summed over the processes, the mean over ``--reps``,
+per GiB moved: it counts both ends (the server reading and encrypting or MACing, the
+client receiving and checking).  Right before every timed phase each process allocates and
+touches ~3x the payload, then frees it (memory left free is handed back to the host on this
+VM and is slow to touch again).
 
-Caveat: everything runs on ONE machine: loopback TCP and gloo's TCP transport share its
-cores, so on a small VM both are CPU-bound; read the ratio, not the absolute numbers.  On
-accelerators ``ring_shift`` runs on the device interconnect instead (not measured here).
+Caveat: everything runs on ONE machine: loopback TCP and gloo share its cores, so on a small
+VM all ways are CPU-bound and other users' jobs add noise; compare the ways within one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -40,16 +54,37 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 PREFIX = "BENCH-PEERS "
+ROOT = Path(__file__).resolve().parents[1]
+OLD_MODULES = ("peerlink", "peerconn", "peerserve", "peerwire")
+
+
+def load_peer_modules(rev: str, into: str) -> str:
+    """Write the peer-link modules of commit ``rev`` as a package under ``into`` (their
+    ``quire._runtime.peer*`` imports pointed at it); the package's name."""
+    name = f"quire_peers_{re.sub(r'[^0-9A-Za-z]', '_', rev)}"
+    pkg = Path(into) / name
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(f'"""quire\'s peer link as of {rev}."""\n')
+    for mod in OLD_MODULES:
+        src = subprocess.run(
+            ["git", "show", f"{rev}:core/src/quire/_runtime/{mod}.py"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        (pkg / f"{mod}.py").write_text(re.sub(r"quire\._runtime\.(peer\w+)", rf"{name}.\1", src))
+    return name
 
 
 def worker(pid: int, nproc: int, port: int, opts: dict[str, Any]) -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import gc
-    from pathlib import Path
 
     import jax
 
@@ -80,20 +115,41 @@ def worker(pid: int, nproc: int, port: int, opts: dict[str, Any]) -> None:
         w = np.ones(max(1, 3 * nbytes // 8), np.float64)
         del w
 
-    def timed(fn: Any) -> float:
+    def cpu() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def timed(fn: Any, active: bool) -> tuple[float, float]:
         prewarm()
         barrier()
-        t = time.perf_counter()
-        out = fn()
+        t, c = time.perf_counter(), cpu()
+        if active:
+            out = fn()
+            assert (out if isinstance(out, int) else len(out)) == nbytes, out
         barrier()
-        dt = time.perf_counter() - t
-        assert len(out) == nbytes, len(out)
-        return dt
+        return time.perf_counter() - t, cpu() - c
 
-    secret = peerlink.run_secret("bench/secret", 60)
-    server = peerlink.PeerServer(tier, secret)
-    peerlink.publish_address("bench/peers", server.address)
-    prev = peerlink.lookup_address("bench/peers", (pid - 1) % nproc, 60)
+    prev, one_src = (pid - 1) % nproc, 0
+    creds = peerlink.run_credentials("bench/certs", 60)
+    server = peerlink.PeerServer(tier, creds)
+    peerlink.publish_address("bench/tls", server.address)
+    tls_at = {j: peerlink.lookup_address("bench/tls", j, 60) for j in (prev, one_src)}
+    into = [memoryview(bytearray(nbytes))]  # one buffer, touched once: no allocation timed
+    into[0][:] = pack.read_bytes()
+    ways: dict[str, Any] = {
+        "tls": lambda j: peerlink.fetch_into(tls_at[j], "pack", creds.peer(j), 600, into, 0),
+    }
+    old_server = None
+    if opts.get("old"):
+        sys.path.insert(0, opts["old_dir"])
+        old = importlib.import_module(f"{opts['old']}.peerlink")
+        fast = importlib.import_module(f"{opts['old']}.peerwire").FAST
+        assert fast, "the old framing's Poly1305 path needs the cryptography package"
+        secret = old.run_secret("bench/old-secret", 60)
+        old_server = old.PeerServer(tier, secret)
+        old.publish_address("bench/old", old_server.address)
+        old_at = {j: old.lookup_address("bench/old", j, 60) for j in (prev, one_src)}
+        ways["old"] = lambda j: old.fetch_into(old_at[j], "pack", secret, 600, into, 0)
     calls = 0
 
     def shift() -> bytes:
@@ -101,23 +157,26 @@ def worker(pid: int, nproc: int, port: int, opts: dict[str, Any]) -> None:
         calls += 1
         return ring_shift(f"bench/ring/{calls}", pack.read_bytes(), 1, 60, round_bytes=round_bytes)
 
-    def tcp() -> bytes:
-        return peerlink.fetch(prev, "pack", secret, 600, nbytes)
-
-    first_ring = timed(shift)
-    timed(tcp)
-    rows: dict[str, list[float]] = {"ring": [], "tcp": []}
-    for _ in range(int(opts["reps"])):
-        rows["ring"].append(timed(shift))
-        rows["tcp"].append(timed(tcp))
+    rows: dict[str, list[tuple[float, float]]] = {}
+    first_ring = timed(shift, True)[0]
+    for way, fn in ways.items():
+        for pattern in ("one link", "all links"):
+            active = pattern == "all links" or pid == 1
+            src = prev if pattern == "all links" else one_src
+            timed(lambda fn=fn, src=src: fn(src), active)  # connection set-up, first touch
+            rows[f"{way}|{pattern}"] = [
+                timed(lambda fn=fn, src=src: fn(src), active) for _ in range(int(opts["reps"]))
+            ]
+    rows["ring_shift|all links"] = [timed(shift, True) for _ in range(int(opts["reps"]))]
     barrier()
     server.close()
-    if pid == 0:
-        print(PREFIX + json.dumps({"first_ring": first_ring, **rows}), flush=True)
+    if old_server is not None:
+        old_server.close()
+    print(PREFIX + json.dumps({"pid": pid, "first_ring": first_ring, "rows": rows}), flush=True)
     jax.distributed.shutdown()
 
 
-def run(nproc: int, opts: dict[str, Any]) -> dict[str, Any]:
+def run(nproc: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -149,8 +208,11 @@ def run(nproc: int, opts: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
     if any(p.returncode for p in procs):
         raise SystemExit(f"a worker failed: {[p.returncode for p in procs]}")
-    line = next(ln for ln in outs[0].splitlines() if ln.startswith(PREFIX))
-    return dict(json.loads(line[len(PREFIX) :]))
+    got = []
+    for out in outs:
+        line = next(ln for ln in out.splitlines() if ln.startswith(PREFIX))
+        got.append(json.loads(line[len(PREFIX) :]))
+    return sorted(got, key=lambda r: r["pid"])
 
 
 def main() -> None:
@@ -159,26 +221,57 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=64, help="pack bytes per process (MiB)")
-    ap.add_argument("--procs", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--procs", type=int, nargs="+", default=[2])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--round-mib", type=int, default=16, help="ring_shift bytes per round")
     ap.add_argument("--dir", default=None, help="where the tier directories go (default: /tmp)")
-    a = ap.parse_args()
-    opts = {"mib": a.mib, "reps": a.reps, "round_mib": a.round_mib, "base": a.dir}
-    mb = a.mib * 2**20 / 1e6
-    print(f"pack {a.mib} MiB per process, ring_shift rounds of {a.round_mib} MiB, min of {a.reps}")
-    print(
-        f"{'procs':>5} {'ring_shift MB/s':>16} {'tcp fetch MB/s':>15} {'ring/tcp':>9} "
-        f"{'first ring_shift s':>19}"
+    ap.add_argument(
+        "--baseline-rev",
+        default="b5b9b53",
+        help="the commit whose peer link is measured as 'old' ('none': leave it out)",
     )
-    for nproc in a.procs:
-        r = run(nproc, opts)
-        ring, tcp = min(r["ring"]), min(r["tcp"])
-        print(
-            f"{nproc:>5} {mb / ring:>16.0f} {mb / tcp:>15.0f} {tcp / ring:>9.2f} "
-            f"{r['first_ring']:>19.2f}",
-            flush=True,
-        )
+    a = ap.parse_args()
+    opts: dict[str, Any] = {
+        "mib": a.mib,
+        "reps": a.reps,
+        "round_mib": a.round_mib,
+        "base": a.dir,
+    }
+    old_dir = None
+    if a.baseline_rev != "none":
+        old_dir = tempfile.mkdtemp(prefix="bench-peers-old-")
+        opts["old"], opts["old_dir"] = load_peer_modules(a.baseline_rev, old_dir), old_dir
+    gib = a.mib / 1024
+    print(
+        f"pack {a.mib} MiB per process, min wall of {a.reps} (CPU: mean, all processes), "
+        f"old = {a.baseline_rev}"
+    )
+    print(
+        f"{'procs':>5} {'way':>10} {'pattern':>9} {'MiB/s per link':>15} "
+        f"{'CPU s per GiB':>14} {'vs tls (time)':>14}"
+    )
+    try:
+        for nproc in a.procs:
+            got = run(nproc, opts)
+            table = {}
+            for key in got[0]["rows"]:
+                reps = list(zip(*(r["rows"][key] for r in got)))  # per rep: every process
+                wall = min(rep[0][0] for rep in reps)  # the primary's wall time
+                cpu = sum(sum(p[1] for p in rep) for rep in reps) / len(reps)
+                links = 1 if key.endswith("one link") else nproc
+                table[key] = (wall, cpu / (links * gib))
+            for key, (wall, cpu_gib) in table.items():
+                way, pattern = key.split("|")
+                tls = table.get(f"tls|{pattern}", (wall, 0))[0]
+                print(
+                    f"{nproc:>5} {way:>10} {pattern:>9} {a.mib / wall:>15.0f} "
+                    f"{cpu_gib:>14.2f} {wall / tls:>14.2f}",
+                    flush=True,
+                )
+            print(f"{nproc:>5} first ring_shift (compiling): {got[0]['first_ring']:.2f} s")
+    finally:
+        if old_dir is not None:
+            shutil.rmtree(old_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

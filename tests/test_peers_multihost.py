@@ -1,7 +1,9 @@
 """Peer transport between three real JAX processes (jax.distributed on 127.0.0.1, 2 CPU
 devices each): ``ring_shift`` by several shifts with payloads of uneven sizes (one empty)
-in several rounds; ``run_secret`` + ``publish_address`` / ``lookup_address`` + ``fetch``
-from the next process's ``PeerServer``; a wrong secret refused; processes passing different
+in several rounds; ``run_credentials`` (certificates through the key-value store) +
+``publish_address`` / ``lookup_address`` + ``fetch`` over TLS from the next process's
+``PeerServer``; a server that is not the process meant, and a client of no run, refused;
+processes passing different
 ``round_bytes`` all refused; a process that does not join a ring shift named by the others
 within the timeout.  One launch, see
 ``tests/multihost/peer_worker.py``.
@@ -99,15 +101,17 @@ def test_ring_shift_and_tcp_fetch_between_three_processes(tmp_path: Path) -> Non
 
     peers = {r["pid"]: r for r in results if r["check"] == "peer"}
     assert sorted(peers) == list(range(NPROC))
-    assert len({r["secret"] for r in peers.values()}) == 1  # one secret for the run
+    assert len({r["pins"] for r in peers.values()}) == 1  # every process pins the same
+    assert len({r["mine"] for r in peers.values()}) == NPROC  # a key of its own each
     for pid, r in peers.items():
         nxt = (pid + 1) % NPROC
         body = payload(100 + nxt, ARGS["pack_bytes"])  # type: ignore[arg-type]
         assert r["fetched"] == hashlib.sha256(body).hexdigest(), r
         assert r["address"][0] == "127.0.0.1"
-        assert r["wrong_secret"] is not None
-        assert "different secrets" in r["wrong_secret"], r
-        assert f"p{nxt:05d}" in r["wrong_secret"], r
+        other = (pid + 2) % NPROC
+        assert f"not the one process {other} published" in (r["other_process"] or ""), r
+        assert "did not accept this process's certificate" in (r["stranger"] or ""), r
+        assert f"p{nxt:05d}" in r["stranger"], r
 
     mismatch = [r for r in results if r["check"] == "mismatch"]
     assert len(mismatch) == NPROC, mismatch

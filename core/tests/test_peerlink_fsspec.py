@@ -1,10 +1,11 @@
-"""The TCP peer server serving a directory of an fsspec filesystem (``FsspecFiles``): the
+"""The TLS peer server serving a directory of an fsspec filesystem (``FsspecFiles``): the
 process's ``memory://`` store, as a ``memory://`` local tier with peers serves it.
 
 The same answers as from a directory on disk (whole files, ranges across the server's
 blocks, several over one connection), and the same refusals, logged, with nothing changed in
 the store: ``..``, absolute paths, a directory, a missing file, a sibling directory whose name
-starts like the root, a file longer than asked for, a range past the end, a wrong secret.
+starts like the root, a file longer than asked for, a range past the end, a client with a
+certificate that is not the run's.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from collections.abc import Iterator
 
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
+from peer_helpers import run_of
 
 from quire._runtime import peerlink
+from quire._runtime.peertls import Identity
 from quire.errors import PeerError
 
-SECRET = bytes(range(32))
+(CREDS,), CERTS = run_of(1)
+ME = CREDS.peer(0)
 BIG = 3 * (1 << 20) + 12345  # several of the server's 1 MiB blocks, not a multiple
 ROOT = "/peertest/tier"
 
@@ -44,7 +48,7 @@ def fs() -> Iterator[MemoryFileSystem]:
 
 @pytest.fixture
 def server(fs: MemoryFileSystem) -> Iterator[peerlink.PeerServer]:
-    with peerlink.PeerServer(peerlink.FsspecFiles(fs, f"memory://{ROOT}"), SECRET) as s:
+    with peerlink.PeerServer(peerlink.FsspecFiles(fs, f"memory://{ROOT}"), CREDS) as s:
         yield s
 
 
@@ -52,15 +56,15 @@ def test_serves_whole_files_and_ranges_from_the_store(
     server: peerlink.PeerServer, fs: MemoryFileSystem
 ) -> None:
     big = fs.cat_file(f"{ROOT}/d/tx/p00000")
-    assert peerlink.fetch(server.address, "d/tx/p00000", SECRET, 30, BIG) == big
+    assert peerlink.fetch(server.address, "d/tx/p00000", ME, 30, BIG) == big
     got = peerlink.fetch_many(
-        server.address, ["d/tx/idx.json", "empty", "d/tx/p00000"], SECRET, 30, 1 << 30
+        server.address, ["d/tx/idx.json", "empty", "d/tx/p00000"], ME, 30, 1 << 30
     )
     assert got == [b'{"a": 1}', b"", big]
     a, b = 1_000_000, 2_500_001  # across the server's 1 MiB blocks
-    assert peerlink.fetch(server.address, "d/tx/p00000", SECRET, 30, b - a, a, b) == big[a:b]
+    assert peerlink.fetch(server.address, "d/tx/p00000", ME, 30, b - a, a, b) == big[a:b]
     buf = bytearray(b - a)
-    n = peerlink.fetch_into(server.address, "d/tx/p00000", SECRET, 30, [memoryview(buf)], a)
+    n = peerlink.fetch_into(server.address, "d/tx/p00000", ME, 30, [memoryview(buf)], a)
     assert n == b - a and bytes(buf) == big[a:b]
     assert server.requests == 6 and server.served == 2 * BIG + 8 + 2 * (b - a)
     assert "MemoryFileSystem:/peertest/tier" in repr(server)
@@ -92,7 +96,7 @@ def test_refuses_paths_outside_or_not_files(
     caplog.set_level(logging.WARNING, logger="quire")
     before = snapshot(fs)
     with pytest.raises(PeerError) as e:
-        peerlink.fetch(server.address, path, SECRET, 10, 1 << 30)
+        peerlink.fetch(server.address, path, ME, 10, 1 << 30)
     msg = str(e.value)
     assert "refused" in msg and reason in msg, msg
     warned = [r for r in caplog.records if r.name == "quire" and r.levelno == logging.WARNING]
@@ -100,16 +104,18 @@ def test_refuses_paths_outside_or_not_files(
     assert snapshot(fs) == before
 
 
-def test_refuses_too_long_past_the_end_and_a_wrong_secret(
+def test_refuses_too_long_past_the_end_and_a_wrong_certificate(
     server: peerlink.PeerServer, fs: MemoryFileSystem
 ) -> None:
     before = snapshot(fs)
     with pytest.raises(PeerError, match="more than the 100 asked for"):
-        peerlink.fetch(server.address, "d/tx/p00000", SECRET, 10, 100)
+        peerlink.fetch(server.address, "d/tx/p00000", ME, 10, 100)
     with pytest.raises(PeerError, match=f"range ends at byte {BIG + 1}, past the end"):
-        peerlink.fetch(server.address, "d/tx/p00000", SECRET, 10, 100, BIG - 1, BIG + 1)
-    with pytest.raises(PeerError, match="different secrets"):
-        peerlink.fetch(server.address, "d/tx/idx.json", b"y" * 32, 10, 100)
+        peerlink.fetch(server.address, "d/tx/p00000", ME, 10, 100, BIG - 1, BIG + 1)
+    stranger = Identity.ephemeral(5)  # not of the run; it pins process 0 all the same
+    pinned = stranger.trust({5: stranger.cert_pem, 0: CERTS[0]}).peer(0)
+    with pytest.raises(PeerError, match="did not accept this process's certificate"):
+        peerlink.fetch(server.address, "d/tx/idx.json", pinned, 10, 100)
     assert snapshot(fs) == before and server.served == 0
 
 

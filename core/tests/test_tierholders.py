@@ -2,8 +2,8 @@
 real saved step (packs, chunk index, commit record), real ``PeerServer``s on 127.0.0.1
 serving copies of it, ``quire.load`` through the reader.
 
-* A holder whose copy was altered on its disk (it still signs its answers with the run's
-  secret) is passed over for the next holder, range by range, and the load is
+* A holder whose copy was altered on its disk (it still answers over TLS with the run's
+  certificate) is passed over for the next holder, range by range, and the load is
   bit-identical; with this root and every peer holder altered, the persistent tier (holding
   the agreed record) serves those ranges; with every holder altered and no persistent
   copy, the load fails with ``CorruptCheckpointError`` naming them (never silently wrong).
@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from peer_helpers import run_of
 
 import quire
 from quire._checkpointer import tierread
@@ -33,14 +34,18 @@ from quire._runtime import peerlink
 from quire._store.url import mounted, normalize, open_backend
 from quire.errors import CorruptCheckpointError
 
-SECRET = bytes(range(32))
+(CREDS,), _ = run_of(1)  # every server here is this one process
 
 
 class Link:
-    """What a peer source uses of ``PeerCopies``: addresses, the secret, the deadline."""
+    """What a peer source uses of ``PeerCopies``: addresses, pinned certificates, the
+    deadline."""
 
     def __init__(self, addresses: dict[int, tuple[str, int]]) -> None:
-        self.addresses, self.secret, self.timeout = addresses, SECRET, 10.0
+        self.addresses, self.timeout = addresses, 10.0
+
+    def peer(self, j: int) -> peerlink.Pinned:
+        return CREDS.peer(0)
 
     def _address(self, j: int) -> tuple[str, int]:
         return self.addresses[j]
@@ -114,8 +119,8 @@ def test_altered_bytes_at_one_holder_are_read_again_from_the_next(
 ) -> None:
     damage(step["holders"][0], step["pack"])
     with (
-        peerlink.PeerServer(step["holders"][0], SECRET) as bad,
-        peerlink.PeerServer(step["holders"][1], SECRET) as good,
+        peerlink.PeerServer(step["holders"][0], CREDS) as bad,
+        peerlink.PeerServer(step["holders"][1], CREDS) as good,
     ):
         r = reader(step, [bad, good])
         with caplog.at_level(logging.WARNING, logger="quire"):
@@ -143,8 +148,8 @@ def test_altered_bytes_here_and_at_the_peers_are_read_from_the_persistent_tier(
         return bytes(step["raw"])
 
     with (
-        peerlink.PeerServer(step["holders"][0], SECRET) as a,
-        peerlink.PeerServer(step["holders"][1], SECRET) as b,
+        peerlink.PeerServer(step["holders"][0], CREDS) as a,
+        peerlink.PeerServer(step["holders"][1], CREDS) as b,
     ):
         peers = reader(step, [a, b]).sources[0]
         here = tierread.local_source(open_backend(str(mine)), step["doc"], 0)
@@ -168,8 +173,8 @@ def test_altered_bytes_at_every_holder_fail_the_load(step: dict[str, Any]) -> No
     for h in step["holders"]:
         damage(h, step["pack"])
     with (
-        peerlink.PeerServer(step["holders"][0], SECRET) as a,
-        peerlink.PeerServer(step["holders"][1], SECRET) as b,
+        peerlink.PeerServer(step["holders"][0], CREDS) as a,
+        peerlink.PeerServer(step["holders"][1], CREDS) as b,
     ):
         r = reader(step, [a, b])
         with pytest.raises(CorruptCheckpointError, match=r"process 1: .*process 2: "):
@@ -181,8 +186,8 @@ def test_ranges_spread_over_the_least_loaded_holders_on_kept_connections(
     step: dict[str, Any],
 ) -> None:
     with (
-        peerlink.PeerServer(step["holders"][0], SECRET) as a,
-        peerlink.PeerServer(step["holders"][1], SECRET) as b,
+        peerlink.PeerServer(step["holders"][0], CREDS) as a,
+        peerlink.PeerServer(step["holders"][1], CREDS) as b,
     ):
         r = reader(step, [a, b])
         size = (Path(step["holders"][0]) / "s" / step["pack"]).stat().st_size
@@ -217,14 +222,15 @@ def test_ranges_spread_over_the_least_loaded_holders_on_kept_connections(
 
 def test_a_pooled_connection_dropped_while_idle_is_replaced(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"0123456789" * 1000)
-    server = peerlink.PeerServer(tmp_path, SECRET, idle_timeout=0.2)
-    with server, peerlink.Pool(server.address, 2) as pool:
-        a = peerlink.fetch(server.address, "f", SECRET, 5, 1 << 20, 0, 10, pool=pool)
-        b = peerlink.fetch(server.address, "f", SECRET, 5, 1 << 20, 10, 20, pool=pool)
+    server = peerlink.PeerServer(tmp_path, CREDS, idle_timeout=0.2)
+    me = CREDS.peer(0)
+    with server, peerlink.Pool(server.address, me, 2) as pool:
+        a = peerlink.fetch(server.address, "f", me, 5, 1 << 20, 0, 10, pool=pool)
+        b = peerlink.fetch(server.address, "f", me, 5, 1 << 20, 10, 20, pool=pool)
         assert (a, b) == (b"0123456789", b"0123456789")
         assert pool.connections == 1  # the second request on the first connection
         time.sleep(0.6)  # the server drops the idle connection
         buf = bytearray(5)
-        n = peerlink.fetch_into(server.address, "f", SECRET, 5, [memoryview(buf)], 3, pool=pool)
+        n = peerlink.fetch_into(server.address, "f", me, 5, [memoryview(buf)], 3, pool=pool)
         assert (n, bytes(buf)) == (5, b"34567")
         assert pool.connections == 2

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from peer_helpers import run_of
 
 import quire
 from quire._checkpointer.tierplan import PERSISTENT_SOURCE, decide, sources
@@ -184,21 +185,22 @@ def _holder(tmp_path: Path) -> tuple[Path, str, dict[str, Any]]:
     return root, url, doc
 
 
-def _pull(tmp_path: Path, root: Path, doc: dict[str, Any], secret: bytes, theirs: bytes) -> Any:
+def _pull(tmp_path: Path, root: Path, doc: dict[str, Any], mine: Any, theirs: Any) -> Any:
+    """Pull process 0's objects from a server of ``theirs`` credentials, as ``mine``."""
     from quire._checkpointer.tierpull import PeerCopies
     from quire._runtime import peerlink
 
     dst = tmp_path / "mine" / "step_1"
     with peerlink.PeerServer(root, theirs) as server:
         pc = object.__new__(PeerCopies)  # the client half only: no key-value store here
-        pc.secret, pc.timeout, pc._addresses = secret, 5.0, {0: server.address}
+        pc.credentials, pc.timeout, pc._addresses = mine, 5.0, {0: server.address}
         return run(pc.pull(open_backend(str(dst)), str(dst), "step_1", doc, 0, 0, 0))
 
 
-def test_pull_over_tcp_copies_the_owner_set(tmp_path: Path) -> None:
+def test_pull_over_tls_copies_the_owner_set(tmp_path: Path) -> None:
     root, _, doc = _holder(tmp_path)
-    secret = b"s" * 32
-    _pull(tmp_path, root, doc, secret, secret)
+    (p0, p1), _ = run_of(2)
+    _pull(tmp_path, root, doc, p1, p0)
     mine = open_backend(str(tmp_path / "mine" / "step_1"))
     assert run(tp.holds(mine, doc, 0))
     got = sorted(files(tmp_path / "mine"))
@@ -209,10 +211,13 @@ def test_pull_refuses_hostile_or_damaged_peers(tmp_path: Path, caplog: Any) -> N
     from quire.errors import PeerError
 
     root, _, doc = _holder(tmp_path)
-    secret = b"s" * 32
+    (p0, p1), _ = run_of(2)
+    (other,), _ = run_of(1)
     txid = doc["txids"][0]
-    with pytest.raises(PeerError):  # another run's secret: the answer does not authenticate
-        _pull(tmp_path, root, doc, secret, b"t" * 32)
+    with pytest.raises(PeerError, match="not one of this run's"):  # another run's server
+        _pull(tmp_path, root, doc, p1, other)
+    with pytest.raises(PeerError, match="not the one process 0 published"):  # not process 0
+        _pull(tmp_path, root, doc, p0, p1)
     marker = root / "step_1" / "d" / txid / "%tier" / "p00000.json"
     good_marker = marker.read_bytes()
     for evil in (f"d/{txid}/u/../../../../outside", f"d/{txid}/elsewhere", "../outside"):
@@ -223,16 +228,16 @@ def test_pull_refuses_hostile_or_damaged_peers(tmp_path: Path, caplog: Any) -> N
             caplog.at_level(logging.WARNING, logger="quire"),
             pytest.raises(CorruptCheckpointError, match="not an object of its part"),
         ):
-            _pull(tmp_path, root, doc, secret, secret)
+            _pull(tmp_path, root, doc, p1, p0)
     marker.write_bytes(good_marker)
     pack = next((root / "step_1" / "d" / txid / "%packs").glob("p00000-*"))
     data = pack.read_bytes()
     pack.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])  # altered
     with pytest.raises(CorruptCheckpointError, match="fails its check"):
-        _pull(tmp_path, root, doc, secret, secret)
+        _pull(tmp_path, root, doc, p1, p0)
     pack.write_bytes(data[:-10])  # truncated: shorter than its index says
     with pytest.raises((CorruptCheckpointError, PeerError)):
-        _pull(tmp_path, root, doc, secret, secret)
+        _pull(tmp_path, root, doc, p1, p0)
     assert not (tmp_path / "mine").exists() or files(tmp_path / "mine") == []
     assert not (tmp_path / "outside").exists()
     assert any("refused the copy" in r.message for r in caplog.records)

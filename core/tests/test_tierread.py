@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from peer_helpers import run_of
 
 from quire._checkpointer import tierread
 from quire._runtime import peerlink
 from quire._store.url import mounted, open_backend
 from quire.errors import PeerError
 
-SECRET = bytes(range(32))
+(CREDS,), _ = run_of(1)  # every server here is this one process
 TX = "0123456789abcdef"
 PACK0 = f"d/{TX}/%packs/p00000-00000"
 PACK1 = f"d/{TX}/%packs/p00001-00000"
@@ -33,10 +34,14 @@ RAW = b'{"the": "agreed record"}'
 
 
 class Link:
-    """What a peer source uses of ``PeerCopies``: addresses, the secret, the deadline."""
+    """What a peer source uses of ``PeerCopies``: addresses, pinned certificates, the
+    deadline."""
 
     def __init__(self, addresses: dict[int, tuple[str, int]]) -> None:
-        self.addresses, self.secret, self.timeout = addresses, SECRET, 5.0
+        self.addresses, self.timeout = addresses, 5.0
+
+    def peer(self, j: int) -> peerlink.Pinned:
+        return CREDS.peer(0)
 
     def _address(self, j: int) -> tuple[str, int]:
         return self.addresses[j]
@@ -96,7 +101,7 @@ def reader(
 
 
 def test_ranges_from_the_live_holder_after_a_dead_one(roots: dict[str, Any]) -> None:
-    holder = peerlink.PeerServer(roots["holder"], SECRET)
+    holder = peerlink.PeerServer(roots["holder"], CREDS)
     with holder:
         r = reader(roots, holder, None)
         one = roots["one"]
@@ -128,7 +133,7 @@ def test_ranges_from_the_live_holder_after_a_dead_one(roots: dict[str, Any]) -> 
 
 
 def test_the_persistent_tier_only_with_the_agreed_record(roots: dict[str, Any]) -> None:
-    holder = peerlink.PeerServer(roots["holder"], SECRET)
+    holder = peerlink.PeerServer(roots["holder"], CREDS)
     holder.close()  # every holder of owner 1 is gone
     r = reader(roots, holder, RAW)
     got = asyncio.run(r.get(PACK1, 5, 50))
@@ -143,7 +148,7 @@ def test_the_persistent_tier_only_with_the_agreed_record(roots: dict[str, Any]) 
 
 
 def test_mounted_only_inside_its_block(roots: dict[str, Any]) -> None:
-    with peerlink.PeerServer(roots["holder"], SECRET) as holder:
+    with peerlink.PeerServer(roots["holder"], CREDS) as holder:
         r = reader(roots, holder, None)
         url = str(roots["mine"])
         with mounted(url, r):

@@ -10,9 +10,11 @@ Prints one ``QUIRE-PEER {...}`` line per result; the parent asserts on them.  In
    ``payload(i, size)`` with sizes that differ per process (one empty), in rounds of
    ``args["round_bytes"]``; reports the sha256 of what arrived and its length.  Then a
    shift of a float64 buffer (``floats``).
-2. ``peer``: ``run_secret``; a ``PeerServer`` on this process's tier directory, published
-   with ``publish_address``; a ``fetch`` of the next process's pack through
-   ``lookup_address``; the same fetch with a wrong secret (must fail with ``PeerError``).
+2. ``peer``: ``run_credentials`` (each process's certificate through the key-value store);
+   a ``PeerServer`` on this process's tier directory, published with ``publish_address``;
+   a ``fetch`` of the next process's pack through ``lookup_address``; the same address
+   asked as if it were another process (refused: its certificate is not that process's),
+   and by a client whose certificate is none of the run's (refused by the server).
 3. ``mismatch``: process 0 passes another ``round_bytes``: every process must raise.
 4. ``late``: every process but the last calls ``ring_shift`` with a 2 s timeout, the last
    does not: the others must raise ``MultiProcessError`` naming it within the timeout.
@@ -23,6 +25,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
+import ssl
 import sys
 import time
 import traceback
@@ -38,6 +42,7 @@ import jax
 
 from quire._runtime import peerlink
 from quire._runtime.collective import ring_shift
+from quire._runtime.peertls import Identity
 from quire.errors import MultiProcessError, PeerError
 
 PID, NPROC = 0, 1
@@ -89,29 +94,49 @@ def ring() -> None:
 
 
 def peer() -> None:
-    secret = peerlink.run_secret("test/secret", 30.0)
+    creds = peerlink.run_credentials("test/certs", 30.0)
     tier = WORKDIR / f"tier{PID}"
     (tier / "packs").mkdir(parents=True)
     body = payload(100 + PID, ARGS["pack_bytes"])
     (tier / "packs" / f"p{PID:05d}").write_bytes(body)
-    with peerlink.PeerServer(tier, secret) as server:
+    with peerlink.PeerServer(tier, creds) as server:
         peerlink.publish_address("test/peers", server.address)
-        nxt = (PID + 1) % NPROC
+        nxt, other = (PID + 1) % NPROC, (PID + 2) % NPROC
         where = peerlink.lookup_address("test/peers", nxt, 30.0)
-        got = peerlink.fetch(where, f"packs/p{nxt:05d}", secret, 30.0, 1 << 30)
-        try:
-            peerlink.fetch(where, f"packs/p{nxt:05d}", os.urandom(32), 30.0, 1 << 30)
-            wrong = None
-        except PeerError as e:
-            wrong = str(e)
+        got = peerlink.fetch(where, f"packs/p{nxt:05d}", creds.peer(nxt), 30.0, 1 << 30)
+        refusals = []
+        stranger = Identity.ephemeral(PID)  # of no run: it knows nxt's certificate only
+        their = ssl.DER_cert_to_PEM_cert(_cert_at(where)).encode()
+        for who in (
+            creds.peer(other),
+            stranger.trust({PID: stranger.cert_pem, nxt: their}).peer(nxt),
+        ):
+            try:
+                peerlink.fetch(where, f"packs/p{nxt:05d}", who, 30.0, 1 << 30)
+                refusals.append(None)
+            except PeerError as e:
+                refusals.append(str(e))
+        pins = sorted(creds.peer(j).fingerprint.hex() for j in creds.processes)
         emit(
             "peer",
-            secret=hashlib.sha256(secret).hexdigest(),
+            mine=creds.peer(PID).fingerprint.hex(),
+            pins=hashlib.sha256("".join(pins).encode()).hexdigest(),
             address=list(where),
             fetched=hashlib.sha256(got).hexdigest(),
-            wrong_secret=wrong,
+            other_process=refusals[0],
+            stranger=refusals[1],
         )
         barrier("fetched")  # keep serving until every process has fetched
+
+
+def _cert_at(address: tuple[str, int]) -> bytes:
+    """The certificate the server at ``address`` presents (unverified: it is public)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    with socket.create_connection(address, timeout=10) as sock, ctx.wrap_socket(sock) as tls:
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return der
 
 
 def mismatch() -> None:

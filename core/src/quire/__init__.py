@@ -19,6 +19,7 @@ from quire._checkpointer.tiers import LocalTier
 from quire._format.dtypes import register_with_zarr as _register_with_zarr
 from quire._ops import CopyResult, VerifyProblem, VerifyReport, copy, verify
 from quire._runtime.config import Config, Context, configure
+from quire._runtime.peertls import PeerTLS
 from quire._runtime.registry import (
     register_checkpointable_handler,
     register_leaf_handler,
@@ -70,6 +71,7 @@ __all__ = [
     "LocalTier",
     "MultiProcessError",
     "PartitionRules",
+    "PeerTLS",
     "PluginError",
     "QuireError",
     "SnapshotError",

@@ -97,7 +97,8 @@ class SnapshotError(QuireError, TypeError):
 
 
 class PluginError(QuireError):
-    """A plugin is missing, failed to import, or two distributions claim the same name.
+    """A plugin (or the optional package of an extra, such as ``quire[peers]``) is missing,
+    failed to import, or two distributions claim the same name.
 
     Parameters
     ----------
@@ -121,12 +122,12 @@ class MultiProcessError(QuireError, RuntimeError):
 
 
 class PeerError(MultiProcessError):
-    """Fetching bytes from another process's local tier over TCP failed: the peer refused
-    the request (a path outside its tier, not a regular file, larger than asked for), the
-    two processes do not share the run's secret, the answer was short or did not
-    authenticate, or the peer did not answer within the deadline.  The message names the
-    peer's address, the path and the fix; a caller treats that peer as lost and reads
-    from another holder."""
+    """Fetching bytes from another process's local tier over TLS failed: the peer refused
+    the request (a path outside its tier, not a regular file, larger than asked for), its
+    certificate is not the pinned one of the process meant (or it did not accept this
+    process's), the TLS connection failed its checks, the answer was short, or the peer did
+    not answer within the deadline.  The message names the peer's address, the path and
+    the fix; a caller treats that peer as lost and reads from another holder."""
 
 
 class ObjectStoreError(QuireError, OSError):

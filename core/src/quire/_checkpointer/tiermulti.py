@@ -133,6 +133,7 @@ class Spread:
                 spec.peer_host,
                 self._timeout(),
                 domain_of(spec.failure_domain),
+                spec.peer_tls,
             )
 
     def save_name(self, step: int) -> str:

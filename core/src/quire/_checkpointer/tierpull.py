@@ -1,8 +1,10 @@
 """Peer copies of a multi-process local tier, pulled over TCP (``quire._runtime.peerlink``).
 
 Each process serves its own local root read-only with a ``PeerServer`` on the interface
-``LocalTier(peer_host=...)`` names, authenticated by the run's secret (made by process 0 and
-shared through ``jax.distributed``'s key-value store); the addresses go through the store too.
+``LocalTier(peer_host=...)`` names, over TLS 1.3 with mutual authentication: each process's
+certificate (ephemeral, or of the user's PKI: ``LocalTier(peer_tls=...)``) is published
+through ``jax.distributed``'s key-value store and pinned by the others; the addresses go
+through the store too.
 
 When the tier opens, the processes exchange their failure domains through the store too, and
 each computes the same placement (``quire._checkpointer.tierplace.place``): the ``k`` holders
@@ -63,14 +65,15 @@ class PeerCopies:
         host: str,
         timeout: float,
         domain: str = "",
+        tls: peerlink.PeerTLS | None = None,
     ) -> None:
         served = _served(root, peers)
         _opened[name] += 1  # the same count in every process: Checkpointers open in order
         self.name = f"{name}#{_opened[name]}"
         self.me, self.count, self.peers, self.timeout = me, count, peers, timeout
         self.root = root
-        self.secret = peerlink.run_secret(_key(f"{self.name}/secret"), timeout)
-        self.server = peerlink.PeerServer(served(), self.secret, host=host)
+        self.credentials = peerlink.run_credentials(_key(f"{self.name}/cert"), timeout, tls)
+        self.server = peerlink.PeerServer(served(), self.credentials, host=host)
         peerlink.publish_address(_key(f"{self.name}/address"), self.server.address)
         self._addresses: dict[int, tuple[str, int]] = {}
         self.domains = _domains(_key(f"{self.name}/domain"), me, count, domain, timeout)
@@ -109,6 +112,10 @@ class PeerCopies:
     def _ms(self) -> int:
         return min(2**31 - 1, max(1, int(self.timeout * 1000)))
 
+    def peer(self, j: int) -> peerlink.Pinned:
+        """What to expect of process ``j`` (its pinned certificate)."""
+        return self.credentials.peer(j)
+
     def _address(self, j: int) -> tuple[str, int]:
         if j not in self._addresses:
             key = _key(f"{self.name}/address")
@@ -146,7 +153,8 @@ class PeerCopies:
 
         def fetch() -> bytes:  # one trip to the I/O pool: the address, then the record
             addr = self._address(holder)
-            return peerlink.fetch(addr, f"{rel}/quire.json", self.secret, self.timeout, _MAX_MARKER)
+            peer = self.peer(holder)
+            return peerlink.fetch(addr, f"{rel}/quire.json", peer, self.timeout, _MAX_MARKER)
 
         return await run_blocking(fetch)
 
@@ -187,6 +195,7 @@ class PeerCopies:
         location, and against its crc32c trailer on arrival)."""
         addr = await run_blocking(self._address, holder)
         who = f"process {holder} at {addr[0]}:{addr[1]}"
+        peer = self.peer(holder)
         objects: dict[str, bytes] = {}
         sizes: dict[str, int] = {}
         entry = _peers.entry_of(doc, j)
@@ -195,7 +204,7 @@ class PeerCopies:
                 peerlink.fetch,
                 addr,
                 f"{rel}/{entry['object']}",
-                self.secret,
+                peer,
                 self.timeout,
                 int(entry["size"]),
             )
@@ -204,7 +213,7 @@ class PeerCopies:
         if j == primary and _peers.unit_locations(doc):
             marker = _peers.marker_key(str(doc["txids"][0]), j)
             raw = await run_blocking(
-                peerlink.fetch, addr, f"{rel}/{marker}", self.secret, self.timeout, _MAX_MARKER
+                peerlink.fetch, addr, f"{rel}/{marker}", peer, self.timeout, _MAX_MARKER
             )
             try:
                 listed = {str(k): int(n) for k, n in json.loads(raw)["objects"].items()}
@@ -222,7 +231,7 @@ class PeerCopies:
                 peerlink.fetch_many,
                 addr,
                 [f"{rel}/{k}" for k in keys],
-                self.secret,
+                peer,
                 self.timeout,
                 max(1, sum(sizes.values())),
             )

@@ -56,6 +56,7 @@ from quire._engine.promotion import promote_spread as promote_spread_incremental
 from quire._engine.tierpeers import promote_spread
 from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator
+from quire._runtime.peertls import PeerTLS, require_cryptography
 from quire._store.url import normalize
 from quire.errors import CorruptCheckpointError
 
@@ -93,9 +94,14 @@ class LocalTier:
     storage_options : dict, optional
         fsspec options for the local tier's backend.
     peer_host : str
-        The interface each process serves its local tier on to its peers (read-only,
-        authenticated by a per-run secret); ``127.0.0.1`` by default: this machine only.
+        The interface each process serves its local tier on to its peers (read-only, over
+        TLS 1.3 with mutual authentication); ``127.0.0.1`` by default: this machine only.
         Give the address other hosts reach this one at for multi-host runs.
+    peer_tls : quire.PeerTLS, optional
+        This process's certificate, key and CA from your own PKI for the peer link
+        (default: an ephemeral key and self-signed certificate per process, made with the
+        ``cryptography`` package of the ``quire[peers]`` extra and pinned through
+        ``jax.distributed``'s key-value store; see ``docs/peers.md``).
     failure_domain : str, optional
         What this process dies with (a host, a rack), for choosing where its peer copies go:
         each process's copies go to processes of other domains whenever enough exist
@@ -105,6 +111,9 @@ class LocalTier:
     ------
     TypeError, ValueError
         An argument has the wrong type or value.
+    quire.PluginError
+        ``peers > 0`` without ``peer_tls`` and ``cryptography`` is not installed (install
+        ``quire[peers]``).
     """
 
     url: str | os.PathLike[str]
@@ -114,6 +123,7 @@ class LocalTier:
     storage_options: Mapping[str, Any] | None = None
     peer_host: str = "127.0.0.1"
     failure_domain: str | None = None
+    peer_tls: PeerTLS | None = None
 
     def __post_init__(self) -> None:
         if self.save_policy is not None and not isinstance(self.save_policy, SavePolicy):
@@ -131,6 +141,10 @@ class LocalTier:
                 f"failure_domain must be a non-empty string, got {self.failure_domain!r}"
             )
         object.__setattr__(self, "url", normalize(self.url))
+        if self.peer_tls is not None and not isinstance(self.peer_tls, PeerTLS):
+            raise TypeError(f"peer_tls must be a quire.PeerTLS, got {self.peer_tls!r}")
+        if self.peers and self.peer_tls is None:  # at configuration, not at the first copy
+            require_cryptography(f"LocalTier({str(self.url)!r}, peers={self.peers})")
 
     def process_url(self, index: int) -> str:
         """The local tier root of process ``index``.

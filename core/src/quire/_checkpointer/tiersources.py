@@ -105,7 +105,7 @@ class Holder:
         if self._pool is None:
             addr = await run_blocking(self.copies._address, self.index)
             if self._pool is None:
-                self._pool = peerlink.Pool(addr, self.streams)
+                self._pool = peerlink.Pool(addr, self.copies.peer(self.index), self.streams)
         return self._pool
 
     @property
@@ -135,7 +135,7 @@ class _Peer(Source):
         return self.holder.inflight
 
     async def _call(self, size: int, fn: Any, *args: Any) -> Any:
-        """``fn(address, path, secret, timeout, *args, pool=...)`` in the I/O pool, as one
+        """``fn(address, path, peer, timeout, *args, pool=...)`` in the I/O pool, as one
         of the holder's reads in flight (``size`` bytes counted while it waits and runs)."""
         h = self.holder
         h.inflight += size
@@ -144,7 +144,7 @@ class _Peer(Source):
                 pool = await h.pool()
                 c = self.copies
                 return await run_blocking(
-                    fn, pool.address, *args[:1], c.secret, c.timeout, *args[1:], pool=pool
+                    fn, pool.address, *args[:1], pool.peer, c.timeout, *args[1:], pool=pool
                 )
         finally:
             h.inflight -= size

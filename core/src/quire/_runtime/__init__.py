@@ -5,8 +5,9 @@ from ``install``), the interpreter-exit hook (``exithook``), progress reporting 
 bounded fan-out (``tasks``), host buffers ``jax.device_put`` adopts (``hostbuf``), the multi-process
 coordinator (``multihost``), byte exchange between processes behind a barrier with a deadline
 (``collective``: an all-gather, and ``ring_shift`` for peer copies), files of another process's
-local tier over authenticated TCP (``peerlink``, with the server in ``peerserve`` and the wire
-format in ``peerwire``) and the library version (``version``).
+local tier over TLS 1.3 with mutual authentication (``peerlink``, with the certificates in
+``peertls``, the client in ``peerconn``, the server in ``peerserve``, what it serves in
+``peerfiles`` and the messages in ``peerwire``) and the library version (``version``).
 
 May import: only quire's contract modules (``errors``, ``options``, ``metadata``).
 """

@@ -1,40 +1,29 @@
-"""The client side of peer fetches (``peerlink``): one connection's conversation, the
-connect-and-greet, the mapping of every failure to a ``PeerError``, and a pool of
-connections kept open between calls (wire format in ``peerwire``)."""
+"""The client side of peer fetches (``peerlink``): the TLS connection to one pinned process,
+one connection's requests, the mapping of every failure to a ``PeerError``, and a pool of
+connections kept open between calls (messages in ``peerwire``, certificates in
+``peertls``)."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from quire._runtime.peerwire import (
-    ANS,
-    BASE_MAGIC,
-    BLOCK,
-    FAST,
-    FAST_MAGIC,
-    MAGIC,
-    MAX_PATH_BYTES,
-    NONCE,
-    RANGE,
-    REQ,
-    TAG,
-    Closed,
-    answer_mac,
-    mac,
-    recv,
-    recv_into,
-)
+from quire._runtime.peertls import Pinned
+from quire._runtime.peerwire import ANS, BLOCK, MAX_PATH_BYTES, MAX_REASON, REQ, Closed, TLSStream
 from quire.errors import PeerError
 
 __all__ = ["Conversation", "LocalWrite", "Pool", "converse"]
 
 log = logging.getLogger("quire")
+
+#: The first pause before asking again a server that closed a new connection unanswered
+#: (every slot taken); doubled each time, up to :data:`_BUSY_MAX`, within the call's deadline.
+_BUSY_FIRST, _BUSY_MAX = 0.02, 0.5
 
 
 class LocalWrite(Exception):
@@ -42,18 +31,13 @@ class LocalWrite(Exception):
 
 
 class Conversation:
-    """One connection's requests, numbered from 0 (see ``peerwire``); ``deadline`` and
-    ``fail`` are those of the call it serves now (a pooled connection serves several)."""
+    """One TLS connection's requests; ``deadline`` and ``fail`` are those of the call it
+    serves now (a pooled connection serves several)."""
 
-    def __init__(
-        self, sock: socket.socket, nonce: bytes, secret: bytes, deadline: float, fail: Any
-    ) -> None:
-        self.sock, self.nonce, self.secret = sock, nonce, secret
-        self.deadline, self.fail = deadline, fail
-        self.seq = 0
+    def __init__(self, sock: TLSStream, deadline: float, fail: Any) -> None:
+        self.sock, self.deadline, self.fail = sock, deadline, fail
         self.current = ""
         self.answering = False  # an answer's first byte has arrived for the current request
-        self.fast = False  # the server greeted with FAST_MAGIC and Poly1305 is here too
 
     def get(
         self,
@@ -67,95 +51,113 @@ class Conversation:
         as ``span``), its length."""
         self.current = rel
         self.answering = False
-        seq, self.seq = self.seq, self.seq + 1
         sock, deadline, fail = self.sock, self.deadline, self.fail
         raw = rel.encode("utf-8")
         if len(raw) > MAX_PATH_BYTES:
             raise fail(
                 f"path of {len(raw)} bytes", f"peers serve paths of at most {MAX_PATH_BYTES}"
             )
-        rng = b"" if span is None else RANGE.pack(*span)
+        start, end = span if span is not None else (0, 0)
         op = b"G" if span is None else b"R"
-        if self.fast:  # the body's MAC through Poly1305 (``peerwire``)
-            op = op.lower()
-        head = REQ.pack(op, len(raw), max(0, limit))
-        sock.sendall(
-            head + raw + rng + mac(self.secret, b"req", self.nonce, seq, head, raw, rng).digest()
-        )
-        ahead = recv(sock, 1, deadline)
+        sock.send_all(REQ.pack(op, len(raw), max(0, limit), start, end) + raw, deadline)
+        ahead = sock.recv(1, deadline)
         self.answering = True
-        ahead += recv(sock, ANS.size - 1, deadline)
-        status, n = ANS.unpack(ahead)
-        want = None if span is None else span[1] - span[0]
-        if status not in (b"O", b"R") or (
-            status == b"O" and (n > limit or (want is not None and n != want))
+        status, n = ANS.unpack(ahead + sock.recv(ANS.size - 1, deadline))
+        want = None if span is None else end - start
+        if (
+            status not in (b"O", b"R")
+            or (status == b"O" and (n > limit or (want is not None and n != want)))
+            or (status == b"R" and n > MAX_REASON)
         ):
             raise fail(
                 f"malformed answer (status {status!r}, {n} bytes)",
-                "is it a quire peer?",
+                "is it a quire peer of this version?",
                 hostile=True,
             )
-        if status == b"R" and n > 4 * MAX_PATH_BYTES:
-            raise fail("malformed refusal", "is it a quire peer?", hostile=True)
-        h = answer_mac(self.secret, self.nonce, seq, self.fast, raw + rng, ahead)
-        if isinstance(into, list) and status == b"O":  # straight into the caller's memory
-            for v in into:
-                flat = v.cast("B") if v.format != "B" or v.ndim != 1 else v
-                for lo in range(0, flat.nbytes, BLOCK):
-                    recv_into(sock, flat[lo : lo + BLOCK], deadline)
-                    h.update(flat[lo : lo + BLOCK])
-        elif into is None or status == b"R":
-            buf = bytearray(n)
-            view = memoryview(buf)
-            for lo in range(0, n, BLOCK):
-                recv_into(sock, view[lo : lo + BLOCK], deadline)
-                h.update(view[lo : lo + BLOCK])
-        else:
-            assert not isinstance(into, list)
-            block = memoryview(bytearray(min(BLOCK, n)))
-            for lo in range(0, n, BLOCK):
-                piece = block[: min(BLOCK, n - lo)]
-                recv_into(sock, piece, deadline)
-                h.update(piece)
-                try:
-                    done = 0
-                    while done < len(piece):  # a raw file may write part of it
-                        done += into.write(piece[done:]) or 0
-                except OSError as e:
-                    raise LocalWrite() from e
-        tag = recv(sock, TAG, deadline)
-        good = hmac.compare_digest(tag, h.digest())
         if status == b"R":
-            reason = buf.decode("utf-8", "replace")
-            if not good:
-                raise fail(
-                    f"refused, and the refusal does not authenticate ({reason})",
-                    "the two processes hold different secrets: are they the same run?",
-                    hostile=True,
-                )
+            reason = sock.recv(n, deadline).decode("utf-8", "replace")
             raise fail(
                 f"refused: {reason}",
                 "the peer does not serve that file: read it from another holder",
             )
-        if not good:
+        if isinstance(into, list):  # straight into the caller's memory
+            for v in into:
+                sock.recv_into(v, deadline)
+            return n
+        if into is None:
+            buf = bytearray(n)
+            sock.recv_into(memoryview(buf), deadline)
+            return bytes(buf)
+        block = memoryview(bytearray(min(BLOCK, n)))
+        for lo in range(0, n, BLOCK):
+            piece = block[: min(BLOCK, n - lo)]
+            sock.recv_into(piece, deadline)
+            try:
+                done = 0
+                while done < len(piece):  # a raw file may write part of it
+                    done += into.write(piece[done:]) or 0
+            except OSError as e:
+                raise LocalWrite() from e
+        return n
+
+
+def _handshake(address: tuple[str, int], peer: Pinned, deadline: float, fail: Any) -> TLSStream:
+    """A TLS connection to ``address`` that is process ``peer.index`` (checked), asking
+    again while the server closes new connections unanswered (every slot taken)."""
+    pause = _BUSY_FIRST
+    while True:
+        sock = socket.create_connection(address, timeout=max(0.001, deadline - time.monotonic()))
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tls = TLSStream(sock, peer.context, server_side=False)
+            tls.handshake(deadline)
+        except (ssl.SSLEOFError, ConnectionResetError, BrokenPipeError):
+            sock.close()  # closed before any TLS byte: the server is full; again, if in time
+            if time.monotonic() + pause >= deadline:
+                raise fail(
+                    "the peer kept closing new connections unanswered (all its connection "
+                    "slots taken) until the deadline",
+                    "treat it as lost and read from another holder",
+                ) from None
+            time.sleep(pause)
+            pause = min(_BUSY_MAX, 2 * pause)
+            continue
+        except ssl.SSLCertVerificationError as e:
+            sock.close()
             raise fail(
-                "the answer does not authenticate (altered in transit, or another secret)",
-                "check that both processes are the same run; read from another holder",
+                f"its TLS certificate is not one of this run's ({e.verify_message})",
+                f"a man in the middle, or not process {peer.index} of this run: check the "
+                "address it published",
                 hostile=True,
-            )
-        return n if into is not None else bytes(buf)
+            ) from None
+        except ssl.SSLError as e:
+            sock.close()
+            raise fail(
+                f"TLS 1.3 handshake failed ({e})",
+                "is it a quire peer of this run (TLS 1.3, certificates of the run)?",
+                hostile=True,
+            ) from None
+        except BaseException:
+            sock.close()
+            raise
+        why = peer.check(tls)
+        if why is not None:
+            sock.close()
+            raise fail(why, "check the address it published", hostile=True)
+        return tls
 
 
 def converse(
     address: tuple[str, int],
-    secret: bytes,
+    peer: Pinned,
     timeout: float,
     first: str,
     work: Callable[[Conversation], None],
     pool: Pool | None = None,
 ) -> None:
-    """Run ``work`` on a connection to ``address`` (a fresh one, or an idle one of
-    ``pool``, given back after success); every failure as a :class:`PeerError`.
+    """Run ``work`` on a connection to process ``peer.index`` at ``address`` (a fresh one,
+    or an idle one of ``pool``, given back after success); every failure as a
+    :class:`PeerError`.
 
     A pooled connection the peer closed while it was idle (its ``idle_timeout``) fails
     before any byte of its answer: the request is sent once more on a fresh connection.
@@ -166,27 +168,9 @@ def converse(
 
     def fail(why: str, fix: str, *, hostile: bool = False) -> PeerError:
         current = conv.current if conv is not None and conv.current else first
-        if hostile:  # an answer that is not what a peer of this run sends: say so
-            log.warning("peer %s: refused its answer for %r: %s", where, current, why)
-        return PeerError(f"peer {where}, file {current!r}: {why}; {fix}")
-
-    def fresh() -> Conversation:
-        sock = socket.create_connection(address, timeout=max(0.001, deadline - time.monotonic()))
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = recv(sock, len(MAGIC) + NONCE, deadline)
-            if hello[: len(MAGIC)] not in (BASE_MAGIC, FAST_MAGIC):
-                raise fail(
-                    "the server is not a quire peer (bad greeting)",
-                    "check the address the peer published",
-                    hostile=True,
-                )
-        except BaseException:
-            sock.close()
-            raise
-        c = Conversation(sock, hello[len(MAGIC) :], secret, deadline, fail)
-        c.fast = FAST and hello[: len(MAGIC)] == FAST_MAGIC
-        return c
+        if hostile:  # not what a peer of this run does: say so
+            log.warning("peer %s (process %d), file %r: %s", where, peer.index, current, why)
+        return PeerError(f"peer {where} (process {peer.index}), file {current!r}: {why}; {fix}")
 
     def attempt(c: Conversation) -> None:
         nonlocal conv
@@ -202,6 +186,8 @@ def converse(
 
     if pool is not None and pool.address != (str(address[0]), int(address[1])):
         raise ValueError(f"a pool of connections to {pool.address} used for {address}")
+    if pool is not None and pool.peer.index != peer.index:
+        raise ValueError(f"a pool of process {pool.peer.index} used for process {peer.index}")
     try:
         idle = pool.take() if pool is not None else None
         if idle is not None:
@@ -212,7 +198,7 @@ def converse(
                 if idle.answering:
                     raise
                 # closed by the peer while idle: once more, on a fresh connection
-        c = fresh()
+        c = Conversation(_handshake(address, peer, deadline, fail), deadline, fail)
         if pool is not None:
             pool.opened()
         attempt(c)
@@ -224,12 +210,30 @@ def converse(
             "treat the peer as lost and read from another holder",
         ) from None
     except Closed as e:
+        answering = conv is not None and conv.answering
         raise fail(
-            f"short answer ({e})", "the peer died or dropped the connection", hostile=True
+            f"short answer ({e})" if answering else f"closed the connection unanswered ({e})",
+            "the peer died or dropped the connection"
+            if answering
+            else "the peer did not accept this process's certificate (not the same run?), "
+            "or it died",
+            hostile=True,
         ) from None
     except LocalWrite as e:
         assert isinstance(e.__cause__, OSError)
         raise e.__cause__ from None  # writing the caller's file failed: not the peer's doing
+    except ssl.SSLError as e:  # after the handshake: an alert, or a record that fails
+        if "ALERT" in str(e.reason):
+            raise fail(
+                f"the peer ended the TLS session ({e.reason})",
+                "it did not accept this process's certificate: are both processes of the same run?",
+                hostile=True,
+            ) from None
+        raise fail(
+            f"a TLS record failed its check ({e.reason or e})",
+            "altered in transit: read from another holder",
+            hostile=True,
+        ) from None
     except OSError as e:
         raise fail(
             f"cannot reach the peer ({e})", "treat it as lost and read from another holder"
@@ -237,14 +241,12 @@ def converse(
 
 
 class Pool:
-    """Connections to the peer at ``address`` kept open between calls (pass it as
-    ``pool=`` to ``peerlink``'s fetches): at most ``size`` idle ones; thread-safe; close
-    it (or use it as a context manager) when done.  Each connection
-    keeps its own nonce and sequence numbers, so reuse changes nothing of what the MACs
-    bind (``peerwire``)."""
+    """Connections to process ``peer.index`` at ``address`` kept open between calls (pass it
+    as ``pool=`` to ``peerlink``'s fetches): at most ``size`` idle ones; thread-safe; close
+    it (or use it as a context manager) when done."""
 
-    def __init__(self, address: tuple[str, int], size: int) -> None:
-        self.address, self.size = (str(address[0]), int(address[1])), size
+    def __init__(self, address: tuple[str, int], peer: Pinned, size: int) -> None:
+        self.address, self.peer, self.size = (str(address[0]), int(address[1])), peer, size
         self._idle: list[Conversation] = []
         self._lock = threading.Lock()
         self._closed = False

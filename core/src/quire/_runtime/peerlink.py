@@ -1,22 +1,24 @@
-"""Reading files of another process's local tier over TCP, authenticated by a per-run secret.
+"""Reading files of another process's local tier over TLS 1.3 with mutual authentication.
 
 The fallback transport of peer copies (``docs/peers.md``): where a collective cannot serve
 (a restarted process fetching from survivors), a process asks a peer for files of the
 peer's local tier by their path relative to it.
 
-* ``run_secret(key, timeout)``: 32 random bytes made by process 0 and shared through JAX's
-  distributed key-value store; every process of the run gets the same secret.
-* ``PeerServer(root, secret, host, port)``: serves read-only GETs of regular files under
-  ``root`` on the interface it is given, in threads of its own.
+* ``run_credentials(key, timeout, tls=None)``: this process's TLS identity (an ephemeral key
+  and self-signed certificate, or the user's ``PeerTLS``), its certificate published through
+  JAX's distributed key-value store, and every process's certificate read back and pinned.
+* ``PeerServer(root, credentials, host, port)``: serves read-only GETs of regular files under
+  ``root`` on the interface it is given, in threads of its own, to the run's processes.
 * ``publish_address`` / ``lookup_address``: a server's address through the key-value store.
-* ``fetch`` / ``fetch_many`` / ``fetch_to`` (into a file): the client, one deadline per call;
-  ``fetch`` and ``fetch_many`` also read byte ranges ``[start, end)`` of files, and
-  ``fetch_into`` reads one range straight into the caller's buffers.
-* ``Pool(address, size)``: connections to one peer kept open between calls (``pool=``),
-  for a caller that sends a peer many requests (a restore's range reads).
+* ``fetch`` / ``fetch_many`` / ``fetch_to`` (into a file): the client, one deadline per call,
+  talking only to the process it names (``credentials.peer(j)``); ``fetch`` and
+  ``fetch_many`` also read byte ranges ``[start, end)`` of files, and ``fetch_into`` reads
+  one range straight into the caller's buffers.
+* ``Pool(address, peer, size)``: connections to one peer kept open between calls
+  (``pool=``), for a caller that sends a peer many requests (a restore's range reads).
 
-The wire format and what its MACs bind are in ``peerwire``; the server opens files
-read-only and writes nothing.
+Certificates and their checks are in ``peertls``, the messages in ``peerwire``; the server
+opens files read-only and writes nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ import jax
 
 from quire._runtime.multihost import _client, _first_line
 from quire._runtime.peerconn import Conversation, LocalWrite, Pool, converse
-from quire._runtime.peerserve import FsspecFiles, PeerServer
+from quire._runtime.peerfiles import FsspecFiles
+from quire._runtime.peerserve import PeerServer
+from quire._runtime.peertls import Credentials, Identity, PeerTLS, Pinned
 from quire._runtime.peerwire import MAX_PATH_BYTES
 from quire.errors import MultiProcessError
 
@@ -41,8 +45,11 @@ log = logging.getLogger("quire")
 
 __all__ = [
     "MAX_PATH_BYTES",
+    "Credentials",
     "FsspecFiles",
     "PeerServer",
+    "PeerTLS",
+    "Pinned",
     "Pool",
     "fetch",
     "fetch_into",
@@ -50,42 +57,51 @@ __all__ = [
     "fetch_to",
     "lookup_address",
     "publish_address",
-    "run_secret",
+    "run_credentials",
 ]
 
 
-# ====================================================================== the run's secret
+# ====================================================================== the run's certificates
 def _ms(deadline: float) -> int:
     return min(2**31 - 1, max(1, int((deadline - time.monotonic()) * 1000)))
 
 
-def run_secret(key: str, timeout: float) -> bytes:
-    """The run's 32-byte secret: made by process 0, read by the others (blocking).
+def run_credentials(key: str, timeout: float, tls: PeerTLS | None = None) -> Credentials:
+    """This process's TLS credentials for the run (blocking; every process calls it once
+    with the same ``key``).
 
-    Every process calls it once with the same ``key``; with one JAX process it is a fresh
-    random secret.  Whoever can read the run's coordination service (process 0's
-    ``jax.distributed`` port) can read the secret: see ``docs/peers.md``.
+    Makes this process's identity (an ephemeral key and a self-signed certificate naming
+    it, or the user's ``tls``), publishes its certificate (public data) under
+    ``<key>/<process index>`` in JAX's key-value store, and waits for every process's: those
+    certificates, and no others, are trusted.  Whoever can change the key-value store can
+    therefore put a certificate of their own in place of a process's: it is the trust
+    root (``docs/peers.md``).  With one JAX process: this process's certificate only.
 
     Raises
     ------
     MultiProcessError
-        Process 0 did not publish the secret within ``timeout`` seconds.
+        A process did not publish its certificate within ``timeout`` seconds.
+    PluginError
+        No ``tls`` and no ``cryptography`` to make the ephemeral certificate.
     """
+    me = jax.process_index()
+    ident = Identity.from_files(me, tls) if tls is not None else Identity.ephemeral(me)
     if jax.process_count() == 1:
-        return secrets.token_bytes(32)
+        return ident.trust({me: ident.cert_pem})
     c = _client()
-    if jax.process_index() == 0:
-        secret = secrets.token_bytes(32)
-        c.key_value_set(key, secret.hex())
-        return secret
-    try:
-        return bytes.fromhex(str(c.blocking_key_value_get(key, _ms(time.monotonic() + timeout))))
-    except Exception as e:
-        raise MultiProcessError(
-            f"process {jax.process_index()} waited {timeout:g}s for process 0 to publish the "
-            f"peer secret {key!r}; it did not (is it stalled or dead, or not using peer "
-            f"copies?): {_first_line(e)}"
-        ) from e
+    c.key_value_set(f"{key}/{me}", ident.cert_pem.decode())
+    deadline = time.monotonic() + timeout
+    certs = {}
+    for j in range(jax.process_count()):
+        try:
+            certs[j] = str(c.blocking_key_value_get(f"{key}/{j}", _ms(deadline))).encode()
+        except Exception as e:
+            raise MultiProcessError(
+                f"process {me} waited {timeout:g}s for process {j} to publish its peer "
+                f"certificate under {key!r}; it did not (is it stalled or dead, or not using "
+                f"peer copies?): {_first_line(e)}"
+            ) from e
+    return ident.trust(certs)
 
 
 def publish_address(key: str, address: tuple[str, int]) -> None:
@@ -118,7 +134,7 @@ def lookup_address(key: str, index: int, timeout: float) -> tuple[str, int]:
 def fetch(
     address: tuple[str, int],
     relpath: str,
-    secret: bytes,
+    peer: Pinned,
     timeout: float,
     max_bytes: int,
     start: int | None = None,
@@ -134,8 +150,9 @@ def fetch(
         The peer's :attr:`PeerServer.address` (see :func:`lookup_address`).
     relpath : str
         The file, relative to the peer's served directory, ``/``-separated.
-    secret : bytes
-        The run's secret (:func:`run_secret`).
+    peer : Pinned
+        The process at ``address`` (``credentials.peer(index)``): the answer is accepted
+        only from it.
     timeout : float
         Seconds for the whole call: connecting, asking and reading.
     max_bytes : int
@@ -148,18 +165,19 @@ def fetch(
     Raises
     ------
     PeerError
-        The peer refused, did not authenticate, answered short or not in time.
+        The peer refused, is not the process meant (its certificate), answered short
+        or not in time.
     """
     if (start is None) != (end is None):
         raise ValueError("fetch: give both start and end, or neither")
     ranges = None if start is None or end is None else [(start, end)]
-    return fetch_many(address, [relpath], secret, timeout, max_bytes, ranges, pool=pool)[0]
+    return fetch_many(address, [relpath], peer, timeout, max_bytes, ranges, pool=pool)[0]
 
 
 def fetch_many(
     address: tuple[str, int],
     relpaths: Sequence[str],
-    secret: bytes,
+    peer: Pinned,
     timeout: float,
     max_bytes: int,
     ranges: Sequence[tuple[int, int] | None] | None = None,
@@ -186,14 +204,14 @@ def fetch_many(
             out.append(got)
             left -= len(got)
 
-    converse(address, secret, timeout, relpaths[0] if relpaths else "", work, pool)
+    converse(address, peer, timeout, relpaths[0] if relpaths else "", work, pool)
     return out
 
 
 def fetch_into(
     address: tuple[str, int],
     relpath: str,
-    secret: bytes,
+    peer: Pinned,
     timeout: float,
     buffers: Sequence[memoryview],
     start: int,
@@ -203,8 +221,9 @@ def fetch_into(
     """Read the bytes ``[start, start + len(buffers))`` of the peer's file ``relpath``
     straight into ``buffers`` (in order; no copy); their length.
 
-    As :func:`fetch` with a range.  The buffers are filled as the answer arrives: when it
-    then fails to authenticate (``PeerError``), what they hold is not to be used.
+    As :func:`fetch` with a range.  The buffers are filled as the answer arrives: when the
+    call then fails (``PeerError``: a short answer, a TLS record that does not decrypt),
+    what they hold is not to be used.
     """
     views = [memoryview(b) for b in buffers]
     total = sum(v.nbytes for v in views)
@@ -216,14 +235,14 @@ def fetch_into(
         assert isinstance(got, int)
         n = got
 
-    converse(address, secret, timeout, relpath, work, pool)
+    converse(address, peer, timeout, relpath, work, pool)
     return n
 
 
 def fetch_to(
     address: tuple[str, int],
     relpath: str,
-    secret: bytes,
+    peer: Pinned,
     timeout: float,
     max_bytes: int,
     dest: str | os.PathLike[str],
@@ -232,7 +251,7 @@ def fetch_to(
 
     Like :func:`fetch`, without holding the file in memory: the bytes go to a temporary
     file beside ``dest`` (``<dest>.part-<random>``), which becomes ``dest`` (an atomic
-    rename, replacing it) only once the whole answer has authenticated; on any failure
+    rename, replacing it) only once the whole answer has arrived; on any failure
     it is removed.  The caller picks ``dest`` (inside its own tier); nothing the peer
     sends chooses where bytes are written.
 
@@ -258,7 +277,7 @@ def fetch_to(
             n = got
 
     try:
-        converse(address, secret, timeout, relpath, work)
+        converse(address, peer, timeout, relpath, work)
         os.replace(part, target)
     finally:
         part.unlink(missing_ok=True)

@@ -1,44 +1,29 @@
-"""The server side of peer fetches: ``PeerServer`` serves regular files under one directory,
-read-only, to clients holding the run's secret (wire format in ``peerwire``).
-
-What it serves is a :class:`Files`: :class:`LocalFiles` (a directory on disk or tmpfs) or
-:class:`FsspecFiles` (a directory of an fsspec filesystem, e.g. the process's ``memory://``
-store).  The server checks a request's path (relative, no ``..``, ``.``, empty or NUL
-components, no backslashes) before asking either; each then keeps the answer under its root
-and to regular files, and neither writes anything."""
+"""The server side of peer fetches: ``PeerServer`` serves regular files under one directory
+(a ``peerfiles.Files``), read-only, over TLS 1.3 to the run's processes (certificates in
+``peertls``, messages in ``peerwire``): caps on connections, one deadline per handshake and
+per request, refusals logged at a bounded rate."""
 
 from __future__ import annotations
 
-import hmac
+import collections
 import logging
 import os
-import secrets
 import socket
 import socketserver
-import stat
 import threading
-from pathlib import Path
+import time
 from typing import Any
 
-from quire._runtime.peerwire import (
-    ANS,
-    BLOCK,
-    FAST,
-    MAGIC,
-    MAX_PATH_BYTES,
-    NONCE,
-    RANGE,
-    REQ,
-    TAG,
-    Closed,
-    answer_mac,
-    mac,
-    recv,
-)
+from quire._runtime.peerfiles import Files, FsspecFiles, LocalFiles, Refused
+from quire._runtime.peertls import Credentials
+from quire._runtime.peerwire import ANS, BLOCK, MAX_PATH_BYTES, REQ, Closed, TLSStream
 
 __all__ = ["Files", "FsspecFiles", "LocalFiles", "PeerServer"]
 
 log = logging.getLogger("quire")
+
+#: An answer may take a second per MiB beyond the request's deadline (a slow link).
+_MIN_RATE = 1 << 20
 
 
 class _TCP4(socketserver.ThreadingTCPServer):
@@ -46,130 +31,64 @@ class _TCP4(socketserver.ThreadingTCPServer):
     block_on_close = False
     allow_reuse_address = False
     request_queue_size = 128  # many processes may ask one survivor at once
+    owner: PeerServer
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # the caps are checked here, in the accepting thread: no thread for a refused one
+        if self.owner._admit(client_address):
+            super().process_request(request, client_address)
+        else:
+            request.close()  # no answer, not even a TLS alert
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        log.warning("peer server: error serving %s", client_address, exc_info=True)
+        self.owner._warn("peer server: error serving %s", client_address, exc_info=True)
 
 
 class _TCP6(_TCP4):
     address_family = socket.AF_INET6
 
 
-class _Refused(Exception):
-    def __init__(self, reason: str, *, hang_up: bool = False) -> None:
-        super().__init__(reason)
-        self.hang_up = hang_up
+class _Warnings:
+    """One server's WARNING lines: ``burst`` at once, then one per ``every`` seconds; the
+    lines held back are counted in the next one (a flood of bad clients is not a flood of
+    log lines)."""
 
+    def __init__(self, burst: int = 10, every: float = 10.0) -> None:
+        self.burst, self.every = burst, every
+        self.tokens, self.when, self.held = float(burst), time.monotonic(), 0
+        self._lock = threading.Lock()
 
-class Files:
-    """What a :class:`PeerServer` serves: regular files under one root, read-only."""
-
-    label: str  # the root, for messages
-
-    def open(self, parts: list[str]) -> tuple[Any, int]:
-        """``(reader, size)`` of the file at ``parts`` (checked components) under the root;
-        the reader has ``seek``, ``readinto`` and ``close``.  Raises ``_Refused``."""
-        raise NotImplementedError
-
-
-class LocalFiles(Files):
-    """A directory on disk (or tmpfs), resolved once; symlinks are followed only while they
-    stay inside it, and only regular files are opened (``O_NOFOLLOW``, non-blocking so a
-    FIFO never stalls the server)."""
-
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root).resolve(strict=True)
-        if not self.root.is_dir():
-            raise NotADirectoryError(f"peer server root {self.root} is not a directory")
-        self.label = str(self.root)
-
-    def open(self, parts: list[str]) -> tuple[Any, int]:
-        try:
-            full = self.root.joinpath(*parts).resolve(strict=True)
-        except (OSError, RuntimeError):
-            raise _Refused("no such file") from None
-        if not full.is_relative_to(self.root):
-            raise _Refused("path leaves the served directory (through a symlink)")
-        try:
-            # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: the
-            # resolved path has no link left unless one was swapped in since.
-            fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:
-            raise _Refused(f"cannot open: {e.strerror}") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise _Refused("not a regular file")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb", buffering=0), st.st_size
-
-
-class FsspecFiles(Files):
-    """A directory of an fsspec filesystem (``root``: a path of ``fs``, e.g. the process's
-    ``memory://`` store), read with ``info`` and ``cat_file`` only, a block at a time.
-
-    The path asked for is the root joined with the checked components; a path the filesystem
-    would read as another (its ``_strip_protocol`` changes it) is refused, so nothing outside
-    the root is served.  fsspec filesystems have no symlinks to follow."""
-
-    def __init__(self, fs: Any, root: str) -> None:
-        self.fs = fs
-        self.root = str(fs._strip_protocol(root)).rstrip("/")
-        if not fs.isdir(self.root):
-            raise NotADirectoryError(f"peer server root {self.root} is not a directory of {fs}")
-        self.label = f"{type(fs).__name__}:{self.root}"
-
-    def open(self, parts: list[str]) -> tuple[Any, int]:
-        path = "/".join([self.root, *parts])
-        if self.fs._strip_protocol(path) != path:
-            raise _Refused("path the filesystem would read as another")
-        try:
-            info = self.fs.info(path)
-        except (OSError, ValueError):
-            raise _Refused("no such file") from None
-        if info.get("type") != "file":
-            raise _Refused("not a regular file")
-        return _FsspecReader(self.fs, path), int(info["size"])
-
-
-class _FsspecReader:
-    """``seek`` / ``readinto`` over ``fs.cat_file`` ranges (no shared file position)."""
-
-    def __init__(self, fs: Any, path: str) -> None:
-        self.fs, self.path, self.pos = fs, path, 0
-
-    def seek(self, pos: int) -> None:
-        self.pos = pos
-
-    def readinto(self, view: memoryview) -> int:
-        try:
-            data = self.fs.cat_file(self.path, self.pos, self.pos + len(view))
-        except (OSError, ValueError):
-            return 0  # gone since: the server hangs up (a short answer)
-        view[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> _FsspecReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __call__(self, msg: str, *args: Any, exc_info: bool = False) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self.tokens = min(self.burst, self.tokens + (now - self.when) / self.every)
+            self.when = now
+            if self.tokens < 1:
+                self.held += 1
+                return
+            self.tokens -= 1
+            held, self.held = self.held, 0
+        if held:
+            msg, args = f"{msg} (and {held} warnings of this server held back before it)", args
+        log.warning(msg, *args, exc_info=exc_info)
 
 
 class PeerServer:
-    """Serves regular files under ``root`` to clients holding ``secret`` (read-only).
+    """Serves regular files under ``root`` to the run's processes over TLS 1.3 (read-only).
+
+    A client must complete a TLS 1.3 handshake with a certificate of the run
+    (``credentials``: the pinned certificates, or the user's CA and a certificate some
+    process published) within ``handshake_timeout``; otherwise the connection is closed
+    without an answer.
 
     Parameters
     ----------
     root : str, path or Files
         The directory served (this process's local tier): a path (resolved once, at start:
         :class:`LocalFiles`), or a :class:`Files` such as :class:`FsspecFiles`.
-    secret : bytes
-        The run's secret (:func:`run_secret`), at least 16 bytes.
+    credentials : Credentials
+        This process's TLS identity and the run's certificates
+        (``peerlink.run_credentials``).
     host : str
         The interface to listen on (``127.0.0.1`` by default: this machine only).  Give
         the address of the network peers use, never ``0.0.0.0`` unless every interface
@@ -177,17 +96,30 @@ class PeerServer:
     port : int
         0 picks a free port; :attr:`address` says which.
     idle_timeout : float
-        Seconds a connection may stay silent (or stall a read) before the server drops it.
-    max_connections : int
-        Connections served at once; more are refused and logged.
+        Seconds an authenticated connection may wait between requests.
+    handshake_timeout : float
+        Seconds from accepting a connection to the end of its handshake, in all.
+    request_timeout : float
+        Seconds for one request, in all: reading it whole (from its first byte) and sending
+        its answer, plus a second per MiB of the answer.
+    max_connections, max_per_address : int
+        Connections served at once, in all and from one client address (default: 3/4 of
+        ``max_connections``, so that no address holds every one).
+    max_handshakes, max_handshakes_per_address : int
+        Connections in their handshake (not yet authenticated) at once, in all (default a
+        quarter of ``max_connections``: the others stay for the run's processes) and from
+        one address (default half of ``max_handshakes``).
 
-    Refused, each logged at WARNING on the ``quire`` logger with the client's address:
-    a bad MAC (the connection is dropped), a request longer than :data:`MAX_PATH_BYTES`
-    (dropped), an absolute path, a path with ``..``, ``.``, empty or NUL components or
-    backslashes, a path that leaves ``root`` once symlinks are resolved, anything but a
-    regular file, a file longer than the request's maximum; for a range request, a range
-    that is empty-reversed (``start > end``), ends past the end of the file, or is longer
-    than the request's maximum.
+    A connection over a cap is closed at once, without an answer.  Each refusal is logged at
+    WARNING on the ``quire`` logger with the client's address (and, once authenticated, its
+    process), at most 10 lines at once and then one per 10 s, the lines held back counted:
+    a connection over a cap, a handshake that failed or took too long, a certificate that
+    is none of the run's, a request longer than :data:`MAX_PATH_BYTES` or of an unknown
+    kind (the connection is dropped after the refusal), an absolute path, a path with
+    ``..``, ``.``, empty or NUL components or backslashes, a path that leaves ``root``
+    once symlinks are resolved, anything but a regular file, a file longer than the
+    request's maximum; for a range request, a range that is reversed (``start > end``),
+    ends past the end of the file, or is longer than the request's maximum.
 
     :attr:`served` counts the file bytes answered (all connections), ``requests`` the files
     or ranges answered; each answer is logged at DEBUG.
@@ -196,23 +128,41 @@ class PeerServer:
     def __init__(
         self,
         root: str | os.PathLike[str] | Files,
-        secret: bytes,
+        credentials: Credentials,
         host: str = "127.0.0.1",
         port: int = 0,
         *,
         idle_timeout: float = 30.0,
+        handshake_timeout: float = 10.0,
+        request_timeout: float = 30.0,
         max_connections: int = 64,
+        max_per_address: int | None = None,
+        max_handshakes: int | None = None,
+        max_handshakes_per_address: int | None = None,
     ) -> None:
-        if len(secret) < 16:
-            raise ValueError("a peer secret must be at least 16 bytes (use run_secret)")
+        if not isinstance(credentials, Credentials):
+            raise TypeError(
+                f"PeerServer: credentials must be peertls.Credentials (peerlink."
+                f"run_credentials), got {type(credentials).__name__}"
+            )
         self.files = root if isinstance(root, Files) else LocalFiles(root)
         self.root = self.files.label
-        self._secret = bytes(secret)
-        self._idle = idle_timeout
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self.credentials = credentials
+        self._idle_s, self._handshake_s, self._request_s = (
+            idle_timeout,
+            handshake_timeout,
+            request_timeout,
+        )
+        self._max = max_connections
+        self._max_addr = max_per_address or max(1, 3 * max_connections // 4)
+        self._max_hs = max_handshakes or max(1, max_connections // 4)
+        self._max_hs_addr = max_handshakes_per_address or max(1, self._max_hs // 2)
+        self._conns: collections.Counter[str] = collections.Counter()  # by client address
+        self._handshakes: collections.Counter[str] = collections.Counter()
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._warn = _Warnings()
         self.served = 0  # file bytes sent, all connections together
         self.requests = 0  # files and ranges sent
         owner = self
@@ -222,6 +172,7 @@ class PeerServer:
                 owner._serve(self.request, self.client_address)
 
         server = (_TCP6 if ":" in host else _TCP4)((host, port), Handler)
+        server.owner = self
         self._server = server
         self.address: tuple[str, int] = tuple(server.server_address[:2])  # type: ignore[assignment]
         self._thread = threading.Thread(
@@ -256,87 +207,132 @@ class PeerServer:
     def __repr__(self) -> str:
         return f"PeerServer({self.root!r}, address={self.address})"
 
+    @property
+    def connections(self) -> int:
+        """Connections open now (authenticated or in their handshake)."""
+        with self._lock:
+            return sum(self._conns.values())
+
+    @property
+    def handshakes(self) -> int:
+        """Connections in their handshake now."""
+        with self._lock:
+            return sum(self._handshakes.values())
+
     # -------------------------------------------------------------- one connection
-    def _serve(self, sock: socket.socket, peer: Any) -> None:
-        who = f"{peer[0]}:{peer[1]}"
-        if not self._slots.acquire(blocking=False):
-            log.warning("peer server %s: refused %s: too many connections", self.root, who)
-            return
+    def _admit(self, peer: Any) -> bool:
+        """Count a new connection from ``peer`` in, or say why not (False)."""
+        addr = str(peer[0])
         with self._lock:
             if self._closed:
-                self._slots.release()
-                return
-            self._open.add(sock)
+                return False
+            full = (
+                "connections" if sum(self._conns.values()) >= self._max
+                else "connections from its address" if self._conns[addr] >= self._max_addr
+                else "handshakes" if sum(self._handshakes.values()) >= self._max_hs
+                else "handshakes from its address"
+                if self._handshakes[addr] >= self._max_hs_addr
+                else None
+            )  # fmt: skip
+            if full is None:
+                self._conns[addr] += 1
+                self._handshakes[addr] += 1
+                return True
+        self._warn(
+            "peer server %s: closed a connection from %s:%s unanswered: too many %s",
+            self.root, addr, peer[1], full,
+        )  # fmt: skip
+        return False
+
+    def _release(self, counter: collections.Counter[str], addr: str) -> None:
+        with self._lock:
+            counter[addr] -= 1
+            if counter[addr] <= 0:
+                del counter[addr]
+
+    def _serve(self, sock: socket.socket, peer: Any) -> None:
+        addr, who = str(peer[0]), f"{peer[0]}:{peer[1]}"
+        shaking = True
         try:
-            sock.settimeout(self._idle)
+            with self._lock:
+                if self._closed:
+                    return
+                self._open.add(sock)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            nonce = secrets.token_bytes(NONCE)
-            sock.sendall(MAGIC + nonce)
-            seq = 0
-            while self._request(sock, who, nonce, seq):
-                seq += 1
+            tls = TLSStream(sock, self.credentials.server_context, server_side=True)
+            try:
+                tls.handshake(time.monotonic() + self._handshake_s)
+                process = self.credentials.who(tls.getpeercert(binary_form=True))
+            except OSError as e:  # ssl.SSLError and TimeoutError among them
+                self._warn(
+                    "peer server %s: closed a connection from %s unanswered: no TLS 1.3 "
+                    "handshake with a certificate of this run within %gs (%s)",
+                    self.root, who, self._handshake_s, e,
+                )  # fmt: skip
+                return
+            finally:
+                self._release(self._handshakes, addr)
+                shaking = False
+            if process is None:  # chained to the user's CA, but published by no process
+                self._warn(
+                    "peer server %s: closed a connection from %s unanswered: its certificate "
+                    "is none that a process of this run published",
+                    self.root, who,
+                )  # fmt: skip
+                return
+            who = f"process {process} at {who}"
+            while self._request(tls, who):
+                pass
         except (OSError, Closed):
-            pass  # the client went away or stalled: nothing to answer
+            pass  # the client went away or ran out of time: nothing to answer
         finally:
+            if shaking:
+                self._release(self._handshakes, addr)
             with self._lock:
                 self._open.discard(sock)
-            self._slots.release()
+            sock.close()
+            self._release(self._conns, addr)
 
-    def _request(self, sock: socket.socket, who: str, nonce: bytes, seq: int) -> bool:
+    def _request(self, tls: TLSStream, who: str) -> bool:
         """Serve one request; False when the connection is over."""
         try:
-            head = sock.recv(REQ.size, socket.MSG_WAITALL)
-        except TimeoutError:
-            return False
-        if not head:
-            return False  # the client is done
-        if len(head) < REQ.size:
-            raise Closed("short request")
-        op, n, limit = REQ.unpack(head)
-        path, raw, rng = "<unread>", b"", b""
-        fast = FAST and op in (b"g", b"r")  # bodies MACed through Poly1305 (``peerwire``)
+            first = tls.recv(1, time.monotonic() + self._idle_s)
+        except (TimeoutError, Closed):
+            return False  # idle for too long, or the client is done
+        deadline = time.monotonic() + self._request_s
+        op, n, limit, start, end = REQ.unpack(first + tls.recv(REQ.size - 1, deadline))
+        path = "<unread>"
         try:
-            if op not in (b"G", b"R") and not fast:
-                raise _Refused(f"unknown request {op!r}", hang_up=True)
+            if op not in (b"G", b"R"):
+                raise Refused(f"unknown request {op!r}", hang_up=True)
             if n > MAX_PATH_BYTES:
-                raise _Refused(
+                raise Refused(
                     f"oversize request: path of {n} bytes (at most {MAX_PATH_BYTES})",
                     hang_up=True,
                 )
-            raw = recv(sock, n)
-            if op in (b"R", b"r"):
-                rng = recv(sock, RANGE.size)
-            tag = recv(sock, TAG)
+            raw = tls.recv(n, deadline)
             path = raw.decode("utf-8", "backslashreplace")
-            want = mac(self._secret, b"req", nonce, seq, head, raw, rng).digest()
-            if not hmac.compare_digest(tag, want):
-                raise _Refused(
-                    "bad MAC (not this run's secret, or a replayed request)", hang_up=True
-                )
-            if rng:
-                start, end = RANGE.unpack(rng)
+            if op == b"R":
                 if start > end or end - start > limit:
-                    raise _Refused(
+                    raise Refused(
                         f"range [{start}, {end}) is reversed or longer than the {limit} "
                         "bytes asked for"
                     )
-                opened = self._open_file(raw, limit, end)
+                f, size = self._open_file(raw, limit, end)
             else:
-                start, end = 0, -1
-                opened = self._open_file(raw, limit)
-        except _Refused as r:
-            log.warning("peer server %s: refused %r from %s: %s", self.root, path[:300], who, r)
-            self._answer(sock, nonce, seq, raw + rng, b"R", str(r), fast)
+                f, size = self._open_file(raw, limit)
+                start, end = 0, size
+        except Refused as r:
+            self._warn("peer server %s: refused %r from %s: %s", self.root, path[:300], who, r)
+            body = str(r).encode()
+            tls.send_all(ANS.pack(b"R", len(body)) + body, deadline)
             return not r.hang_up
-        f, size = opened
         with f:
-            if end < 0:
-                end = size
             f.seek(start)
             with self._lock:  # counted before sending: a client may act on the answer at once
                 self.served += end - start
                 self.requests += 1
-            self._send_file(sock, nonce, seq, raw + rng, f, end - start, fast)
+            self._send_file(tls, f, end - start, deadline + (end - start) / _MIN_RATE)
         log.debug("peer server %s: sent %r [%d, %d) to %s", self.root, path, start, end, who)
         return True
 
@@ -344,58 +340,35 @@ class PeerServer:
         try:
             rel = raw.decode("utf-8")
         except UnicodeDecodeError:
-            raise _Refused("path is not UTF-8") from None
+            raise Refused("path is not UTF-8") from None
         if rel.startswith("/"):
-            raise _Refused("absolute path")
+            raise Refused("absolute path")
         parts = rel.split("/")
         if "\\" in rel or "\0" in rel or any(p in ("", ".", "..") for p in parts):
-            raise _Refused("path with '..', '.', empty or NUL components or backslashes")
+            raise Refused("path with '..', '.', empty or NUL components or backslashes")
         f, size = self.files.open(parts)
         if (end is None and size > limit) or (end is not None and end > size):
             f.close()
             if end is None:
-                raise _Refused(f"file of {size} bytes, more than the {limit} asked for")
-            raise _Refused(f"range ends at byte {end}, past the end of the file ({size})")
+                raise Refused(f"file of {size} bytes, more than the {limit} asked for")
+            raise Refused(f"range ends at byte {end}, past the end of the file ({size})")
         return f, size
 
-    def _answer(
-        self,
-        sock: socket.socket,
-        nonce: bytes,
-        seq: int,
-        raw: bytes,
-        status: bytes,
-        text: str,
-        fast: bool,
-    ) -> None:
-        body = text.encode()
-        head = ANS.pack(status, len(body))
-        h = answer_mac(self._secret, nonce, seq, fast, raw, head)
-        h.update(body)
-        sock.sendall(head + body + h.digest())
-
-    def _send_file(
-        self,
-        sock: socket.socket,
-        nonce: bytes,
-        seq: int,
-        raw: bytes,
-        f: Any,
-        size: int,
-        fast: bool,
-    ) -> None:
+    def _send_file(self, tls: TLSStream, f: Any, size: int, deadline: float) -> None:
         head = ANS.pack(b"O", size)
-        h = answer_mac(self._secret, nonce, seq, fast, raw, head)
-        sock.sendall(head)
+        if not size:
+            tls.send_all(head, deadline)
+            return
         left = size
-        buf = bytearray(min(BLOCK, max(1, size)))
+        buf = bytearray(len(head) + min(BLOCK, size))
+        buf[: len(head)] = head  # the header goes out with the first block
         view = memoryview(buf)
+        at = len(head)
         while left:
-            n = f.readinto(view[: min(len(buf), left)])
+            n = f.readinto(view[at : at + min(len(buf) - at, left)])
             if not n:
                 # the file shrank under us: the client sees a short answer; hang up
                 raise Closed(f"file shrank to {size - left} bytes while being sent")
-            h.update(view[:n])
-            sock.sendall(view[:n])
+            tls.send_all(view[: at + n], deadline)
             left -= n
-        sock.sendall(h.digest())
+            at = 0

@@ -1,120 +1,133 @@
-"""The wire format of peer fetches (``peerlink``): framing, MACs, reads with a deadline.
+"""The messages of peer fetches (``peerlink``) and the TLS 1.3 connection that carries them,
+read and written against one deadline.
 
-One connection (numbers big-endian)::
+After the handshake (``peertls``: both sides present a pinned certificate), numbers
+big-endian::
 
-    server: b"QUIREP01" + nonce (32 random bytes, fresh per connection)
-    client: b"G" + u16 path length + u64 max bytes + path (UTF-8) + MAC   (one per file)
-         or b"R" + u16 path length + u64 max bytes + path + u64 start + u64 end + MAC
-                                                  (the bytes [start, end) of the file)
-    server: b"O" + u64 length + body + MAC        (the file)
-         or b"R" + u64 length + reason + MAC      (refused; after a bad MAC it hangs up)
+    client: REQ = op (b"G": the whole file, b"R": the bytes [start, end) of it)
+                  + u16 path length + u64 max bytes + u64 start + u64 end   (27 bytes)
+            then the path (UTF-8, at most MAX_PATH_BYTES)
+    server: ANS = b"O" + u64 length, then the body      (the file or the range)
+             or   b"R" + u64 length, then the reason    (refused; at most MAX_REASON)
 
-Every MAC is HMAC-SHA256 under the run's secret over a label (``req`` / ``ans``), the
-connection's nonce, the request's sequence number on the connection, the request's header
-and path (and, in an answer, its header and body).  A request recorded on one connection
-fails on another (other nonce) and later on the same one (other sequence number); an
-answer is bound to its request, so a client accepts no body that the secret's holder did
-not send for that path.
+A connection carries requests one after the other.  Every length is read whole (a message
+split over TCP segments or TLS records is read on) and bounded before anything is
+allocated: the path by :data:`MAX_PATH_BYTES`, a body by the request's maximum, a reason by
+:data:`MAX_REASON`.  Integrity, replay and who-is-who are TLS's: nothing here is a MAC.
 
-**Fast bodies.**  HMAC-SHA256 runs at about 2 GB/s per core; a server that can compute
-Poly1305 (the ``cryptography`` package importable) greets with ``QUIREP02`` instead of
-``QUIREP01``, and a client that can too then asks with ``g`` / ``r`` instead of ``G`` /
-``R``.  The answer to such a request is MACed as above, except that the body enters the
-HMAC as its Poly1305 tag under a one-time key, ``HMAC-SHA256(secret, "key" + nonce +
-sequence number)``: never used twice (one answer per sequence number, a fresh nonce per
-connection) and never sent, so the body stays bound to the secret, the request and the
-connection (a forgery succeeds with probability about ``length / 2**106``), at about 13
-GB/s.  The request's MAC covers the letter, so an attacker cannot switch it; altering the
-greeting only makes the client ask for HMAC-SHA256 bodies (or be refused).
+:class:`TLSStream` runs ``ssl``'s TLS over memory BIOs and moves the socket's bytes itself,
+in large reads and writes: ``ssl.SSLSocket`` makes a system call (and, on a busy machine, a
+wait for the scheduler) per 16 KiB record each way, which made a transfer several times
+slower than the records' AES-GCM.  It also keeps the deadline whole: one for the handshake,
+one per message, never one per read.
 """
 
 from __future__ import annotations
 
-import hmac
 import socket
+import ssl
 import struct
 import time
 from typing import Any
 
-try:
-    from cryptography.hazmat.primitives import poly1305 as _poly1305
-except ImportError:  # pragma: no cover - cryptography is usually installed
-    _poly1305 = None  # type: ignore[assignment]
-
-#: The greeting of a server that MACs bodies with HMAC-SHA256 only, and of one that can
-#: also use Poly1305 (``g`` / ``r`` requests).
-BASE_MAGIC, FAST_MAGIC = b"QUIREP01", b"QUIREP02"
-FAST = _poly1305 is not None
-MAGIC = FAST_MAGIC if FAST else BASE_MAGIC  # what this process's server sends
-NONCE = 32
-TAG = 32
 #: The longest request path a server reads (UTF-8 bytes); longer requests are refused.
 MAX_PATH_BYTES = 4096
-REQ = struct.Struct("!cHQ")  # b"G" / b"R", path length, max bytes
-RANGE = struct.Struct("!QQ")  # after the path of a b"R" request: start, end
+#: The longest refusal reason a client reads.
+MAX_REASON = 4 * MAX_PATH_BYTES
+REQ = struct.Struct("!cHQQQ")  # b"G" / b"R", path length, max bytes, start, end
 ANS = struct.Struct("!cQ")  # b"O" / b"R", length
-_SEQ = struct.Struct("!Q")
 BLOCK = 1 << 20
-
-
-def mac(secret: bytes, label: bytes, nonce: bytes, seq: int, *parts: bytes) -> Any:
-    h = hmac.new(secret, label, "sha256")
-    h.update(nonce)
-    h.update(_SEQ.pack(seq))
-    for p in parts:
-        h.update(p)
-    return h
-
-
-class _FastAnswer:
-    """An answer's MAC whose body goes in as its Poly1305 tag under a one-time key."""
-
-    def __init__(self, secret: bytes, nonce: bytes, seq: int, parts: tuple[bytes, ...]) -> None:
-        assert _poly1305 is not None
-        key = hmac.new(secret, b"key", "sha256")
-        key.update(nonce)
-        key.update(_SEQ.pack(seq))
-        self._body = _poly1305.Poly1305(key.digest())
-        self._head = mac(secret, b"ans", nonce, seq, *parts)
-        self._tag: bytes | None = None
-
-    def update(self, data: Any) -> None:
-        self._body.update(data)
-
-    def digest(self) -> bytes:
-        if self._tag is None:
-            self._head.update(self._body.finalize())
-            self._tag = self._head.digest()
-        return self._tag
-
-
-def answer_mac(secret: bytes, nonce: bytes, seq: int, fast: bool, *parts: bytes) -> Any:
-    """The MAC of an answer (``update`` with the body, then ``digest``): ``parts`` are the
-    request (path and range) and the answer's header; ``fast``: the request was ``g`` / ``r``."""
-    if fast:
-        return _FastAnswer(secret, nonce, seq, parts)
-    return mac(secret, b"ans", nonce, seq, *parts)
+_READ = 1 << 18  # the most one socket read takes (a buffer of this size per connection)
 
 
 class Closed(Exception):
-    """The other side hung up (or was too slow) in the middle of a message."""
+    """The other side hung up in the middle of a message (or before its first byte)."""
 
 
-def recv_into(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
-    got = 0
-    while got < len(view):
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("deadline passed")
-            sock.settimeout(left)
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise Closed(f"connection closed after {got} of {len(view)} bytes")
-        got += n
+class TLSStream:
+    """A TLS connection over the connected socket ``sock`` (``ctx`` made by ``peertls``);
+    :meth:`handshake` first.  Not thread-safe: one user at a time."""
 
+    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext, server_side: bool) -> None:
+        self.sock = sock
+        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.tls = ctx.wrap_bio(self._in, self._out, server_side=server_side)
+        self._buf = memoryview(bytearray(_READ))
 
-def recv(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
-    buf = bytearray(n)
-    recv_into(sock, memoryview(buf), deadline)
-    return bytes(buf)
+    # ------------------------------------------------------------------ the socket
+    def _timeout(self, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        self.sock.settimeout(left)
+
+    def _flush(self, deadline: float) -> None:
+        """Send what TLS has written (records, alerts)."""
+        while self._out.pending:
+            data = memoryview(self._out.read())
+            sent = 0
+            while sent < len(data):
+                self._timeout(deadline)
+                sent += self.sock.send(data[sent:])
+
+    def _fill(self, deadline: float) -> None:
+        """Hand TLS what the socket has (at least a byte, or the end of the stream)."""
+        self._timeout(deadline)
+        n = self.sock.recv_into(self._buf)
+        if n:
+            self._in.write(self._buf[:n])
+        else:
+            self._in.write_eof()
+
+    # ------------------------------------------------------------------ TLS
+    def handshake(self, deadline: float) -> None:
+        """The TLS handshake, all of it before ``deadline``."""
+        while True:
+            try:
+                self.tls.do_handshake()
+                self._flush(deadline)
+                return
+            except ssl.SSLWantReadError:
+                self._flush(deadline)
+                self._fill(deadline)
+            except ssl.SSLError:
+                self._flush(deadline)  # the alert, so that the other side learns why
+                raise
+
+    def recv_into(self, view: memoryview, deadline: float) -> None:
+        """Fill ``view`` before ``deadline``, however the bytes arrive; :class:`Closed`
+        when the other side hangs up first."""
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        got = 0
+        while got < len(view):
+            try:
+                n = int(self.tls.read(len(view) - got, view[got:]))  # type: ignore[arg-type]
+            except ssl.SSLWantReadError:
+                self._fill(deadline)
+                continue
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError) as e:
+                raise Closed(f"connection closed after {got} of {len(view)} bytes") from e
+            if n == 0:
+                raise Closed(f"connection closed after {got} of {len(view)} bytes")
+            got += n
+
+    def recv(self, n: int, deadline: float) -> bytes:
+        buf = bytearray(n)
+        self.recv_into(memoryview(buf), deadline)
+        return bytes(buf)
+
+    def send_all(self, data: Any, deadline: float) -> None:
+        """Send all of ``data`` (bytes or a buffer) before ``deadline``."""
+        view = memoryview(data).cast("B")
+        for lo in range(0, len(view), BLOCK):  # a bounded amount of records in memory
+            self.tls.write(view[lo : lo + BLOCK])
+            self._flush(deadline)
+
+    def getpeercert(self, binary_form: bool = False) -> Any:
+        return self.tls.getpeercert(binary_form)
+
+    def version(self) -> str | None:
+        return self.tls.version()
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,302 @@
+"""The attacks of issue 30 against the peer link, each against a real ``PeerServer`` on
+127.0.0.1 and the real client (one process; the run's certificates made here).
+
+* Forgery / man in the middle: a server with a certificate the client did not pin (another
+  run's, serving forged files), or the genuine certificate of another process of the run,
+  is refused before the client sends its request; so is a relay that alters the handshake.
+* Downgrade: a server or a client that offers only TLS 1.2 is refused.
+* Replay: a recorded client session replayed to the server gets nothing served; a recorded
+  server session replayed to a client (the file changed since) is refused, never the old
+  bytes.
+* Slowloris: slow handshakes from one address hold at most that address's handshake slots,
+  each for at most the handshake deadline; a legitimate fetch succeeds meanwhile.  A request
+  trickled byte by byte is cut at its total deadline.
+* A request header split over TLS records (and TCP segments) is read whole.
+* A client with a certificate that is not the run's is closed without an answer.
+* Warnings about refused connections are rate-limited.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from peer_helpers import BIG, fake_peer, flip_at, make_tier, read_exact, relay, run_of, tls_connect
+
+from quire._runtime import peerlink
+from quire._runtime.peerserve import _Warnings
+from quire._runtime.peertls import Credentials, Identity
+from quire._runtime.peerwire import ANS, REQ
+from quire.errors import PeerError
+
+RUN, CERTS = run_of(2)  # processes 0 and 1 of one run
+P0, P1 = RUN
+
+
+@pytest.fixture
+def tier(tmp_path: Path) -> Path:
+    return make_tier(tmp_path)
+
+
+@pytest.fixture
+def server(tier: Path) -> Iterator[peerlink.PeerServer]:
+    """Process 0's server; the tests' client is process 1."""
+    with peerlink.PeerServer(tier, P0, idle_timeout=5.0) as s:
+        yield s
+
+
+def outsider(index: int, pinning: dict[int, bytes] | None = None) -> Credentials:
+    """A process of no run of ours (its own key), pinning ``pinning`` (index -> PEM) besides
+    itself, so that its half of a handshake with them goes through."""
+    ident = Identity.ephemeral(index)
+    return ident.trust({**(pinning or {}), index: ident.cert_pem})
+
+
+def drain(sock: socket.socket) -> bytes:
+    """Everything ``sock`` receives until the other side hangs up (or resets)."""
+    back = bytearray()
+    try:
+        while chunk := sock.recv(1 << 16):
+            back += chunk
+    except ConnectionResetError:
+        pass
+    return bytes(back)
+
+
+# ---------------------------------------------------------------------- forgery, MITM
+def test_a_server_without_the_pinned_certificate_is_refused_unasked(
+    tmp_path: Path, server: peerlink.PeerServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="quire")
+    forged = make_tier(tmp_path / "forged")
+    (forged / "d" / "tx" / "idx.json").write_bytes(b'{"a": "forged"}')
+    # another run's process 0, serving forged files where process 0 was published
+    with peerlink.PeerServer(forged, outsider(0)) as mitm:
+        with pytest.raises(PeerError, match="TLS certificate is not one of this run's") as e:
+            peerlink.fetch(mitm.address, "d/tx/idx.json", P1.peer(0), 5, 100)
+        assert "man in the middle" in str(e.value)
+        assert mitm.requests == 0  # the request (its path) never reached it
+    # the genuine certificate of the run's process 1, where process 0 was meant
+    with peerlink.PeerServer(forged, P1) as other:
+        with pytest.raises(PeerError, match="not the one process 0 published"):
+            peerlink.fetch(other.address, "d/tx/idx.json", P1.peer(0), 5, 100)
+        assert other.requests == 0
+    # a relay that alters the server's handshake
+    for where in relay(server.address, flip_at(60)):
+        with pytest.raises(PeerError, match="TLS"):
+            peerlink.fetch(where, "d/tx/idx.json", P1.peer(0), 5, 100)
+    assert server.requests == 0
+    assert caplog.text.count("d/tx/idx.json") >= 3  # each refusal logged by the client
+    assert peerlink.fetch(server.address, "d/tx/idx.json", P1.peer(0), 5, 100) == b'{"a": 1}'
+
+
+@pytest.mark.parametrize("side", ["server", "client"])
+def test_no_downgrade_to_tls_1_2(tier: Path, side: str) -> None:
+    """The same certificates, pinned, but one side speaks TLS 1.2 only: refused."""
+    old = Identity.ephemeral(0 if side == "server" else 1)
+    for ctx in (old._server, old._client):
+        ctx.minimum_version = ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    if side == "server":
+        creds = old.trust({0: old.cert_pem})
+        with peerlink.PeerServer(tier, creds) as s:
+            client = outsider(1, {0: old.cert_pem})
+            with pytest.raises(PeerError, match=r"TLS 1\.3 handshake failed"):
+                peerlink.fetch(s.address, "empty", client.peer(0), 5, 10)
+            assert s.requests == 0
+    else:
+        creds = old.trust({1: old.cert_pem, 0: CERTS[0]})
+        server = outsider(0, {1: old.cert_pem})
+        with peerlink.PeerServer(tier, server) as s:
+            with pytest.raises(PeerError, match=r"TLS 1\.3 handshake failed"):
+                peerlink.fetch(s.address, "empty", creds.peer(0), 5, 10)
+            assert s.requests == 0
+
+
+# ---------------------------------------------------------------------- replay
+def test_a_replayed_client_session_gets_nothing_served(
+    server: peerlink.PeerServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="quire")
+    record = {"up": bytearray(), "down": bytearray()}
+    for where in relay(server.address, record=record):
+        assert peerlink.fetch(where, "d/tx/idx.json", P1.peer(0), 5, 100) == b'{"a": 1}'
+    assert server.requests == 1 and b"d/tx/idx.json" not in record["up"]  # encrypted
+    with socket.create_connection(server.address, timeout=5) as raw:
+        raw.sendall(bytes(record["up"]))
+        back = drain(raw)
+    assert b'{"a": 1}' not in back
+    assert server.requests == 1 and server.served == 8  # nothing more served
+    assert "no TLS 1.3 handshake with a certificate of this run" in caplog.text
+
+
+def test_a_replayed_server_session_is_refused(server: peerlink.PeerServer, tier: Path) -> None:
+    record = {"up": bytearray(), "down": bytearray()}
+    for where in relay(server.address, record=record):
+        assert peerlink.fetch(where, "d/tx/idx.json", P1.peer(0), 5, 100) == b'{"a": 1}'
+    (tier / "d" / "tx" / "idx.json").write_bytes(b'{"a": 2}')  # changed since
+
+    def replay(conn: socket.socket) -> None:
+        conn.recv(1 << 16)  # the client's hello
+        conn.sendall(bytes(record["down"]))
+
+    for where in fake_peer(replay):
+        with pytest.raises(PeerError, match="TLS"):
+            peerlink.fetch(where, "d/tx/idx.json", P1.peer(0), 5, 100)
+    assert peerlink.fetch(server.address, "d/tx/idx.json", P1.peer(0), 5, 100) == b'{"a": 2}'
+
+
+# ---------------------------------------------------------------------- slowloris
+def slow_handshake(address: tuple[str, int], source: str, stop: threading.Event) -> float:
+    """Start a TLS record of 512 bytes and send it a byte per 50 ms; the seconds until the
+    server hangs up (or the test stops it)."""
+    sock = socket.create_connection(address, timeout=10, source_address=(source, 0))
+    t = time.monotonic()
+    try:
+        sock.sendall(bytes([0x16, 3, 1, 2, 0]))  # handshake record of 512 bytes, then...
+        sock.setblocking(False)
+        while not stop.is_set():
+            try:
+                if sock.recv(1 << 10) == b"":
+                    break
+            except BlockingIOError:
+                pass
+            except OSError:
+                break
+            try:
+                sock.send(b"\0")
+            except OSError:
+                break
+            time.sleep(0.05)
+        return time.monotonic() - t
+    finally:
+        sock.close()
+
+
+def test_slow_handshakes_hold_few_slots_briefly_and_a_fetch_still_succeeds(
+    tier: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="quire")
+    big = (tier / "d" / "tx" / "p00000").read_bytes()
+    caps = dict(max_connections=16, max_handshakes=8, max_handshakes_per_address=4)
+    with peerlink.PeerServer(tier, P0, handshake_timeout=1.0, **caps) as s:  # type: ignore[arg-type]
+        stop = threading.Event()
+        lasted: list[float] = []
+
+        def attacker() -> None:  # reconnects as soon as it is dropped
+            while not stop.is_set():
+                lasted.append(slow_handshake(s.address, "127.0.0.2", stop))
+
+        threads = [threading.Thread(target=attacker, daemon=True) for _ in range(24)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        assert s.handshakes <= 4  # that address's share, however many it opens
+        t0 = time.monotonic()
+        got = peerlink.fetch(s.address, "d/tx/p00000", P1.peer(0), 10, BIG)  # from 127.0.0.1
+        took = time.monotonic() - t0
+        time.sleep(1.5)  # every admitted slow handshake reaches its deadline meanwhile
+        stop.set()
+        for t in threads:
+            t.join()
+    assert got == big and took < 5
+    assert len(lasted) > 24  # dropped and reconnected
+    assert max(lasted) < 2.5  # none held past the 1 s deadline (with slack for a busy machine)
+    assert "too many handshakes from its address" in caplog.text  # (the rest held back)
+
+
+def test_a_request_trickled_byte_by_byte_is_cut_at_its_deadline(tier: Path) -> None:
+    with peerlink.PeerServer(tier, P0, idle_timeout=5.0, request_timeout=0.5) as s:
+        sock = tls_connect(s.address, P1)
+        path = b"d/tx/idx.json"
+        message = REQ.pack(b"G", len(path), 100, 0, 0) + path  # 2 s at a byte per 50 ms
+        t = time.monotonic()
+        with pytest.raises(OSError):
+            for b in message:
+                sock.sendall(bytes([b]))  # one TLS record each, well within idle_timeout
+                time.sleep(0.05)
+            assert sock.recv(10) == b""  # (hung up before answering)
+            raise ConnectionResetError
+        assert time.monotonic() - t < 1.8 and s.requests == 0
+        sock.close()
+
+
+# ---------------------------------------------------------------------- split header
+@pytest.mark.parametrize("cut", [1, 5, REQ.size - 1, REQ.size + 3])
+def test_a_request_split_over_records_and_segments_is_read_whole(
+    server: peerlink.PeerServer, cut: int
+) -> None:
+    path = b"d/tx/idx.json"
+    message = REQ.pack(b"G", len(path), 100, 0, 0) + path
+    with tls_connect(server.address, P1) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(message[:cut])
+        time.sleep(0.2)  # the server has read the first piece alone
+        sock.sendall(message[cut:])
+        status, n = ANS.unpack(read_exact(sock, ANS.size))
+        assert (status, read_exact(sock, n)) == (b"O", b'{"a": 1}')
+    assert server.requests == 1
+
+
+# ---------------------------------------------------------------------- a wrong certificate
+def test_a_client_with_the_wrong_certificate_is_closed_unanswered(
+    server: peerlink.PeerServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="quire")
+    stranger = outsider(7, {0: CERTS[0]})  # knows process 0's certificate; not the run's
+    with pytest.raises(PeerError, match="did not accept this process's certificate") as e:
+        peerlink.fetch(server.address, "d/tx/idx.json", stranger.peer(0), 5, 100)
+    assert "'d/tx/idx.json'" in str(e.value)
+    assert server.requests == 0 and server.served == 0
+    assert "closed a connection from 127.0.0.1:" in caplog.text
+    assert "no TLS 1.3 handshake with a certificate of this run" in caplog.text
+    assert peerlink.fetch(server.address, "d/tx/idx.json", P1.peer(0), 5, 100) == b'{"a": 1}'
+
+
+def test_warnings_about_refused_connections_are_rate_limited(
+    tier: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="quire")
+    with peerlink.PeerServer(tier, P0) as s:
+        s._warn = _Warnings(burst=3, every=0.5)
+        for _ in range(30):  # not TLS at all: each handshake fails at once
+            with socket.create_connection(s.address, timeout=5) as c:
+                c.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                drain(c)
+        lines = [r for r in caplog.records if "closed a connection" in r.getMessage()]
+        assert 3 <= len(lines) <= 5
+        time.sleep(0.6)
+        with socket.create_connection(s.address, timeout=5) as c:
+            c.sendall(b"\0" * 10)
+            drain(c)
+    last = [r.getMessage() for r in caplog.records if "closed a connection" in r.getMessage()]
+    assert "warnings of this server held back before it" in last[-1]
+
+
+def test_a_connection_over_the_cap_is_closed_and_the_client_asks_again(
+    tier: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="quire")
+    with peerlink.PeerServer(tier, P0, max_connections=1) as s:
+        held = tls_connect(s.address, P1)  # takes the only slot
+        with pytest.raises(PeerError, match="kept closing new connections unanswered"):
+            peerlink.fetch(s.address, "empty", P1.peer(0), 0.5, 10)
+        assert "too many connections" in caplog.text
+        threading.Timer(0.3, held.close).start()  # the slot comes back meanwhile
+        t = time.monotonic()
+        assert peerlink.fetch(s.address, "empty", P1.peer(0), 5, 10) == b""
+        assert 0.2 < time.monotonic() - t < 3
+
+
+def test_the_key_file_of_an_ephemeral_identity_is_not_left_behind(tmp_path: Path) -> None:
+    import tempfile
+
+    before = set(os.listdir(tempfile.gettempdir()))
+    Identity.ephemeral(3)
+    assert not {n for n in set(os.listdir(tempfile.gettempdir())) - before if "quire-peer" in n}
