@@ -254,6 +254,10 @@ def test_a_client_with_the_wrong_certificate_is_closed_unanswered(
         peerlink.fetch(server.address, "d/tx/idx.json", stranger.peer(0), 5, 100)
     assert "'d/tx/idx.json'" in str(e.value)
     assert server.requests == 0 and server.served == 0
+    # The server logs from its own thread, after the close the client saw: wait for it.
+    deadline = time.monotonic() + 10
+    while "closed a connection from" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert "closed a connection from 127.0.0.1:" in caplog.text
     assert "no TLS 1.3 handshake with a certificate of this run" in caplog.text
     assert peerlink.fetch(server.address, "d/tx/idx.json", P1.peer(0), 5, 100) == b'{"a": 1}'
