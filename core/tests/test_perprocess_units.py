@@ -133,9 +133,11 @@ def test_inline_and_per_process_together_are_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "c").exists()
 
 
-def test_verify_and_cp_cover_every_process_folder(tmp_path: Path) -> None:
+def test_verify_and_cp_cover_every_process_folder(tmp_path: Path, capsys: Any) -> None:
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     quire.save_checkpointables(src, {"it": Position(8), "w": {"a": np.arange(3.0)}})
+    assert main(["info", src]) == 0
+    assert "units: it (self, per process: 1)\n" in capsys.readouterr().out
     res = quire.copy(src, dst)
     assert res.objects >= 2  # the pack's objects, the unit's
     assert quire.load_checkpointables(dst, {"it": Position(0)})["it"].pos == 8

@@ -123,6 +123,9 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"from {len(lent)} pack(s) of earlier steps"
         )
     others = {n: k for n, k in m.units.items() if k != "pytree"}
+    for n in others:  # a state per JAX process: say how many
+        if "processes" in m.record["units"][n]:
+            others[n] += f", per process: {m.record['units'][n]['processes']}"
     if others:
         print("  units: " + ", ".join(f"{n} ({k})" for n, k in others.items()))
     if m.custom:
