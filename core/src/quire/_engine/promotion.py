@@ -23,8 +23,9 @@ With several processes (:func:`promote_spread`: each process's local root holds 
 part of the step, ``quire._engine.spreadsave``) every process re-packs the chunks of its own
 index the same way, borrowing from *its* index of the previous persistent step (as a
 multi-process incremental save does), and copies the checkpointable-unit objects it owns
-whole (the primary's of whole units, each process's own of per-process units); once all succeeded the primary reads every process's new index, puts their entries in
-the record and commits it by the conditional create.
+whole (the primary those of whole units, each process its own of per-process units); once
+all succeeded the primary reads every process's new index, puts their entries in the record
+and commits it by the conditional create.
 """
 
 from __future__ import annotations
