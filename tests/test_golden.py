@@ -18,7 +18,14 @@ import quire
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 sys.path.insert(0, HERE)
-from make_golden import expected, incremental_expected, jaxlibs_expected  # noqa: E402
+from make_golden import (  # noqa: E402
+    GoldenPerProcess,
+    GoldenPosition,
+    expected,
+    incremental_expected,
+    jaxlibs_expected,
+    units_expected,
+)
 
 V1 = os.path.join(HERE, "v1")
 
@@ -198,3 +205,34 @@ def test_golden_axis_types_and_nnx_variables() -> None:
         "BatchStat",
         "Param",
     ]
+
+
+def test_golden_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kind of unit (docs/format.md "Units"): a pytree, a JSON config, a whole
+    ``Checkpointable`` (one ``record``) and a per-process one (``processes``, ``records``,
+    its object under ``p00000/``), as first written; a load by another process count is
+    refused for the per-process unit only."""
+    from quire._cli.main import main
+
+    path = os.path.join(HERE, "units", "plain")
+    assert os.path.isfile(os.path.join(path, "quire.json")), (
+        f"golden checkpoint {path} is missing; it is committed with the repository "
+        "(tests/golden/make_golden.py --units writes it once)"
+    )
+    units = quire.metadata(path).record["units"]
+    assert units["whole"]["record"] == {"pos": 21} and "processes" not in units["whole"]
+    assert (units["it"]["processes"], units["it"]["records"]) == (1, [{"pos": 13}])
+    assert os.path.isfile(os.path.join(path, units["it"]["location"], "p00000", "pos.json"))
+    got = quire.load_checkpointables(
+        path,
+        {"state": None, "config": None, "whole": GoldenPosition(0), "it": GoldenPerProcess(0)},
+    )
+    want = units_expected()
+    same(want["state"], got["state"])
+    assert got["config"] == want["config"]
+    assert (got["whole"].pos, got["it"].pos) == (want["whole"], want["it"])
+    assert main(["verify", path]) == 0
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert quire.load_checkpointables(path, {"whole": GoldenPosition(0)})["whole"].pos == 21
+    with pytest.raises(quire.TreeMismatchError, match="unit 'it'"):
+        quire.load_checkpointables(path, {"it": GoldenPerProcess(0)})

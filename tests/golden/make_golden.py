@@ -6,6 +6,7 @@
     .venv/bin/python tests/golden/make_golden.py --v2-index3      # v2 with chunk index format 3
     .venv/bin/python tests/golden/make_golden.py --incremental    # an incremental root
     .venv/bin/python tests/golden/make_golden.py --jaxlibs        # axis types, NNX Variables
+    .venv/bin/python tests/golden/make_golden.py --units          # every kind of unit
 
 ``v2`` holds chunk indexes of format 2 (a CRC-32 for every key), written before the crc32c
 trailer binding; ``v2-index3`` the same checkpoints (and the rewritten journal) with format-3
@@ -17,9 +18,11 @@ it never regenerates them.  Values are deterministic so the test can rebuild the
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -161,7 +164,64 @@ def jaxlibs() -> None:
     print("wrote", out)
 
 
+class GoldenPosition:
+    """A whole ``Checkpointable`` unit of the golden ``units`` checkpoint: its position, in
+    the record and in an object of its own."""
+
+    quire_per_process = False
+
+    def __init__(self, pos: int) -> None:
+        self.pos = pos
+
+    def quire_save(self, io: Any) -> Any:
+        io.write("pos.json", json.dumps({"pos": self.pos}).encode())
+        return {"pos": self.pos}
+
+    def quire_restore(self, io: Any, record: Any) -> GoldenPosition:
+        stored = json.loads(io.read("pos.json"))
+        assert stored == record, (stored, record)
+        self.pos = int(stored["pos"])
+        return self
+
+
+class GoldenPerProcess(GoldenPosition):
+    """The same, with one state per JAX process (``quire_per_process``)."""
+
+    quire_per_process = True
+
+
+def units_expected() -> dict[str, Any]:
+    """The golden ``units`` checkpoint's units (``whole`` and ``it`` by their position)."""
+    return {
+        "state": {"w": np.arange(6, dtype=np.float32) / 4, "step": 7},
+        "config": {"lr": 0.5, "name": "golden"},
+        "whole": 21,
+        "it": 13,
+    }
+
+
+def units() -> None:
+    """``units``: a format-v2 checkpoint of ``save_checkpointables`` with a pytree unit, a
+    JSON unit, a whole ``Checkpointable`` unit (``record``) and a per-process one
+    (``processes``, ``records``, its object under ``p00000/``), saved by one process."""
+    import quire
+
+    out = os.path.join(HERE, "units")
+    if os.path.exists(out) and "--force" not in sys.argv:
+        sys.exit(f"{out} exists; pass --force to rewrite it")
+    shutil.rmtree(out, ignore_errors=True)
+    want = units_expected()
+    quire.save_checkpointables(
+        os.path.join(out, "plain"),
+        {**want, "whole": GoldenPosition(want["whole"]), "it": GoldenPerProcess(want["it"])},
+        metadata={"golden": True},
+    )
+    print("wrote", out)
+
+
 def main() -> None:
+    if "--units" in sys.argv:
+        return units()
     if "--v2-rewritten" in sys.argv:
         return rewritten()
     if "--incremental" in sys.argv:

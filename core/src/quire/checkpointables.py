@@ -34,6 +34,19 @@ that can be neither snapshotted nor written at the call raises
 During a load::
 
     load(io, record, target) -> object
+
+With several JAX processes a unit is *whole* by default: every process calls the save, only
+the primary's ``save`` runs, and every process's ``load`` reads that one state.  A handler
+with ``per_process = True`` (a :class:`Checkpointable` with ``quire_per_process = True``)
+holds a state of each process's own (a data iterator at its own position)::
+
+    every process:  handles(obj) -> [snapshot(obj)] -> save(obj, io) -> its JSON record
+                    # io.prefix = d/<txid>/<unit>/p<process>, io.process = its index
+    the primary:    records of every process -> quire.json -> COMMIT
+    every process:  load(io, records[process], target) -> object    # its own folder
+
+A load by another number of processes than saved raises ``quire.TreeMismatchError`` naming
+the unit, before ``load`` runs.
 """
 
 from __future__ import annotations

@@ -150,11 +150,34 @@ def test_a_loader_of_another_pipeline_is_refused(tmp_path: Path) -> None:
         quire.load_checkpointables(url, {"data": other})
 
 
-def test_several_processes_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One unit holds one position; with several processes each has its own."""
-    monkeypatch.setattr(jax, "process_count", lambda: 4)
-    with pytest.raises(quire.MultiProcessError, match="4 JAX processes"):
-        GrainIteratorHandler().snapshot(dataset_iter())
+def test_each_process_saves_its_own_position(tmp_path: Path) -> None:
+    """The handler declares its state per process: one record per process, the state under
+    the process's folder (several real processes: tests/test_perprocess_multihost.py)."""
+    assert GrainIteratorHandler.per_process is True
+    url = tmp_path / "c"
+    quire.save_checkpointables(str(url), {"data": advance(dataset_iter(), 2)})
+    unit = quire.metadata(str(url)).record["units"]["data"]
+    assert unit["processes"] == 1 and unit["records"] == [{"kind": "dataset", "version": 1}]
+    (state,) = url.rglob("state.json")
+    assert state.parent.name == "p00000" and state.parent.parent.name == "data"
+
+
+def test_a_whole_unit_of_one_position_is_refused_by_several_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A unit saved as one whole state (as quire-grain did before it declared per_process)
+    still loads in one process, and is refused by several: one position restored into all
+    of them would resume each at the same batch."""
+    url = str(tmp_path / "c")
+    with monkeypatch.context() as m:
+        m.setattr(GrainIteratorHandler, "per_process", False)
+        quire.save_checkpointables(url, {"data": advance(dataset_iter(), 4)})
+    assert "record" in quire.metadata(url).record["units"]["data"]
+    back = quire.load_checkpointables(url, {"data": dataset_iter()})["data"]
+    same_position(advance(dataset_iter(), 4), back)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(quire.MultiProcessError, match=r"one Grain iterator position.*2 processes"):
+        quire.load_checkpointables(url, {"data": dataset_iter()})
 
 
 def test_other_units_do_not_import_grain_handlers_needlessly() -> None:

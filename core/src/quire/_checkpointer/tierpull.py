@@ -190,9 +190,9 @@ class PeerCopies:
 
         What is asked for comes from the commit record, not from the peer: ``j``'s chunk
         index (its size and crc32c are in the record), then exactly the packs that index
-        points into, each bounded by the extent the index gives it; only the primary's unit
-        objects are named by the holder's marker (each checked to lie under a unit's
-        location, and against its crc32c trailer on arrival)."""
+        points into, each bounded by the extent the index gives it; only ``j``'s objects of
+        checkpointable units are named by the holder's marker (each checked to lie under a
+        location of ``j``'s units, and against its crc32c trailer on arrival)."""
         addr = await run_blocking(self._address, holder)
         who = f"process {holder} at {addr[0]}:{addr[1]}"
         peer = self.peer(holder)
@@ -210,7 +210,7 @@ class PeerCopies:
             )
             objects[entry["object"]] = index
             sizes.update(_peers.pack_extents(doc, url, j, index, who))
-        if j == primary and _peers.unit_locations(doc):
+        if _peers.owned_unit_locations(doc, j, primary):
             marker = _peers.marker_key(str(doc["txids"][0]), j)
             raw = await run_blocking(
                 peerlink.fetch, addr, f"{rel}/{marker}", peer, self.timeout, _MAX_MARKER
@@ -222,7 +222,7 @@ class PeerCopies:
             for k, n in listed.items():
                 if k in sizes or k in objects:
                     continue
-                if not _peers.is_unit_key(k, doc) or n < 0:
+                if not _peers.owns_unit_key(k, doc, j, primary) or n < 0:
                     raise _peers.refused(url, who, j, f"{k!r} is not an object of its part")
                 sizes[k] = n
         keys = sorted(sizes)

@@ -5,7 +5,8 @@ step (``quire._checkpointer.tierplan.Plan``).  The load engine reads the step th
 (``quire._store.url.mounted``: the step's local URL resolves to it for the load), unchanged:
 every chunk is checked against the chunk index and its crc32c as in any load.  Each key goes
 to its **owner**'s objects (``quire._engine.tierpeers.owner_of``: a pack or index to its
-process, anything else to the primary), and is read from
+process, an object of a per-process unit to its process, anything else to the primary), and
+is read from
 
 1. this process's own root, when it holds that owner's objects (its marker);
 2. else a live peer holder, over the peer link (``peerlink.fetch_into`` with a byte range:
@@ -139,7 +140,7 @@ class RestoreReader(Backend):
     def _owner(self, key: str) -> int | None:
         if not key.startswith(f"d/{self._txid}/"):
             return None
-        return _peers.owner_of(key, self.primary)
+        return _peers.owner_of(key, self.primary, self.doc)
 
     async def _usable(self, src: Source) -> bool:
         if src.name in self._lost:

@@ -123,6 +123,9 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"from {len(lent)} pack(s) of earlier steps"
         )
     others = {n: k for n, k in m.units.items() if k != "pytree"}
+    for n in others:  # a state per JAX process: say how many
+        if "processes" in m.record["units"][n]:
+            others[n] += f", per process: {m.record['units'][n]['processes']}"
     if others:
         print("  units: " + ", ".join(f"{n} ({k})" for n, k in others.items()))
     if m.custom:
@@ -146,9 +149,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             err = err[len(prefix) :] if err.startswith(prefix) else err
         print(f"BAD  {p.path}: {p.object}: {err}")
     if problems:
-        bad = sum(is_chunk(p.object) for p in problems)
-        headers = len(problems) - bad
+        units = sum(p.unit is not None for p in problems)
+        bad = sum(is_chunk(p.object) for p in problems if p.unit is None)
+        headers = len(problems) - units - bad
         also = f", and {headers} array header(s) (zarr.json)" if headers else ""
+        also += f", and {units} object(s) of checkpointable units" if units else ""
         print(
             f"{url}: DAMAGED, {bad} of {c.chunks} chunks failed{also} ({_summary(c)})",
             file=sys.stderr,

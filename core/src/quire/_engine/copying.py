@@ -29,12 +29,11 @@ from quire._engine.packcopy import plan_packed
 from quire._engine.unborrow import Unborrow
 from quire._format import record as _format
 from quire._format.borrow import BorrowingView, parent_url
-from quire._format.crc import crc_bytes
 from quire._format.paths import is_chunk, is_safe_location
 from quire._format.tree import from_json, keystr
 from quire._handlers.arrays import layout_from_record
 from quire._handlers.base import StoredObject
-from quire._handlers.owned import leaf_objects
+from quire._handlers.owned import check_unit_object, leaf_objects
 from quire._handlers.zarr_io import chunk_checker
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
@@ -96,9 +95,7 @@ class _Item:
 
 
 # ----------------------------------------------------------------------------- checks
-def _check_unit_object(data: bytes) -> None:
-    if len(data) < 4 or crc_bytes(data[:-4]) != data[-4:]:
-        raise ValueError("crc32c checksum mismatch")
+_check_unit_object = check_unit_object  # the name tier and promotion modules import
 
 
 # ----------------------------------------------------------------------------- planning

@@ -22,7 +22,7 @@ from quire._handlers import select as _handlers
 from quire._handlers import unit_ops as _checkpointables
 from quire._handlers.base import LoadContext, LoadEntry
 from quire._handlers.meshes import Placer
-from quire._handlers.owned import verify_leaves
+from quire._handlers.owned import verify_leaves, verify_units
 from quire._runtime import registry as _registry
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
@@ -412,7 +412,7 @@ async def _load_units(
             )
         else:
             try:
-                out[name] = await _checkpointables.load_unit(unit, backend, url, target)
+                out[name] = await _checkpointables.load_unit(unit, backend, url, target, name)
             except PluginError as e:
                 hinted = _registry.record_hint(e, doc.get("plugins"))
                 if hinted is e:
@@ -437,16 +437,19 @@ class VerifyProblem:
     Attributes
     ----------
     path : str
-        The leaf's key path.
+        The leaf's key path (a unit's name for an object of a checkpointable unit).
     object : str
         The stored object (or pack range).
     error : str
         What is wrong with it.
+    unit : str or None
+        The checkpointable unit whose object it is; None for an array leaf's.
     """
 
     path: str
     object: str
     error: str
+    unit: str | None = None
 
 
 async def verify(
@@ -462,4 +465,8 @@ async def verify(
             saved = from_json(unit["tree"])
             all_leaves += list(saved.leaves())
     checked, found = await verify_leaves(url, backend, all_leaves, progress)
-    return checked, [VerifyProblem(keystr(p.path), p.key, p.error) for p in found]
+    n, in_units = await verify_units(url, backend, doc["units"])
+    out = [VerifyProblem(keystr(p.path), p.key, p.error) for p in found]
+    for p in sorted(in_units, key=lambda p: (p.path, p.key)):
+        out.append(VerifyProblem(str(p.path[0]), p.key, p.error, unit=str(p.path[0])))
+    return checked + n, out

@@ -23,8 +23,9 @@ With several processes (:func:`promote_spread`: each process's local root holds 
 part of the step, ``quire._engine.spreadsave``) every process re-packs the chunks of its own
 index the same way, borrowing from *its* index of the previous persistent step (as a
 multi-process incremental save does), and copies the checkpointable-unit objects it owns
-whole; once all succeeded the primary reads every process's new index, puts their entries in
-the record and commits it by the conditional create.
+whole (the primary those of whole units, each process its own of per-process units); once
+all succeeded the primary reads every process's new index, puts their entries in the record
+and commits it by the conditional create.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from quire._engine import commit as _commit
 from quire._engine.compaction import compact
 from quire._engine.copying import _check_unit_object, _copy_objects, _Item, copy_checkpoint
 from quire._engine.incremental import Incremental, LeafInfo, LeafKey, record_leaves
-from quire._engine.tierpeers import entry_of, unit_locations
+from quire._engine.tierpeers import entry_of, owned_unit_locations
 from quire._format import record as _format
 from quire._format.chunkcheck import check_stored
 from quire._format.chunkid import Ref
@@ -151,10 +152,10 @@ async def promote_spread(
         (txid,) = doc["txids"]  # one txid for every process (quire._engine.spreadsave)
         entry = entry_of(doc, coord.index)
         leaves = dict(record_leaves(doc))
-        units: list[str] = []
-        if coord.is_primary:  # the checkpointable units' objects are the primary's
-            for keys in await asyncio.gather(*(sb.list(loc) for loc in unit_locations(doc))):
-                units += keys
+        units: list[str] = []  # this process's objects of checkpointable units
+        locs = owned_unit_locations(doc, coord.index, coord.primary)
+        for keys in await asyncio.gather(*(sb.list(loc) for loc in locs)):
+            units += keys
 
         async def work() -> dict[str, Any] | None:
             nonlocal sink

@@ -35,7 +35,7 @@ from quire._format import record as _format
 from quire._format.bounds import is_distribution_name
 from quire._format.pack import PackWriter, gather_entries
 from quire._format.paths import assign_locations, escape_component
-from quire._format.record import PYTREE
+from quire._format.record import PYTREE, process_dir
 from quire._format.tree import KeyPath, Node, from_json, keystr, to_json, walk
 from quire._handlers import select as _handlers
 from quire._handlers import unit_ops as _checkpointables
@@ -86,6 +86,7 @@ class PreparedSave:
     paths: dict[str, LeafKey] = field(default_factory=dict)
     # A local tier's save (quire._engine.tierio): every process saves into its own root.
     spread: bool = False
+    per_process: frozenset[str] = frozenset()  # units every process writes its own state of
 
 
 def _is_leaf_value(x: Any) -> bool:
@@ -137,19 +138,25 @@ def prepare_save(
     paths: dict[str, LeafKey] = {}
     if (layout or cfg.layout) != "packed":
         incremental = None
+    per_process: set[str] = set()
     for name, obj in units.items():
         hid = _checkpointables.handler_for(obj) if name != PYTREE else None
         if hid is not None:
+            h = _checkpointables.get(hid, url=url)
+            mine = _checkpointables.is_per_process(hid, h, obj, url=url, name=name)
+            if mine:
+                per_process.add(name)
             if copy:  # the unit's state at the call, never the live object later
-                h = _checkpointables.get(hid, url=url)
+                prefix = f"d/{txid}/{escape_component(name)}"
                 obj = _checkpointables.capture(
                     hid,
                     h,
                     obj,
                     url=url,
                     name=name,
-                    prefix=f"d/{txid}/{escape_component(name)}",
-                    writes=coord.is_primary or _checkpointables.is_inline(h),
+                    prefix=f"{prefix}/{process_dir(coord.index)}" if mine else prefix,
+                    writes=coord.is_primary or mine or _checkpointables.is_inline(h),
+                    process=coord.index if mine else None,
                 )
             objects[name] = (hid, obj)
             continue
@@ -191,6 +198,7 @@ def prepare_save(
         carried=carried,
         paths=paths,
         spread=spread is not None,
+        per_process=frozenset(per_process),
     )
 
 
@@ -277,8 +285,9 @@ async def write_units(
             records[id(node)] = {**c.info.record, "location": c.location}
         for name, (hid, obj) in prep.objects.items():
             unit_records[name] = await _checkpointables.save_unit(
-                hid, obj, backend, f"d/{prep.txid}/{escape_component(name)}", url, ctx
-            )
+                hid, obj, backend, f"d/{prep.txid}/{escape_component(name)}", url, ctx,
+                per_process=name in prep.per_process,
+            )  # fmt: skip
         if sink is not None and prep.incremental is not None and sink.previous is not None:
             inc = prep.incremental
             root = open_backend(inc.root, backend.storage_options)
@@ -311,6 +320,7 @@ async def write_units(
             }
         else:
             units[name] = unit_records[name]
+    await _checkpointables.share_records(prep.coord, units)  # before the primary commits
     return units
 
 
@@ -420,6 +430,7 @@ async def build_record(
 ) -> bytes:
     """The commit record of ``prep``'s save: its units, txid, metadata, the plugins it
     needs and (format v2) every process's chunk index."""
+    units = await _checkpointables.gather_records(prep.coord, units, backend.url)
     return _format.build(
         units=units,
         txids=[prep.txid],
@@ -474,7 +485,7 @@ def unit_digests(units: Mapping[str, dict[str, Any]]) -> dict[str, str]:
             out[f"{name}:<structure>"] = digest(_structure(unit["tree"]))
         elif unit["kind"] == "json":
             out[name] = digest(unit["value"])
-    return out
+    return out | _checkpointables.per_process_digests(units)
 
 
 def _structure(node: dict[str, Any]) -> Any:

@@ -5,8 +5,9 @@ commit record (the same bytes in every root) and one **object set per owner proc
 
 * process ``j``'s chunk index ``d/<txid>/%packs/p<j>.index.json`` (when it wrote chunks) and
   the packs that index points into (``p<j>-<seq>``);
-* for the primary, also every object under the record's checkpointable-unit locations (only
-  the primary writes units).
+* its objects of the per-process checkpointable units, under ``<location>/p<j>/``;
+* for the primary, also every object under the locations of the whole checkpointable units
+  (only the primary writes those).
 
 A root **holds** owner ``j``'s set when it has a marker ``d/<txid>/%tier/p<j>.json`` naming
 every object of the set with its size, and every named object has that size.  The marker
@@ -40,6 +41,7 @@ from quire._engine.packcopy import _index_check, _pack_check
 from quire._format.chunkid import Ref
 from quire._format.chunkindex import PACK_DIR, ChunkError, parse_index
 from quire._format.paths import is_safe_location
+from quire._format.record import process_dir
 from quire._format.tree import from_json
 from quire._handlers.arrays import layout_from_record
 from quire._handlers.zarr_io import chunk_checker
@@ -62,8 +64,10 @@ __all__ = [
     "marked",
     "marker_key",
     "owned_sizes",
+    "owned_unit_locations",
     "owner_of",
     "owners",
+    "owns_unit_key",
     "pack_extents",
     "parse_marker",
     "promote_spread",
@@ -80,19 +84,33 @@ _HEADER = 8
 
 
 # ----------------------------------------------------------------------------- who owns what
-def owner_of(key: str, primary: int) -> int:
-    """The process whose part of a step ``key`` is: a pack's or index's own process, else
-    the primary (checkpointable units)."""
+def owner_of(key: str, primary: int, doc: Mapping[str, Any] | None = None) -> int:
+    """The process whose part of a step ``key`` is: a pack's or index's own process, with
+    ``doc`` an object's of a per-process unit its process, else the primary (whole units)."""
     parts = key.split("/")
     name = parts[-1]
     if len(parts) == 4 and parts[2] == PACK_DIR and name[:1] == "p" and name[1:6].isdigit():
         return int(name[1:6])
+    for u in _per_process_units(doc or {}):
+        head, sep, _ = key.removeprefix(f"{u['location']}/").partition("/")
+        j = int(head[1:]) if sep and head[:1] == "p" and head[1:].isdigit() else -1
+        if 0 <= j < int(u["processes"]) and head == process_dir(j):
+            return j
     return primary
 
 
+def _per_process_units(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    units = doc.get("units") or {}
+    return [u for u in units.values() if u.get("kind") == "handler" and "processes" in u]
+
+
 def owners(doc: Mapping[str, Any], primary: int) -> list[int]:
-    """Every process that owns objects of the step: those with a chunk index, the primary."""
-    return sorted({int(e["process"]) for e in doc.get("indexes") or []} | {primary})
+    """Every process that owns objects of the step: those with a chunk index, those of a
+    per-process unit, the primary."""
+    out = {int(e["process"]) for e in doc.get("indexes") or []} | {primary}
+    for u in _per_process_units(doc):
+        out.update(range(int(u["processes"])))
+    return sorted(out)
 
 
 def entry_of(doc: Mapping[str, Any], owner: int) -> dict[str, Any] | None:
@@ -104,6 +122,27 @@ def entry_of(doc: Mapping[str, Any], owner: int) -> dict[str, Any] | None:
 
 def unit_locations(doc: Mapping[str, Any]) -> list[str]:
     return [u["location"] for u in doc["units"].values() if u.get("kind") == "handler"]
+
+
+def owned_unit_locations(doc: Mapping[str, Any], owner: int, primary: int) -> list[str]:
+    """Where ``owner``'s objects of checkpointable units lie: its folder of each per-process
+    unit, and for the primary the location of each whole unit."""
+    out = []
+    for u in doc["units"].values():
+        if u.get("kind") != "handler":
+            continue
+        if "processes" in u:
+            if owner < int(u["processes"]):
+                out.append(f"{u['location']}/{process_dir(owner)}")
+        elif owner == primary:
+            out.append(u["location"])
+    return out
+
+
+def owns_unit_key(key: str, doc: Mapping[str, Any], owner: int, primary: int) -> bool:
+    """Whether ``key`` is an object of a checkpointable unit that ``owner`` owns."""
+    locs = owned_unit_locations(doc, owner, primary)
+    return is_safe_location(key) and any(key.startswith(f"{loc}/") for loc in locs)
 
 
 def _checkers(doc: Mapping[str, Any], url: str) -> dict[str, Callable[[bytes], None]]:
@@ -202,7 +241,7 @@ def check_objects(
     for key in objects:
         if key in allowed:
             continue
-        if owner != primary or not is_unit_key(key, doc):
+        if not owns_unit_key(key, doc, owner, primary):
             raise refused(url, sender, owner, f"{key!r} is not an object of its part of the step")
         allowed[key] = _check_unit_object
     for key, data in objects.items():
@@ -281,7 +320,7 @@ async def _own_keys(
     read: dict[str, bytes] | None = None,
 ) -> list[str]:
     """``owner``'s set, from its index at ``backend`` (kept in ``read``) and a listing of
-    the unit locations."""
+    its unit locations."""
     keys: list[str] = []
     entry = entry_of(doc, owner)
     if entry is not None:
@@ -291,9 +330,9 @@ async def _own_keys(
         refs = parse_index(data, entry, url, doc["txids"])
         keys.append(entry["object"])
         keys += sorted({r.target for r in refs.values() if r.target is not None})
-    if owner == primary:
-        found = await asyncio.gather(*(backend.list(loc) for loc in unit_locations(doc)))
-        keys += [k for ks in found for k in ks]
+    locs = owned_unit_locations(doc, owner, primary)
+    found = await asyncio.gather(*(backend.list(loc) for loc in locs))
+    keys += [k for ks in found for k in ks]
     return keys
 
 

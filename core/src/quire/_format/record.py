@@ -8,11 +8,18 @@ Layout::
         "pytree": {"kind": "pytree", "tree": <node>},          # quire.save's unit
         "config": {"kind": "json", "value": <any JSON>},
         "data":   {"kind": "handler", "handler": id, "location": "d/<txid>/data",
-                   "record": <handler JSON>}}}
+                   "record": <handler JSON>},
+        "iter":   {"kind": "handler", "handler": id, "location": "d/<txid>/iter",
+                   "processes": n, "records": [<handler JSON of process 0>, ...]}}}
 
 ``<node>`` is described in ``quire._format.tree``.  Version 2 (packed data) adds
 ``"indexes": [{"txid", "process", "object", "size", "crc32c"}]``, one per process and
 txid, naming the chunk-index objects (``quire._format.chunkindex``); everything else is as in 1.
+
+A **per-process** unit (``"processes"``: the handler declared ``per_process``) holds one state
+per JAX process: process ``i`` wrote its objects under ``<location>/p<i, 5 digits>/``
+(:func:`process_dir`) and its record is ``records[i]``; ``processes`` equals the record's
+``process_count``.  A whole unit has one ``record`` and objects directly under its location.
 """
 
 from __future__ import annotations
@@ -35,6 +42,11 @@ READABLE = (VERSION, PACKED_VERSION)
 RECORD = "quire.json"
 PYTREE = "pytree"  # the unit name of quire.save's tree
 JOURNAL_DIR = "journal"  # <ckpt>/journal/: the partial-save journal
+
+
+def process_dir(index: int) -> str:
+    """The folder of process ``index``'s objects under a per-process unit's location."""
+    return f"p{index:05d}"
 
 
 def build(

@@ -372,7 +372,7 @@ def _plugins(v: Any, where: str) -> None:
             raise Invalid(f"{where}/{k}", f"{_short(d)} is not a distribution name")
 
 
-def _units(v: Any, where: str, ctx: _Ctx) -> None:
+def _units(v: Any, where: str, ctx: _Ctx, process_count: int) -> None:
     for name, unit in _dict(v, where).items():
         w = f"{where}/{name}"
         kind = _req(_dict(unit, w), "kind", w)
@@ -381,8 +381,25 @@ def _units(v: Any, where: str, ctx: _Ctx) -> None:
         elif kind == "handler":
             _str(_req(unit, "handler", w), w + "/handler", None)
             _location(_req(unit, "location", w), w + "/location", ctx)
+            if "processes" in unit or "records" in unit:
+                _per_process(unit, w, process_count)
         elif kind != "json":
             raise Invalid(w + "/kind", f"unknown unit kind {_short(kind)}")
+
+
+def _per_process(unit: dict[str, Any], where: str, process_count: int) -> None:
+    """A per-process unit: its process count (the save's) and one record per process."""
+    n = _int(_req(unit, "processes", where), where + "/processes", 1, MAX_PROCESSES)
+    if n != process_count:
+        raise Invalid(
+            where + "/processes",
+            f"{n} processes, but the record was written by {process_count} (process_count)",
+        )
+    records = _list(_req(unit, "records", where), where + "/records", MAX_PROCESSES)
+    if len(records) != n:
+        raise Invalid(where + "/records", f"{len(records)} records for {n} processes")
+    if "record" in unit:
+        raise Invalid(where + "/record", "a per-process unit has one record per process only")
 
 
 FieldRule = Callable[[Any, str], Any]
@@ -442,7 +459,7 @@ def check_commit(doc: dict[str, Any], record_url: str) -> None:
     try:
         _fields(doc, COMMIT_FIELDS)
         ctx = _Ctx(_txids(_req(doc, "txids", ""), "txids"))
-        _units(_req(doc, "units", ""), "units", ctx)
+        _units(_req(doc, "units", ""), "units", ctx, doc["process_count"])
         _check_locations(ctx)
     except Invalid as e:
         raise _raise(record_url, e, "quire commit record") from None

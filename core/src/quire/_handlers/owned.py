@@ -3,16 +3,20 @@
 Neither parses a handler's records: each leaf's handler names the objects (byte ranges)
 its entries own and how to check them (:class:`quire.handlers.StoredObject`), and reports
 problems through its ``verify`` (``quire.handlers.check_objects`` by default).  Keys a
-handler names outside ``d/`` are refused as a damaged record.
+handler names outside ``d/`` are refused as a damaged record.  A checkpointable unit stored
+as objects owns every object under its location (every process's, for a per-process unit),
+each ending in its crc32c (:func:`verify_units`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from quire._format import record as _format
+from quire._format.crc import crc_bytes
 from quire._format.paths import is_safe_location
 from quire._format.tree import Node, keystr
 from quire._handlers import select as _handlers
@@ -97,3 +101,33 @@ async def verify_leaves(
             progress(n)
     problems.sort(key=lambda p: (keystr(p.path), p.key))  # found in completion order
     return checked, problems
+
+
+def check_unit_object(data: bytes) -> None:
+    """A checkpointable unit's object against its crc32c trailer (``UnitIO.write``)."""
+    if len(data) < 4 or crc_bytes(data[:-4]) != data[-4:]:
+        raise ValueError("crc32c checksum mismatch")
+
+
+async def verify_units(
+    url: str, backend: Backend, units: Mapping[str, dict[str, Any]]
+) -> tuple[int, list[ObjectProblem]]:
+    """Every object of the units stored as objects, read and checked against its crc32c:
+    (objects checked, problems, each with the unit's name as its path)."""
+    limit = asyncio.Semaphore(8)
+
+    async def one(name: str, key: str) -> ObjectProblem | None:
+        async with limit:
+            try:
+                check_unit_object(await backend.get(key))
+            except FileNotFoundError:
+                return ObjectProblem((name,), key, "missing")
+            except ValueError as e:
+                return ObjectProblem((name,), key, str(e))
+        return None
+
+    found = [(n, u["location"]) for n, u in units.items() if u.get("kind") == "handler"]
+    listed = await asyncio.gather(*(backend.list(loc) for _, loc in found))
+    keys = [(n, k) for (n, _), ks in zip(found, listed) for k in ks]
+    got = await asyncio.gather(*(one(n, k) for n, k in keys))
+    return len(keys), [p for p in got if p is not None]

@@ -1,19 +1,31 @@
 """Engine side of checkpointable units: handler choice, an async save's snapshot step, save
-and load of one unit."""
+and load of one unit, and the records of per-process units gathered to the primary."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+import jax
+
+from quire._format.record import process_dir
 from quire._handlers.json_unit import JsonHandler
 from quire._handlers.units import Checkpointable, UnitIO
 from quire._runtime import ioloop as _io
+from quire._runtime.multihost import digest
 from quire._runtime.registry import checkpointables as _registry
-from quire.errors import PluginError, QuireError, SnapshotError
+from quire.errors import (
+    MultiProcessError,
+    PluginError,
+    QuireError,
+    SnapshotError,
+    TreeMismatchError,
+)
 
 if TYPE_CHECKING:
+    from quire._runtime.multihost import Coordinator
     from quire._store.base import Backend
 
 _SELF = "self"  # units that implement the Checkpointable protocol themselves
@@ -55,8 +67,8 @@ class Captured:
 class _CaptureIO(UnitIO):
     """A :class:`UnitIO` that keeps what a unit writes in memory, to be written later."""
 
-    def __init__(self, prefix: str, url: str) -> None:
-        super().__init__(cast("Backend", None), prefix, url)
+    def __init__(self, prefix: str, url: str, process: int | None) -> None:
+        super().__init__(cast("Backend", None), prefix, url, process)
         self.objects: dict[str, bytes] = {}
 
     def write(self, name: str, data: bytes) -> None:
@@ -79,8 +91,34 @@ def is_inline(handler: Any) -> bool:
     return isinstance(handler, JsonHandler) or bool(getattr(handler, "inline", False))
 
 
+def is_per_process(hid: str, handler: Any, obj: Any, *, url: str, name: str) -> bool:
+    """Whether unit ``name`` holds a state per JAX process: its handler's ``per_process``,
+    or (a :class:`~quire.checkpointables.Checkpointable`) the object's ``quire_per_process``,
+    read from the object given to the save (not from its snapshot)."""
+    if handler is None:
+        flag = getattr(obj, "quire_per_process", False)
+    else:
+        flag = getattr(handler, "per_process", False)
+    if flag is True and is_inline(handler):
+        raise PluginError(
+            f"{url}: unit {name!r}: handler {hid!r} declares both inline and per_process; an "
+            "inline unit is one value every process agrees on. Drop one of the two",
+            group="quire.checkpointables",
+            name=hid,
+        )
+    return flag is True
+
+
 def capture(
-    hid: str, handler: Any, obj: Any, *, url: str, name: str, prefix: str, writes: bool
+    hid: str,
+    handler: Any,
+    obj: Any,
+    *,
+    url: str,
+    name: str,
+    prefix: str,
+    writes: bool,
+    process: int | None = None,
 ) -> Any:
     """An async save's snapshot step for one unit, in the caller's thread, before the call
     returns: what :func:`save_unit` writes later, holding the unit's state at the call.
@@ -90,7 +128,8 @@ def capture(
        return a new object (what ``save`` / ``quire_save`` writes later).
     2. Without one, the unit is written now, into memory (:class:`Captured`): its save runs
        here, and only its bytes are put into the checkpoint in the background.  A process
-       that never writes the unit (``writes`` False: not the primary, not inline) skips it.
+       that never writes the unit (``writes`` False: not the primary, neither inline nor
+       per process) skips it.
     3. Anything else raises :class:`SnapshotError`: never the live object in the background.
     """
     what = f"{url}: unit {name!r}" + ("" if handler is None else f" (handler {hid!r})")
@@ -124,7 +163,7 @@ def capture(
         return snap
     if not writes:
         return None  # save_unit never looks at it in this process
-    io = _CaptureIO(prefix, url)
+    io = _CaptureIO(prefix, url, process)
     try:
         record = obj.quire_save(io) if handler is None else handler.save(obj, io)
         # A copy of the record too (it may be live state); quire.json holds JSON anyway.
@@ -146,17 +185,31 @@ def _write_captured(io: UnitIO, captured: Captured) -> Any:
 
 
 async def save_unit(
-    hid: str, obj: Any, backend: Any, prefix: str, url: str, ctx: Any
+    hid: str, obj: Any, backend: Any, prefix: str, url: str, ctx: Any, *, per_process: bool = False
 ) -> dict[str, Any]:
     """Write one unit (``obj`` as :func:`capture` made it for an async save) and return its
-    entry in the commit record."""
+    entry in the commit record.  A per-process unit is written by every process into its
+    own folder; its entry holds this process's record only (:func:`gather_records` fills
+    in the others' on the primary)."""
     h = get(hid, url=url)
     io = UnitIO(backend, prefix, url)
     if is_inline(h):
         value = obj.record if isinstance(obj, Captured) else h.save(obj, io)
         return {"kind": "json", "value": value}
+    if per_process:
+        me, n = ctx.process_index, ctx.process_count
+        io = UnitIO(backend, f"{prefix}/{process_dir(me)}", url, me)
+        records: list[Any] = [None] * n
+        records[me] = await _write(hid, h, obj, io, url)
+        return {"kind": "handler", "handler": hid, "location": prefix, "processes": n,
+                "records": records}  # fmt: skip
     if not ctx.is_primary:
         return {"kind": "handler", "handler": hid, "location": prefix, "record": None}
+    record = await _write(hid, h, obj, io, url)
+    return {"kind": "handler", "handler": hid, "location": prefix, "record": record}
+
+
+async def _write(hid: str, h: Any, obj: Any, io: UnitIO, url: str) -> Any:
     try:
         if isinstance(obj, Captured):
             record = await _io.run_blocking(_write_captured, io, obj)
@@ -167,15 +220,36 @@ async def save_unit(
     except QuireError:
         raise
     except Exception as e:
-        raise QuireError(f"{url}: saving unit at {prefix} with handler {hid!r} failed: {e}") from e
-    return {"kind": "handler", "handler": hid, "location": prefix, "record": record}
+        raise QuireError(
+            f"{url}: saving unit at {io.prefix} with handler {hid!r} failed: {e}"
+        ) from e
+    return record
 
 
-async def load_unit(unit: dict[str, Any], backend: Any, url: str, target: Any) -> Any:
+async def load_unit(
+    unit: dict[str, Any], backend: Any, url: str, target: Any, name: str = "?"
+) -> Any:
+    """Load unit ``name``; a per-process unit's state of this process (its folder and
+    record), once its process count is checked against this run's."""
     if unit["kind"] == "json":
         return unit["value"]
-    # The unit's location was checked when the record was read (quire._engine.commit.read).
+    # The unit's location was checked when the record was read (quire._engine.commit.read),
+    # its process count and records by the schema.
     io = UnitIO(backend, unit["location"], url)
+    record = unit.get("record")
+    if "processes" in unit:
+        me, n = jax.process_index(), jax.process_count()
+        if n != unit["processes"]:
+            raise TreeMismatchError(
+                f"{url}: unit {name!r} (handler {unit['handler']!r}) holds one state per JAX "
+                f"process, saved by {unit['processes']} process(es); this run has {n}, so "
+                f"process {me} has no state of its own in it. Restore it with "
+                f"{unit['processes']} process(es), or leave {name!r} out of the load (load the "
+                "other units by name) and start it afresh",
+                mismatched=[name],
+            )
+        io = UnitIO(backend, f"{unit['location']}/{process_dir(me)}", url, me)
+        record = unit["records"][me]
     hid = unit["handler"]
     if hid == _SELF:
         if target is None or not hasattr(target, "quire_restore"):
@@ -183,6 +257,54 @@ async def load_unit(unit: dict[str, Any], backend: Any, url: str, target: Any) -
                 f"{url}: this unit was saved by a Checkpointable object; pass an object with a "
                 "quire_restore method as its target to load it"
             )
-        return await _io.run_blocking(target.quire_restore, io, unit.get("record"))
+        return await _io.run_blocking(target.quire_restore, io, record)
     h = get(hid, url=url)
-    return await _io.run_blocking(h.load, io, unit.get("record"), target)
+    return await _io.run_blocking(h.load, io, record, target)
+
+
+# ----------------------------------------------------------------------------- per process
+def per_process_names(units: Mapping[str, dict[str, Any]]) -> list[str]:
+    return [n for n, u in units.items() if u.get("kind") == "handler" and "processes" in u]
+
+
+def per_process_digests(units: Mapping[str, dict[str, Any]]) -> dict[str, str]:
+    """What every process must agree on about its per-process units (not their records)."""
+    return {
+        n: digest([units[n][k] for k in ("handler", "location", "processes")])
+        for n in per_process_names(units)
+    }
+
+
+async def share_records(coord: Coordinator, units: Mapping[str, dict[str, Any]]) -> None:
+    """A process other than the primary: publish its records of per-process units, for the
+    primary's commit record (:func:`gather_records`), before it reports its writes done."""
+    mine = {n: units[n]["records"][coord.index] for n in per_process_names(units)}
+    if mine and coord.active and not coord.is_primary:
+        await coord.share(mine)
+
+
+async def gather_records(
+    coord: Coordinator, units: dict[str, dict[str, Any]], url: str
+) -> dict[str, dict[str, Any]]:
+    """The primary, once every process reported its writes done: ``units`` with every
+    process's record of each per-process unit."""
+    names = per_process_names(units)
+    if not names or not coord.active:
+        return units
+    shared = await coord.shared()
+    out = dict(units)
+    for n in names:
+        records = list(units[n]["records"])
+        for i in range(coord.count):
+            if i == coord.index:
+                continue
+            got = shared.get(i)
+            if not isinstance(got, dict) or n not in got:
+                raise MultiProcessError(
+                    f"{url}: process {i} reported its writes done without its record of the "
+                    f"per-process unit {n!r}; nothing is committed (every process must save "
+                    "the same units)"
+                )
+            records[i] = got[n]
+        out[n] = {**units[n], "records": records}
+    return out

@@ -23,12 +23,25 @@ class UnitIO:
     """Blocking byte access under one unit's sub-prefix (``d/<txid>/<unit>/``).
 
     Handlers run in quire's I/O threads, so these calls may block.
+
+    Attributes
+    ----------
+    url : str
+        The checkpoint's URL (for messages).
+    prefix : str
+        Where the unit's objects lie in the checkpoint: ``d/<txid>/<unit>``, or for a
+        per-process unit ``d/<txid>/<unit>/p<process, 5 digits>``.
+    process : int or None
+        For a per-process unit, the JAX process whose state this ``io`` writes or reads
+        (this process); None for a whole unit, whose one state the primary writes and
+        every process reads.
     """
 
-    def __init__(self, backend: Backend, prefix: str, url: str) -> None:
+    def __init__(self, backend: Backend, prefix: str, url: str, process: int | None = None) -> None:
         self.backend = backend
         self.prefix = prefix
         self.url = url
+        self.process = process
         self.written: list[str] = []
 
     def _key(self, name: str) -> str:
@@ -81,6 +94,15 @@ class Checkpointable(Protocol):
 
     If neither works, the call raises :class:`quire.errors.SnapshotError` and saves nothing.
     A blocking save calls ``quire_save`` of the object itself.
+
+    **Per process.**  By default a unit is *whole*: with several JAX processes only the
+    primary's ``quire_save`` runs, and every process restores that one state.  A class
+    attribute ``quire_per_process = True`` declares a state of each process's own (a data
+    iterator at its own position): every process then captures and writes its own object
+    (``io.prefix`` ends in ``p<process>``, ``io.process`` is its index), the commit record
+    keeps one record per process, and at load each process's ``quire_restore`` reads its
+    own.  A load by another number of processes than saved raises
+    :class:`quire.errors.TreeMismatchError` naming the unit.
     """
 
     def quire_save(self, io: UnitIO) -> Any:
@@ -125,6 +147,16 @@ class CheckpointableHandler(Protocol):
     thread), and ``save`` later writes that; without one, ``save(obj, io)`` runs at the call
     into memory and only its bytes are written later.  If neither works, the call raises
     :class:`quire.errors.SnapshotError` and saves nothing.
+
+    **Per process.**  A handler whose objects hold a state of each JAX process's own (a data
+    iterator at its own position) declares a class attribute ``per_process = True``.  With
+    several processes, each then runs ``snapshot`` / ``save`` for its own object under its
+    own folder (``io.prefix`` ends in ``p<process>``, ``io.process`` is its index), the
+    primary puts every process's record into the commit record, and ``load`` runs in each
+    process with that process's ``io`` and record.  A load by another number of processes
+    than saved raises :class:`quire.errors.TreeMismatchError` naming the unit, before
+    ``load`` is called.  Without the attribute a unit is whole: only the primary's ``save``
+    runs, and every process's ``load`` reads that one state.
     """
 
     id: str

@@ -13,7 +13,10 @@ operation with key ``K`` (``quire/<n>/<url hash>/<what>``):
 3. the primary polls ``K/status/`` until every process has reported, one has failed, or the
    timeout has passed since it finished its own writes; then it claims the outcome
    ``K/outcome`` with a create-if-absent: ``commit`` (and commits, then publishes
-   ``K/result``) or ``abort: <why>`` (``collect`` / ``decide``);
+   ``K/result``) or ``abort: <why>`` (``collect`` / ``decide``).  What the record needs of
+   the others (their records of per-process units) each published at ``K/share/<i>``
+   before its status, so the primary reads it once they all reported (``share`` /
+   ``shared``);
 4. the others wait for the outcome — twice the timeout, as the primary's own wait starts
    only once it has written its shards — and raise if the save was aborted.  A process
    that gives up waiting claims ``K/outcome`` as an abort itself; the create-if-absent
@@ -214,6 +217,18 @@ class Coordinator:
                     "shardings must agree on every process)"
                 )
         return None  # pragma: no cover - equal dicts have equal combined digests
+
+    async def share(self, value: Any) -> None:
+        """A process other than the primary: publish ``value`` (JSON) for the primary's
+        commit record; called before :meth:`report`, so it is there once the status is."""
+        if self.active and not self.is_primary:
+            body = json.dumps(value, allow_nan=False)
+            await run_blocking(_client().key_value_set, f"{self.key}/share/{self.index}", body)
+
+    async def shared(self) -> dict[int, Any]:
+        """Primary, after :meth:`collect` found every process done: what each shared."""
+        entries = await run_blocking(_client().key_value_dir_get, f"{self.key}/share/")
+        return {int(k.rsplit("/", 1)[-1]): json.loads(v) for k, v in entries}
 
     # -------------------------------------------------------------------- 3. the primary
     async def collect(self, mine: dict[str, str]) -> str | None:

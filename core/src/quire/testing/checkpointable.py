@@ -20,6 +20,14 @@ object::
 
 Override :meth:`CheckpointableHandlerSuite.assert_restored` when ``==`` does not
 compare your objects.  Never override a ``test_*`` method to make it pass.
+
+A handler that declares ``per_process = True`` (one state per JAX process, e.g. a data
+iterator) is checked here in one process: the record's form (its process count, one record
+per process), its objects under ``p00000/``, and a load by another number of processes
+refused with ``quire.TreeMismatchError`` naming the unit.  What one process cannot show -
+several processes saving their own states and each restoring its own - needs real JAX
+processes; quire's repository runs that for quire-grain in
+``tests/test_perprocess_multihost.py``, a harness to copy.
 """
 
 from __future__ import annotations
@@ -209,6 +217,36 @@ class CheckpointableHandlerSuite(UrlFixture):
         allowed = [f"d/{t}/my%20unit/" for t in rec["txids"]]
         stray = [r for r in rel if r != "quire.json" and not any(r.startswith(a) for a in allowed)]
         assert not stray, f"written outside the unit's sub-prefix: {stray}"
+
+    def test_process_layout(
+        self, tmp_path: Path, obj: Any, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A whole unit has one ``record``; a per-process one (the handler's ``per_process =
+        True``) names its process count and holds one record per process, its objects lie
+        under ``p00000/``, and a load by another number of processes is refused naming the
+        unit (the saving process count is faked; real processes are not started here)."""
+        import jax
+
+        import quire
+
+        root = tmp_path / "ckpt"
+        quire.save_checkpointables(str(root), {"it": obj})
+        rec = record_of(str(root))
+        unit = rec["units"]["it"]
+        per_process = getattr(self._get(), "per_process", False) is True
+        if unit["kind"] == "json" or not per_process:
+            assert "processes" not in unit and "records" not in unit, unit
+            assert unit["kind"] == "json" or "record" in unit, unit
+        else:
+            assert unit["processes"] == rec["process_count"] == 1, unit
+            assert len(unit["records"]) == 1 and "record" not in unit, unit
+            files = [p.relative_to(root / unit["location"]) for p in root.rglob("*")
+                     if p.is_file() and p.is_relative_to(root / unit["location"])]  # fmt: skip
+            stray = [str(f) for f in files if f.parts[0] != "p00000"]
+            assert not stray, f"a per-process unit's objects outside p00000/: {stray}"
+            monkeypatch.setattr(jax, "process_count", lambda: 2)
+            with pytest.raises(quire.TreeMismatchError, match=r"unit 'it'.* saved by 1 process"):
+                quire.load_checkpointables(str(root), {"it": self.target(obj)})
 
     def test_damaged_object_is_detected(self, tmp_path: Path, obj: Any) -> None:
         """Every byte the handler wrote is checked: a flipped byte fails the load."""

@@ -1,6 +1,6 @@
 """quire-grain: Grain data iterators (``grain.DatasetIterator``, ``grain.DataLoader``
-iterators) as quire checkpointable units, found through the ``quire.checkpointables`` entry
-point ``grain``."""
+iterators) as quire checkpointable units, one state per JAX process, found through the
+``quire.checkpointables`` entry point ``grain``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The ``grain`` checkpointable handler: a Grain iterator's position, taken with
-``get_state()`` at the call and restored with ``set_state()``."""
+``get_state()`` at the call and restored with ``set_state()``, one per JAX process."""
 
 from __future__ import annotations
 
@@ -50,15 +50,18 @@ def _kind(obj: Any) -> str | None:
 
 
 def _one_process(what: str) -> None:
+    """A whole unit (saved by one process, before quire-grain declared its state per
+    process) holds one position: restoring it into several processes would resume every
+    one of them at the same batch."""
     import jax
 
     n = jax.process_count()
     if n > 1:
         raise MultiProcessError(
-            f"{what}: quire-grain saves one process's iterator position, and this run has "
-            f"{n} JAX processes, each with its own; restoring one position into all of them "
-            "would resume every other process at the wrong batch. Save each process's "
-            "iterator in a checkpoint of its own (e.g. a URL with jax.process_index() in it)"
+            f"{what} holds one Grain iterator position, saved by one JAX process (an earlier "
+            f"quire-grain saved it as one whole unit); this run has {n} processes, each with an "
+            "iterator of its own. Restore it with one process, or start the iterators afresh; "
+            "checkpoints saved now hold one position per process"
         )
 
 
@@ -73,11 +76,14 @@ class GrainIteratorHandler:
     needs the iterator to restore into as the unit's target (an iterator of the same
     pipeline): its ``set_state()`` is called and it is returned.
 
-    One JAX process only: with several, each process's iterator has its own position, which
-    one unit cannot hold; saving then raises ``MultiProcessError`` naming the fix.
+    The state is **per process** (``per_process = True``): in a job of several JAX processes
+    each saves its own iterator's position (``p<process>/state.json`` under the unit) and
+    restores its own; a load by another number of processes raises
+    ``quire.TreeMismatchError`` naming the unit.
     """
 
     id = "grain"
+    per_process = True
 
     def handles(self, obj: Any) -> bool:
         return _kind(obj) is not None
@@ -97,7 +103,6 @@ class GrainIteratorHandler:
         kind = _kind(obj)
         if kind is None:
             raise TypeError(f"not a Grain iterator: {type(obj).__name__}")
-        _one_process(f"saving the Grain iterator {type(obj).__name__}")
         state = obj.get_state()
         if kind == DATALOADER:
             data = bytes(state)
@@ -126,7 +131,8 @@ class GrainIteratorHandler:
                 f"unit's target (an iterator of the same pipeline, e.g. iter(dataset)), "
                 f"not {type(target).__name__}"
             )
-        _one_process(f"restoring {where}")
+        if io.process is None:
+            _one_process(where)
         raw = io.read(STATE)
         try:
             state: Any = json.loads(raw)
