@@ -186,3 +186,11 @@ def test_other_units_do_not_import_grain_handlers_needlessly() -> None:
     h = GrainIteratorHandler()
     assert not h.handles({"a": 1}) and not h.handles(iter(range(3)))
     assert h.handles(dataset_iter()) and h.handles(loader_iter())
+
+
+def test_an_iterator_given_as_a_leaf_says_how_to_save_it(tmp_path: Path) -> None:
+    it = iter(grain.MapDataset.range(10).to_iter_dataset())
+    with pytest.raises(quire.UnsupportedLeafError, match=r"save_checkpointables") as e:
+        quire.save(str(tmp_path / "c"), {"data": it})
+    assert "'data'" in str(e.value) and "quire-grain" in str(e.value)
+    assert not (tmp_path / "c" / "quire.json").exists()

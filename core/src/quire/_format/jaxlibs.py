@@ -58,6 +58,17 @@ def is_equinox_module(x: Any) -> bool:
     return cls is not None and isinstance(x, cls)
 
 
+def iterator_hint(x: object) -> str:
+    """The fix for a Grain data iterator given as a leaf (it is a checkpointable unit)."""
+    if type(x).__module__.split(".")[0] != "grain":
+        return ""
+    return (
+        "; a Grain iterator is a checkpointable unit, not a leaf: with quire-grain installed "
+        "(pip install quire-grain), save it beside the state, e.g. "
+        "quire.save_checkpointables(url, {'state': state, 'data': iterator})"
+    )
+
+
 def equinox_hint(module: str) -> str:
     """The fix for a leaf no handler saves inside the Equinox module class ``module``."""
     return (

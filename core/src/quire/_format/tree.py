@@ -126,7 +126,7 @@ def walk(tree: Any, is_leaf: Callable[[Any], bool], *, what: str = "tree") -> No
                 f"{what}: leaf at {keystr(path)!r} has type {name}, which no installed leaf "
                 "handler saves; convert it to an array or scalar, register it as a JAX pytree "
                 "node, or register a quire leaf handler for it"
-                + (jaxlibs.equinox_hint(module) if module else "")
+                + (jaxlibs.equinox_hint(module) if module else jaxlibs.iterator_hint(x))
             )
         var = jaxlibs.nnx_variable_type(x)
         if var is not None and len(kids_with_keys) == 1:

@@ -13,6 +13,7 @@ MEMBERS = {
     "quire-gcs": "backends/gcs",
     "quire-torch": "plugins/torch",
     "quire-orbax": "plugins/orbax",
+    "quire-grain": "plugins/grain",
 }
 
 

@@ -45,11 +45,12 @@ INSTALL_HINTS = {
     ("quire.backends", "gcs"): "quire-gcs",
     ("quire.leaf_handlers", "torch"): "quire-torch",
     ("quire.sources", "orbax"): "quire-orbax",
+    ("quire.checkpointables", "grain"): "quire-grain",
 }
 # Distributions quire itself vouches for in an install hint.  A record's ``plugins`` map
 # is untrusted input: a name outside this set (and not installed here providing that very
 # plugin) is quoted as the record's claim, never suggested as ``pip install X``.
-FIRST_PARTY = ("quire-s3", "quire-gcs", "quire-torch", "quire-orbax")
+FIRST_PARTY = ("quire-s3", "quire-gcs", "quire-torch", "quire-orbax", "quire-grain")
 
 # Bumped on every change of any registry; selection caches (_handlers) key on it.
 _generation = itertools.count(1)
