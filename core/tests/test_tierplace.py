@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from quire._checkpointer import tierplace as tp
-from quire._checkpointer.tiers import LocalTier
+from quire._checkpointer.localtier import LocalTier
 
 
 def check(domains: list[str], k: int) -> list[list[int]]:

@@ -2,7 +2,8 @@
 
 The Checkpointer holds its parts: its root (``quire._checkpointer.steproot``, where the
 threads and the order of a save are described) and its ``Tiers`` (the save decision, and
-a local tier if any: ``quire._checkpointer.tiers``).  Garbage rules: ``quire._engine.garbage``.
+a local tier if any: ``quire._checkpointer.tiers``, configured by ``localtier``).  Garbage
+rules: ``quire._engine.garbage``.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from quire import _api
 from quire._checkpointer.deciding import preempted
 from quire._checkpointer.keep_policies import BestN, KeepPolicy
 from quire._checkpointer.ledger import as_step
+from quire._checkpointer.localtier import LocalTier
 from quire._checkpointer.save_policies import SavePolicy
 from quire._checkpointer.steproot import StepRoot
 from quire._checkpointer.tiering import arrange
-from quire._checkpointer.tiers import LocalTier
 from quire._engine import garbage as _gc
 from quire._engine import incremental as _inc
 from quire._format.record import PYTREE
@@ -321,7 +322,7 @@ class Checkpointer:
             Processes disagree on the step to restore.
         """
         return self._tier.load(
-            step,
+            None if step is None else as_step(step),
             lambda url: _api.load(
                 url,
                 abstract,
@@ -362,7 +363,7 @@ class Checkpointer:
             No committed step (or not that one).
         """
         return self._tier.load(  # type: ignore[no-any-return]
-            step,
+            None if step is None else as_step(step),
             lambda url: _api.load_checkpointables(
                 url, abstract, partial=partial, storage_options=self._main.paths.options
             ),

@@ -2,7 +2,9 @@
 
 :class:`Tiers` is what the Checkpointer asks; :func:`arrange` picks, for the Checkpointer's
 root and ``local=`` argument, its root alone (:class:`_PersistentOnly`) or a local tier over
-it (``quire._checkpointer.tiers._Tier``), and gives it the Checkpointer's save decision.
+it (``quire._checkpointer.tiers._Tier``), and gives it the Checkpointer's save decision.  It
+is where the parts are made: the save decisions and, for the local tier, its root (a
+:class:`StepRoot` like the Checkpointer's own), handed to the tier as it asks for them.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from quire._checkpointer.deciding import SaveDecider
-from quire._checkpointer.tiers import PERSISTENT, LocalTier, _Tier
+from quire._checkpointer.steproot import StepRoot
+from quire._checkpointer.tiers import PERSISTENT, _Tier
+from quire._engine.incremental import COMPACT_BELOW
 
 if TYPE_CHECKING:
+    from quire._checkpointer.localtier import LocalTier
     from quire._checkpointer.save_policies import SavePolicy
-    from quire._checkpointer.steproot import StepRoot
 
 log = logging.getLogger("quire")
 
@@ -31,7 +35,26 @@ def arrange(
     decider = SaveDecider(save_policy, root.latest(), without_policy=True, follow_primary=True)
     if local is None:
         return _PersistentOnly(root, decider)
-    return _Tier(local, root, decider, gc_grace_period)
+    spec = local
+
+    def open_root(url: str, maintainer: bool) -> StepRoot:
+        return StepRoot(
+            url,
+            spec.storage_options,
+            step_format=None,
+            metadata=None,
+            keep=spec.keep,
+            gc_grace_period=gc_grace_period,
+            incremental=False,
+            compact_below=COMPACT_BELOW,
+            maintainer=maintainer,
+        )
+
+    def new_decider(last_step: int | None) -> SaveDecider:
+        # Without a policy of its own, the local tier saves only what the persistent one does.
+        return SaveDecider(spec.save_policy, last_step, without_policy=False, follow_primary=False)
+
+    return _Tier(local, root, decider, open_root, new_decider)
 
 
 class Tiers(Protocol):

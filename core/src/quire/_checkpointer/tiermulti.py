@@ -70,8 +70,7 @@ from quire._store.url import mounted, normalize, open_backend
 from quire.errors import CheckpointNotFoundError, MultiProcessError, QuireError
 
 if TYPE_CHECKING:
-    from quire._checkpointer.steproot import StepPaths, StepRoot
-    from quire._checkpointer.tiers import LocalTier
+    from quire._checkpointer.tiertypes import Paths, Root, TierSpec
 
 __all__ = ["PERSISTENT_SOURCE", "Plan", "Spread", "decide", "sources"]
 
@@ -88,17 +87,17 @@ class Spread:
 
     Parameters
     ----------
-    spec : LocalTier
-        The tier's configuration.
+    spec : TierSpec
+        The tier's configuration (a ``quire.LocalTier``).
     url : str
         This process's local root.
-    local : StepRoot
+    local : Root
         What keeps that root (saves, pins, loads, listings).
-    persistent : StepPaths
+    persistent : Paths
         Where the persistent tier's steps are.
     """
 
-    def __init__(self, spec: LocalTier, url: str, local: StepRoot, persistent: StepPaths) -> None:
+    def __init__(self, spec: TierSpec, url: str, local: Root, persistent: Paths) -> None:
         import jax
 
         self.spec, self.url, self.local, self.persistent = spec, url, local, persistent
