@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import quire  # noqa: E402
 import quire.checkpointables  # noqa: E402
-from quire._engine import spreadsave as _save  # noqa: E402
+from quire._tiers import spreadsave as _save  # noqa: E402
 from quire.policies import EveryNSteps, LatestN  # noqa: E402
 
 quire.configure(timeout=cfg["timeout"])

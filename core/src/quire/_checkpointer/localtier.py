@@ -1,8 +1,8 @@
 """``quire.LocalTier``: the configuration of a Checkpointer's fast per-process tier.
 
-The Checkpointer takes it (``local=``) with its other settings; the tier itself (its local
-roots, peer copies, restores and promotions) is ``quire._checkpointer.tiers``, which reads
-only the fields that are no policy of the Checkpointer's (``tiertypes.TierSpec``).
+The Checkpointer takes it (``local=``) with its other settings and applies its policies; the
+tier itself (its local roots, peer copies, restores and promotions) is the room below,
+``quire._tiers``, which reads only the rest (``quire._tiers.tiertypes.TierSpec``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from quire._checkpointer.keep_policies import KeepPolicy
 from quire._checkpointer.save_policies import SavePolicy
-from quire._runtime.peertls import PeerTLS, require_cryptography
+from quire._peers.peertls import PeerTLS, require_cryptography
 from quire._store.url import normalize
 
 __all__ = ["LocalTier"]

@@ -2,7 +2,7 @@
 
 :class:`Tiers` is what the Checkpointer asks; :func:`arrange` picks, for the Checkpointer's
 root and ``local=`` argument, its root alone (:class:`_PersistentOnly`) or a local tier over
-it (``quire._checkpointer.tiers._Tier``), and gives it the Checkpointer's save decision.  It
+it (``quire._tiers.tiers._Tier``), and gives it the Checkpointer's save decision.  It
 is where the parts are made: the save decisions and, for the local tier, its root (a
 :class:`StepRoot` like the Checkpointer's own), handed to the tier as it asks for them.
 """
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from quire._checkpointer.deciding import SaveDecider
 from quire._checkpointer.steproot import StepRoot
-from quire._checkpointer.tiers import PERSISTENT, _Tier
 from quire._engine.incremental import COMPACT_BELOW
+from quire._tiers.tiers import PERSISTENT, _Tier
 
 if TYPE_CHECKING:
     from quire._checkpointer.localtier import LocalTier

@@ -18,7 +18,7 @@ commit points marked:
 3. background: LOCAL COMMIT (the local step's commit record);
 4. when the persistent policy said so, background, after 3: ``quire._engine.copying`` copies the
    committed local step's stored bytes to ``<root>/<step>`` (an incremental root:
-   ``quire._engine.promotion`` uploads only the chunks its previous step lacks), checking
+   ``quire._tiers.promotion`` uploads only the chunks its previous step lacks), checking
    every chunk's crc32c on the way, with the local step pinned against local retention;
    PERSISTENT COMMIT is the copy's conditional create of ``quire.json``, after the data is
    synced;
@@ -28,10 +28,10 @@ commit points marked:
 At most one promotion (step 4) is in flight: a save due for the persistent tier waits for the
 previous promotion first.  Local saves never wait for a promotion.
 
-With several JAX processes, ``quire._checkpointer.tiermulti`` adds what needs them all: each
+With several JAX processes, ``quire._tiers.tiermulti`` adds what needs them all: each
 local save is one collective save into every process's own root, followed by the peer copies;
 ``latest_step`` / ``load`` agree on a step and fill each root from peers or the persistent
-tier; a promotion copies each process's own objects (``quire._engine.tierpeers``).
+tier; a promotion copies each process's own objects (``quire._tiers.tierpeers``).
 """
 
 from __future__ import annotations
@@ -43,14 +43,14 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from quire._checkpointer.tiermulti import Spread
-from quire._checkpointer.tiertypes import Decider, Root, TierSpec
 from quire._engine.copying import copy_checkpoint
-from quire._engine.promotion import promote
-from quire._engine.promotion import promote_spread as promote_spread_incremental
-from quire._engine.tierpeers import promote_spread
 from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator
+from quire._tiers.promotion import promote
+from quire._tiers.promotion import promote_spread as promote_spread_incremental
+from quire._tiers.tiermulti import Spread
+from quire._tiers.tierpeers import promote_spread
+from quire._tiers.tiertypes import Decider, Root, TierSpec
 from quire.errors import CorruptCheckpointError
 
 __all__ = ["LOCAL", "PERSISTENT"]
