@@ -52,7 +52,8 @@ def arrange(
 
     def new_decider(last_step: int | None) -> SaveDecider:
         # Without a policy of its own, the local tier saves only what the persistent one does.
-        return SaveDecider(spec.save_policy, last_step, without_policy=False, follow_primary=False)
+        # With several processes its save is collective: every process follows process 0.
+        return SaveDecider(spec.save_policy, last_step, without_policy=False, follow_primary=True)
 
     return _Tier(local, root, decider, open_root, new_decider)
 
