@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any, overload
 
 from quire import _api
 from quire._checkpointer.deciding import preempted
-from quire._checkpointer.keep_policies import BestN, KeepPolicy
+from quire._checkpointer.keep_policies import KeepPolicy
 from quire._checkpointer.ledger import as_step
 from quire._checkpointer.localtier import LocalTier
 from quire._checkpointer.save_policies import SavePolicy
 from quire._checkpointer.steproot import StepRoot
-from quire._checkpointer.tiering import arrange
+from quire._checkpointer.tiering import arrange, check_arguments
 from quire._engine import garbage as _gc
 from quire._engine import incremental as _inc
 from quire._format.record import PYTREE
@@ -118,10 +118,7 @@ class Checkpointer:
         compact_below: float = _inc.COMPACT_BELOW,
         local: LocalTier | None = None,
     ) -> None:
-        if local is not None and not isinstance(local, LocalTier):
-            raise TypeError(f"local must be a quire.LocalTier, got {local!r}")
-        if save_policy is not None and not isinstance(save_policy, SavePolicy):
-            raise TypeError(f"save_policy must be a quire.policies.SavePolicy, got {save_policy!r}")
+        check_arguments(save_policy, local)
         import jax
 
         self._closed = False
@@ -395,10 +392,7 @@ class Checkpointer:
         self._main.raise_errors()
         if step is None:
             return self._main.run_metadata()
-        m: CheckpointMetadata = _api.metadata(
-            self._main.url(as_step(step)), storage_options=self._main.paths.options
-        )
-        return m
+        return self._main.step_metadata(as_step(step))
 
     def metrics(self, step: int) -> dict[str, Any]:
         """The metrics saved with ``step`` (empty if none); reads only ``quire.json``.
@@ -437,8 +431,7 @@ class Checkpointer:
             The best step, or None when no committed step has ``metric``.
         """
         self._main.raise_errors()
-        ranked = BestN(1, metric=metric, mode=mode).ranked(self._main.infos())
-        return ranked[0] if ranked else None
+        return self._main.best(metric, mode)
 
     def gc(self, grace_period: float | None = None, *, dry_run: bool = False) -> _gc.GcReport:
         """Remove uncommitted steps and superseded data older than ``grace_period`` seconds.

@@ -39,7 +39,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 from quire import _api
-from quire._checkpointer.keep_policies import KeepPolicy, StepInfo
+from quire._checkpointer.keep_policies import BestN, KeepPolicy, StepInfo
 from quire._checkpointer.ledger import StepLedger, as_step, clean_metrics
 from quire._checkpointer.retain import Retention
 from quire._checkpointer.tasks import BackgroundTasks
@@ -53,6 +53,8 @@ from quire.errors import CheckpointNotFoundError, QuireError
 if TYPE_CHECKING:
     import concurrent.futures
     import os
+
+    from quire.metadata import CheckpointMetadata
 
 log = logging.getLogger("quire")
 
@@ -399,6 +401,16 @@ class StepRoot:
         """The infos of the live steps (records read where not read yet)."""
         self.run(self._ledger.fill(self._retention.read_info))
         return self._ledger.infos()
+
+    def best(self, metric: str, mode: str) -> int | None:
+        """The live step with the best ``metric`` (``BestN``'s ranking), or None."""
+        ranked = BestN(1, metric=metric, mode=mode).ranked(self.infos())
+        return ranked[0] if ranked else None
+
+    def step_metadata(self, step: int) -> CheckpointMetadata:
+        """``quire.metadata`` of ``step``."""
+        m: CheckpointMetadata = _api.metadata(self.url(step), storage_options=self.paths.options)
+        return m
 
     def gc(self, grace_period: float | None, *, dry_run: bool) -> _gc.GcReport:
         self._tasks.wait_save()

@@ -1,7 +1,8 @@
 """How a Checkpointer's saves, save decisions and reads are arranged over its tiers.
 
-:class:`Tiers` is what the Checkpointer asks; :func:`arrange` picks, for the Checkpointer's
-root and ``local=`` argument, its root alone (:class:`_PersistentOnly`) or a local tier over
+:class:`Tiers` is what the Checkpointer asks; :func:`check_arguments` refuses its
+``save_policy`` and ``local`` arguments of the wrong type (before the root is opened), and
+:func:`arrange` picks, for the Checkpointer's root and ``local=`` argument, its root alone (:class:`_PersistentOnly`) or a local tier over
 it (``quire._tiers.tiers._Tier``), and gives it the Checkpointer's save decision.  It
 is where the parts are made: the save decisions and, for the local tier, its root (a
 :class:`StepRoot` like the Checkpointer's own), handed to the tier as it asks for them.
@@ -11,18 +12,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from quire._checkpointer.deciding import SaveDecider
+from quire._checkpointer.localtier import LocalTier
+from quire._checkpointer.save_policies import SavePolicy
 from quire._checkpointer.steproot import StepRoot
 from quire._engine.incremental import COMPACT_BELOW
 from quire._tiers.tiers import PERSISTENT, _Tier
 
-if TYPE_CHECKING:
-    from quire._checkpointer.localtier import LocalTier
-    from quire._checkpointer.save_policies import SavePolicy
-
 log = logging.getLogger("quire")
+
+
+def check_arguments(save_policy: object, local: object) -> None:
+    """Raise ``TypeError`` unless ``save_policy`` is a save policy and ``local`` a
+    ``quire.LocalTier`` (or None)."""
+    if local is not None and not isinstance(local, LocalTier):
+        raise TypeError(f"local must be a quire.LocalTier, got {local!r}")
+    if save_policy is not None and not isinstance(save_policy, SavePolicy):
+        raise TypeError(f"save_policy must be a quire.policies.SavePolicy, got {save_policy!r}")
 
 
 def arrange(
