@@ -116,6 +116,38 @@ def test_retention_per_tier(tmp_path: Path) -> None:
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("persistent_every", "local_every", "persistent_keep", "local_keep"),
+    [(2, 1, 2, 2), (3, 1, 1, 2), (1, 2, 2, 1), (2, 2, 1, 1)],
+)
+def test_steps_are_both_tiers_each_kept_by_its_own_policy(
+    tmp_path: Path, persistent_every: int, local_every: int, persistent_keep: int, local_keep: int
+) -> None:
+    """``steps()`` is the union of what each tier's keep policy keeps of the steps that tier
+    saved (the local tier saves every step either policy saves), as documented: with
+    ``LatestN(2)`` for both it may list 3 steps, and that is no retention defect."""
+    with quire.Checkpointer(
+        tmp_path / "p",
+        save_policy=EveryNSteps(persistent_every),
+        keep=LatestN(persistent_keep),
+        local=quire.LocalTier(
+            tmp_path / "l", save_policy=EveryNSteps(local_every), keep=LatestN(local_keep)
+        ),
+    ) as c:
+        saved = [s for s in range(1, 8) if c.save(s, tree(s))]
+        c.wait()
+        persistent = [s for s in saved if s % persistent_every == 0][-persistent_keep:]
+        local = saved[-local_keep:]
+        assert c.steps() == sorted({*persistent, *local})
+        for s in c.steps():
+            want = ("local",) * (s in local) + ("persistent",) * (s in persistent)
+            assert c.tiers_of(s) == want, s
+    assert sorted(p.name for p in (tmp_path / "p").glob("step_*")) == [name(s) for s in persistent]
+    assert sorted(p.name for p in (tmp_path / "l/process_00000").glob("step_*")) == [
+        name(s) for s in local
+    ]
+
+
 def test_failed_promotion_never_moves_persistent_latest(tmp_path: Path) -> None:
     c = ckpt(tmp_path)
     c.save(4, tree(4))

@@ -64,7 +64,8 @@ class Checkpointer:
         When :meth:`save` actually saves (default: at every call with a new step).
     keep : quire.policies.KeepPolicy, optional
         Which committed steps survive (default: all).  The latest committed step and
-        steps being loaded are never deleted.
+        steps being loaded are never deleted.  With ``local``: the persistent tier's steps
+        (the local tier's own is ``LocalTier(keep=...)``).
     step_format : str, optional
         Directory name of a step, a ``str.format`` pattern with one int field; default
         the root's recorded one, else ``"step_{:08d}"``.  Names that do not parse back to
@@ -254,7 +255,11 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ reading
     def steps(self) -> list[int]:
-        """Committed steps, ascending, in any tier (as of the last listing plus own saves)."""
+        """Committed steps, ascending, in any tier (as of the last listing plus own saves).
+
+        With a local tier: both tiers' steps, each tier's kept by its own keep policy, so
+        more than either policy keeps (``tiers_of`` says which tier holds a step).
+        """
         return self._tier.steps()
 
     def latest_step(self) -> int | None:
