@@ -249,7 +249,8 @@ class Checkpointer:
     def wait(self) -> None:
         """Wait for the save in flight and background deletions; raise their errors.
 
-        With a local tier: its saves and deletions too, then the promotions.
+        With a local tier: its saves and deletions too, then the promotions, then the local
+        deletions a promotion held up (its step stayed pinned until it ended).
         """
         self._tier.wait()
 

@@ -278,11 +278,15 @@ class _Tier:
         self.persistent.reload()
 
     def wait(self) -> None:
-        """Wait for the local saves, deletions and peer copies, then the promotions."""
+        """Wait for the local saves, deletions and peer copies, then the promotions, then the
+        local deletions a promotion held up (its step was pinned until it ended)."""
         try:
             self.inner.wait()
         finally:
-            self.persistent.wait()
+            try:
+                self.persistent.wait()
+            finally:
+                self.inner.wait()
 
     def close(self) -> None:
         """After :meth:`wait`: let go of the policies and the peers."""
