@@ -92,7 +92,7 @@ def worker(pid: int, nproc: int, port: int, opts: dict[str, Any]) -> None:
     import numpy as np
     from jax._src import distributed
 
-    from quire._runtime import peerlink
+    from quire._peers import peerlink
     from quire._runtime.collective import ring_shift
 
     client = distributed.global_state.client

@@ -1,6 +1,6 @@
 """Incremental promotion (``Checkpointer(root, incremental=True, local=quire.LocalTier(...))``):
 a step promoted from the local tier to the persistent one uploads only the chunks the
-persistent tier's previous step does not store (``quire._engine.promotion``); every
+persistent tier's previous step does not store (``quire._tiers.promotion``); every
 persistent step still loads bit-identically and verifies.  On a local directory and on S3
 (moto), where the bytes the server stores are counted."""
 

@@ -271,6 +271,22 @@ def test_incremental_promotions_with_two_processes(tmp_path: Path) -> None:
     assert step_bytes(persistent / "step_00000008") < first / 4
 
 
+def test_a_time_based_local_policy_follows_process_0(tmp_path: Path) -> None:
+    """``LocalTier(save_policy=EveryNSeconds(5))`` with 2 processes whose clocks disagree:
+    process 0 pauses 6 s before each save, so its policy says save and process 1's does not.
+    A local save is collective, so every process follows process 0's answer (as for the
+    persistent policy): both save steps 1 and 2 locally, and none waits for the other until
+    the timeout."""
+    persistent, local = tmp_path / "persistent", tmp_path / "local"
+    base = {"persistent": str(persistent), "options": None, "local": str(local),
+            "timeout": 15, "peers": 0, "every": 1000, "local_seconds": 5, "pause": [0, 6]}  # fmt: skip
+    results, codes = launch(tmp_path, {**base, "first": 1, "last": 2}, n=2, timeout=80)
+    ok(results, codes, n=2)
+    assert [r["tiers"] for r in of(results, "saved")] == [{"1": ["local"], "2": ["local"]}] * 2
+    for p in range(2):
+        assert markers(local, p, 2) == [f"p{p:05d}.json"]
+
+
 def test_a_silent_peer_is_passed_over_for_another_holder(tmp_path: Path) -> None:
     """3 processes, ``peers=2`` (every process holds every object).  Nothing lost: the
     restore reads nothing from peers (0 bytes served), and a second Checkpointer opened on

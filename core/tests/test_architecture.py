@@ -19,14 +19,19 @@ SRC = Path(quire.__file__).parent
 
 #: The rooms, lowest first; each is a set of module prefixes.  The contract modules of the
 #: bottom room import nothing of quire; the faces only re-export what rooms below define.
+#: ``peers`` (the TLS peer link) sits right above ``runtime`` so that it may import nothing
+#: else (a small security boundary); ``tiers`` (the local tier: its transactions, peer
+#: copies, restores) sits right below the Checkpointer, which hands it its roots.
 ORDER: list[tuple[str, frozenset[str]]] = [
     ("contracts", frozenset({"quire.errors", "quire.options", "quire.metadata"})),
     ("runtime", frozenset({"quire._runtime"})),
+    ("peers", frozenset({"quire._peers"})),
     ("store", frozenset({"quire._store"})),
     ("format", frozenset({"quire._format"})),
     ("handlers", frozenset({"quire._handlers"})),
     ("engine", frozenset({"quire._engine"})),
     ("sources", frozenset({"quire._sources"})),
+    ("tiers", frozenset({"quire._tiers"})),
     ("api", frozenset({"quire._api", "quire._ops", "quire.partial", "quire._checkpointer"})),
     (
         "faces",
@@ -49,6 +54,10 @@ ORDER: list[tuple[str, frozenset[str]]] = [
 
 #: Private modules allowed at the top of the package (everything else lives in a room).
 TOP_PRIVATE = {"quire._api", "quire._ops"}
+
+#: Rooms placed low for what they may import, not for who uses them: room -> the lowest
+#: room allowed to import it (besides itself).  The peer link is the local tier's.
+LOWEST_USER = {"peers": "tiers"}
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -166,6 +175,18 @@ def violations(root: Path) -> list[str]:
                     f"{mod}:{line} imports {target}: {ORDER[a][0]} may not import "
                     f"{ORDER[b][0]}, which is above it"
                 )
+    names = [name for name, _ in ORDER]
+    for mod, targets in sorted(g.items()):
+        a = room(mod)
+        for target, line in sorted(targets.items()):
+            b = room(target)
+            if a is None or b is None or a == b or names[b] not in LOWEST_USER:
+                continue
+            if a < names.index(LOWEST_USER[names[b]]):
+                out.append(
+                    f"{mod}:{line} imports {target}: {names[b]} is for {LOWEST_USER[names[b]]} "
+                    f"and the rooms above it, not {names[a]}"
+                )
     for comp in circles(g):
         out.append("import circle: " + " -> ".join(comp))
     return out
@@ -185,6 +206,18 @@ def test_the_check_fails_on_an_added_circle(tmp_path: Path) -> None:
     found = violations(copy)
     assert any("quire._runtime.budget" in v and "runtime may not import engine" in v for v in found)
     assert any(v.startswith("import circle:") and "quire._runtime.budget" in v for v in found)
+
+
+def test_the_check_fails_on_a_peer_link_user_below_the_tiers(tmp_path: Path) -> None:
+    copy = tmp_path / "quire"
+    shutil.copytree(SRC, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    save = copy / "_engine" / "save.py"
+    save.write_text(save.read_text() + "\nfrom quire._peers import peerlink  # noqa\n")
+    found = violations(copy)
+    assert [v for v in found if "quire._engine.save" in v] == [
+        f"quire._engine.save:{len(save.read_text().splitlines())} imports "
+        "quire._peers.peerlink: peers is for tiers and the rooms above it, not engine"
+    ]
 
 
 def test_a_type_checking_import_is_not_counted(tmp_path: Path) -> None:
@@ -218,8 +251,8 @@ def test_few_private_modules_at_the_top() -> None:
 
 #: Rooms whose classes hold their parts (objects with narrow interfaces, each owning its
 #: state) rather than being assembled from mixins that read each other's attributes through
-#: ``self`` (STYLE.md habit 20).
-COMPOSED = ("quire._checkpointer",)
+#: ``self`` (STYLE.md habit 20): the Checkpointer and its tier parts.
+COMPOSED = ("quire._checkpointer", "quire._tiers")
 _TYPING_BASES = {"Protocol", "Generic", "typing.Protocol", "typing.Generic"}
 
 

@@ -31,10 +31,10 @@ from peer_helpers import (
     tls_connect,
 )
 
-from quire._runtime import peerlink
+from quire._peers import peerlink
+from quire._peers.peertls import Credentials
+from quire._peers.peerwire import ANS, MAX_PATH_BYTES, REQ
 from quire._runtime.collective import ring_shift
-from quire._runtime.peertls import Credentials
-from quire._runtime.peerwire import ANS, MAX_PATH_BYTES, REQ
 from quire.errors import MultiProcessError, PeerError
 
 

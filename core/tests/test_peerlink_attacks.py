@@ -30,10 +30,10 @@ from pathlib import Path
 import pytest
 from peer_helpers import BIG, fake_peer, flip_at, make_tier, read_exact, relay, run_of, tls_connect
 
-from quire._runtime import peerlink
-from quire._runtime.peerserve import _Warnings
-from quire._runtime.peertls import Credentials, Identity
-from quire._runtime.peerwire import ANS, REQ
+from quire._peers import peerlink
+from quire._peers.peerserve import _Warnings
+from quire._peers.peertls import Credentials, Identity
+from quire._peers.peerwire import ANS, REQ
 from quire.errors import PeerError
 
 RUN, CERTS = run_of(2)  # processes 0 and 1 of one run

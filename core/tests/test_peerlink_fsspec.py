@@ -18,8 +18,8 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 from peer_helpers import run_of
 
-from quire._runtime import peerlink
-from quire._runtime.peertls import Identity
+from quire._peers import peerlink
+from quire._peers.peertls import Identity
 from quire.errors import PeerError
 
 (CREDS,), CERTS = run_of(1)

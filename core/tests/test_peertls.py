@@ -26,8 +26,8 @@ from cryptography.x509.oid import NameOID
 from peer_helpers import run_of
 
 import quire
-from quire._runtime import peerlink
-from quire._runtime.peertls import Identity
+from quire._peers import peerlink
+from quire._peers.peertls import Identity
 from quire.errors import PeerError, PluginError
 
 

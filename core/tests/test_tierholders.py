@@ -27,11 +27,11 @@ import pytest
 from peer_helpers import run_of
 
 import quire
-from quire._checkpointer import tierread
 from quire._engine import commit as _commit
-from quire._engine import tierpeers as _peers
-from quire._runtime import peerlink
+from quire._peers import peerlink
 from quire._store.url import mounted, normalize, open_backend
+from quire._tiers import tierpeers as _peers
+from quire._tiers import tierread
 from quire.errors import CorruptCheckpointError
 
 (CREDS,), _ = run_of(1)  # every server here is this one process

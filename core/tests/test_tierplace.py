@@ -1,4 +1,4 @@
-"""Where peer copies go (``quire._checkpointer.tierplace``): each owner's holders spread over
+"""Where peer copies go (``quire._tiers.tierplace``): each owner's holders spread over
 failure domains, deterministic, the plain ring when domains do not help."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from quire._checkpointer import tierplace as tp
-from quire._checkpointer.tiers import LocalTier
+from quire._checkpointer.localtier import LocalTier
+from quire._tiers import tierplace as tp
 
 
 def check(domains: list[str], k: int) -> list[list[int]]:

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from peer_helpers import run_of
 
-from quire._checkpointer import tierread
-from quire._runtime import peerlink
+from quire._peers import peerlink
 from quire._store.url import mounted, open_backend
+from quire._tiers import tierread
 from quire.errors import PeerError
 
 (CREDS,), _ = run_of(1)  # every server here is this one process

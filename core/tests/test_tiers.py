@@ -10,8 +10,12 @@ local directory restores from the persistent tier; peers>0 and several processes
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,8 @@ import pytest
 
 import quire
 from quire._format import root as _root
+from quire._store.local import LocalBackend
+from quire._tiers import tiers as _tiers
 from quire.policies import EveryNSteps, LatestN
 
 
@@ -116,6 +122,38 @@ def test_retention_per_tier(tmp_path: Path) -> None:
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("persistent_every", "local_every", "persistent_keep", "local_keep"),
+    [(2, 1, 2, 2), (3, 1, 1, 2), (1, 2, 2, 1), (2, 2, 1, 1)],
+)
+def test_steps_are_both_tiers_each_kept_by_its_own_policy(
+    tmp_path: Path, persistent_every: int, local_every: int, persistent_keep: int, local_keep: int
+) -> None:
+    """``steps()`` is the union of what each tier's keep policy keeps of the steps that tier
+    saved (the local tier saves every step either policy saves), as documented: with
+    ``LatestN(2)`` for both it may list 3 steps, and that is no retention defect."""
+    with quire.Checkpointer(
+        tmp_path / "p",
+        save_policy=EveryNSteps(persistent_every),
+        keep=LatestN(persistent_keep),
+        local=quire.LocalTier(
+            tmp_path / "l", save_policy=EveryNSteps(local_every), keep=LatestN(local_keep)
+        ),
+    ) as c:
+        saved = [s for s in range(1, 8) if c.save(s, tree(s))]
+        c.wait()
+        persistent = [s for s in saved if s % persistent_every == 0][-persistent_keep:]
+        local = saved[-local_keep:]
+        assert c.steps() == sorted({*persistent, *local})
+        for s in c.steps():
+            want = ("local",) * (s in local) + ("persistent",) * (s in persistent)
+            assert c.tiers_of(s) == want, s
+    assert sorted(p.name for p in (tmp_path / "p").glob("step_*")) == [name(s) for s in persistent]
+    assert sorted(p.name for p in (tmp_path / "l/process_00000").glob("step_*")) == [
+        name(s) for s in local
+    ]
+
+
 def test_failed_promotion_never_moves_persistent_latest(tmp_path: Path) -> None:
     c = ckpt(tmp_path)
     c.save(4, tree(4))
@@ -133,6 +171,49 @@ def test_failed_promotion_never_moves_persistent_latest(tmp_path: Path) -> None:
     c.save(12, tree(12))
     c.close()
     assert (tmp_path / "persistent" / name(12) / "quire.json").exists()
+
+
+def test_wait_waits_for_a_local_deletion_a_promotion_held_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local step being promoted is pinned, so the local keep policy defers its deletion
+    until the promotion ends.  ``wait()`` waits for that deletion too, and raises its error
+    (it used to return as soon as the promotion ended, with the deletion still to run)."""
+    go = threading.Event()
+    copy = _tiers.copy_checkpoint
+
+    async def held(*args: Any, **kw: Any) -> Any:  # the promotion waits for the test
+        while not go.is_set():
+            await asyncio.sleep(0.01)
+        return await copy(*args, **kw)
+
+    delete = LocalBackend.delete
+
+    async def refused(self: LocalBackend, keys: Sequence[str]) -> None:
+        if any(k.endswith(f"{name(2)}/quire.json") for k in keys):
+            raise PermissionError("deletion of the local step 2 refused (test)")
+        await delete(self, keys)
+
+    monkeypatch.setattr(_tiers, "copy_checkpoint", held)
+    monkeypatch.setattr(LocalBackend, "delete", refused)
+    c = quire.Checkpointer(
+        tmp_path / "p",
+        save_policy=EveryNSteps(2),
+        local=quire.LocalTier(tmp_path / "l", save_policy=EveryNSteps(1), keep=LatestN(1)),
+    )
+    try:
+        for s in (1, 2, 3):  # step 2 is promoted (held), step 3 saved locally meanwhile
+            c.save(s, tree(s))
+        while not (tmp_path / "l/process_00000" / name(3) / "quire.json").exists():
+            time.sleep(0.01)
+        time.sleep(0.5)  # the local keep policy ran after step 3: step 2 pinned, deferred
+        go.set()
+        with pytest.raises(PermissionError, match="local step 2 refused"):
+            c.wait()
+        assert c.tiers_of(2) == ("local", "persistent")  # the deletion failed: still held
+    finally:
+        go.set()
+        c.close()
 
 
 def test_checkpointables_in_the_local_tier(tmp_path: Path) -> None:

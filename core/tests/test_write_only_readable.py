@@ -36,12 +36,12 @@ from quire import partial
 from quire._engine import commit as _commit
 from quire._engine import copying as _copying
 from quire._engine import journal as _journal
-from quire._engine import promotion as _promotion
 from quire._format import root as _root
 from quire._format import schema as _schema
 from quire._format.schema_values import Invalid, _dict
 from quire._runtime import ioloop as _io
 from quire._store.local import LocalBackend
+from quire._tiers import promotion as _promotion
 from quire.policies import EveryNSteps
 
 COMMIT = Path(_commit.__file__)

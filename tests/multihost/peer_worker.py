@@ -40,9 +40,9 @@ if __name__ == "__main__":
 
 import jax
 
-from quire._runtime import peerlink
+from quire._peers import peerlink
+from quire._peers.peertls import Identity
 from quire._runtime.collective import ring_shift
-from quire._runtime.peertls import Identity
 from quire.errors import MultiProcessError, PeerError
 
 PID, NPROC = 0, 1

@@ -13,7 +13,9 @@ tier: its promotions borrow what the previous persistent step stores), ``frozen`
 has a large leaf that never changes), ``wipe`` (a ``memory://`` local tier: after the saves
 that process empties its own local root in its memory store, then every process restores the
 last step again and says what it read, ``rerestored``; before that each says which markers
-its root holds for the last step, ``markers``).  Prints ``QUIRE-TIER <json>`` lines; the
+its root holds for the last step, ``markers``), ``local_seconds`` (the local tier's policy is
+``EveryNSeconds(local_seconds)`` instead of every step), ``pause`` ([process, seconds]: that
+process sleeps so long before each save, so its clock runs ahead of the others').  Prints ``QUIRE-TIER <json>`` lines; the
 ``restored`` line says the bytes this process's peer server answered (``served``) and what
 the restore read from others (``read``: bytes and requests per source).
 """
@@ -41,8 +43,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import quire  # noqa: E402
 import quire.checkpointables  # noqa: E402
-from quire._engine import spreadsave as _save  # noqa: E402
-from quire.policies import EveryNSteps, LatestN  # noqa: E402
+from quire._tiers import spreadsave as _save  # noqa: E402
+from quire.policies import EveryNSeconds, EveryNSteps, LatestN  # noqa: E402
 
 quire.configure(timeout=cfg["timeout"])
 mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -128,7 +130,9 @@ def checkpointer() -> quire.Checkpointer:
         incremental=cfg.get("incremental", False),
         local=quire.LocalTier(
             cfg["local"],
-            save_policy=EveryNSteps(1),
+            save_policy=(
+                EveryNSeconds(cfg["local_seconds"]) if "local_seconds" in cfg else EveryNSteps(1)
+            ),
             keep=LatestN(cfg.get("keep", 3)),
             peers=cfg.get("peers", 1),
         ),
@@ -160,7 +164,10 @@ try:
             emit(check="restored", step=got, same=ok, seconds=time.monotonic() - t0,
                  served=served, read=spread.last_restore)  # fmt: skip
             start = got + 1
+        pause = cfg.get("pause")
         for step in range(max(start, cfg["first"]), cfg["last"] + 1):
+            if pause and pause[0] == pid:
+                time.sleep(pause[1])
             c.save_checkpointables(step, {"state": state(step), "loader": Loader(step)})
         c.wait()
         emit(check="saved", last=cfg["last"], tiers={s: c.tiers_of(s) for s in c.steps()})

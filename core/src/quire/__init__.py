@@ -15,11 +15,11 @@ from quire._api import (
     save_checkpointables_async,
 )
 from quire._checkpointer.checkpointer import Checkpointer
-from quire._checkpointer.tiers import LocalTier
+from quire._checkpointer.localtier import LocalTier
 from quire._format.dtypes import register_with_zarr as _register_with_zarr
 from quire._ops import CopyResult, VerifyProblem, VerifyReport, copy, verify
+from quire._peers.peertls import PeerTLS
 from quire._runtime.config import Config, Context, configure
-from quire._runtime.peertls import PeerTLS
 from quire._runtime.registry import (
     register_checkpointable_handler,
     register_leaf_handler,

@@ -2,7 +2,8 @@
 
 The Checkpointer holds its parts: its root (``quire._checkpointer.steproot``, where the
 threads and the order of a save are described) and its ``Tiers`` (the save decision, and
-a local tier if any: ``quire._checkpointer.tiers``).  Garbage rules: ``quire._engine.garbage``.
+a local tier if any: ``quire._tiers.tiers``, configured by ``localtier``).  Garbage
+rules: ``quire._engine.garbage``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from typing import TYPE_CHECKING, Any, overload
 
 from quire import _api
 from quire._checkpointer.deciding import preempted
-from quire._checkpointer.keep_policies import BestN, KeepPolicy
+from quire._checkpointer.keep_policies import KeepPolicy
 from quire._checkpointer.ledger import as_step
+from quire._checkpointer.localtier import LocalTier
 from quire._checkpointer.save_policies import SavePolicy
 from quire._checkpointer.steproot import StepRoot
-from quire._checkpointer.tiering import arrange
-from quire._checkpointer.tiers import LocalTier
+from quire._checkpointer.tiering import arrange, check_arguments
 from quire._engine import garbage as _gc
 from quire._engine import incremental as _inc
 from quire._format.record import PYTREE
@@ -63,7 +64,8 @@ class Checkpointer:
         When :meth:`save` actually saves (default: at every call with a new step).
     keep : quire.policies.KeepPolicy, optional
         Which committed steps survive (default: all).  The latest committed step and
-        steps being loaded are never deleted.
+        steps being loaded are never deleted.  With ``local``: the persistent tier's steps
+        (the local tier's own is ``LocalTier(keep=...)``).
     step_format : str, optional
         Directory name of a step, a ``str.format`` pattern with one int field; default
         the root's recorded one, else ``"step_{:08d}"``.  Names that do not parse back to
@@ -117,10 +119,7 @@ class Checkpointer:
         compact_below: float = _inc.COMPACT_BELOW,
         local: LocalTier | None = None,
     ) -> None:
-        if local is not None and not isinstance(local, LocalTier):
-            raise TypeError(f"local must be a quire.LocalTier, got {local!r}")
-        if save_policy is not None and not isinstance(save_policy, SavePolicy):
-            raise TypeError(f"save_policy must be a quire.policies.SavePolicy, got {save_policy!r}")
+        check_arguments(save_policy, local)
         import jax
 
         self._closed = False
@@ -250,13 +249,18 @@ class Checkpointer:
     def wait(self) -> None:
         """Wait for the save in flight and background deletions; raise their errors.
 
-        With a local tier: its saves and deletions too, then the promotions.
+        With a local tier: its saves and deletions too, then the promotions, then the local
+        deletions a promotion held up (its step stayed pinned until it ended).
         """
         self._tier.wait()
 
     # ------------------------------------------------------------------ reading
     def steps(self) -> list[int]:
-        """Committed steps, ascending, in any tier (as of the last listing plus own saves)."""
+        """Committed steps, ascending, in any tier (as of the last listing plus own saves).
+
+        With a local tier: both tiers' steps, each tier's kept by its own keep policy, so
+        more than either policy keeps (``tiers_of`` says which tier holds a step).
+        """
         return self._tier.steps()
 
     def latest_step(self) -> int | None:
@@ -321,7 +325,7 @@ class Checkpointer:
             Processes disagree on the step to restore.
         """
         return self._tier.load(
-            step,
+            None if step is None else as_step(step),
             lambda url: _api.load(
                 url,
                 abstract,
@@ -362,7 +366,7 @@ class Checkpointer:
             No committed step (or not that one).
         """
         return self._tier.load(  # type: ignore[no-any-return]
-            step,
+            None if step is None else as_step(step),
             lambda url: _api.load_checkpointables(
                 url, abstract, partial=partial, storage_options=self._main.paths.options
             ),
@@ -394,10 +398,7 @@ class Checkpointer:
         self._main.raise_errors()
         if step is None:
             return self._main.run_metadata()
-        m: CheckpointMetadata = _api.metadata(
-            self._main.url(as_step(step)), storage_options=self._main.paths.options
-        )
-        return m
+        return self._main.step_metadata(as_step(step))
 
     def metrics(self, step: int) -> dict[str, Any]:
         """The metrics saved with ``step`` (empty if none); reads only ``quire.json``.
@@ -436,8 +437,7 @@ class Checkpointer:
             The best step, or None when no committed step has ``metric``.
         """
         self._main.raise_errors()
-        ranked = BestN(1, metric=metric, mode=mode).ranked(self._main.infos())
-        return ranked[0] if ranked else None
+        return self._main.best(metric, mode)
 
     def gc(self, grace_period: float | None = None, *, dry_run: bool = False) -> _gc.GcReport:
         """Remove uncommitted steps and superseded data older than ``grace_period`` seconds.

@@ -1,6 +1,6 @@
 """One root of numbered step checkpoints, kept by this process: :class:`StepRoot`.
 
-A ``quire.Checkpointer`` keeps its root with one; a local tier (``quire._checkpointer.tiers``)
+A ``quire.Checkpointer`` keeps its root with one; a local tier (``quire._tiers.tiers``)
 keeps each process's local root with another, so both tiers share one save, commit,
 retention and load path.  A StepRoot does not decide *whether* to save (the
 Checkpointer's ``SaveDecider`` does); it saves when told, and holds its parts:
@@ -39,7 +39,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 from quire import _api
-from quire._checkpointer.keep_policies import KeepPolicy, StepInfo
+from quire._checkpointer.keep_policies import BestN, KeepPolicy, StepInfo
 from quire._checkpointer.ledger import StepLedger, as_step, clean_metrics
 from quire._checkpointer.retain import Retention
 from quire._checkpointer.tasks import BackgroundTasks
@@ -53,6 +53,8 @@ from quire.errors import CheckpointNotFoundError, QuireError
 if TYPE_CHECKING:
     import concurrent.futures
     import os
+
+    from quire.metadata import CheckpointMetadata
 
 log = logging.getLogger("quire")
 
@@ -251,7 +253,7 @@ class StepRoot:
         background future of the write, the commit and :meth:`after_commit`.
 
         ``spread``: gives the coordination name of a multi-process local tier's save (every
-        process into its own root, ``quire._engine.spreadsave``), asked right before the
+        process into its own root, ``quire._tiers.spreadsave``), asked right before the
         save starts (not when an earlier check raises: the names stay in step).
         """
         self._tasks.raise_errors()
@@ -399,6 +401,16 @@ class StepRoot:
         """The infos of the live steps (records read where not read yet)."""
         self.run(self._ledger.fill(self._retention.read_info))
         return self._ledger.infos()
+
+    def best(self, metric: str, mode: str) -> int | None:
+        """The live step with the best ``metric`` (``BestN``'s ranking), or None."""
+        ranked = BestN(1, metric=metric, mode=mode).ranked(self.infos())
+        return ranked[0] if ranked else None
+
+    def step_metadata(self, step: int) -> CheckpointMetadata:
+        """``quire.metadata`` of ``step``."""
+        m: CheckpointMetadata = _api.metadata(self.url(step), storage_options=self.paths.options)
+        return m
 
     def gc(self, grace_period: float | None, *, dry_run: bool) -> _gc.GcReport:
         self._tasks.wait_save()

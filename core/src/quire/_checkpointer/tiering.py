@@ -1,24 +1,36 @@
 """How a Checkpointer's saves, save decisions and reads are arranged over its tiers.
 
-:class:`Tiers` is what the Checkpointer asks; :func:`arrange` picks, for the Checkpointer's
-root and ``local=`` argument, its root alone (:class:`_PersistentOnly`) or a local tier over
-it (``quire._checkpointer.tiers._Tier``), and gives it the Checkpointer's save decision.
+:class:`Tiers` is what the Checkpointer asks; :func:`check_arguments` refuses its
+``save_policy`` and ``local`` arguments of the wrong type (before the root is opened), and
+:func:`arrange` picks, for the Checkpointer's root and ``local=`` argument, its root alone (:class:`_PersistentOnly`) or a local tier over
+it (``quire._tiers.tiers._Tier``), and gives it the Checkpointer's save decision.  It
+is where the parts are made: the save decisions and, for the local tier, its root (a
+:class:`StepRoot` like the Checkpointer's own), handed to the tier as it asks for them.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from quire._checkpointer.deciding import SaveDecider
-from quire._checkpointer.tiers import PERSISTENT, LocalTier, _Tier
-
-if TYPE_CHECKING:
-    from quire._checkpointer.save_policies import SavePolicy
-    from quire._checkpointer.steproot import StepRoot
+from quire._checkpointer.localtier import LocalTier
+from quire._checkpointer.save_policies import SavePolicy
+from quire._checkpointer.steproot import StepRoot
+from quire._engine.incremental import COMPACT_BELOW
+from quire._tiers.tiers import PERSISTENT, _Tier
 
 log = logging.getLogger("quire")
+
+
+def check_arguments(save_policy: object, local: object) -> None:
+    """Raise ``TypeError`` unless ``save_policy`` is a save policy and ``local`` a
+    ``quire.LocalTier`` (or None)."""
+    if local is not None and not isinstance(local, LocalTier):
+        raise TypeError(f"local must be a quire.LocalTier, got {local!r}")
+    if save_policy is not None and not isinstance(save_policy, SavePolicy):
+        raise TypeError(f"save_policy must be a quire.policies.SavePolicy, got {save_policy!r}")
 
 
 def arrange(
@@ -31,7 +43,27 @@ def arrange(
     decider = SaveDecider(save_policy, root.latest(), without_policy=True, follow_primary=True)
     if local is None:
         return _PersistentOnly(root, decider)
-    return _Tier(local, root, decider, gc_grace_period)
+    spec = local
+
+    def open_root(url: str, maintainer: bool) -> StepRoot:
+        return StepRoot(
+            url,
+            spec.storage_options,
+            step_format=None,
+            metadata=None,
+            keep=spec.keep,
+            gc_grace_period=gc_grace_period,
+            incremental=False,
+            compact_below=COMPACT_BELOW,
+            maintainer=maintainer,
+        )
+
+    def new_decider(last_step: int | None) -> SaveDecider:
+        # Without a policy of its own, the local tier saves only what the persistent one does.
+        # With several processes its save is collective: every process follows process 0.
+        return SaveDecider(spec.save_policy, last_step, without_policy=False, follow_primary=True)
+
+    return _Tier(local, root, decider, open_root, new_decider)
 
 
 class Tiers(Protocol):

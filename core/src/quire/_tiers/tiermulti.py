@@ -1,23 +1,23 @@
 """The local tier with several JAX processes: peer copies, the agreed step, per-owner restore.
 
 Every process keeps its own local root (``LocalTier.process_url``); a step is saved by all
-of them together (``quire._engine.spreadsave``), and its objects are split by **owner**
-process (``quire._engine.tierpeers``).  This module adds what needs every process:
+of them together (``quire._tiers.spreadsave``), and its objects are split by **owner**
+process (``quire._tiers.tierpeers``).  This module adds what needs every process:
 
 * **Peer copies** (``LocalTier(peers=k)``), after each local commit, in the background: each
-  owner's objects are pulled over TCP by its ``k`` holders (``quire._checkpointer.tierpull``;
-  who holds whom: ``quire._checkpointer.tierplace``, spread over failure domains), which
+  owner's objects are pulled over TCP by its ``k`` holders (``quire._tiers.tierpull``;
+  who holds whom: ``quire._tiers.tierplace``, spread over failure domains), which
   check them against the commit record and the chunk index before writing them at the same
   paths in their own root (:meth:`Spread.after_local`).
 * **The agreed step** (:meth:`Spread.agree`, behind ``latest_step()`` and ``load()``): each
   process publishes, for every local step, its commit record's digest and which owners'
   objects it holds whole, plus the persistent steps it lists; every process computes the
-  same answer (``quire._checkpointer.tierplan.decide``): the newest step for which every owner's objects have a live
+  same answer (``quire._tiers.tierplan.decide``): the newest step for which every owner's objects have a live
   holder (with the same record), or which the persistent tier holds.  A step some owner's
   objects were never completed for (a process killed mid-save) has no holder for them and
   is never chosen.
 * **Restore** (:meth:`Spread.load`): with ``peers > 0`` (TCP), the normal load reads the
-  chosen step through a read-only view (``quire._checkpointer.tierread``): only the byte
+  chosen step through a read-only view (``quire._tiers.tierread``): only the byte
   ranges its shards need, each owner's from this root when it holds them, else from a live
   holder over TCP (the next one when one fails), else from the persistent tier (only when it
   holds the step with the same record); then every process waits until all are done reading.
@@ -38,8 +38,15 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from quire._checkpointer.tierplace import domain_of
-from quire._checkpointer.tierplan import (
+from quire._engine import commit as _commit
+from quire._runtime.collective import exchange, kv_exchange
+from quire._runtime.config import current
+from quire._runtime.ioloop import run_blocking
+from quire._runtime.multihost import Coordinator
+from quire._store.url import mounted, normalize, open_backend
+from quire._tiers import tierpeers as _peers
+from quire._tiers.tierplace import domain_of
+from quire._tiers.tierplan import (
     PERSISTENT_SOURCE,
     Plan,
     agreed_doc,
@@ -48,8 +55,8 @@ from quire._checkpointer.tierplan import (
     self_contained,
     sources,
 )
-from quire._checkpointer.tierpull import PeerCopies
-from quire._checkpointer.tierread import (
+from quire._tiers.tierpull import PeerCopies
+from quire._tiers.tierread import (
     Holder,
     RestoreReader,
     Source,
@@ -59,19 +66,11 @@ from quire._checkpointer.tierread import (
     persistent_source,
     read_record,
 )
-from quire._checkpointer.tierread import digest as _digest
-from quire._engine import commit as _commit
-from quire._engine import tierpeers as _peers
-from quire._runtime.collective import exchange, kv_exchange
-from quire._runtime.config import current
-from quire._runtime.ioloop import run_blocking
-from quire._runtime.multihost import Coordinator
-from quire._store.url import mounted, normalize, open_backend
+from quire._tiers.tierread import digest as _digest
 from quire.errors import CheckpointNotFoundError, MultiProcessError, QuireError
 
 if TYPE_CHECKING:
-    from quire._checkpointer.steproot import StepPaths, StepRoot
-    from quire._checkpointer.tiers import LocalTier
+    from quire._tiers.tiertypes import Paths, Root, TierSpec
 
 __all__ = ["PERSISTENT_SOURCE", "Plan", "Spread", "decide", "sources"]
 
@@ -84,21 +83,21 @@ _opened: collections.Counter[str] = collections.Counter()
 
 
 class Spread:
-    """The multi-process part of a local tier (``quire._checkpointer.tiers._Tier``).
+    """The multi-process part of a local tier (``quire._tiers.tiers._Tier``).
 
     Parameters
     ----------
-    spec : LocalTier
-        The tier's configuration.
+    spec : TierSpec
+        The tier's configuration (a ``quire.LocalTier``).
     url : str
         This process's local root.
-    local : StepRoot
+    local : Root
         What keeps that root (saves, pins, loads, listings).
-    persistent : StepPaths
+    persistent : Paths
         Where the persistent tier's steps are.
     """
 
-    def __init__(self, spec: LocalTier, url: str, local: StepRoot, persistent: StepPaths) -> None:
+    def __init__(self, spec: TierSpec, url: str, local: Root, persistent: Paths) -> None:
         import jax
 
         self.spec, self.url, self.local, self.persistent = spec, url, local, persistent
@@ -138,7 +137,7 @@ class Spread:
 
     def save_name(self, step: int) -> str:
         """The coordination name of the next local save (of ``step``): every process saves
-        into its own root, together (``quire._engine.spreadsave``)."""
+        into its own root, together (``quire._tiers.spreadsave``)."""
         self.saves += 1
         return f"{self.name}/{step}/{self.saves}"
 

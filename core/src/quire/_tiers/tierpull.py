@@ -1,4 +1,4 @@
-"""Peer copies of a multi-process local tier, pulled over TCP (``quire._runtime.peerlink``).
+"""Peer copies of a multi-process local tier, pulled over TCP (``quire._peers.peerlink``).
 
 Each process serves its own local root read-only with a ``PeerServer`` on the interface
 ``LocalTier(peer_host=...)`` names, over TLS 1.3 with mutual authentication: each process's
@@ -7,10 +7,10 @@ through ``jax.distributed``'s key-value store and pinned by the others; the addr
 through the store too.
 
 When the tier opens, the processes exchange their failure domains through the store too, and
-each computes the same placement (``quire._checkpointer.tierplace.place``): the ``k`` holders
+each computes the same placement (``quire._tiers.tierplace.place``): the ``k`` holders
 of each owner's objects, in other failure domains whenever enough processes lie outside the
 owner's.  After the local commit of step S, process ``j`` marks its own objects held
-(``quire._engine.tierpeers``) and says so in the key-value store (``.../ready/<j>``).  Each of
+(``quire._tiers.tierpeers``) and says so in the key-value store (``.../ready/<j>``).  Each of
 its ``k`` holders waits for that (at most ``timeout`` seconds), asks
 ``j`` for its marker and then for the objects the marker names, over one connection, checks
 them (exactly ``j``'s set of S, every object against the commit record and chunk index) and
@@ -33,14 +33,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from quire._checkpointer import tierplace as _place
-from quire._engine import tierpeers as _peers
-from quire._runtime import peerlink
+from quire._peers import peerlink
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.multihost import _client, _first_line
 from quire._store.base import Backend
 from quire._store.memory import MemoryBackend
 from quire._store.url import protocol_of
+from quire._tiers import tierpeers as _peers
+from quire._tiers import tierplace as _place
 from quire.errors import CorruptCheckpointError, MultiProcessError, PeerError
 
 __all__ = ["PeerCopies"]

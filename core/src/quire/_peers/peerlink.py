@@ -33,12 +33,12 @@ from pathlib import Path
 
 import jax
 
+from quire._peers.peerconn import Conversation, LocalWrite, Pool, converse
+from quire._peers.peerfiles import FsspecFiles
+from quire._peers.peerserve import PeerServer
+from quire._peers.peertls import Credentials, Identity, PeerTLS, Pinned
+from quire._peers.peerwire import MAX_PATH_BYTES
 from quire._runtime.multihost import _client, _first_line
-from quire._runtime.peerconn import Conversation, LocalWrite, Pool, converse
-from quire._runtime.peerfiles import FsspecFiles
-from quire._runtime.peerserve import PeerServer
-from quire._runtime.peertls import Credentials, Identity, PeerTLS, Pinned
-from quire._runtime.peerwire import MAX_PATH_BYTES
 from quire.errors import MultiProcessError
 
 log = logging.getLogger("quire")

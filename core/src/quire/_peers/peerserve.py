@@ -14,9 +14,9 @@ import threading
 import time
 from typing import Any
 
-from quire._runtime.peerfiles import Files, FsspecFiles, LocalFiles, Refused
-from quire._runtime.peertls import Credentials
-from quire._runtime.peerwire import ANS, BLOCK, MAX_PATH_BYTES, REQ, Closed, TLSStream
+from quire._peers.peerfiles import Files, FsspecFiles, LocalFiles, Refused
+from quire._peers.peertls import Credentials
+from quire._peers.peerwire import ANS, BLOCK, MAX_PATH_BYTES, REQ, Closed, TLSStream
 
 __all__ = ["Files", "FsspecFiles", "LocalFiles", "PeerServer"]
 

@@ -4,7 +4,9 @@ A tier is a quire Checkpointer root.  The persistent tier is the Checkpointer's 
 local tier is a second root per process, ``<local url>/process_<index>``, kept by a
 ``StepRoot`` of its own (``quire._checkpointer.steproot``: the same format, commit protocol,
 retention and garbage rules as the persistent root, so ``quire.load``, ``quire verify`` and
-``quire cp`` work on it unchanged).  The Checkpointer holds the local tier as a ``_Tier``.
+``quire cp`` work on it unchanged).  The Checkpointer holds the local tier as a ``_Tier``,
+made by ``quire._checkpointer.tiering.arrange``, which hands it the roots and save decisions
+(``tiertypes``: what it asks of them).
 
 Order of a save of step S (``Checkpointer`` with ``_Tier.save`` and ``_Tier.promotion``), the
 commit points marked:
@@ -16,7 +18,7 @@ commit points marked:
 3. background: LOCAL COMMIT (the local step's commit record);
 4. when the persistent policy said so, background, after 3: ``quire._engine.copying`` copies the
    committed local step's stored bytes to ``<root>/<step>`` (an incremental root:
-   ``quire._engine.promotion`` uploads only the chunks its previous step lacks), checking
+   ``quire._tiers.promotion`` uploads only the chunks its previous step lacks), checking
    every chunk's crc32c on the way, with the local step pinned against local retention;
    PERSISTENT COMMIT is the copy's conditional create of ``quire.json``, after the data is
    synced;
@@ -26,41 +28,32 @@ commit points marked:
 At most one promotion (step 4) is in flight: a save due for the persistent tier waits for the
 previous promotion first.  Local saves never wait for a promotion.
 
-With several JAX processes, ``quire._checkpointer.tiermulti`` adds what needs them all: each
+With several JAX processes, ``quire._tiers.tiermulti`` adds what needs them all: each
 local save is one collective save into every process's own root, followed by the peer copies;
 ``latest_step`` / ``load`` agree on a step and fill each root from peers or the persistent
-tier; a promotion copies each process's own objects (``quire._engine.tierpeers``).
+tier; a promotion copies each process's own objects (``quire._tiers.tierpeers``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import functools
 import logging
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from quire._checkpointer.deciding import SaveDecider
-from quire._checkpointer.keep_policies import KeepPolicy
-from quire._checkpointer.ledger import as_step
-from quire._checkpointer.save_policies import SavePolicy
-from quire._checkpointer.steproot import StepRoot
-from quire._checkpointer.tiermulti import Spread
 from quire._engine.copying import copy_checkpoint
-from quire._engine.incremental import COMPACT_BELOW
-from quire._engine.promotion import promote
-from quire._engine.promotion import promote_spread as promote_spread_incremental
-from quire._engine.tierpeers import promote_spread
 from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator
-from quire._runtime.peertls import PeerTLS, require_cryptography
-from quire._store.url import normalize
+from quire._tiers.promotion import promote
+from quire._tiers.promotion import promote_spread as promote_spread_incremental
+from quire._tiers.tiermulti import Spread
+from quire._tiers.tierpeers import promote_spread
+from quire._tiers.tiertypes import Decider, Root, TierSpec
 from quire.errors import CorruptCheckpointError
 
-__all__ = ["LOCAL", "PERSISTENT", "LocalTier"]
+__all__ = ["LOCAL", "PERSISTENT"]
 
 log = logging.getLogger("quire")
 
@@ -68,117 +61,37 @@ LOCAL = "local"
 PERSISTENT = "persistent"
 
 
-@dataclasses.dataclass(frozen=True)
-class LocalTier:
-    """A fast per-process tier for :class:`quire.Checkpointer` (``local=LocalTier(...)``).
-
-    Each process keeps its own quire Checkpointer root at ``<url>/process_<index>`` (so
-    processes sharing a machine never share a directory), written whenever either tier's save
-    policy says so; steps due for the persistent tier are copied there from these local bytes.
-    See ``docs/tiers.md``.
-
-    Parameters
-    ----------
-    url : str or path
-        The local tier's base URL: a local disk, tmpfs or ``memory://`` URL.
-    save_policy : quire.policies.SavePolicy, optional
-        When the local tier saves (default: never on its own; it then saves only the steps
-        the persistent policy saves).
-    keep : quire.policies.KeepPolicy, optional
-        Which local steps survive (default: all).
-    peers : int
-        With several JAX processes: copies of each process's objects of each local step on
-        ``peers`` other processes (checked on arrival), in other failure domains whenever
-        enough processes lie outside this one's, so a lost local directory (or host) is
-        restored from its peers (default 0: from the persistent tier).
-    storage_options : dict, optional
-        fsspec options for the local tier's backend.
-    peer_host : str
-        The interface each process serves its local tier on to its peers (read-only, over
-        TLS 1.3 with mutual authentication); ``127.0.0.1`` by default: this machine only.
-        Give the address other hosts reach this one at for multi-host runs.
-    peer_tls : quire.PeerTLS, optional
-        This process's certificate, key and CA from your own PKI for the peer link
-        (default: an ephemeral key and self-signed certificate per process, made with the
-        ``cryptography`` package of the ``quire[peers]`` extra and pinned through
-        ``jax.distributed``'s key-value store; see ``docs/peers.md``).
-    failure_domain : str, optional
-        What this process dies with (a host, a rack), for choosing where its peer copies go:
-        each process's copies go to processes of other domains whenever enough exist
-        (default: ``$QUIRE_FAILURE_DOMAIN``, else the host name).
-
-    Raises
-    ------
-    TypeError, ValueError
-        An argument has the wrong type or value.
-    quire.PluginError
-        ``peers > 0`` without ``peer_tls`` and ``cryptography`` is not installed (install
-        ``quire[peers]``).
-    """
-
-    url: str | os.PathLike[str]
-    save_policy: SavePolicy | None = None
-    keep: KeepPolicy | None = None
-    peers: int = 0
-    storage_options: Mapping[str, Any] | None = None
-    peer_host: str = "127.0.0.1"
-    failure_domain: str | None = None
-    peer_tls: PeerTLS | None = None
-
-    def __post_init__(self) -> None:
-        if self.save_policy is not None and not isinstance(self.save_policy, SavePolicy):
-            raise TypeError(f"save_policy must be a SavePolicy, got {self.save_policy!r}")
-        if self.keep is not None and not isinstance(self.keep, KeepPolicy):
-            raise TypeError(f"keep must be a KeepPolicy, got {self.keep!r}")
-        if isinstance(self.peers, bool) or not isinstance(self.peers, int) or self.peers < 0:
-            raise ValueError(f"peers must be an int >= 0, got {self.peers!r}")
-        if not isinstance(self.peer_host, str) or not self.peer_host:
-            raise TypeError(f"peer_host must be a host name or address, got {self.peer_host!r}")
-        if self.failure_domain is not None and (
-            not isinstance(self.failure_domain, str) or not self.failure_domain
-        ):
-            raise TypeError(
-                f"failure_domain must be a non-empty string, got {self.failure_domain!r}"
-            )
-        object.__setattr__(self, "url", normalize(self.url))
-        if self.peer_tls is not None and not isinstance(self.peer_tls, PeerTLS):
-            raise TypeError(f"peer_tls must be a quire.PeerTLS, got {self.peer_tls!r}")
-        if self.peers and self.peer_tls is None:  # at configuration, not at the first copy
-            require_cryptography(f"LocalTier({str(self.url)!r}, peers={self.peers})")
-
-    def process_url(self, index: int) -> str:
-        """The local tier root of process ``index``.
-
-        Parameters
-        ----------
-        index : int
-            A JAX process index.
-
-        Returns
-        -------
-        str
-            ``<url>/process_<index, five digits>``.
-        """
-        return f"{self.url}/process_{index:05d}"
-
-
 class _Tier:
     """A Checkpointer's local tier over its persistent root: what the Checkpointer's saves,
     decisions and reads go through when it has one.
 
-    It holds this process's local root (a :class:`StepRoot`), the local tier's
-    :class:`SaveDecider` and, with several processes, its :class:`Spread`; it is given the
-    Checkpointer's own root (``persistent``) and save decision (``decider``), and uses them
-    only through their methods: it promotes to the persistent root, never writes it
-    otherwise.
+    It holds this process's local root, the local tier's save decision and, with several
+    processes, its :class:`Spread`; it is given the Checkpointer's own root (``persistent``)
+    and save decision (``decider``), and uses them only through their methods: it promotes
+    to the persistent root, never writes it otherwise.
+
+    Parameters
+    ----------
+    spec : TierSpec
+        The tier's configuration (a ``quire.LocalTier``).
+    persistent : Root
+        The Checkpointer's root.
+    decider : Decider
+        The Checkpointer's save decision.
+    open_root : callable
+        ``open_root(url, maintainer)``: the local root at ``url`` (``maintainer``: whether
+        this process keeps its retention, garbage and root record).
+    new_decider : callable
+        ``new_decider(last_step)``: the local tier's save decision.
     """
 
     def __init__(
         self,
-        spec: LocalTier,
-        persistent: StepRoot,
-        decider: SaveDecider,
-        gc_grace_period: float | None,
+        spec: TierSpec,
+        persistent: Root,
+        decider: Decider,
+        open_root: Callable[[str, bool], Root],
+        new_decider: Callable[[int | None], Decider],
     ) -> None:
         import jax
 
@@ -192,17 +105,9 @@ class _Tier:
                 f"quire.Checkpointer({persistent.root!r}, local=...): with several JAX processes "
                 'the local tier saves packed checkpoints only; leave layout at "packed"'
             )
-        self.inner = StepRoot(
-            self.url,
-            spec.storage_options,
-            step_format=None,
-            metadata=None,
-            keep=spec.keep,
-            gc_grace_period=gc_grace_period,
-            incremental=False,
-            compact_below=COMPACT_BELOW,
-            # each process owns its root: retention, gc, root record
-            maintainer=several or jax.process_index() == current().primary_process,
+        # each process owns its root: retention, gc, root record
+        self.inner = open_root(
+            self.url, several or jax.process_index() == current().primary_process
         )
         self.spread = Spread(spec, self.url, self.inner, persistent.paths) if several else None
         if not several and spec.peers:
@@ -211,13 +116,7 @@ class _Tier:
                 self.url,
                 spec.peers,
             )
-        # Without a policy of its own, the local tier saves only what the persistent one does.
-        self.decider = SaveDecider(
-            spec.save_policy,
-            None if several else self.inner.latest(),
-            without_policy=False,
-            follow_primary=False,
-        )
+        self.decider = new_decider(None if several else self.inner.latest())
         self.decider.attach()
         decider.attach()
 
@@ -239,7 +138,7 @@ class _Tier:
     def should_save(self, step: int) -> bool:
         return any(self.due(step))
 
-    def policies(self) -> tuple[SavePolicy | None, ...]:
+    def policies(self) -> tuple[Any, ...]:
         return (self.outer_decider.policy, self.decider.policy)
 
     # ------------------------------------------------------------------ saving
@@ -350,10 +249,9 @@ class _Tier:
         self.inner.wait_save()  # a step being saved locally counts once committed
         fallback = self.persistent.load
         if self.spread is not None:
-            s = as_step(step) if step is not None else None
             agreed = functools.partial(fallback, fn=fn, agreed=True)
-            return self.spread.load(s, fn, agreed, self.persistent.steps())
-        s = as_step(step) if step is not None else self.latest()
+            return self.spread.load(step, fn, agreed, self.persistent.steps())
+        s = step if step is not None else self.latest()
         if s is None or s not in self.inner.steps():
             return fallback(s, fn)
         try:
@@ -380,11 +278,15 @@ class _Tier:
         self.persistent.reload()
 
     def wait(self) -> None:
-        """Wait for the local saves, deletions and peer copies, then the promotions."""
+        """Wait for the local saves, deletions and peer copies, then the promotions, then the
+        local deletions a promotion held up (its step was pinned until it ended)."""
         try:
             self.inner.wait()
         finally:
-            self.persistent.wait()
+            try:
+                self.persistent.wait()
+            finally:
+                self.inner.wait()
 
     def close(self) -> None:
         """After :meth:`wait`: let go of the policies and the peers."""

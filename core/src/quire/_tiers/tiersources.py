@@ -15,14 +15,14 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from quire._engine import tierpeers as _peers
-from quire._runtime import peerlink
+from quire._peers import peerlink
 from quire._runtime.ioloop import run_blocking
 from quire._store.base import Backend
+from quire._tiers import tierpeers as _peers
 from quire.errors import PeerError
 
 if TYPE_CHECKING:
-    from quire._checkpointer.tierpull import PeerCopies
+    from quire._tiers.tierpull import PeerCopies
 
 __all__ = [
     "PEER_STREAMS",

@@ -21,13 +21,13 @@ import bisect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from quire._engine import tierpeers as _peers
 from quire._engine.copying import _check_unit_object
 from quire._format.chunkcheck import check_read, mismatch
 from quire._format.chunkid import Ref, crc_hex, trailer_hex
 from quire._format.chunkindex import parse_index
 from quire._format.crc import ChunkError, crc32c
 from quire._runtime.ioloop import run_blocking
+from quire._tiers import tierpeers as _peers
 
 __all__ = ["ChunkChecks"]
 

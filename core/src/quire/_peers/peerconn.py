@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from quire._runtime.peertls import Pinned
-from quire._runtime.peerwire import ANS, BLOCK, MAX_PATH_BYTES, MAX_REASON, REQ, Closed, TLSStream
+from quire._peers.peertls import Pinned
+from quire._peers.peerwire import ANS, BLOCK, MAX_PATH_BYTES, MAX_REASON, REQ, Closed, TLSStream
 from quire.errors import PeerError
 
 __all__ = ["Conversation", "LocalWrite", "Pool", "converse"]

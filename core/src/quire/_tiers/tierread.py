@@ -1,10 +1,10 @@
 """A multi-process local tier's restore reader: each byte from the nearest live holder.
 
 :class:`RestoreReader` is a read-only :class:`~quire._store.base.Backend` over one agreed
-step (``quire._checkpointer.tierplan.Plan``).  The load engine reads the step through it
+step (``quire._tiers.tierplan.Plan``).  The load engine reads the step through it
 (``quire._store.url.mounted``: the step's local URL resolves to it for the load), unchanged:
 every chunk is checked against the chunk index and its crc32c as in any load.  Each key goes
-to its **owner**'s objects (``quire._engine.tierpeers.owner_of``: a pack or index to its
+to its **owner**'s objects (``quire._tiers.tierpeers.owner_of``: a pack or index to its
 process, an object of a per-process unit to its process, anything else to the primary), and
 is read from
 
@@ -34,8 +34,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from quire._checkpointer.tiercheck import ChunkChecks
-from quire._checkpointer.tiersources import (
+from quire._engine import commit as _commit
+from quire._format.chunkindex import PACK_DIR
+from quire._format.crc import ChunkError
+from quire._store.base import Backend, Buffer, Capabilities
+from quire._tiers import tierpeers as _peers
+from quire._tiers.tiercheck import ChunkChecks
+from quire._tiers.tiersources import (
     PEER_STREAMS,
     Holder,
     Source,
@@ -45,15 +50,10 @@ from quire._checkpointer.tiersources import (
     peer_source,
     persistent_source,
 )
-from quire._engine import commit as _commit
-from quire._engine import tierpeers as _peers
-from quire._format.chunkindex import PACK_DIR
-from quire._format.crc import ChunkError
-from quire._store.base import Backend, Buffer, Capabilities
 from quire.errors import CorruptCheckpointError, MultiProcessError, PeerError
 
 if TYPE_CHECKING:
-    from quire._checkpointer.tierpull import PeerCopies
+    from quire._tiers.tierpull import PeerCopies
 
 __all__ = [
     "PEER_STREAMS",

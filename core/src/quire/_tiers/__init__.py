@@ -1,0 +1,22 @@
+"""A Checkpointer's local tier over its persistent root (``quire.LocalTier``): one room for
+everything that exists because there is a second tier.
+
+Lowest first: ``tiertypes`` (contracts: what the tier asks of the roots, save decisions and
+configuration the Checkpointer hands it); the tier's transactions: ``spreadsave`` (a
+multi-process local save, every process into its own root, called through ``quire._api``),
+``tierpeers`` (a local step's objects by owner process: markers, checked peer copies, the
+multi-process promotion) and on it ``promotion`` (the incremental promotion, one process or
+several); with several processes ``tierplace`` (which processes hold each one's copies,
+spread over failure domains), ``tierpull`` (peer copies over the peer link), ``tiercheck``
+and ``tiersources`` under ``tierread`` (a restore's read-only view: byte ranges from the
+nearest live holder, checked), ``tierplan`` (the agreed restore step, computed alike by every
+process) and ``tiermulti`` (``Spread``: all of that for one Checkpointer); at the top
+``tiers`` (``_Tier``, the part the Checkpointer holds: local saves, promotions, reads local
+first).
+
+The Checkpointer (``quire._checkpointer``, above) makes the roots and decisions and asks the
+tier through ``quire._checkpointer.tiering.Tiers``; nothing here imports it.
+
+May import: ``quire._runtime``, ``quire._peers``, ``quire._store``, ``quire._format``,
+``quire._handlers``, ``quire._engine``, ``quire._sources`` and quire's contract modules.
+"""
