@@ -246,8 +246,8 @@ def test_each_process_owns_its_folder_of_a_per_process_unit(tmp_path: Path, capl
     objects holds exactly its folder, checked, and is then held."""
     import asyncio
 
-    from quire._tiers import tierpeers as tp
     from quire._store.url import open_backend
+    from quire._tiers import tierpeers as tp
 
     doc = _two_process_doc()
     assert tp.owner_of("d/ab12/it/p00001/pos.bin", 0, doc) == 1

@@ -40,7 +40,6 @@ from quire._engine import commit as _commit
 from quire._engine.compaction import compact
 from quire._engine.copying import _check_unit_object, _copy_objects, _Item, copy_checkpoint
 from quire._engine.incremental import Incremental, LeafInfo, LeafKey, record_leaves
-from quire._tiers.tierpeers import entry_of, owned_unit_locations
 from quire._format import record as _format
 from quire._format.chunkcheck import check_stored
 from quire._format.chunkid import Ref
@@ -51,7 +50,7 @@ from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator
 from quire._store.base import Backend
 from quire._store.url import normalize, open_backend
-from quire._tiers.tierpeers import entry_of, unit_locations
+from quire._tiers.tierpeers import entry_of, owned_unit_locations
 from quire.errors import CorruptCheckpointError
 
 log = logging.getLogger("quire")
