@@ -9,6 +9,12 @@ run leaves nothing in the machine's temporary directory either way.
 
 Runs in parallel (other checkouts, other sessions) do not disturb the check: each looks only
 at its own private folder.
+
+Also the Hypothesis profiles of the generated tests (docs/reliability.md, "Generated tests"):
+``ci``, the default, derandomized (the same examples every run) with bounded counts and no
+deadline (a loaded 2-core machine makes single examples slow, not wrong); ``deep``, fresh
+randomness and many examples, kept in ``.hypothesis/`` so a failure found is replayed first
+next time.  Pick one with ``--hypothesis-profile deep`` or ``QUIRE_HYPOTHESIS_PROFILE=deep``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,26 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+_SLOW_IS_FINE = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    max_examples=20,
+    print_blob=True,
+    suppress_health_check=_SLOW_IS_FINE,
+)
+settings.register_profile(
+    "deep",
+    derandomize=False,
+    deadline=None,
+    max_examples=1000,
+    print_blob=True,
+    suppress_health_check=_SLOW_IS_FINE,
+)
+settings.load_profile(os.environ.get("QUIRE_HYPOTHESIS_PROFILE", "ci"))
 
 _PRIVATE = pytest.StashKey[Path]()
 _SAVED = pytest.StashKey[tuple[str | None, str | None, str | None]]()
