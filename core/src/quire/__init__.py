@@ -41,6 +41,7 @@ from quire.errors import (
     PluginError,
     QuireError,
     TreeMismatchError,
+    UnreadableRecordError,
     UnsupportedLeafError,
 )
 from quire.metadata import CheckpointMetadata, LeafMetadata
@@ -73,6 +74,7 @@ __all__ = [
     "Source",
     "StorageOptions",
     "TreeMismatchError",
+    "UnreadableRecordError",
     "UnsupportedLeafError",
     "VerifyProblem",
     "VerifyReport",

@@ -114,7 +114,7 @@ def _tree_nbytes(node: Any) -> int:
         import jax
 
         children = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)[0]
-    except Exception:
+    except Exception:  # broad: a progress total only; the save reports a bad node itself
         return 0
     return 0 if children == [node] else sum(_tree_nbytes(c) for c in children)
 
@@ -321,8 +321,8 @@ def load_async(
 
                 m = await _load.metadata(u, storage_options)
                 rep.add_total(_describe.array_bytes(m.tree))
-            except Exception:
-                pass  # the load itself reports what is wrong
+            except Exception:  # broad: a progress total only; the load reports what is wrong
+                pass
         return await _load.load(u, abstract, partial=partial, storage_options=storage_options)
 
     return AsyncResponse(
@@ -406,7 +406,7 @@ def _other_source(url: Any, storage_options: dict[str, Any] | None) -> bool:
         try:
             if sources.get(name).detect(u, dict(opts)):
                 return True
-        except Exception:
+        except Exception:  # broad: a message after a failed load; a failing detect: "not mine"
             continue
     return False
 

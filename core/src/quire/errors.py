@@ -21,6 +21,7 @@ __all__ = [
     "PluginError",
     "QuireError",
     "TreeMismatchError",
+    "UnreadableRecordError",
     "UnsupportedLeafError",
 ]
 
@@ -39,6 +40,19 @@ class CheckpointExistsError(QuireError, FileExistsError):
 
 class CorruptCheckpointError(QuireError, ValueError):
     """Checksum mismatch, truncated data, or a malformed / unknown-version record."""
+
+
+class UnreadableRecordError(CorruptCheckpointError):
+    """quire built a record (``quire.json``, a partial-save journal version, a
+    Checkpointer's root record) that its own load would refuse, and did not publish it.
+
+    Before every commit the record goes through the very check a load runs on it; this is
+    raised when it fails, before anything is published: the previous checkpoint (or
+    journal version) is untouched and loads as before, and the data written for the
+    refused record is removed (or left for ``quire gc``).  It is a defect of quire or of
+    the plugin that wrote the named leaf: the message names the URL, the key path of the
+    value the check refused and why; please report it.
+    """
 
 
 class CheckpointChangedError(QuireError, RuntimeError):

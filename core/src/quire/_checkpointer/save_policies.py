@@ -219,7 +219,7 @@ class OnPreemption(SavePolicy):
             from jax._src import distributed
 
             return distributed.global_state.preemption_sync_manager is not None
-        except Exception:
+        except (ImportError, AttributeError):  # a JAX without that (private) manager
             return False
 
     def attach(self) -> None:

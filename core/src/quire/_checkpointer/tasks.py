@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from quire._runtime import exithook as _exit
 from quire._runtime import ioloop as _io
+from quire._runtime.tasks import settled
 
 log = logging.getLogger("quire")
 
@@ -65,10 +66,7 @@ class _BackgroundTasks:
 
             async def run() -> None:
                 if prev is not None:
-                    try:
-                        await asyncio.wrap_future(prev)
-                    except BaseException:
-                        pass  # its error is reported through its own future
+                    await settled(prev)  # its error is reported through its own future
                 await make()
 
             self._tail = self._spawn(run())

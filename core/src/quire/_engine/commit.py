@@ -9,10 +9,17 @@ written here and nowhere else.  Call order of a save (``quire.save``), a copy
     collective(coord, work, ...)      # every process writes d/<txid>/...; backend.sync()
       |  primary, once every process succeeded and agrees on the records:
       +- publish(backend, url, record, txids, overwrite=...)
+           check_record(record)                   # the check every load runs on it
            put_if_absent("quire.json")            # <-- COMMIT POINT (new checkpoint)
            replace_if_match("quire.json", v)      # <-- COMMIT POINT (overwrite)
            coord.decide("ok")                     # every process hears "committed"
            delete_prefix(d/<old txid>)            # superseded data, after the commit only
+
+Write only what you can read (DESIGN.md, commit protocol step 5): before a record is
+published, :func:`publish` runs :func:`check_record` on its bytes - the one function
+:func:`read` runs on every ``quire.json`` - and :func:`create` runs the reader its caller
+names (the journal's, the root record's); a record that fails is never published
+(``UnreadableRecordError``), and the previous one stays as it was.
 
 A crash before the commit point leaves only unreferenced data under a fresh txid (GC
 removes it); a crash after it leaves the new checkpoint whole, and at worst superseded
@@ -39,6 +46,7 @@ from quire.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     MultiProcessError,
+    UnreadableRecordError,
 )
 
 if TYPE_CHECKING:
@@ -121,14 +129,39 @@ async def _read(backend: Backend, url: str, *, under: str, missing_ok: bool) -> 
                     " It holds an unfinalized partial save: run quire.partial.finalize(url) "
                     "to commit it, or quire.partial.load(url) to read it"
                 )
-        except Exception:  # listing is only for the hint
+        except Exception:  # broad: a hint only; CheckpointNotFoundError is raised below
             pass
         if not hint and not under:
             hint = await root_hint(backend)
         raise CheckpointNotFoundError(f"no checkpoint at {where} (no {RECORD}).{hint}") from None
+    return Record(raw, check_record(raw, where))
+
+
+def check_record(raw: bytes, where: str) -> dict[str, Any]:
+    """The check every reader runs on ``quire.json`` (its bytes at ``where``), and every
+    writer on what it is about to publish: parse, checksum, schema, locations.
+
+    Raises
+    ------
+    CorruptCheckpointError
+        Naming ``where`` and the key path of the first bad value.
+    """
     doc = _format.parse(raw, where)
     check_locations(doc["units"], where)
-    return Record(raw, doc)
+    return doc
+
+
+def _refuse_unreadable(check: Callable[[bytes], object], data: bytes, url: str, key: str) -> None:
+    """Run a record's reader on ``data`` before it is published; ``UnreadableRecordError``
+    (nothing published) when that reader refuses it."""
+    try:
+        check(data)
+    except CorruptCheckpointError as e:
+        raise UnreadableRecordError(
+            f"{url}: refusing to publish {key}: quire's own load would refuse it ({e}). "
+            "Nothing was committed; what was there before is unchanged. This is a defect "
+            "of quire or of the plugin that wrote the leaf named: please report it"
+        ) from e
 
 
 async def ensure_absent(backend: Backend, url: str, fix: str) -> None:
@@ -151,9 +184,16 @@ def _warn_unless(backend: Backend, url: str, capability: str, what: str) -> None
         )
 
 
-async def create(backend: Backend, key: str, data: bytes, url: str) -> bool:
+async def create(
+    backend: Backend, key: str, data: bytes, url: str, check: Callable[[bytes], object]
+) -> bool:
     """Conditionally create ``key`` (a journal version, the Checkpointer's root record);
-    True if this call created it, False if it already existed."""
+    True if this call created it, False if it already existed.
+
+    ``check`` is the function its readers parse ``key`` with; it runs on ``data`` first,
+    and a record it refuses is not created (``UnreadableRecordError``).
+    """
+    _refuse_unreadable(check, data, url, key)
     _warn_unless(backend, url, "atomic_create", f"create of {key}")
     try:
         await backend.put_if_absent(key, data)  # COMMIT of ``key``
@@ -185,9 +225,19 @@ async def publish(
     record is swapped for ours by compare-and-swap, retried until it lands.  After the
     commit point the primary of ``coord`` announces the outcome, and only then is the data
     of txids no longer referenced deleted (a failure there just leaves garbage for GC).
+
+    First of all ``data`` goes through :func:`check_record`, as every load would; if it
+    fails, nothing is published (``UnreadableRecordError``) and ``txids`` are removed as
+    after a lost race.
     """
-    _warn_unless(backend, url, "atomic_create", "commit")
     mine = set(txids)
+    try:
+        _refuse_unreadable(lambda raw: check_record(raw, url), data, url, RECORD)
+    except UnreadableRecordError:
+        if owned:
+            await drop_txids(backend, url, sorted(mine - await _txids_at(backend, url)))
+        raise
+    _warn_unless(backend, url, "atomic_create", "commit")
     old: set[str] = set()
     if overwrite:
         _warn_unless(backend, url, "atomic_replace", "overwrite")

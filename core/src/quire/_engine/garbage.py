@@ -44,6 +44,7 @@ from quire._format.root import (
     StepFormat,
     list_root,
     newest,
+    parse_root_record,
     record_metrics,
     root_record_bytes,
     sizes,
@@ -59,7 +60,10 @@ DEFAULT_GRACE_PERIOD = 3600.0
 async def create_root_record(backend: Backend, step_format: str, metadata: dict[str, Any]) -> bool:
     """Create the root record unless one exists (conditional create); True if we made it."""
     data = root_record_bytes(step_format, metadata)
-    return await _commit.create(backend, ROOT_RECORD, data, backend.url)
+    url = backend.url
+    return await _commit.create(
+        backend, ROOT_RECORD, data, url, lambda raw: parse_root_record(raw, url)
+    )
 
 
 async def read_step_record(backend: Backend, url: str, name: str) -> dict[str, Any] | None:

@@ -178,7 +178,7 @@ class Incremental:
         if lease is not None:
             try:
                 await root.delete([lease])
-            except Exception:  # an old lease is ignored by gc and removed by it
+            except Exception:  # broad: gc ignores and removes a lease past the grace period
                 pass
 
     def wrote(

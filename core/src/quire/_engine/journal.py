@@ -25,7 +25,7 @@ import asyncio
 import datetime
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,16 +131,20 @@ def _parse(raw: bytes, url: str, n: int) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{where} claims version {doc.get('journal_version')!r}")
     if not isinstance(doc.get("metadata"), dict) or not isinstance(doc.get("deleted"), list):
         raise CorruptCheckpointError(f"{where} has malformed fields")
-    if doc.get("tree") is not None:
-        _format._check_tree(url, doc["tree"])
-        _commit.check_tree_locations(doc["tree"], where)
     _schema.check_journal(doc, where)
+    if doc.get("tree") is not None:
+        _commit.check_tree_locations(doc["tree"], where)
     # format v2: this version's chunk indexes
     if "indexes" in doc and any(
         e["txid"] != doc.get("txid") for e in check_entries(doc["indexes"], where)
     ):
         raise CorruptCheckpointError(f"{where} names chunk indexes of another save")
     return doc
+
+
+def _reader_of(url: str, n: int) -> Callable[[bytes], dict[str, Any]]:
+    """The check a load runs on version ``n``'s bytes: :func:`_parse`, not a copy of it."""
+    return lambda raw: _parse(raw, url, n)
 
 
 async def list_versions(backend: Backend) -> list[int]:
@@ -307,7 +311,8 @@ async def _create_record(
             doc["indexes"] = indexes
         doc["checksum"] = _format.record_checksum(doc)
         data = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
-        if await _commit.create(backend, record_key(n), data, url):  # COMMIT of version n
+        check = _reader_of(url, n)  # what read_records parses version n with
+        if await _commit.create(backend, record_key(n), data, url, check):  # COMMIT of n
             break
     else:  # pragma: no cover
         raise CheckpointExistsError(f"{url}: gave up appending to a busy journal")

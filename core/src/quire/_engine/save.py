@@ -32,6 +32,7 @@ from quire._engine import commit as _commit
 from quire._engine.compaction import compact
 from quire._engine.incremental import Carried, Incremental, LeafInfo, LeafKey
 from quire._format import record as _format
+from quire._format.bounds import is_distribution_name
 from quire._format.pack import PackWriter, gather_entries
 from quire._format.paths import assign_locations, escape_component
 from quire._format.record import PYTREE
@@ -448,7 +449,7 @@ def plugin_sources(units: Mapping[str, dict[str, Any]]) -> dict[str, str]:
             dist = _registry.registries[group].distribution(name)
         except Exception:
             dist = None
-        if dist and dist.lower() != "quire":
+        if dist and dist.lower() != "quire" and is_distribution_name(dist):
             out[f"{group}:{name}"] = dist
     return out
 

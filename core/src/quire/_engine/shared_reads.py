@@ -29,6 +29,7 @@ from quire._runtime.ioloop import run_blocking
 from quire._runtime.multihost import Coordinator
 from quire._store.base import Backend
 from quire._store.wrapped import Wrapped
+from quire.errors import PluginError
 
 __all__ = ["SharedView", "plan_shared", "prefetch_shared"]
 
@@ -94,7 +95,7 @@ def plan_shared(pairs: Iterable[tuple[dict[str, Any], Any]], url: str) -> list[I
             continue
         try:
             h = _handlers.get(rec["handler"], url=url)
-        except Exception:
+        except PluginError:  # not installed: the load itself says so
             continue
         if not isinstance(h, ArrayHandler):
             continue

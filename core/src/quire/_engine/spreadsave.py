@@ -29,7 +29,6 @@ from typing import Any
 
 from quire._engine import commit as _commit
 from quire._engine.save import PreparedSave, build_record, unit_digests, write_units
-from quire._format import record as _format
 from quire._format.chunkindex import index_key
 from quire._runtime.collective import exchange
 from quire._runtime.config import current
@@ -119,6 +118,5 @@ async def save_spread(
             await _commit.drop_txids(backend, url, [prep.txid])
         raise
     if not coord.is_primary:
-        raw = str(text).encode()
-        _format.parse(raw, url)  # the primary's record, checked before it is committed here
+        raw = str(text).encode()  # the primary's record; publish checks it as a load would
         await _commit.publish(backend, url, raw, [prep.txid], overwrite=overwrite)

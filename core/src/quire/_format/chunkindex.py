@@ -44,6 +44,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from quire._format.borrow import check_borrowed
+from quire._format.bounds import MAX_INDEX_BYTES, MAX_OBJECT_BYTES
 from quire._format.chunkcheck import raise_not_data
 from quire._format.chunkid import FORMATS, TRAILER_FORMAT, Ref, crc_hex
 from quire._format.crc import ChunkError, crc32c
@@ -52,10 +53,7 @@ from quire._format.shardid import valid_shard_binding
 from quire._store.base import Backend
 from quire.errors import CorruptCheckpointError
 
-# No stored object is this large (S3's limit is 5 TiB): a larger offset or length is forged.
-MAX_OBJECT_BYTES = 1 << 50
 PACK_DIR = "%packs"  # never produced by key escaping ('%' is always followed by two hex digits)
-MAX_INDEX_BYTES = 1 << 31
 
 
 def pack_dir(txid: str) -> str:

@@ -6,10 +6,10 @@ import hashlib
 from typing import Any
 from urllib.parse import quote
 
+from quire._format.bounds import WRITTEN_COMPONENT as MAX_COMPONENT
+from quire._format.bounds import WRITTEN_PATH as MAX_PATH
 from quire._format.tree import KeyPath
 
-MAX_COMPONENT = 120
-MAX_PATH = 700
 _SAFE = "-_.~+=,@"
 
 

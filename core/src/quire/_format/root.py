@@ -100,6 +100,12 @@ async def read_root_record(backend: Backend, url: str) -> dict[str, Any] | None:
         raw = await backend.get(ROOT_RECORD)
     except FileNotFoundError:
         return None
+    return parse_root_record(raw, url)
+
+
+def parse_root_record(raw: bytes, url: str) -> dict[str, Any]:
+    """Parse and check a root record's bytes: what every reader of one runs, and what its
+    creation runs on the record before publishing it; ``CorruptCheckpointError``."""
     try:
         doc = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -255,7 +261,7 @@ async def root_hint(backend: Backend) -> str:
     try:
         doc = await read_root_record(backend, "")
         _, dirs = await backend.list_dir("")
-    except Exception:  # only for the hint
+    except Exception:  # broad: a hint in a "no checkpoint here" error only
         return ""
     if doc is not None:
         fmt = StepFormat(doc["step_format"])
@@ -271,7 +277,7 @@ async def root_hint(backend: Backend) -> str:
         )
     try:
         have = [d for d in dirs if await backend.exists(f"{d}/{_format.RECORD}")]
-    except Exception:
+    except Exception:  # broad: a hint in a "no checkpoint here" error only
         return ""
     if have:
         shown = ", ".join(have[:10]) + (" ..." if len(have) > 10 else "")

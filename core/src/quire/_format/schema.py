@@ -32,6 +32,21 @@ from typing import Any
 
 import numpy as np
 
+from quire._format.bounds import (
+    MAX_CHUNKS,
+    MAX_CLAIMED_BYTES,
+    MAX_COMPONENT,
+    MAX_DEPTH,
+    MAX_DIM,
+    MAX_LOCATION,
+    MAX_MESH_DEVICES,
+    MAX_NDIM,
+    MAX_PROCESSES,
+    MAX_TYPE_NAME,
+    is_distribution_name,
+    max_chunks,
+    prng_impls,
+)
 from quire._format.dtypes import SUPPORTED
 from quire._format.paths import is_safe_location
 from quire._format.schema_values import (
@@ -46,15 +61,7 @@ from quire._format.schema_values import (
 )
 from quire.errors import CorruptCheckpointError
 
-MAX_DEPTH = 256
-MAX_NDIM = 64
-MAX_LOCATION = 1024  # characters in a location (quire writes at most ~800)
-MAX_COMPONENT = 200  # characters in one component (quire writes at most 120)
-MAX_MESH_DEVICES = 1 << 24
-# A chunk grid larger than this is refused: quire writes one chunk per device shard.
-MAX_CHUNKS = 1 << 24
-MAX_CLAIMED_BYTES = 2**50
-_DIST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+# Every bound is in quire._format.bounds, with the reason it is out of the writers' reach.
 _TXID = re.compile(r"^[A-Za-z0-9]{1,64}$")
 
 
@@ -139,11 +146,11 @@ def _scalar_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
 
 
 def _str_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
-    _str(_req(rec, "value", where), where + "/value", 1 << 30)
+    _str(_req(rec, "value", where), where + "/value", None)
 
 
 def _bytes_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
-    v = _str(_req(rec, "value", where), where + "/value", 1 << 30)
+    v = _str(_req(rec, "value", where), where + "/value", None)
     try:
         base64.b64decode(v, validate=True)
     except (binascii.Error, ValueError):
@@ -160,11 +167,11 @@ def _shape(v: Any, where: str, low: int) -> tuple[int, ...]:
     if (
         type(v) is list
         and len(v) <= MAX_NDIM
-        and all(type(x) is int and low <= x <= 1 << 62 for x in v)
+        and all(type(x) is int and low <= x <= MAX_DIM for x in v)
     ):
         return tuple(v)
     items = _list(v, where, MAX_NDIM)
-    return tuple(_int(x, f"{where}[{i}]", low, 1 << 62) for i, x in enumerate(items))
+    return tuple(_int(x, f"{where}[{i}]", low, MAX_DIM) for i, x in enumerate(items))
 
 
 def _location(v: Any, where: str, ctx: _Ctx) -> str:
@@ -181,14 +188,13 @@ def _location(v: Any, where: str, ctx: _Ctx) -> str:
 def _sharding(v: Any, where: str, shape: tuple[int, ...]) -> int | None:
     """Check a sharding record; the number of devices of a named mesh (else None)."""
     s = _dict(v, where)
-    t = _str(_req(s, "type", where), where + "/type", 200)
+    t = _str(_req(s, "type", where), where + "/type", None)
     if t != "named":
         return None
     mesh = _dict(_req(s, "mesh", where), where + "/mesh")
-    if not mesh or len(mesh) > MAX_NDIM:
-        raise Invalid(where + "/mesh", "a mesh needs 1 to 64 named axes")
+    if len(mesh) > MAX_NDIM:  # no axes at all: a mesh of one device
+        raise Invalid(where + "/mesh", f"a mesh has at most {MAX_NDIM} named axes")
     for k, n in mesh.items():
-        _str(k, where + "/mesh", 200)
         _int(n, f"{where}/mesh/{k}", 1, MAX_MESH_DEVICES)
     devices = math.prod(mesh.values())
     if devices > MAX_MESH_DEVICES:
@@ -221,7 +227,7 @@ def _array_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
         raise Invalid(where + "/dtype", f"{_short(name)} is not a supported dtype")
     itemsize = SUPPORTED[name].itemsize
     nbytes = math.prod(shape) * itemsize
-    if nbytes > MAX_CLAIMED_BYTES or math.prod(chunk) * itemsize > MAX_CLAIMED_BYTES:
+    if nbytes > MAX_CLAIMED_BYTES or (nbytes and math.prod(chunk) * itemsize > MAX_CLAIMED_BYTES):
         raise Invalid(where + "/shape", f"claims {nbytes} bytes, beyond any real checkpoint")
     if "nbytes" in rec and rec["nbytes"] != nbytes:
         raise Invalid(where + "/nbytes", f"{_short(rec['nbytes'])} is not {nbytes}")
@@ -230,10 +236,10 @@ def _array_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
         inner = _shape(rec["inner_shape"], where + "/inner_shape", 1)
         if len(inner) != len(chunk) or any(c % i for i, c in zip(inner, chunk)):
             raise Invalid(where + "/inner_shape", f"{inner} does not divide {chunk}")
-    codecs = _list(rec.get("codecs", []), where + "/codecs", 16)
+    codecs = _list(rec.get("codecs", []), where + "/codecs")
     for i, c in enumerate(codecs):
         w = f"{where}/codecs[{i}]"
-        _str(_req(_dict(c, w), "name", w), w + "/name", 200)
+        _str(_req(_dict(c, w), "name", w), w + "/name", None)
         if "configuration" in c:
             _dict(c["configuration"], w + "/configuration")
     if type(rec.get("checksum", True)) is not bool:
@@ -244,7 +250,7 @@ def _array_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
     devices = None
     if rec.get("sharding") is not None:
         devices = _sharding(rec["sharding"], where + "/sharding", shape)
-    limit = MAX_CHUNKS if devices is None else devices
+    limit = MAX_CHUNKS if devices is None else max_chunks(devices)
     if grid > limit:
         raise Invalid(
             where + "/chunk_shape",
@@ -255,16 +261,9 @@ def _array_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
         _prng(rec, where, shape, name)
 
 
-def _prng_impls() -> dict[str, tuple[int, ...]]:
-    import jax.extend.random as jr
-
-    impls = (jr.threefry_prng_impl, jr.rbg_prng_impl, jr.unsafe_rbg_prng_impl)
-    return {str(i.name): tuple(i.key_shape) for i in impls}
-
-
 def _prng(rec: dict[str, Any], where: str, shape: tuple[int, ...], dtype: str) -> None:
     impl = _str(_req(rec, "impl", where), where + "/impl", 200)
-    impls = _prng_impls()
+    impls = prng_impls()
     if impl not in impls:
         raise Invalid(where + "/impl", f"{impl!r} is not a PRNG implementation ({sorted(impls)})")
     key_shape = _shape(rec.get("key_shape", list(shape[: len(shape) - 1])), where + "/key_shape", 0)
@@ -301,7 +300,7 @@ def _tree(node: Any, where: str, ctx: _Ctx, depth: int = 0) -> None:
     n = _dict(node, where)
     kind = _req(n, "kind", where)
     if kind == "leaf":
-        hid = _str(_req(n, "handler", where), where + "/handler", 200)
+        hid = _str(_req(n, "handler", where), where + "/handler", None)
         rule = LEAF_RULES.get(hid)
         if rule is not None:
             rule(n, where, ctx)
@@ -311,7 +310,7 @@ def _tree(node: Any, where: str, ctx: _Ctx, depth: int = 0) -> None:
     if kind not in ("dict", "list", "tuple"):
         raise Invalid(where + "/kind", f"unknown node kind {_short(kind)}")
     if "type" in n and n["type"] is not None:
-        _str(n["type"], where + "/type", 1000)
+        _str(n["type"], where + "/type", MAX_TYPE_NAME)
     children = _list(_req(n, "children", where), where + "/children")
     if kind == "dict":
         keys = _list(_req(n, "keys", where), where + "/keys")
@@ -347,7 +346,7 @@ def _check_locations(ctx: _Ctx) -> None:
 
 # -------------------------------------------------------------------------- top level
 def _txids(v: Any, where: str) -> set[str]:
-    items = _list(v, where, 1 << 16)
+    items = _list(v, where)
     for i, t in enumerate(items):
         if type(t) is not str or not _TXID.match(t):
             raise Invalid(f"{where}[{i}]", f"{_short(t)} is not a txid")
@@ -357,9 +356,9 @@ def _txids(v: Any, where: str) -> set[str]:
 def _plugins(v: Any, where: str) -> None:
     for k, d in _dict(v, where).items():
         group, sep, name = k.partition(":")
-        if not sep or not group or not name or len(k) > 400:
+        if not sep or not group or not name:
             raise Invalid(f"{where}/{k!r}", "is not '<group>:<name>'")
-        if type(d) is not str or not _DIST.match(d):
+        if not is_distribution_name(d):
             raise Invalid(f"{where}/{k}", f"{_short(d)} is not a distribution name")
 
 
@@ -370,7 +369,7 @@ def _units(v: Any, where: str, ctx: _Ctx) -> None:
         if kind == "pytree":
             _tree(_req(unit, "tree", w), "" if name == "pytree" else f"{name}:", ctx)
         elif kind == "handler":
-            _str(_req(unit, "handler", w), w + "/handler", 200)
+            _str(_req(unit, "handler", w), w + "/handler", None)
             _location(_req(unit, "location", w), w + "/location", ctx)
         elif kind != "json":
             raise Invalid(w + "/kind", f"unknown unit kind {_short(kind)}")
@@ -382,7 +381,7 @@ FieldRule = Callable[[Any, str], Any]
 COMMIT_FIELDS: dict[str, tuple[bool, FieldRule]] = {
     "created": (True, _timestamp),
     "library_version": (False, lambda v, w: _str(v, w, 200)),
-    "process_count": (True, lambda v, w: _int(v, w, 1, 1 << 24)),
+    "process_count": (True, lambda v, w: _int(v, w, 1, MAX_PROCESSES)),
     "metadata": (True, _dict),
     "plugins": (False, _plugins),
     "journal_version": (False, lambda v, w: _int(v, w, 0)),
@@ -391,7 +390,7 @@ COMMIT_FIELDS: dict[str, tuple[bool, FieldRule]] = {
 #: Checker per top-level field of a journal record; unlisted fields are tolerated.
 JOURNAL_FIELDS: dict[str, tuple[bool, FieldRule]] = {
     "created": (True, _timestamp),
-    "process_count": (False, lambda v, w: _int(v, w, 1, 1 << 24)),
+    "process_count": (False, lambda v, w: _int(v, w, 1, MAX_PROCESSES)),
     "metadata": (True, _dict),
     "base_version": (False, lambda v, w: _int(v, w, 0)),
     "deleted": (True, lambda v, w: _paths(v, w)),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+from quire._format.bounds import MAX_TIMESTAMP
+
 
 class Invalid(Exception):
     """Raised by a checker: ``where`` is the key path inside the record."""
@@ -32,8 +34,11 @@ def _int(v: Any, where: str, low: int = 0, high: int | None = None) -> int:
     return int(v)
 
 
-def _str(v: Any, where: str, maxlen: int = 10_000) -> str:
-    if type(v) is not str or len(v) > maxlen:
+def _str(v: Any, where: str, maxlen: int | None = 10_000) -> str:
+    """A string, of at most ``maxlen`` characters unless ``maxlen`` is None."""
+    if type(v) is not str:
+        raise Invalid(where, f"{_short(v)} is not a string")
+    if maxlen is not None and len(v) > maxlen:
         raise Invalid(where, f"{_short(v)} is not a string of at most {maxlen} characters")
     return v
 
@@ -58,6 +63,6 @@ def _short(v: Any) -> str:
 
 def _timestamp(v: Any, where: str) -> None:
     try:
-        datetime.datetime.fromisoformat(_str(v, where, 64))
+        datetime.datetime.fromisoformat(_str(v, where, MAX_TIMESTAMP))
     except ValueError:
         raise Invalid(where, f"{_short(v)} is not an ISO timestamp") from None

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 
+from quire._format.bounds import MAX_DEPTH, MAX_TYPE_NAME
 from quire.errors import UnsupportedLeafError
 
 Key = str | int
@@ -78,11 +79,21 @@ def _jax_key(k: Any) -> Key:
 
 
 def walk(tree: Any, is_leaf: Callable[[Any], bool], *, what: str = "tree") -> Node:
-    """Walk ``tree``; ``is_leaf`` says which values are leaves (checked before containers)."""
+    """Walk ``tree``; ``is_leaf`` says which values are leaves (checked before containers).
+
+    A tree nested deeper than ``MAX_DEPTH`` is refused (``UnsupportedLeafError``): its
+    record would be refused by every load.
+    """
 
     def go(x: Any, path: KeyPath) -> Node:
         if is_leaf(x):
             return Node("leaf", value=x, path=path)
+        if len(path) >= MAX_DEPTH:
+            raise UnsupportedLeafError(
+                f"{what}: the tree is nested deeper than {MAX_DEPTH} levels at "
+                f"{keystr(path[:8])}/... ; quire saves trees of at most {MAX_DEPTH} levels "
+                "(flatten the deepest part into a list or a dict with joined keys)"
+            )
         if type(x) is dict:
             keys = list(x)
             for k in keys:
@@ -108,11 +119,14 @@ def walk(tree: Any, is_leaf: Callable[[Any], bool], *, what: str = "tree") -> No
                 "it as a JAX pytree node, or register a quire leaf handler for it"
             )
         keys = [_jax_key(kp[-1]) if kp else i for i, (kp, _) in enumerate(kids_with_keys)]
-        kind = "dict" if all(isinstance(k, str) for k in keys) and keys else "list"
+        # named children only when the names are distinct strings (keys turned into strings
+        # may collide: 1.0 and "1.0"); else by position
+        named = keys and all(isinstance(k, str) for k in keys) and len(set(keys)) == len(keys)
+        kind = "dict" if named else "list"
         if kind == "list":
             keys = list(range(len(keys)))
         kids = [go(v, (*path, k)) for k, (_, v) in zip(keys, kids_with_keys)]
-        name = f"{type(x).__module__}.{type(x).__qualname__}"
+        name = f"{type(x).__module__}.{type(x).__qualname__}"[:MAX_TYPE_NAME]
         return Node(kind, keys, kids, path=path, typename=name, treedef=treedef)
 
     return go(tree, ())

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from quire._format.bounds import MAX_CLAIMED_BYTES
 from quire._format.dtypes import dtype_from_name, dtype_name
 from quire._format.tree import keystr
 from quire._handlers import codecs as _codecs
@@ -17,9 +18,6 @@ from quire._handlers.replicas import Writers, piece_source
 from quire._handlers.zarr_layout import ArrayLayout, inner_chunks_for
 from quire._runtime.config import current
 from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
-
-# A claimed array larger than this is refused as corrupt before anything is allocated.
-MAX_CLAIMED_BYTES = 2**50
 
 
 def _norm_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -53,7 +51,11 @@ def _cast(f: Callable[[], np.ndarray], dtype: np.dtype[Any]) -> Callable[[], np.
 
 def _sharding_json(s: Any) -> dict[str, Any] | None:
     if isinstance(s, jax.sharding.NamedSharding):
-        spec = [list(p) if isinstance(p, tuple) else p for p in s.spec]
+        # axis names as strings on both sides (JAX takes any hashable name)
+        spec = [
+            None if p is None else [str(a) for a in p] if isinstance(p, tuple) else str(p)
+            for p in s.spec
+        ]
         return {
             "type": "named",
             "mesh": {str(k): int(v) for k, v in s.mesh.shape.items()},
@@ -103,6 +105,8 @@ def _plan(
                 coords.append(sl.start // c if c else 0)
             owned.append((tuple(coords), _host(s.data if stage is None else stage(s))))
         on_cpu = all(getattr(d, "platform", "") == "cpu" for d in sharding.device_set)
+        if not math.prod(shape):  # no element, no chunk: any grid will do
+            aligned, owned = True, []
         if not aligned:
             if not value.is_fully_addressable:
                 raise UnsupportedLeafError(
@@ -172,7 +176,8 @@ def layout_from_record(rec: Mapping[str, Any], url: str | None = None) -> ArrayL
         ):
             raise ValueError(f"inner chunk shape {inner_t} does not divide {chunk}")
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes > MAX_CLAIMED_BYTES or math.prod(chunk) * dtype.itemsize > MAX_CLAIMED_BYTES:
+        chunk_bytes = math.prod(chunk) * dtype.itemsize if nbytes else 0  # empty: no chunk
+        if nbytes > MAX_CLAIMED_BYTES or chunk_bytes > MAX_CLAIMED_BYTES:
             raise ValueError(f"claims {nbytes} bytes, beyond any real checkpoint")
         codecs = rec.get("codecs", [])
         if not isinstance(codecs, list) or not all(

@@ -43,7 +43,7 @@ log = logging.getLogger("quire")
 def _pinned_memory(device: Any) -> bool:
     try:
         return any(m.kind == "pinned_host" for m in device.addressable_memories())
-    except Exception:  # a device type without memory spaces
+    except Exception:  # broad: no memory spaces here, so no pinned staging: shards read as is
         return False
 
 
@@ -85,7 +85,7 @@ def snapshot_plans(arrays: Sequence[Any], entries: Sequence[SaveEntry]) -> list[
         if isinstance(a, jax.Array) and stage is None:
             try:
                 a.copy_to_host_async()  # every shard's transfer starts now, all at once
-            except Exception:  # not all array types support it; numpy.asarray still works
+            except Exception:  # broad: only starts copies early; numpy.asarray still reads
                 pass
     # With pinned staging the plans start one device_put per shard they write, all before
     # any is read (``run`` below).

@@ -9,7 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from quire._format.bounds import MAX_INT_DIGITS
 from quire._format.dtypes import dtype_from_name, dtype_name
+from quire._format.tree import keystr
 from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
 from quire.errors import CorruptCheckpointError, UnsupportedLeafError
 
@@ -43,7 +45,13 @@ class _Inline:
         return list(entries)
 
     async def save(self, entries: Sequence[SaveEntry], ctx: SaveContext) -> list[dict[str, Any]]:
-        return [{"handler": self.id, **self.encode(e)} for e in entries]
+        out = []
+        for e in entries:
+            try:
+                out.append({"handler": self.id, **self.encode(e)})
+            except UnsupportedLeafError as err:
+                raise UnsupportedLeafError(f"{ctx.url}: {err}") from None
+        return out
 
     def encode(self, entry: SaveEntry) -> dict[str, Any]:
         raise NotImplementedError
@@ -132,6 +140,11 @@ class ScalarHandler(_Inline):
                 return {"type": "numpy", "dtype": name, "value": _enc_float(float(py))}
             return {"type": "numpy", "dtype": name, "value": py}
         t = type(v).__name__
+        if t == "int" and abs(v) >= 10**MAX_INT_DIGITS:
+            raise UnsupportedLeafError(
+                f"leaf {keystr(entry.path)!r}: an integer of more than {MAX_INT_DIGITS} digits, "
+                "which JSON readers refuse; save it as a string (str(value))"
+            )
         if t == "complex":
             return {"type": t, "value": [_enc_float(v.real), _enc_float(v.imag)]}
         if t == "float":

@@ -10,11 +10,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from quire._format.bounds import prng_impls
 from quire._format.tree import keystr
 from quire._handlers.arrayplan import _Plan
 from quire._handlers.arrays import ArrayHandler
-from quire._handlers.base import LoadContext, LoadEntry, SaveEntry
-from quire.errors import CorruptCheckpointError
+from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry
+from quire.errors import CorruptCheckpointError, UnsupportedLeafError
 
 
 class JaxArrayHandler(ArrayHandler):
@@ -26,6 +27,15 @@ class JaxArrayHandler(ArrayHandler):
         return isinstance(value, jax.Array) and not jax.dtypes.issubdtype(
             value.dtype, jax.dtypes.prng_key
         )
+
+
+def _impl_and_shape(value: Any) -> tuple[str, tuple[int, ...]]:
+    """A key's (or its host snapshot's) implementation name and key shape."""
+    if isinstance(value, _Plan):
+        impl, shape = value.impl, value.key_shape  # type: ignore[attr-defined]
+    else:
+        impl, shape = jax.random.key_impl(value), value.shape
+    return str(getattr(impl, "name", impl)), tuple(shape)
 
 
 class PRNGKeyHandler(ArrayHandler):
@@ -43,11 +53,22 @@ class PRNGKeyHandler(ArrayHandler):
         return jax.random.key_data(value)
 
     def extra_record(self, value: Any) -> dict[str, Any]:
-        if isinstance(value, _Plan):
-            impl, shape = value.impl, value.key_shape  # type: ignore[attr-defined]
-        else:
-            impl, shape = jax.random.key_impl(value), value.shape
-        return {"impl": str(getattr(impl, "name", impl)), "key_shape": list(shape)}
+        impl, shape = _impl_and_shape(value)
+        return {"impl": impl, "key_shape": list(shape)}
+
+    async def save(self, entries: Sequence[SaveEntry], ctx: SaveContext) -> list[dict[str, Any]]:
+        """As :meth:`ArrayHandler.save`, after refusing keys no load could rebuild."""
+        impls = prng_impls()
+        for e in entries:
+            impl = _impl_and_shape(e.value)[0]
+            if impl not in impls:
+                raise UnsupportedLeafError(
+                    f"{ctx.url}: leaf {keystr(e.path)!r} is a PRNG key of implementation "
+                    f"{impl!r}, which a load cannot find by name (it knows {sorted(impls)}); "
+                    "save jax.random.key_data(key) instead and wrap it with your "
+                    "implementation after loading"
+                )
+        return await super().save(entries, ctx)
 
     def snapshot(self, entries: Sequence[SaveEntry]) -> list[SaveEntry]:
         out = super().snapshot(entries)

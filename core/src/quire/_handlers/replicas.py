@@ -9,7 +9,10 @@ message is exchanged:
    ``k = min(holders, shard bytes // piece_bytes)`` (``holders``: the processes holding a
    copy of it), by a chunk grid finer than the shard grid along one axis; a shard whose
    axis ``k`` does not divide still splits (the last piece is shorter, padded like any
-   edge chunk); a shard too small for two pieces stays one chunk;
+   edge chunk); a shard too small for two pieces stays one chunk.  A shard becomes at
+   most ``PIECES_PER_HOLDER * k`` pieces (up to 2k when an exact divisor avoids padding),
+   the bound the record's check derives its chunk limit from
+   (``quire._format.bounds.max_chunks``);
 2. all pieces of all arrays, largest first, go to the least-loaded of their holders (ties:
    the lowest process), after the primary's load of the process-local values it alone
    writes (numpy arrays, fully addressable jax arrays).
@@ -27,6 +30,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from quire._format.bounds import PIECES_PER_HOLDER
 
 Box = tuple[tuple[int, int], ...]
 
@@ -77,8 +82,10 @@ def _split(shard: tuple[int, ...], shape: tuple[int, ...], k: int) -> tuple[int,
         if s < 2:
             continue
         if s == n:
-            # an exact divisor between k and 2k pieces avoids padding; else ceil(s / k)
-            exact = [s // m for m in range(k, min(2 * k, s) + 1) if s % m == 0]
+            # an exact divisor between k and 2k pieces avoids padding; else ceil(s / k).
+            # The record's check allows PIECES_PER_HOLDER * k pieces (bounds.max_chunks).
+            most = min(PIECES_PER_HOLDER * k, s)
+            exact = [s // m for m in range(k, most + 1) if s % m == 0]
             length = exact[0] if exact else math.ceil(s / min(k, s))
         else:
             divs = [d for d in range(1, s + 1) if s % d == 0 and s // d <= max(k, 1)]

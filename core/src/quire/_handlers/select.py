@@ -157,6 +157,6 @@ def wrap_failure(h: Any, e: Exception, paths: list[str], url: str, doing: str) -
     )
     try:
         wrapped = type(e)(msg)
-    except Exception:
+    except Exception:  # broad: a type not built from a message: QuireError, raised from e
         return QuireError(msg)
     return wrapped if wrapped.args == (msg,) else QuireError(msg)

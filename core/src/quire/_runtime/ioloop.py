@@ -181,7 +181,7 @@ def shutdown(timeout: float = 30.0) -> None:
 
         try:
             asyncio.run_coroutine_threadsafe(cancel_all(), lp).result(timeout)
-        except BaseException:  # best effort: we are exiting
+        except BaseException:  # broad: best effort while the interpreter exits
             pass
         lp.call_soon_threadsafe(lp.stop)
         if th is not None:

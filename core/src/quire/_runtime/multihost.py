@@ -182,7 +182,7 @@ class Coordinator:
             combined = await run_blocking(
                 c.blocking_key_value_get, f"{self.key}/digest", self._ms(self._deadline)
             )
-        except Exception as e:
+        except Exception as e:  # broad: reported as this process's failure: the save aborts
             return f"no digest from primary process {self.primary}: {_first_line(e)}"
         if combined == "error":
             return None  # the primary failed; it aborts the save
@@ -332,7 +332,7 @@ class Coordinator:
             n = await run_blocking(c.key_value_increment, f"{self.key}/acks", 1)
             if n >= self.count - 1:
                 await run_blocking(c.key_value_delete, self.key)
-        except Exception:  # only memory in the coordination service is at stake
+        except Exception:  # broad: only memory in the coordination service is at stake
             pass
 
 

@@ -3,7 +3,6 @@ per URL (split out of ``quire._api``, which re-exports them)."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Awaitable, Callable
@@ -11,6 +10,7 @@ from typing import Any, Generic, TypeVar
 
 from quire._runtime import exithook as _exit
 from quire._runtime import ioloop as _io
+from quire._runtime.tasks import settled
 
 T = TypeVar("T")
 
@@ -91,7 +91,7 @@ class AsyncResponse(Generic[T]):
     def __del__(self) -> None:
         try:
             _exit.report_unobserved(self)
-        except Exception:  # never from a finalizer
+        except Exception:  # broad: a finalizer never raises (the report is a warning)
             pass
 
     def add_done_callback(self, fn: Any) -> None:
@@ -119,10 +119,7 @@ def chain(u: str, make: Callable[[], Awaitable[T]], description: str) -> AsyncRe
 
         async def run() -> T:
             if prev is not None and not prev.done():
-                try:
-                    await asyncio.wrap_future(prev)
-                except BaseException:
-                    pass  # its error belongs to its own caller
+                await settled(prev)  # its error belongs to its own caller
             return await make()
 
         fut = _io.submit(run())

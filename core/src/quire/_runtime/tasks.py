@@ -5,12 +5,14 @@ millions of chunks makes millions of tasks) and lets the others run on after one
 (a failed load kept reading chunk files for seconds after it raised).  :func:`for_each`
 runs at most ``limit`` workers that pull items from an iterator, and cancels the others
 when one fails; :func:`gather_cancelling` is ``gather`` that cancels its siblings on the
-first error.
+first error.  :func:`settled` waits for another operation to end without taking on its
+outcome.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
@@ -48,3 +50,17 @@ async def gather_cancelling(*aws: Awaitable[T]) -> list[T]:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+async def settled(fut: concurrent.futures.Future[Any]) -> None:
+    """Wait until ``fut`` (another operation, run before this one) has ended, whatever its
+    outcome: its error belongs to its own caller, who reads it from ``fut``.
+
+    Unlike ``try: await asyncio.wrap_future(fut) except BaseException: pass``, a
+    cancellation of the waiter propagates (it does not go on as if ``fut`` had ended) and
+    leaves ``fut`` running.
+    """
+    waited = asyncio.wrap_future(fut)
+    await asyncio.wait([waited])
+    if not waited.cancelled():
+        waited.exception()  # read here too: asyncio would log it as never retrieved

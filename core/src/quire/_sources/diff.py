@@ -305,7 +305,7 @@ def _inline_equal(x: Any, y: Any) -> bool:
         return y != y  # NaN equals NaN here, as in arrays
     try:
         return bool(x == y)
-    except Exception:  # e.g. an ambiguous truth value
+    except (TypeError, ValueError):  # e.g. an ambiguous truth value
         return repr(x) == repr(y)
 
 

@@ -172,7 +172,7 @@ def _discard(fs: Any, f: Any, path: str) -> None:
     finally:
         try:
             fs.rm(path)
-        except Exception:
+        except Exception:  # broad: cleanup of a failed export, whose error is raised
             pass
 
 

@@ -88,7 +88,7 @@ def _root_hint(url: str, storage_options: dict[str, Any]) -> str:
 
     try:
         return _io.submit(root_hint(open_backend(url, dict(storage_options)))).result()
-    except Exception:  # only for the message
+    except Exception:  # broad: only for the message
         return ""
 
 

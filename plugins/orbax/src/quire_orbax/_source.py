@@ -173,7 +173,7 @@ class OrbaxSource(Source):
                 return _layout.is_orbax_dir(store, store.root)
             finally:
                 store.close()
-        except Exception:  # detection never raises: "not mine"
+        except Exception:  # broad: detection never raises: "not mine"
             return False
 
     @classmethod
