@@ -328,6 +328,10 @@ class ArrayHandler:
         if sharding is None or isinstance(target, type):
             sharding = self._default_sharding(e.record)
         idx_map = sharding.addressable_devices_indices_map(shape)
+        if not idx_map:
+            # A mesh of other processes' devices: this process holds no shard of the result
+            # (JAX needs the dtype given when there is no shard to take it from).
+            return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=out_dtype)
         regions: dict[tuple[tuple[int, int], ...], list[Any]] = {}
         for dev, idx in idx_map.items():
             norm = _norm_index(idx, shape) if shape else ()

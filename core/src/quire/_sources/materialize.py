@@ -115,6 +115,8 @@ async def materialize_leaf(
         await budget.release(need)  # handed to the caller
         return a
     idx_map, regions, box = _plan(sharding, shape)
+    if not idx_map:  # a mesh of other processes' devices: no shard here (JAX needs the dtype)
+        return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=out_dtype)
     arrays: dict[Any, Any] = {}
     box_bytes = math.prod(s.stop - s.start for s in box) * v.dtype.itemsize if box else 0
     if len(regions) > 1 and box_bytes > budget.limit:
