@@ -66,6 +66,27 @@ def _sharding_json(s: Any) -> dict[str, Any] | None:
     return {"type": type(s).__name__}
 
 
+def _check_not_held_by_one_other(value: jax.Array, path: tuple[Any, ...]) -> None:
+    """Refuse a ``jax.Array`` that lies on the devices of one process other than the
+    primary.  That process holds all of it (fully addressable there), which is also what a
+    per-process copy of a process-local value looks like, and those only the primary
+    writes (below): nobody would write it, and the commit would name chunks that do not
+    exist.  Each process that holds none of it sees the case and raises, the primary
+    included, so the save is aborted before anything is committed."""
+    if jax.process_count() == 1 or value.addressable_shards:
+        return
+    owners = {d.process_index for d in value.sharding.device_set}
+    primary = current().primary_process
+    if len(owners) == 1 and primary not in owners:
+        (owner,) = owners
+        raise UnsupportedLeafError(
+            f"leaf {keystr(path)!r} lies on the devices of process {owner} only, which quire "
+            f"cannot tell from that process's own copy of a process-local value (those only "
+            f"primary process {primary} writes); give its mesh devices of another process "
+            "too, or put it on the primary process's devices"
+        )
+
+
 def _plan(
     value: Any,
     storage: Any,
@@ -76,6 +97,8 @@ def _plan(
     """The save plan of ``value``; ``stage(shard)``, if given, is the array a ``jax.Array``
     shard's bytes are read from (``quire._handlers.arraysnap``: a pinned host copy)."""
     cast = None if storage.dtype is None else np.dtype(storage.dtype)
+    if isinstance(value, jax.Array):
+        _check_not_held_by_one_other(value, path)
     if isinstance(value, jax.Array) and writers is not None:
         # replica-parallel (quire._handlers.replicas): this process's pieces, any replica
         on_cpu = all(getattr(d, "platform", "") == "cpu" for d in value.sharding.device_set)
