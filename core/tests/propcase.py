@@ -85,19 +85,19 @@ class MeshCase:
     shape: tuple[int, ...]
     names: tuple[str, ...]
     types: tuple[str, ...]  # "auto" / "explicit", per axis
-    devices: tuple[int, ...]  # global device ids, in mesh order
+    devices: tuple[int, ...]  # positions in jax.devices() (all processes'), in mesh order
 
     def build(self) -> Any:
         import jax
         from jax.sharding import AxisType
 
-        by_id = {d.id: d for d in jax.devices()}
+        everywhere = jax.devices()  # the same order in every process
         kinds = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
         return jax.make_mesh(
             self.shape,
             self.names,
             axis_types=tuple(kinds[t] for t in self.types),
-            devices=[by_id[i] for i in self.devices],
+            devices=[everywhere[i] for i in self.devices],
         )
 
 
@@ -196,6 +196,8 @@ class Case:
     replica_writes: bool = True
     replica_reads: bool | None = None
     scalars: tuple[tuple[str, Any], ...] = ()  # inline leaves: (key, value)
+    piece_bytes: int | None = None  # replica_piece_bytes (None: the default, 1 MiB)
+    reader: str = "load"  # "load": quire.load; "lazy": quire.load_and_transform (quire.open)
     versions: tuple[tuple[tuple[int, int], ...], ...] = ()
     deleted: tuple[int, ...] = ()
 
@@ -373,7 +375,62 @@ def array(leaf: Leaf) -> Any:
         return v
     import jax
 
-    return jax.device_put(v, leaf.place.sharding())
+    # Each process places the shards of its own devices (several JAX processes: the others').
+    return jax.make_array_from_callback(
+        leaf.shape, leaf.place.sharding(), lambda i: v[i], dtype=v.dtype
+    )
+
+
+def load(url: Any, case: Case) -> Any:
+    """Load a case's checkpoint onto its target, through ``quire.load`` or through the lazy
+    sources (``quire.load_and_transform`` with the identity: ``quire.open`` + materialize)."""
+    import quire
+
+    target = None if case.target == "none" else abstract(case)
+    partial = case.target == "partial"
+    if case.reader == "lazy":
+        return quire.load_and_transform(str(url), target, lambda tree: tree, partial=partial)
+    return quire.load(url, target, partial=partial)
+
+
+def context(case: Case) -> Any:
+    """The ``quire.Context`` a case saves and loads in (shared reads of any size when on)."""
+    import quire
+
+    opts: dict[str, Any] = {
+        "layout": case.layout,
+        "replica_writes": case.replica_writes,
+        "replica_reads": case.replica_reads,
+    }
+    if case.replica_reads:
+        opts["replica_read_min_bytes"] = 0
+    if case.piece_bytes is not None:
+        opts["replica_piece_bytes"] = case.piece_bytes
+    return quire.Context(**opts)
+
+
+def storage_of(case: Case) -> Any:
+    """The ``storage=`` callable of a case: each leaf's ``Storage``, by key path."""
+    by_path = {leaf.path: leaf.storage for leaf in case.leaves if leaf.storage is not None}
+
+    def storage(path: tuple[Any, ...], leaf: Any) -> Any:
+        s = by_path.get(tuple(str(k) for k in path))
+        return None if s is None else s.options()
+
+    return storage
+
+
+def donate(tree: dict[str, Any]) -> None:
+    """A training step right after save_async: every jax.Array donated to a jitted step
+    that overwrites it (XLA reuses the buffer), every numpy array overwritten in place."""
+    import jax
+
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array):  # one step per array: their meshes differ
+            step = jax.jit(jax.numpy.zeros_like, donate_argnums=0, out_shardings=x.sharding)
+            jax.block_until_ready(step(x))
+        elif isinstance(x, np.ndarray) and x.size:
+            x.reshape(-1).view(np.uint8)[...] = 0x5A
 
 
 def put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
@@ -432,7 +489,7 @@ def check_loaded(case: Case, got: Any) -> list[str]:
             problems.append(f"{'/'.join(lf.path)}: missing ({e!r})")
             continue
         want = expected(lf)
-        bad = same_bits(value, want, any_nan=was_cast(lf))
+        bad = _compare(value, want, was_cast(lf))
         if bad is None:
             bad = _placement(value, lf)
         if bad is not None:
@@ -446,6 +503,21 @@ def check_loaded(case: Case, got: Any) -> list[str]:
             ):
                 problems.append(f"{key}: {got.get(key)!r} != {value!r}")
     return problems
+
+
+def _compare(value: Any, want: np.ndarray, any_nan: bool) -> str | None:
+    """A numpy value whole; a jax.Array shard by shard (with several JAX processes, the
+    shards of this process's devices), each against its region of ``want``."""
+    shards = getattr(value, "addressable_shards", None)
+    if shards is None:
+        return same_bits(value, want, any_nan=any_nan)
+    if value.shape != want.shape or value.dtype != want.dtype:
+        return f"{value.dtype}{list(value.shape)} != {want.dtype}{list(want.shape)}"
+    for s in shards:
+        bad = same_bits(np.asarray(s.data), want[s.index], any_nan=any_nan)
+        if bad is not None:
+            return f"shard {s.index} on {s.device}: {bad}"
+    return None
 
 
 def _same_scalar(a: Any, b: Any) -> bool:

@@ -287,6 +287,8 @@ def cases(
         draw(st.booleans()),
         draw(st.sampled_from((None, True, False))),
         scalars,
+        draw(st.none() | st.integers(1, 4096)),
+        draw(st.sampled_from(("load", "lazy"))),
         versions,
         deleted,
     )

@@ -31,7 +31,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import dataclasses
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -51,8 +51,12 @@ from propcase import (
     array,
     build_tree,
     check_loaded,
+    context,
+    donate,
     external_reads,
+    load,
     put,
+    storage_of,
     values,
 )
 from props_budget import examples
@@ -83,28 +87,6 @@ def folder(base: Path) -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def context(case: Case) -> Any:
-    return quire.Context(
-        layout=case.layout, replica_writes=case.replica_writes, replica_reads=case.replica_reads
-    )
-
-
-def storage_of(case: Case) -> Callable[[tuple[Any, ...], Any], Any]:
-    by_path = {leaf.path: leaf.storage for leaf in case.leaves if leaf.storage is not None}
-
-    def storage(path: tuple[Any, ...], leaf: Any) -> Any:
-        s = by_path.get(tuple(str(k) for k in path))
-        return None if s is None else s.options()
-
-    return storage
-
-
-def load(url: str | Path, case: Case) -> Any:
-    if case.target == "none":
-        return quire.load(url)
-    return quire.load(url, abstract(case), partial=case.target == "partial")
-
-
 def check_checkpoint(url: Path, case: Case) -> None:
     """The oracle: the load matches, verify passes, outside readers read the same bytes."""
     problems = check_loaded(case, load(url, case))
@@ -132,18 +114,6 @@ def test_save_round_trips(case: Case, base: Path) -> None:
         url = d / "ckpt"
         quire.save(url, build_tree(case), storage=storage_of(case))
         check_checkpoint(url, case)
-
-
-def _donate(tree: dict[str, Any]) -> None:
-    """A training step right after save_async: every jax.Array donated to a jitted step
-    that overwrites it (XLA reuses the buffer), every numpy array overwritten in place."""
-    for x in jax.tree.leaves(tree):
-        if isinstance(x, jax.Array):  # one step per array: their meshes differ
-            step = jax.jit(jax.numpy.zeros_like, donate_argnums=0, out_shardings=x.sharding)
-            jax.block_until_ready(step(x))
-    for x in jax.tree.leaves(tree):
-        if isinstance(x, np.ndarray) and x.size:
-            x.reshape(-1).view(np.uint8)[...] = 0x5A
 
 
 def _one(name: str, byte: int | None = None) -> Case:
@@ -177,7 +147,7 @@ def test_save_async_holds_the_values_at_the_call(
             url = d / "ckpt"
             tree = build_tree(case)
             pending = quire.save_async(url, tree, storage=storage_of(case))
-            _donate(tree)
+            donate(tree)
             pending.result()
             check_checkpoint(url, case)
 
