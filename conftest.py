@@ -10,11 +10,12 @@ run leaves nothing in the machine's temporary directory either way.
 Runs in parallel (other checkouts, other sessions) do not disturb the check: each looks only
 at its own private folder.
 
-Also the Hypothesis profiles of the generated tests (docs/reliability.md, "Generated tests"):
-``ci``, the default, derandomized (the same examples every run) with bounded counts and no
-deadline (a loaded 2-core machine makes single examples slow, not wrong); ``deep``, fresh
-randomness and many examples, kept in ``.hypothesis/`` so a failure found is replayed first
-next time.  Pick one with ``--hypothesis-profile deep`` or ``QUIRE_HYPOTHESIS_PROFILE=deep``.
+Also the Hypothesis profiles of the generated tests (docs/reliability.md, "Generated round
+trips"): ``ci``, the default, derandomized (the same examples every run) with bounded counts
+and no deadline (a loaded 2-core machine makes single examples slow, not wrong); ``deep``,
+fresh randomness and ``QUIRE_DEEP_EXAMPLES`` examples per test (default 1000), failures kept
+in ``.hypothesis/`` so they are replayed first next time.  Pick one with
+``--hypothesis-profile deep`` or ``QUIRE_HYPOTHESIS_PROFILE=deep``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ settings.register_profile(
     "deep",
     derandomize=False,
     deadline=None,
-    max_examples=1000,
+    max_examples=int(os.environ.get("QUIRE_DEEP_EXAMPLES", "1000")),
     print_blob=True,
     suppress_health_check=_SLOW_IS_FINE,
 )

@@ -280,7 +280,7 @@ HELD_BY_PROCESS_1 = Case(
 )
 
 
-@examples(ci=6)
+@examples(ci=16)
 @given(drawn=CASES)
 @example(drawn=(ISSUE_29, 4))
 @example(drawn=(NO_SHARD_HERE, 4))

@@ -352,7 +352,7 @@ class CheckpointerMachine(RuleBasedStateMachine):
                 shutil.rmtree(self.dir, ignore_errors=True)
 
 
-CheckpointerMachine.TestCase.settings = examples(ci=12, stateful_step_count=16)
+CheckpointerMachine.TestCase.settings = examples(ci=20, stateful_step_count=16)
 TestCheckpointerMachine = CheckpointerMachine.TestCase
 
 

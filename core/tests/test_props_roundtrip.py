@@ -106,7 +106,7 @@ ISSUE_29 = Case(
 )
 
 
-@examples(ci=14)
+@examples(ci=40)
 @given(case=propgen.cases(paths=("save",)))
 @example(case=ISSUE_29)
 def test_save_round_trips(case: Case, base: Path) -> None:
@@ -125,7 +125,7 @@ def _one(name: str, byte: int | None = None) -> Case:
     raise AssertionError((name, byte))
 
 
-@examples(ci=12)
+@examples(ci=30)
 @given(
     case=propgen.cases(paths=("save_async",)),
     before=st.none() | propgen.cases(paths=("save_async",), max_leaves=3),
@@ -152,7 +152,7 @@ def test_save_async_holds_the_values_at_the_call(
             check_checkpoint(url, case)
 
 
-@examples(ci=10)
+@examples(ci=24)
 @given(case=propgen.cases(paths=("partial",)))
 def test_partial_journal_round_trips(case: Case, base: Path) -> None:
     with folder(base) as d, context(case):
@@ -182,7 +182,7 @@ def _as_saved(case: Case) -> Case:
     )
 
 
-@examples(ci=8)
+@examples(ci=20)
 @given(case=propgen.cases(paths=("tier",)))
 def test_checkpointer_with_a_local_tier(case: Case, base: Path) -> None:
     with (
@@ -210,7 +210,7 @@ def _ckpt_load(ckpt: quire.Checkpointer, step: int, case: Case) -> Any:
 ONE_DEVICE = MeshCase((1,), ("data",), ("auto",), (0,))
 
 
-@examples(ci=8)
+@examples(ci=20)
 @given(case=propgen.cases(paths=("incremental",)))
 # An unchanged 0-d jax.Array: its chunk key <loc>/c was not carried to the next step's index.
 @example(
