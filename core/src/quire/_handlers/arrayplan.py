@@ -75,7 +75,8 @@ def _check_not_held_by_one_other(value: jax.Array, path: tuple[Any, ...]) -> Non
     included, so the save is aborted before anything is committed."""
     if jax.process_count() == 1 or value.addressable_shards:
         return
-    owners = {d.process_index for d in value.sharding.device_set}
+    devices: set[Any] = set(value.sharding.device_set)
+    owners = {int(d.process_index) for d in devices}
     primary = current().primary_process
     if len(owners) == 1 and primary not in owners:
         (owner,) = owners

@@ -130,8 +130,8 @@ async def materialize_leaf(
     # a sharding with other processes' devices, jax.device_put first checks by a collective
     # that every process passed equal values (NaN != NaN fails it); place the shards here.
     local = getattr(sharding, "is_fully_addressable", True)
-    whole_here = box == full_region(shape) and bool(local)
-    read = v.blocking(box) if whole_here else None  # a source array's, or None
+    whole_here = box is not None and box == full_region(shape) and bool(local)
+    read = v.blocking(box) if box is not None and whole_here else None  # a source's, or None
     if read is not None:
         # One hop: a worker thread reads the whole array and places it on the devices.
         n = math.prod(shape) * v.dtype.itemsize
