@@ -47,6 +47,7 @@ from propcase import (
     Leaf,
     MeshCase,
     Place,
+    Storage,
     abstract,
     array,
     build_tree,
@@ -106,9 +107,22 @@ ISSUE_29 = Case(
 )
 
 
+ONE_DEVICE = MeshCase((1,), ("data",), ("auto",), (0,))
+
+
 @examples(ci=40)
 @given(case=propgen.cases(paths=("save",)))
 @example(case=ISSUE_29)
+# A compressed sub-byte int: zarr's codecs had no data type for int4 ("No Zarr data type").
+@example(
+    case=Case(
+        (
+            Leaf(("L0",), (), "int4", 0, Place(ONE_DEVICE, ()), Storage(codecs=("zstd",))),
+            Leaf(("L1",), (3, 5), "uint2", 1, None, Storage(codecs=("blosc",), chunk_bytes=4)),
+        ),
+        layout="chunks",
+    )
+)
 def test_save_round_trips(case: Case, base: Path) -> None:
     with folder(base) as d, context(case):
         url = d / "ckpt"
@@ -205,9 +219,6 @@ def _ckpt_load(ckpt: quire.Checkpointer, step: int, case: Case) -> Any:
     if case.target == "none":
         return ckpt.load(step)
     return ckpt.load(step, abstract(case), partial=case.target == "partial")
-
-
-ONE_DEVICE = MeshCase((1,), ("data",), ("auto",), (0,))
 
 
 @examples(ci=20)
