@@ -160,6 +160,13 @@ def _plan(
         # single-device jax array): the primary's is saved, no chunk has two writers.
         plan.owned = []
     if cast is not None and cast != plan.dtype:
+        if not np.can_cast(plan.dtype, cast, casting="unsafe"):
+            raise UnsupportedLeafError(
+                f"leaf {keystr(path)!r}: StorageOptions(dtype={cast}) asks for a cast numpy "
+                f"cannot do from {plan.dtype} (ml_dtypes has no direct cast between some of "
+                "its types); cast the leaf yourself first (e.g. through float32), or store it "
+                "as another dtype"
+            )
         plan.source_dtype = dtype_name(plan.dtype)
         plan.owned = [(c, _cast(f, cast)) for c, f in plan.owned]
         plan.dtype = cast

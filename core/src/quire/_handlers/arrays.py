@@ -306,6 +306,13 @@ class ArrayHandler:
         if isinstance(target, type):
             tdtype = None
         out_dtype = np.dtype(tdtype) if tdtype is not None else layout.dtype
+        if out_dtype != layout.dtype and not np.can_cast(layout.dtype, out_dtype, "unsafe"):
+            raise UnsupportedLeafError(
+                f"{ctx.url}: leaf {keystr(e.path)!r} is stored as {layout.dtype}, which numpy "
+                f"cannot cast to the target's {out_dtype} (ml_dtypes has no direct cast between "
+                f"some of its types); load it as {layout.dtype} and cast it yourself (e.g. "
+                "through float32)"
+            )
         shape = layout.shape
         if kind in ("numpy", "python"):
             self._check_memory(layout.nbytes, e, ctx)
