@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 PID, NPROC, PORT, NDEV = (int(a) for a in sys.argv[1:5])
-TIMEOUT = 45.0  # quire's barrier deadline inside a command (the parent waits longer)
+TIMEOUT = 90.0  # quire's barrier deadline inside a command (the parent waits longer)
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={NDEV}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "core" / "tests"))
