@@ -10,6 +10,13 @@ run leaves nothing in the machine's temporary directory either way.
 
 Runs in parallel (other checkouts, other sessions) do not disturb the check: each looks only
 at its own private folder.
+
+Also the Hypothesis profiles of the generated tests (docs/reliability.md, "Generated round
+trips"): ``ci``, the default, derandomized (the same examples every run) with bounded counts
+and no deadline (a loaded 2-core machine makes single examples slow, not wrong); ``deep``,
+fresh randomness and ``QUIRE_DEEP_EXAMPLES`` examples per test (default 1000), failures kept
+in ``.hypothesis/`` so they are replayed first next time.  Pick one with
+``--hypothesis-profile deep`` or ``QUIRE_HYPOTHESIS_PROFILE=deep``.
 """
 
 from __future__ import annotations
@@ -20,6 +27,26 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+_SLOW_IS_FINE = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    max_examples=20,
+    print_blob=True,
+    suppress_health_check=_SLOW_IS_FINE,
+)
+settings.register_profile(
+    "deep",
+    derandomize=False,
+    deadline=None,
+    max_examples=int(os.environ.get("QUIRE_DEEP_EXAMPLES", "1000")),
+    print_blob=True,
+    suppress_health_check=_SLOW_IS_FINE,
+)
+settings.load_profile(os.environ.get("QUIRE_HYPOTHESIS_PROFILE", "ci"))
 
 pytest_plugins = ["isolation_guard"]
 

@@ -120,6 +120,43 @@ def test_resumed_run_borrows_from_the_latest_step(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- format
+def test_unchanged_0d_arrays_are_borrowed_whole(tmp_path: Path) -> None:
+    """A 0-d array's one chunk key is ``<loc>/c`` (no coordinates): the carry of an unchanged
+    leaf missed it, and the next step's index had the array's zarr.json but no chunk, so
+    that step failed to load ("missing chunk object"; issue 29's generated round trips)."""
+    tree = {"flag": jnp.asarray(True), "step": jnp.asarray(np.int32(7)), "n": np.float32(2.5)}
+    root = tmp_path / "root"
+    with quire.Checkpointer(root, incremental=True, gc_grace_period=None) as ck:
+        ck.save(1, tree)
+        ck.save(2, dict(tree))  # the same objects: carried
+        ck.save(3, {k: np.asarray(v) for k, v in tree.items()})  # new objects: hashed
+        ck.wait()
+    for step in (2, 3):
+        url = root / name(step)
+        assert same(quire.load(url), {k: np.asarray(v) for k, v in tree.items()}), step
+        assert not quire.verify(url).problems
+        entries = json.loads((url / "quire.json").read_text())["indexes"]
+        assert entries[0].get("borrowed"), entries  # nothing written again
+
+
+@pytest.mark.parametrize(
+    ("key", "location", "chunk"),
+    [
+        ("d/t/pytree/w/zarr.json", "d/t/pytree/w", False),
+        ("d/t/pytree/w/c/0/3", "d/t/pytree/w", True),
+        ("d/t/pytree/w/c", "d/t/pytree/w", True),  # a 0-d array's one chunk
+        ("d/t/pytree/c/c", "d/t/pytree/c", True),  # ... of a leaf named "c"
+        ("d/t/pytree/c/c/1", "d/t/pytree/c", True),
+        ("d/t/pytree/x/c/0/c/2", "d/t/pytree/x/c/0", True),  # key path x/c/0
+    ],
+)
+def test_zarr_key_locations(key: str, location: str, chunk: bool) -> None:
+    from quire._format.paths import is_chunk_of, location_of
+
+    assert location_of(key) == location
+    assert is_chunk_of(key, location) is chunk
+
+
 def test_record_declares_borrowed_packs_and_index_hashes(tmp_path: Path) -> None:
     frozen = frozen_tree()
     trees = [{"frozen": frozen, "lora": jnp.asarray(rand(s))} for s in range(3)]

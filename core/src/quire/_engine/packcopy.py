@@ -12,6 +12,7 @@ from typing import Any
 from quire._format.chunkcheck import check_stored
 from quire._format.chunkid import Ref
 from quire._format.chunkindex import ChunkError, parse_index
+from quire._format.paths import is_chunk_of, location_of
 from quire._store.base import Backend
 from quire.errors import CorruptCheckpointError
 
@@ -36,8 +37,8 @@ def _pack_check(
                 raise ValueError(f"{key}: the pack is truncated")
             part = mv[off : off + n]
             check_stored(ref, key, part)  # a ChunkError (ValueError) names the key
-            loc = key.rsplit("/c/", 1)[0]
-            if loc in checkers and "/c/" in key:
+            loc = location_of(key)
+            if loc in checkers and is_chunk_of(key, loc):
                 checkers[loc](bytes(part))
 
     return check

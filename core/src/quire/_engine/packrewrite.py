@@ -56,6 +56,7 @@ from quire._format.chunkindex import (
 )
 from quire._format.pack import PackWriter
 from quire._format.packedreader import MAX_COALESCED
+from quire._format.paths import is_chunk_of
 from quire._format.tree import from_json
 from quire._handlers.arrayplan import layout_from_record
 from quire._handlers.zarr_io import chunk_checker
@@ -318,7 +319,7 @@ async def _copy(
     def check(nk: str, old: str, r: Ref, data: memoryview) -> None:
         check_stored(r, old, data)  # identity, in one pass (no decoder is assumed)
         loc = _owner(old, leaves)
-        if loc is None or not old[len(loc) :].startswith("/c/"):
+        if loc is None or not is_chunk_of(old, loc):
             return
         if loc not in checkers:  # the chunk's own codec chain: crc32c, shard index
             checkers[loc] = chunk_checker(layout_from_record(leaves[loc], url))

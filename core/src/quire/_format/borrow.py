@@ -23,7 +23,7 @@ from typing import Any
 
 import xxhash
 
-from quire._format.paths import is_safe_location
+from quire._format.paths import is_safe_location, location_of
 from quire._store.base import Backend, Buffer
 from quire._store.wrapped import Wrapped
 
@@ -131,13 +131,6 @@ def borrowed_of(entries: Sequence[Mapping[str, Any]] | None) -> dict[str, int]:
         for k, n in (e.get("borrowed") or {}).items():
             out[k] = out.get(k, 0) + n
     return out
-
-
-def location_of(key: str) -> str:
-    """The array location of a zarr key (``<loc>/zarr.json`` or ``<loc>/c/<i>/<j>``)."""
-    if key.endswith("/zarr.json"):
-        return key[: -len("/zarr.json")]
-    return key.rsplit("/c/", 1)[0]
 
 
 def content_hash(views: Sequence[memoryview]) -> str:

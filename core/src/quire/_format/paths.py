@@ -78,3 +78,20 @@ def is_chunk(key: str) -> bool:
     """Whether a stored object (or a pack range) is an array chunk (or zarr shard), the
     unit ``quire verify``, ``cp`` and ``info`` count, rather than an array's ``zarr.json``."""
     return not key.endswith("zarr.json")
+
+
+def location_of(key: str) -> str:
+    """The array location of a zarr key: ``<loc>/zarr.json``, ``<loc>/c/<i>/<j>...`` or
+    ``<loc>/c``, the one chunk of a 0-d array (zarr's default chunk key encoding joins
+    ``c`` and no coordinates)."""
+    if key.endswith("/zarr.json"):
+        return key[: -len("/zarr.json")]
+    if key.endswith("/c"):
+        return key[: -len("/c")]
+    return key.rsplit("/c/", 1)[0]
+
+
+def is_chunk_of(key: str, location: str) -> bool:
+    """Whether ``key`` is a chunk (or zarr shard) key of the array at ``location``."""
+    rest = key[len(location) :] if key.startswith(location) else ""
+    return rest == "/c" or rest.startswith("/c/")

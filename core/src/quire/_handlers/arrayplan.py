@@ -50,6 +50,28 @@ def _cast(f: Callable[[], np.ndarray], dtype: np.dtype[Any]) -> Callable[[], np.
     return lambda: f().astype(dtype)
 
 
+def _check_not_held_by_one_other(value: jax.Array, path: tuple[Any, ...]) -> None:
+    """Refuse a ``jax.Array`` that lies on the devices of one process other than the
+    primary.  That process holds all of it (fully addressable there), which is also what a
+    per-process copy of a process-local value looks like, and those only the primary
+    writes (below): nobody would write it, and the commit would name chunks that do not
+    exist.  Each process that holds none of it sees the case and raises, the primary
+    included, so the save is aborted before anything is committed."""
+    if jax.process_count() == 1 or value.addressable_shards:
+        return
+    devices: set[Any] = set(value.sharding.device_set)
+    owners = {int(d.process_index) for d in devices}
+    primary = current().primary_process
+    if len(owners) == 1 and primary not in owners:
+        (owner,) = owners
+        raise UnsupportedLeafError(
+            f"leaf {keystr(path)!r} lies on the devices of process {owner} only, which quire "
+            f"cannot tell from that process's own copy of a process-local value (those only "
+            f"primary process {primary} writes); give its mesh devices of another process "
+            "too, or put it on the primary process's devices"
+        )
+
+
 def _plan(
     value: Any,
     storage: Any,
@@ -60,6 +82,8 @@ def _plan(
     """The save plan of ``value``; ``stage(shard)``, if given, is the array a ``jax.Array``
     shard's bytes are read from (``quire._handlers.arraysnap``: a pinned host copy)."""
     cast = None if storage.dtype is None else np.dtype(storage.dtype)
+    if isinstance(value, jax.Array):
+        _check_not_held_by_one_other(value, path)
     if isinstance(value, jax.Array) and writers is not None:
         # replica-parallel (quire._handlers.replicas): this process's pieces, any replica
         on_cpu = all(getattr(d, "platform", "") == "cpu" for d in value.sharding.device_set)
@@ -120,6 +144,13 @@ def _plan(
         # single-device jax array): the primary's is saved, no chunk has two writers.
         plan.owned = []
     if cast is not None and cast != plan.dtype:
+        if not np.can_cast(plan.dtype, cast, casting="unsafe"):
+            raise UnsupportedLeafError(
+                f"leaf {keystr(path)!r}: StorageOptions(dtype={cast}) asks for a cast numpy "
+                f"cannot do from {plan.dtype} (ml_dtypes has no direct cast between some of "
+                "its types); cast the leaf yourself first (e.g. through float32), or store it "
+                "as another dtype"
+            )
         plan.source_dtype = dtype_name(plan.dtype)
         plan.owned = [(c, _cast(f, cast)) for c, f in plan.owned]
         plan.dtype = cast

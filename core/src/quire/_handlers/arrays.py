@@ -307,6 +307,13 @@ class ArrayHandler:
         if isinstance(target, type):
             tdtype = None
         out_dtype = np.dtype(tdtype) if tdtype is not None else layout.dtype
+        if out_dtype != layout.dtype and not np.can_cast(layout.dtype, out_dtype, "unsafe"):
+            raise UnsupportedLeafError(
+                f"{ctx.url}: leaf {keystr(e.path)!r} is stored as {layout.dtype}, which numpy "
+                f"cannot cast to the target's {out_dtype} (ml_dtypes has no direct cast between "
+                f"some of its types); load it as {layout.dtype} and cast it yourself (e.g. "
+                "through float32)"
+            )
         shape = layout.shape
         if kind in ("numpy", "python"):
             self._check_memory(layout.nbytes, e, ctx)
@@ -329,6 +336,10 @@ class ArrayHandler:
         if sharding is None or isinstance(target, type):
             sharding = saved_sharding(e.record)
         idx_map = sharding.addressable_devices_indices_map(shape)
+        if not idx_map:
+            # A mesh of other processes' devices: this process holds no shard of the result
+            # (JAX needs the dtype given when there is no shard to take it from).
+            return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=out_dtype)
         regions: dict[tuple[tuple[int, int], ...], list[Any]] = {}
         for dev, idx in idx_map.items():
             norm = _norm_index(idx, shape) if shape else ()

@@ -60,7 +60,7 @@ class StagingPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._bufs: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
+        self._bufs: dict[tuple[tuple[int, ...], np.dtype[Any]], list[np.ndarray]] = {}
         self._bytes = 0
 
     @property
@@ -79,7 +79,10 @@ class StagingPool:
             The most bytes the pool may own.
         """
         dt = np.dtype(dtype)
-        key = (tuple(shape), dt.str if dt.names is None else str(dt.descr))
+        # The dtype itself, not its type string: ml_dtypes' types share one ('<V1' for
+        # every float8 and sub-byte int), and a buffer of another dtype would turn the
+        # caller's copy into a value conversion.
+        key = (tuple(shape), dt)
         with self._lock:
             bufs = self._bufs.setdefault(key, [])
             for i in range(len(bufs)):

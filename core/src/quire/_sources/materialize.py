@@ -121,6 +121,8 @@ async def materialize_leaf(
         await budget.release(need)  # handed to the caller
         return a
     idx_map, regions, box = _plan(sharding, shape)
+    if not idx_map:  # a mesh of other processes' devices: no shard here (JAX needs the dtype)
+        return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=out_dtype)
     arrays: dict[Any, Any] = {}
     box_bytes = math.prod(s.stop - s.start for s in box) * v.dtype.itemsize if box else 0
     if len(regions) > 1 and box_bytes > budget.limit:
@@ -130,7 +132,12 @@ async def materialize_leaf(
         for d in devs:
             arrays[d] = await run_blocking(jax.device_put, host, d)
 
-    read = v.blocking(box) if box == full_region(shape) else None  # a source array's, or None
+    # One device_put of the whole host array only when every device is this process's: onto
+    # a sharding with other processes' devices, jax.device_put first checks by a collective
+    # that every process passed equal values (NaN != NaN fails it); place the shards here.
+    local = getattr(sharding, "is_fully_addressable", True)
+    whole_here = box is not None and box == full_region(shape) and bool(local)
+    read = v.blocking(box) if box is not None and whole_here else None  # a source's, or None
     if read is not None:
         # One hop: a worker thread reads the whole array and places it on the devices.
         n = math.prod(shape) * v.dtype.itemsize
@@ -139,7 +146,7 @@ async def materialize_leaf(
             return await run_blocking(_read_put, read, out_dtype, sharding)
     if box is not None:
         whole, need = await _read_cast(v, box, out_dtype, budget)
-        if box == full_region(shape):
+        if whole_here:
             # Every shard is local: one device_put of the host array (JAX slices it per device).
             try:
                 return await run_blocking(jax.device_put, whole, sharding)
@@ -149,7 +156,8 @@ async def materialize_leaf(
             parts = []
             for reg, devs in regions:
                 cut = tuple(slice(r.start - b.start, r.stop - b.start) for r, b in zip(reg, box))
-                parts.append(put(np.ascontiguousarray(whole[cut]), devs))
+                # (ascontiguousarray makes a 0-d array 1-d: keep a 0-d one as it is)
+                parts.append(put(np.ascontiguousarray(whole[cut]) if cut else whole, devs))
             await asyncio.gather(*parts)
         finally:
             await budget.release(need)

@@ -1,0 +1,319 @@
+"""Generated round trips across real JAX processes (issue 29): random meshes spanning the
+processes, random partition specs (replicated, partly replicated, split), odd shapes, both
+layouts, replica-parallel writes and shared reads on and off, loaded onto another process
+count.
+
+Processes start once: a group of 4 processes x 2 CPU devices and a group of 2 x 4 stay up for
+the whole module (``tests/multihost/props_worker.py``, ``jax.distributed`` on 127.0.0.1), and
+Hypothesis draws each case here, in the parent, and ships it to them as one JSON line.  Each
+case is saved by one group (both have 8 global devices, so one mesh fits both), then loaded
+by both groups and by this process (8 devices, one process), each comparing the shards it
+holds with numpy's values; this process then runs ``quire.verify`` and reads every stored
+array with plain zarr (packed layout) or tensorstore (chunks layout).  A group whose process
+dies or stops answering is killed, reported and started again for the next case.
+
+Budget: ``ci`` profile: a fixed handful of cases (~1 minute with the start-up, measured on
+the shared 2-core machine); ``deep``: as many as the profile says.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import dataclasses
+import json
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "tests"))
+
+import propgen
+from propcase import (
+    Case,
+    Leaf,
+    MeshCase,
+    Place,
+    Target,
+    check_loaded,
+    context,
+    external_reads,
+    load,
+)
+from props_budget import examples
+
+import quire
+
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="127.0.0.1 process groups, SIGKILL"),
+    pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices in this process"),
+    pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered in cast"),
+]
+
+WORKER = Path(__file__).parent / "multihost" / "props_worker.py"
+PREFIX = "QUIRE-PROPS "
+ANSWER_S = 240.0  # the longest a group may take to answer one command
+
+
+class GroupDied(Exception):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Group:
+    """``n`` worker processes of ``devices`` CPU devices each, fed commands on stdin."""
+
+    def __init__(self, n: int, devices: int, logs: Path) -> None:
+        self.n, self.devices, self.logs = n, devices, logs
+        self.procs: list[subprocess.Popen[str]] = []
+        self.started = 0
+
+    def start(self) -> None:
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+        self.started += 1
+        for i in range(self.n):
+            err = open(self.logs / f"{self.n}x{self.devices}-{self.started}-{i}.err", "w")  # noqa: SIM115
+            cmd = [sys.executable, str(WORKER), str(i), str(self.n), str(port), str(self.devices)]
+            self.procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                    env=env,
+                    bufsize=1,
+                )
+            )
+            err.close()
+        hello = self.ask({"op": "hello"})
+        assert [h["process"] for h in hello] == list(range(self.n)), hello
+        assert all(h["count"] == 8 and len(h["devices"]) == self.devices for h in hello), hello
+
+    def ensure(self) -> None:
+        if not self.procs or any(p.poll() is not None for p in self.procs):
+            self.stop()
+            self.start()
+
+    def ask(self, cmd: dict[str, Any]) -> list[dict[str, Any]]:
+        """Send ``cmd`` to every process; their answers, by process index."""
+        line = json.dumps(cmd) + "\n"
+        try:
+            for p in self.procs:
+                assert p.stdin is not None
+                p.stdin.write(line)
+                p.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            self.stop()
+            raise GroupDied(f"{self.n}x{self.devices}: a process is gone ({e})") from e
+        deadline = time.monotonic() + ANSWER_S
+        out: list[dict[str, Any] | None] = [None] * self.n
+        while any(a is None for a in out):
+            waiting = [p.stdout for p, a in zip(self.procs, out) if a is None]
+            ready, _, _ = select.select(waiting, [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self.stop()
+                raise GroupDied(
+                    f"{self.n}x{self.devices}: no answer to {cmd['op']} in {ANSWER_S} s"
+                )
+            for f in ready:
+                i = [p.stdout for p in self.procs].index(f)
+                text = f.readline()
+                if not text:
+                    tail = self._stderr_tail(i)
+                    self.stop()
+                    raise GroupDied(f"{self.n}x{self.devices}: process {i} died:\n{tail}")
+                if text.startswith(PREFIX):
+                    out[i] = json.loads(text[len(PREFIX) :])
+        return [a for a in out if a is not None]
+
+    def _stderr_tail(self, i: int) -> str:
+        try:
+            return (self.logs / f"{self.n}x{self.devices}-{self.started}-{i}.err").read_text()[
+                -3000:
+            ]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    assert p.stdin is not None
+                    p.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                    p.stdin.flush()
+                except (BrokenPipeError, OSError):
+                    pass
+        t = time.monotonic() + 10
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, t - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGKILL)  # JAX's preemption notifier swallows SIGTERM
+                p.wait()
+            for f in (p.stdin, p.stdout):
+                if f is not None:
+                    f.close()
+        self.procs = []
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, Group]]:
+    logs = tmp_path_factory.mktemp("props-mh-logs")
+    out = {4: Group(4, 2, logs), 2: Group(2, 4, logs)}
+    try:
+        yield out
+    finally:
+        for g in out.values():
+            g.stop()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("props-mh")
+
+
+def run(group: Group, op: str, case: Case, url: Path) -> list[dict[str, Any]]:
+    group.ensure()
+    return group.ask({"op": op, "case": case.to_json(), "url": str(url)})
+
+
+def run_ok(group: Group, op: str, case: Case, url: Path) -> None:
+    answers = run(group, op, case, url)
+    failed = [f"process {a['pid']}: {a['failed']}\n{a['tb']}" for a in answers if "failed" in a]
+    assert not failed, f"{op} by {group.n} processes failed:\n" + "\n".join(failed)
+    bad = [f"process {a['pid']}: {p}" for a in answers for p in a.get("problems", [])]
+    assert not bad, f"{op} by {group.n} processes:\n" + "\n".join(bad)
+
+
+def held_by_one_other(case: Case, n: int) -> int | None:
+    """The process (of ``n``, 8 // n devices each) that alone holds a jax.Array leaf of the
+    case, when that is not the primary (0): quire refuses to save such a leaf (the owner
+    cannot tell it from its copy of a process-local value, docs/scaling.md)."""
+    for leaf in case.leaves:
+        if leaf.place is not None:
+            owners = {i // (8 // n) for i in leaf.place.mesh.devices}
+            if len(owners) == 1 and owners != {0}:
+                return owners.pop()
+    return None
+
+
+# The defect of issue 29: 4 processes x 2 devices, mesh (4, 2) ("data", "model") with "data"
+# across the processes, f32 (2050, 4096) with P(None, "model"): each half held by all four
+# processes, its rows split unevenly between them by replica-parallel writes.
+ISSUE_29 = Case(
+    (
+        Leaf(
+            ("params", "proj"),
+            (2050, 4096),
+            "float32",
+            29,
+            Place(
+                MeshCase((4, 2), ("data", "model"), ("auto", "auto"), tuple(range(8))),
+                (None, "model"),
+            ),
+        ),
+    ),
+)
+
+
+# A target on a mesh of process 0's devices only: the other processes hold no shard of it, and
+# the load failed there (JAX needs the dtype of an array with no addressable shard).
+PROCESS_0 = Place(MeshCase((2,), ("data",), ("auto",), (0, 1)), ("data",))
+NO_SHARD_HERE = Case(
+    (Leaf(("w",), (4, 3), "float32", 7, PROCESS_0, target=Target("jax", PROCESS_0)),),
+    target="tree",
+)
+
+
+# A replicated target over both processes' devices, read through the lazy sources, with NaNs:
+# one jax.device_put of the whole host array made JAX compare the processes' values by a
+# collective, and NaN != NaN failed the load.
+ALL_8 = Place(MeshCase((8,), ("data",), ("auto",), tuple(range(8))), ())
+NAN_REPLICATED = Case(
+    (Leaf(("w",), (11,), "float16", 3, target=Target("jax", ALL_8)),), target="tree", reader="lazy"
+)
+
+
+def _not_async_and_refused(args: tuple[Case, int]) -> bool:
+    """A save_async that quire refuses raises at the call in the processes that see why,
+    and the owner waits for them until quire's collective timeout: drawn for blocking
+    saves only, which the collective aborts at once."""
+    case, writers = args
+    return case.path != "save_async" or held_by_one_other(case, writers) is None
+
+
+CASES = st.tuples(
+    propgen.cases(paths=("save", "save_async"), max_leaves=4, max_elements=1 << 12),
+    st.sampled_from((4, 2)),
+).filter(_not_async_and_refused)
+
+
+# A leaf on one device of process 1 of 4 (mesh of 1 device, position 2): process 1 treated it
+# as its copy of a process-local value (which only the primary writes), the others held no
+# shard: nobody wrote it, the checkpoint committed without its chunk, and every load failed.
+HELD_BY_PROCESS_1 = Case(
+    (Leaf(("L0",), (), "bool", 0, Place(MeshCase((1,), ("data",), ("auto",), (2,)), ())),),
+    replica_writes=False,
+)
+
+
+@examples(ci=16)
+@given(drawn=CASES)
+@example(drawn=(ISSUE_29, 4))
+@example(drawn=(NO_SHARD_HERE, 4))
+@example(drawn=(dataclasses.replace(NO_SHARD_HERE, reader="lazy"), 4))
+@example(drawn=(NAN_REPLICATED, 2))
+@example(drawn=(HELD_BY_PROCESS_1, 4))
+def test_processes_save_and_every_process_count_loads(
+    drawn: tuple[Case, int], groups: dict[int, Group], base: Path
+) -> None:
+    case, writers = drawn
+    d = base / uuid.uuid4().hex[:12]
+    d.mkdir()
+    try:
+        url = d / "ckpt"
+        owner = held_by_one_other(case, writers)
+        if owner is not None:
+            # Refused before the commit: a typed error in each process that holds none of
+            # the leaf, the owner told by the collective (blocking save: at once).
+            answers = run(groups[writers], "save", case, url)
+            for a in answers:
+                want = "MultiProcessError" if a["pid"] == owner else "UnsupportedLeafError"
+                assert a.get("failed", "").startswith(want), (owner, a)
+            assert not (url / "quire.json").exists()
+            return
+        run_ok(groups[writers], "save", case, url)
+        for n in (writers, 6 - writers):  # the writers, then the other process count
+            run_ok(groups[n], "load", case, url)
+        with context(case):  # one process, 8 devices
+            problems = check_loaded(case, load(url, case))
+        assert not problems, "\n".join(problems)
+        report = quire.verify(str(url))
+        assert not report.problems, report.problems
+        outside = external_reads(url, case)
+        assert not outside, "\n".join(outside)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
