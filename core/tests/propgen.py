@@ -97,21 +97,23 @@ def placed_shapes(
     for axes in dims:
         split = math.prod(size[a] for a in axes)
         shape.append(split * draw(st.sampled_from(ODD)))
-    shape = _cap(draw, shape, dims, size, max_elements)
+    splits = [math.prod(size[a] for a in axes) for axes in dims]
+    shape = cap_shape(shape, splits, max_elements)
     spec = _spec(dims)
     if draw(st.booleans()):
         spec = spec + (None,) * (rank - len(spec))
     return tuple(shape), spec
 
 
-def _cap(
-    draw: Any, shape: list[int], dims: list[list[str]], size: dict[str, int], cap: int
-) -> list[int]:
-    """Shrink factors until the element count is within ``cap`` (keeping the splits)."""
+def cap_shape(shape: list[int], splits: list[int], cap: int) -> list[int]:
+    """Halve the largest factor (a dimension over its split) until the element count is
+    within ``cap``; splits stay (their product is at most the device count, below any cap)."""
     while math.prod(shape) > cap:
-        i = max(range(len(shape)), key=lambda j: shape[j])
-        split = math.prod(size[a] for a in dims[i])
-        shape[i] = split * max(1, shape[i] // split // 2)
+        factors = [n // s for n, s in zip(shape, splits)]
+        i = max(range(len(shape)), key=lambda j: factors[j])
+        if factors[i] <= 1:
+            break
+        shape[i] = splits[i] * (factors[i] // 2)
     return shape
 
 
@@ -218,7 +220,7 @@ def leaves(
         place: Place | None = Place(mesh, spec)
     else:
         shape = tuple(draw(st.sampled_from(ODD)) for _ in range(rank))
-        shape = tuple(_cap(draw, list(shape), [[] for _ in shape], {}, max_elements))
+        shape = tuple(cap_shape(list(shape), [1] * rank, max_elements))
         place = None
     options = draw(storages(name, shape, on_device)) if storage else None
     seed = draw(st.integers(0, 2**32 - 1))

@@ -29,6 +29,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import dataclasses
+import math
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -265,3 +266,17 @@ def test_values_are_random_bits() -> None:
     v = values(leaf)
     assert len({x.tobytes() for x in v[np.isnan(v)]}) > 1  # NaNs of several payloads
     assert np.isinf(v).any() and (np.signbit(v) & (v == 0)).any()  # and -0.0
+
+
+@pytest.mark.parametrize(
+    ("shape", "splits", "cap"),
+    [([8, 7, 7, 7, 7], [8, 1, 1, 1, 1], 1 << 12), ([31] * 5, [1] * 5, 1 << 14), ([8], [8], 4)],
+)
+def test_generated_shapes_stay_within_their_cap(
+    shape: list[int], splits: list[int], cap: int
+) -> None:
+    """The generator's shape cap halves factors, not splits, and ends: it once picked a
+    split dimension at its smallest again and again (a deep run stalled on it for an hour)."""
+    got = propgen.cap_shape(list(shape), splits, cap)
+    assert all(n % s == 0 for n, s in zip(got, splits))
+    assert math.prod(got) <= max(cap, math.prod(splits))
