@@ -123,7 +123,10 @@ class Rule:
     nothing for ``delay`` s, then close: a client sending a large body blocks once the
     socket buffers are full); ``"hold"`` (wait for
     :meth:`FaultProxy.release`, then forward - or drop it when ``drop`` is set or the client
-    has gone).  ``times`` matching requests are affected (-1: all), after ``skip`` of them,
+    has gone; released requests reach the server one at a time, each after the previous
+    one's reply, because moto checks a conditional write and then stores it in two steps,
+    so two conditional PUTs it handles at the same moment can both succeed, where S3
+    decides them atomically).  ``times`` matching requests are affected (-1: all), after ``skip`` of them,
     and with ``every=n`` only every n-th of them.
     """
 
@@ -140,6 +143,7 @@ class Rule:
     hits: int = 0
     arrived: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
     _gate: asyncio.Event | None = None
+    _serial: asyncio.Lock | None = None
 
     def matches(self, method: str, target: str) -> bool:
         if self.method and method != self.method:
@@ -195,6 +199,7 @@ class FaultProxy:
         rule = Rule(action, **kw)
         if action == "hold":
             rule._gate = asyncio.Event()
+            rule._serial = asyncio.Lock()
         with self._lock:
             self.rules.append(rule)
         return rule
@@ -419,7 +424,11 @@ class FaultProxy:
                         writer.close()
                         return
                 after = action == "reset-after"
-                keep = await self._forward(method, target, headers, body, None if after else writer)
+                serial = rule._serial if action == "hold" and rule is not None else None
+                async with serial or contextlib.nullcontext():
+                    keep = await self._forward(
+                        method, target, headers, body, None if after else writer
+                    )
                 if after:
                     self._reset(writer)
                     return

@@ -18,11 +18,13 @@ import quire
 
 SCRIPT = textwrap.dedent(
     """
-    import os, sys
+    import faulthandler, os, sys
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import numpy as np, quire
     url = sys.argv[1]
     i = 0
+    # Still running long after the Ctrl-C: every thread's stack on stderr, then exit(1).
+    faulthandler.dump_traceback_later(float(sys.argv[2]), exit=True)
     print("READY", flush=True)
     while True:
         i += 1
@@ -32,9 +34,14 @@ SCRIPT = textwrap.dedent(
 )
 
 
+# A run that has not ended this long after its Ctrl-C is stuck: it prints its threads' stacks
+# and exits (faulthandler), so the failure says where it waited.
+STUCK_S = 90.0
+
+
 def _interrupt_once(url: str, second_after: float) -> subprocess.CompletedProcess[str]:
     p = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, url],
+        [sys.executable, "-c", SCRIPT, url, str(STUCK_S)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -48,7 +55,12 @@ def _interrupt_once(url: str, second_after: float) -> subprocess.CompletedProces
         time.sleep(second_after)
         if p.poll() is None:
             p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=120)
+    try:
+        out, err = p.communicate(timeout=STUCK_S + 60)
+    finally:
+        if p.poll() is None:  # never left running behind the rest of the suite
+            p.kill()
+            p.communicate()
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
@@ -60,6 +72,9 @@ def test_ctrl_c_during_overwrites_exits_cleanly(tmp_path: Path) -> None:
         r = _interrupt_once(url, second)
         codes.append(r.returncode)
         # -SIGINT / 130 / 1: an interrupted Python; never SIGABRT or SIGSEGV from native code.
+        assert "Timeout (" not in r.stderr, (
+            f"still running {STUCK_S:g} s after Ctrl-C:\n{r.stderr[-8000:]}"
+        )
         assert r.returncode in (-signal.SIGINT, 130, 1, 0), (i, r.returncode, r.stderr[-3000:])
         assert "terminate called" not in r.stderr, r.stderr[-3000:]
         got = quire.load(url)  # whole: one version everywhere
