@@ -292,6 +292,21 @@ TWO_OWNERS = Case(
 )
 
 
+AXES, AUTO = ("data", "model"), ("auto", "auto")
+
+
+# A leaf on the primary's devices only beside a leaf replicated over processes 0 and 1 (the
+# deep run's find): the primary counted the first as its own before placing pieces, process 1
+# (for which it is not fully addressable) after; each gave the second's only piece to the
+# other, nobody wrote it, and the checkpoint committed without that chunk.
+PRIMARY_ONLY_BESIDE_SHARED = Case(
+    (
+        Leaf(("L0",), (1,), "bool", 0, Place(MeshCase((1, 1), AXES, AUTO, (0,)), ())),
+        Leaf(("L1",), (2,), "bool", 0, Place(MeshCase((3, 1), AXES, AUTO, (0, 1, 2)), ())),
+    ),
+)
+
+
 @examples(ci=16)
 @given(drawn=CASES)
 @example(drawn=(ISSUE_29, 4))
@@ -300,6 +315,7 @@ TWO_OWNERS = Case(
 @example(drawn=(NAN_REPLICATED, 2))
 @example(drawn=(HELD_BY_PROCESS_1, 4))
 @example(drawn=(TWO_OWNERS, 4))
+@example(drawn=(PRIMARY_ONLY_BESIDE_SHARED, 4))
 def test_processes_save_and_every_process_count_loads(
     drawn: tuple[Case, int], groups: dict[int, Group], base: Path
 ) -> None:

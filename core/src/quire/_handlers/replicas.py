@@ -15,7 +15,7 @@ message is exchanged:
    (``quire._format.bounds.max_chunks``);
 2. all pieces of all arrays, largest first, go to the least-loaded of their holders (ties:
    the lowest process), after the primary's load of the process-local values it alone
-   writes (numpy arrays, fully addressable jax arrays).
+   writes (numpy arrays, jax arrays on the devices of one process).
 
 A piece is one zarr chunk, so format v1 and v2 store it as any other chunk: in the
 writer's pack and chunk index (v2), or as its own object (v1); readers need no change.
@@ -102,6 +102,12 @@ def _split(shard: tuple[int, ...], shape: tuple[int, ...], k: int) -> tuple[int,
     return tuple(length if i == ax else s for i, s in enumerate(shard))
 
 
+def _one_process(value: jax.Array) -> bool:
+    """Whether ``value``'s devices all belong to one process (the same answer in every
+    process, unlike ``value.is_fully_addressable``)."""
+    return len({int(getattr(d, "process_index", 0)) for d in value.sharding.device_set}) == 1
+
+
 def plan_writers(
     arrays: Sequence[tuple[Any, np.dtype[Any]]],
     *,
@@ -129,7 +135,10 @@ def plan_writers(
     cache: dict[Any, Any] = {}
     for i, (value, dtype) in enumerate(arrays):
         nbytes = math.prod(getattr(value, "shape", ())) * dtype.itemsize
-        if not isinstance(value, jax.Array) or value.is_fully_addressable:
+        if not isinstance(value, jax.Array) or _one_process(value):
+            # Written by the primary (a jax.Array on one process's devices: the primary's,
+            # or refused, arrayplan).  Asked of the sharding, never of is_fully_addressable:
+            # that differs between the owner and the others, and the loads would too.
             load[primary] = load.get(primary, 0) + nbytes
             shapes.append(None)
             continue
