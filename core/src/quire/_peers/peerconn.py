@@ -209,7 +209,13 @@ def converse(
             f"no answer within the {timeout:g}s deadline",
             "treat the peer as lost and read from another holder",
         ) from None
-    except Closed as e:
+    except (Closed, ConnectionResetError) as e:
+        if isinstance(e, ConnectionResetError) and conv is None:  # before the handshake
+            raise fail(
+                f"cannot reach the peer ({e})", "treat it as lost and read from another holder"
+            ) from e
+        # A reset after the handshake is the same refusal as a close: a server that drops
+        # a connection with our request still unread in its buffer sends RST, not FIN.
         answering = conv is not None and conv.answering
         raise fail(
             f"short answer ({e})" if answering else f"closed the connection unanswered ({e})",
