@@ -55,13 +55,29 @@ def _interrupt_once(url: str, second_after: float) -> subprocess.CompletedProces
         time.sleep(second_after)
         if p.poll() is None:
             p.send_signal(signal.SIGINT)
+    signals = _signal_state(p.pid)
     try:
         out, err = p.communicate(timeout=STUCK_S + 60)
     finally:
         if p.poll() is None:  # never left running behind the rest of the suite
             p.kill()
             p.communicate()
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err + signals)
+
+
+def _signal_state(pid: int) -> str:
+    """The child's signal masks and pending sets per thread, a second after the last
+    Ctrl-C (read from /proc; shown only if the run fails)."""
+    time.sleep(1.0)
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            status = (task / "status").read_text()
+        except OSError:
+            continue
+        keep = [ln for ln in status.splitlines() if ln.startswith(("Name", "Sig", "ShdPnd"))]
+        lines.append(" ".join(" ".join(ln.split()) for ln in keep))
+    return "\n--- signal state a second after the Ctrl-C:\n" + "\n".join(lines)
 
 
 def test_ctrl_c_during_overwrites_exits_cleanly(tmp_path: Path) -> None:
@@ -73,7 +89,7 @@ def test_ctrl_c_during_overwrites_exits_cleanly(tmp_path: Path) -> None:
         codes.append(r.returncode)
         # -SIGINT / 130 / 1: an interrupted Python; never SIGABRT or SIGSEGV from native code.
         assert "Timeout (" not in r.stderr, (
-            f"still running {STUCK_S:g} s after Ctrl-C:\n{r.stderr[-8000:]}"
+            f"still running {STUCK_S:g} s after Ctrl-C:\n{r.stderr[-12000:]}"
         )
         assert r.returncode in (-signal.SIGINT, 130, 1, 0), (i, r.returncode, r.stderr[-3000:])
         assert "terminate called" not in r.stderr, r.stderr[-3000:]
