@@ -18,7 +18,11 @@ import quire
 
 SCRIPT = textwrap.dedent(
     """
-    import faulthandler, os, sys
+    import faulthandler, os, signal, sys
+    # Ctrl-C as in a terminal, even when the suite itself runs as a background job of a
+    # non-interactive shell: such a job starts with SIGINT ignored, its children inherit
+    # that, and Python then installs no KeyboardInterrupt handler at all.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import numpy as np, quire
     url = sys.argv[1]
