@@ -437,8 +437,7 @@ class GCSBackend(ObjectStoreBackend):
             return _progress(status, headers, body)
 
         while True:
-            # The chunk is held in the budget outside the request's deadline (waiting for
-            # memory is not a slow server).
+            # held in the budget outside the deadline: waiting for memory is no slow server
             piece = min(self.chunk_size, end - offset)
             async with budget.hold(piece):
                 got = await self.run("resumable upload", key, send, nbytes=piece)
@@ -449,8 +448,7 @@ class GCSBackend(ObjectStoreBackend):
                 return offset
 
     async def resumable_cancel(self, session_url: str) -> None:
-        """Cancel a session after a failure being reported (it would expire anyway): one
-        try within a request deadline; errors are ignored."""
+        """Cancel a session after a failure (it would expire anyway): one try, bounded."""
         with contextlib.suppress(Exception):  # broad: clean-up after a failure being raised
             async with asyncio.timeout(self.request_deadline()):
                 await self._http("DELETE", session_url, ok=(200, 204, 499))
