@@ -164,15 +164,21 @@ def _damaged(tmp_path: Path, how: str) -> tuple[str, list[str]]:
     elif how == "swapped-across-arrays":
         keys = [_key(url, "a", "2/0"), _key(url, "b", "2/0")]
         _swap(url, *keys)
-    elif how == "moved":  # the index points at the next shard of the pack
+    elif how == "moved":  # the index points at the neighbouring shard of the pack
         key = _key(url, "a", "3/0")
         keys = [key]
         path, doc = _index(url)
-        nxt = min(
-            (r for r in doc["refs"].values() if isinstance(r, list) and r[1] > doc["refs"][key][1]),
-            key=lambda r: r[1],
+        at = doc["refs"][key][1]
+        array = key.rsplit("/c/", 1)[0] + "/c/"
+        others = [
+            r for k, r in doc["refs"].items() if k.startswith(array) and r[0] == doc["refs"][key][0]
+        ]
+        others = [r for r in others if r[1] != at]
+        # the next one; the previous one when the writers happened to store this shard last
+        later = [r for r in others if r[1] > at]
+        doc["refs"][key] = (
+            min(later, key=lambda r: r[1]) if later else max(others, key=lambda r: r[1])
         )
-        doc["refs"][key] = nxt
         path.write_text(json.dumps(doc))
         _resign(url)
     else:  # foreign: the same shard of another checkpoint with other values
