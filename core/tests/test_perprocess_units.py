@@ -241,13 +241,13 @@ def _unit_object(data: bytes) -> bytes:
 
 
 def test_each_process_owns_its_folder_of_a_per_process_unit(tmp_path: Path, caplog: Any) -> None:
-    """What a multi-process local tier asks (``quire._tiers.tierpeers``): ``p00001/`` of a
+    """What a multi-process local tier asks (``quire._tiers.ownership``): ``p00001/`` of a
     per-process unit is process 1's, whole units are the primary's; a copy of process 1's
     objects holds exactly its folder, checked, and is then held."""
     import asyncio
 
     from quire._store.url import open_backend
-    from quire._tiers import tierpeers as tp
+    from quire._tiers import ownership as tp
 
     doc = _two_process_doc()
     assert tp.owner_of("d/ab12/it/p00001/pos.bin", 0, doc) == 1

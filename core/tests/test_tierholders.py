@@ -30,8 +30,7 @@ import quire
 from quire._engine import commit as _commit
 from quire._peers import peerlink
 from quire._store.url import mounted, normalize, open_backend
-from quire._tiers import tierpeers as _peers
-from quire._tiers import tierread
+from quire._tiers import ownership, restore_reader
 from quire.errors import CorruptCheckpointError
 
 (CREDS,), _ = run_of(1)  # every server here is this one process
@@ -66,7 +65,7 @@ def step(tmp_path: Path) -> dict[str, Any]:
     quire.save(str(src), state())
     backend = open_backend(str(src))
     rec = asyncio.run(_commit.read(backend, str(src)))
-    asyncio.run(_peers.mark_own(backend, str(src), rec.doc, 0, 0))
+    asyncio.run(ownership.mark_own(backend, str(src), rec.doc, 0, 0))
     holders = []
     for name in ("h1", "h2"):
         shutil.copytree(src, tmp_path / name / "s")
@@ -93,17 +92,17 @@ def damage_file(f: Path) -> None:
     f.write_bytes(bytes(data))
 
 
-def reader(step: dict[str, Any], servers: list[peerlink.PeerServer]) -> tierread.RestoreReader:
+def reader(step: dict[str, Any], servers: list[peerlink.PeerServer]) -> restore_reader.RestoreReader:
     link = Link({i + 1: s.address for i, s in enumerate(servers)})
-    holders = {h: tierread.Holder(link, h) for h in link.addresses}  # type: ignore[arg-type]
+    holders = {h: restore_reader.Holder(link, h) for h in link.addresses}  # type: ignore[arg-type]
     srcs = [
-        tierread.peer_source(link, h, "s", step["doc"], 0, holders[h])  # type: ignore[arg-type]
+        restore_reader.peer_source(link, h, "s", step["doc"], 0, holders[h])  # type: ignore[arg-type]
         for h in sorted(holders)
     ]
-    return tierread.RestoreReader(str(step["mine"]), step["raw"], step["doc"], 0, {0: srcs})
+    return restore_reader.RestoreReader(str(step["mine"]), step["raw"], step["doc"], 0, {0: srcs})
 
 
-def load_through(r: tierread.RestoreReader, url: str) -> Any:
+def load_through(r: restore_reader.RestoreReader, url: str) -> Any:
     with mounted(normalize(url), r):
         return quire.load(url)
 
@@ -152,11 +151,11 @@ def test_altered_bytes_here_and_at_the_peers_are_read_from_the_persistent_tier(
         peerlink.PeerServer(step["holders"][1], CREDS) as b,
     ):
         peers = reader(step, [a, b]).sources[0]
-        here = tierread.local_source(open_backend(str(mine)), step["doc"], 0)
-        there = tierread.persistent_source(
+        here = restore_reader.local_source(open_backend(str(mine)), step["doc"], 0)
+        there = restore_reader.persistent_source(
             open_backend(str(persistent)), str(persistent), step["doc"], 0, 0
         )
-        r = tierread.RestoreReader(
+        r = restore_reader.RestoreReader(
             str(mine), step["raw"], step["doc"], 0, {0: [here, *peers, there]}, record
         )
         with caplog.at_level(logging.WARNING, logger="quire"):
@@ -216,7 +215,7 @@ def test_ranges_spread_over_the_least_loaded_holders_on_kept_connections(
         assert a.requests >= 4 and b.requests >= 4, (a.requests, b.requests)
         holders = {s.holder.index: s.holder for s in r.sources[0]}  # type: ignore[attr-defined]
         for h in holders.values():
-            assert 1 <= h.connections <= tierread.PEER_STREAMS
+            assert 1 <= h.connections <= restore_reader.PEER_STREAMS
         r.close_peers()
 
 

@@ -1,5 +1,5 @@
-"""The receiving side of local-tier peer copies and restores (``quire._tiers.tierpeers``) and
-the agreed restore step (``quire._tiers.tierplan.decide``), in one process.
+"""The receiving side of local-tier peer copies and restores (``quire._tiers.ownership``) and
+the agreed restore step (``quire._tiers.restore_plan.decide``), in one process.
 
 Hostile or damaged traffic - a name with ``..``, a name outside the owner's set, another
 process's pack, a truncated or altered pack or index, a malformed header - is refused and
@@ -20,8 +20,8 @@ from peer_helpers import run_of
 
 import quire
 from quire._store.url import open_backend
-from quire._tiers import tierpeers as tp
-from quire._tiers.tierplan import PERSISTENT_SOURCE, decide, sources
+from quire._tiers import ownership as tp
+from quire._tiers.restore_plan import PERSISTENT_SOURCE, decide, sources
 from quire.errors import CorruptCheckpointError
 
 
@@ -188,7 +188,7 @@ def _holder(tmp_path: Path) -> tuple[Path, str, dict[str, Any]]:
 def _pull(tmp_path: Path, root: Path, doc: dict[str, Any], mine: Any, theirs: Any) -> Any:
     """Pull process 0's objects from a server of ``theirs`` credentials, as ``mine``."""
     from quire._peers import peerlink
-    from quire._tiers.tierpull import PeerCopies
+    from quire._tiers.peer_copies import PeerCopies
 
     dst = tmp_path / "mine" / "step_1"
     with peerlink.PeerServer(root, theirs) as server:

@@ -1,4 +1,4 @@
-"""Where peer copies go (``quire._tiers.tierplace``): each owner's holders spread over
+"""Where peer copies go (``quire._tiers.placement``): each owner's holders spread over
 failure domains, deterministic, the plain ring when domains do not help."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from quire._checkpointer.localtier import LocalTier
-from quire._tiers import tierplace as tp
+from quire._tiers import placement as tp
 
 
 def check(domains: list[str], k: int) -> list[list[int]]:

@@ -21,7 +21,7 @@ from peer_helpers import run_of
 
 from quire._peers import peerlink
 from quire._store.url import mounted, open_backend
-from quire._tiers import tierread
+from quire._tiers import restore_reader
 from quire.errors import PeerError
 
 (CREDS,), _ = run_of(1)  # every server here is this one process
@@ -77,25 +77,25 @@ def roots(tmp_path: Path) -> dict[str, Any]:
 
 def reader(
     roots: dict[str, Any], server: peerlink.PeerServer, persistent_raw: bytes | None
-) -> tierread.RestoreReader:
+) -> restore_reader.RestoreReader:
     link = Link({1: server.address, 2: dead_address()})
     local = open_backend(str(roots["mine"]))
     pb = open_backend(str(roots["persistent"]))
-    slots = {h: asyncio.Semaphore(tierread.PEER_STREAMS) for h in (1, 2)}
+    slots = {h: asyncio.Semaphore(restore_reader.PEER_STREAMS) for h in (1, 2)}
 
     async def record() -> bytes:
         assert persistent_raw is not None
         return persistent_raw
 
     sources = {
-        0: [tierread.local_source(local, DOC, 0)],
+        0: [restore_reader.local_source(local, DOC, 0)],
         1: [
-            tierread.peer_source(link, 2, "s", DOC, 1, slots[2]),  # type: ignore[arg-type]
-            tierread.peer_source(link, 1, "s", DOC, 1, slots[1]),  # type: ignore[arg-type]
-            tierread.persistent_source(pb, str(roots["persistent"]), DOC, 1, 0),
+            restore_reader.peer_source(link, 2, "s", DOC, 1, slots[2]),  # type: ignore[arg-type]
+            restore_reader.peer_source(link, 1, "s", DOC, 1, slots[1]),  # type: ignore[arg-type]
+            restore_reader.persistent_source(pb, str(roots["persistent"]), DOC, 1, 0),
         ],
     }
-    return tierread.RestoreReader(
+    return restore_reader.RestoreReader(
         str(roots["mine"]), RAW, DOC, 1, sources, record if persistent_raw else None
     )
 

@@ -25,7 +25,7 @@ import pytest
 import quire
 from quire._format import root as _root
 from quire._store.local import LocalBackend
-from quire._tiers import tiers as _tiers
+from quire._tiers import two_tiers
 from quire.policies import EveryNSteps, LatestN
 
 
@@ -180,7 +180,7 @@ def test_wait_waits_for_a_local_deletion_a_promotion_held_up(
     until the promotion ends.  ``wait()`` waits for that deletion too, and raises its error
     (it used to return as soon as the promotion ended, with the deletion still to run)."""
     go = threading.Event()
-    copy = _tiers.copy_checkpoint
+    copy = two_tiers.copy_checkpoint
 
     async def held(*args: Any, **kw: Any) -> Any:  # the promotion waits for the test
         while not go.is_set():
@@ -194,7 +194,7 @@ def test_wait_waits_for_a_local_deletion_a_promotion_held_up(
             raise PermissionError("deletion of the local step 2 refused (test)")
         await delete(self, keys)
 
-    monkeypatch.setattr(_tiers, "copy_checkpoint", held)
+    monkeypatch.setattr(two_tiers, "copy_checkpoint", held)
     monkeypatch.setattr(LocalBackend, "delete", refused)
     c = quire.Checkpointer(
         tmp_path / "p",

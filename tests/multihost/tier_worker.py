@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import quire  # noqa: E402
 import quire.checkpointables  # noqa: E402
-from quire._tiers import spreadsave as _save  # noqa: E402
+from quire._tiers import spread_save as _save  # noqa: E402
 from quire.policies import EveryNSeconds, EveryNSteps, LatestN  # noqa: E402
 
 quire.configure(timeout=cfg["timeout"])

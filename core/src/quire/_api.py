@@ -18,7 +18,7 @@ from quire._runtime.responses import AsyncResponse, chain
 from quire._sources.base import Source
 from quire._sources.materialize import load_and_transform
 from quire._store.url import effective_options, normalize
-from quire._tiers import spreadsave as _spreadsave
+from quire._tiers import spread_save as _spreadsave
 from quire.errors import CheckpointNotFoundError
 from quire.metadata import CheckpointMetadata
 from quire.options import StorageSpec
@@ -49,7 +49,7 @@ def _start_save(
     """The one save path; ``copy``: snapshot to host first (async) or stream (blocking);
     ``stats`` receives the engine's counters (tests read the byte budget's peak);
     ``incremental``: a Checkpointer's incremental state (``quire._engine.incremental``);
-    ``spread``: a multi-process local tier's coordination name (``quire._tiers.spreadsave``)."""
+    ``spread``: a multi-process local tier's coordination name (``quire._tiers.spread_save``)."""
     unknown = sorted(set(options) - set(SaveOptions.__annotations__))
     if unknown:
         raise TypeError(f"{fn}() got an unexpected keyword argument {unknown[0]!r}")

@@ -2,7 +2,7 @@
 
 The Checkpointer holds its parts: its root (``quire._checkpointer.steproot``, where the
 threads and the order of a save are described) and its ``Tiers`` (the save decision, and
-a local tier if any: ``quire._tiers.tiers``, configured by ``localtier``).  Garbage
+a local tier if any: ``quire._tiers.two_tiers``, configured by ``localtier``).  Garbage
 rules: ``quire._engine.garbage``.
 """
 

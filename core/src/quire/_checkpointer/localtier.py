@@ -2,7 +2,7 @@
 
 The Checkpointer takes it (``local=``) with its other settings and applies its policies; the
 tier itself (its local roots, peer copies, restores and promotions) is the room below,
-``quire._tiers``, which reads only the rest (``quire._tiers.tiertypes.TierSpec``).
+``quire._tiers``, which reads only the rest (``quire._tiers.contracts.TierSpec``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One root of numbered step checkpoints, kept by this process: :class:`StepRoot`.
 
-A ``quire.Checkpointer`` keeps its root with one; a local tier (``quire._tiers.tiers``)
+A ``quire.Checkpointer`` keeps its root with one; a local tier (``quire._tiers.two_tiers``)
 keeps each process's local root with another, so both tiers share one save, commit,
 retention and load path.  A StepRoot does not decide *whether* to save (the
 Checkpointer's ``SaveDecider`` does); it saves when told, and holds its parts:
@@ -253,7 +253,7 @@ class StepRoot:
         background future of the write, the commit and :meth:`after_commit`.
 
         ``spread``: gives the coordination name of a multi-process local tier's save (every
-        process into its own root, ``quire._tiers.spreadsave``), asked right before the
+        process into its own root, ``quire._tiers.spread_save``), asked right before the
         save starts (not when an earlier check raises: the names stay in step).
         """
         self._tasks.raise_errors()

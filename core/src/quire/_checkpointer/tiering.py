@@ -3,7 +3,7 @@
 :class:`Tiers` is what the Checkpointer asks; :func:`check_arguments` refuses its
 ``save_policy`` and ``local`` arguments of the wrong type (before the root is opened), and
 :func:`arrange` picks, for the Checkpointer's root and ``local=`` argument, its root alone (:class:`_PersistentOnly`) or a local tier over
-it (``quire._tiers.tiers._Tier``), and gives it the Checkpointer's save decision.  It
+it (``quire._tiers.two_tiers.TwoTiers``), and gives it the Checkpointer's save decision.  It
 is where the parts are made: the save decisions and, for the local tier, its root (a
 :class:`StepRoot` like the Checkpointer's own), handed to the tier as it asks for them.
 """
@@ -19,7 +19,7 @@ from quire._checkpointer.localtier import LocalTier
 from quire._checkpointer.save_policies import SavePolicy
 from quire._checkpointer.steproot import StepRoot
 from quire._engine.incremental import COMPACT_BELOW
-from quire._tiers.tiers import PERSISTENT, _Tier
+from quire._tiers.two_tiers import PERSISTENT, TwoTiers
 
 log = logging.getLogger("quire")
 
@@ -63,12 +63,12 @@ def arrange(
         # With several processes its save is collective: every process follows process 0.
         return SaveDecider(spec.save_policy, last_step, without_policy=False, follow_primary=True)
 
-    return _Tier(local, root, decider, open_root, new_decider)
+    return TwoTiers(local, root, decider, open_root, new_decider)
 
 
 class Tiers(Protocol):
     """What a Checkpointer's saves, save decisions and reads go through: its root alone
-    (:class:`_PersistentOnly`) or a local tier over it (:class:`_Tier`).  It owns the
+    (:class:`_PersistentOnly`) or a local tier over it (:class:`TwoTiers`).  It owns the
     Checkpointer's :class:`SaveDecider` (attached at construction, detached by
     :meth:`close`)."""
 

@@ -20,7 +20,7 @@ exactly as the local one.  What cannot be re-packed this way (format v1, several
 units stored as objects of their own) is copied whole by ``copy_checkpoint``.
 
 With several processes (:func:`promote_spread`: each process's local root holds its own
-part of the step, ``quire._tiers.spreadsave``) every process re-packs the chunks of its own
+part of the step, ``quire._tiers.spread_save``) every process re-packs the chunks of its own
 index the same way, borrowing from *its* index of the previous persistent step (as a
 multi-process incremental save does), and copies the checkpointable-unit objects it owns
 whole (the primary those of whole units, each process its own of per-process units); once
@@ -50,7 +50,7 @@ from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator
 from quire._store.base import Backend
 from quire._store.url import normalize, open_backend
-from quire._tiers.tierpeers import entry_of, owned_unit_locations
+from quire._tiers.ownership import entry_of, owned_unit_locations
 from quire.errors import CorruptCheckpointError
 
 log = logging.getLogger("quire")
@@ -149,7 +149,7 @@ async def promote_spread(
     try:
         record = await _commit.read(sb, src)
         doc = record.doc
-        (txid,) = doc["txids"]  # one txid for every process (quire._tiers.spreadsave)
+        (txid,) = doc["txids"]  # one txid for every process (quire._tiers.spread_save)
         entry = entry_of(doc, coord.index)
         leaves = dict(record_leaves(doc))
         units: list[str] = []  # this process's objects of checkpointable units

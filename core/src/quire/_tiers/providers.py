@@ -1,4 +1,4 @@
-"""Where a multi-process local tier's restore reads an owner's objects (``tierread``).
+"""Where a multi-process local tier's restore reads an owner's objects (``restore_reader``).
 
 A :class:`Source` is one place: this process's own root, a peer holder over the peer link
 (byte ranges, through a :class:`Holder` shared by every owner that peer holds), or the
@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 from quire._peers import peerlink
 from quire._runtime.ioloop import run_blocking
 from quire._store.base import Backend
-from quire._tiers import tierpeers as _peers
+from quire._tiers import ownership
 from quire.errors import PeerError
 
 if TYPE_CHECKING:
-    from quire._tiers.tierpull import PeerCopies
+    from quire._tiers.peer_copies import PeerCopies
 
 __all__ = [
     "PEER_STREAMS",
@@ -84,7 +84,7 @@ class _Local(Source):
 
     async def _list(self) -> dict[str, int]:
         assert self.backend is not None
-        got = await _peers.marked(self.backend, self.doc, self.owner)
+        got = await ownership.marked(self.backend, self.doc, self.owner)
         if got is None:
             raise FileNotFoundError(f"no marker for process {self.owner}'s objects here")
         return got
@@ -173,8 +173,10 @@ class _Peer(Source):
         return n  # type: ignore[no-any-return]
 
     async def _list(self) -> dict[str, int]:
-        key = _peers.marker_key(str(self.doc["txids"][0]), self.owner)
-        got = _peers.parse_marker(await self._fetch(key, _MAX_MARKER, None), self.doc, self.owner)
+        key = ownership.marker_key(str(self.doc["txids"][0]), self.owner)
+        got = ownership.parse_marker(
+            await self._fetch(key, _MAX_MARKER, None), self.doc, self.owner
+        )
         if got is None:
             raise PeerError(f"{self.name}: its marker for process {self.owner} is malformed")
         return got
@@ -204,7 +206,9 @@ class _Persistent(Source):
 
     async def _list(self) -> dict[str, int]:
         assert self.backend is not None
-        return await _peers.owned_sizes(self.backend, self.url, self.doc, self.owner, self.primary)
+        return await ownership.owned_sizes(
+            self.backend, self.url, self.doc, self.owner, self.primary
+        )
 
 
 def local_source(backend: Backend, doc: Mapping[str, Any], owner: int) -> Source:

@@ -2,11 +2,11 @@
 holdings, and the step and sources every process computes from all the views (the same
 answer everywhere, without further messages).
 
-A **view** (one per process, exchanged by ``quire._tiers.tiermulti.Spread.agree``):
+A **view** (one per process, exchanged by ``quire._tiers.spread.Spread.agree``):
 ``{"steps": {"<step>": {"d": record digest, "need": owners, "held": owners held here}},
 "persistent": [steps the persistent tier lists]}``.  Who holds what comes only from the
-views, that is from each root's markers (``quire._tiers.tierpeers.holds``), never from
-where the copies were meant to go (``quire._tiers.tierplace``): a copy that failed
+views, that is from each root's markers (``quire._tiers.ownership.holds``), never from
+where the copies were meant to go (``quire._tiers.placement``): a copy that failed
 is simply not held.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from quire._engine import commit as _commit
 from quire._format import record as _format
-from quire._tiers.tierread import digest as _digest
+from quire._tiers.restore_reader import digest as _digest
 from quire.errors import CorruptCheckpointError
 
 __all__ = [

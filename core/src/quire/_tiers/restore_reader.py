@@ -1,24 +1,24 @@
 """A multi-process local tier's restore reader: each byte from the nearest live holder.
 
 :class:`RestoreReader` is a read-only :class:`~quire._store.base.Backend` over one agreed
-step (``quire._tiers.tierplan.Plan``).  The load engine reads the step through it
+step (``quire._tiers.restore_plan.Plan``).  The load engine reads the step through it
 (``quire._store.url.mounted``: the step's local URL resolves to it for the load), unchanged:
 every chunk is checked against the chunk index and its crc32c as in any load.  Each key goes
-to its **owner**'s objects (``quire._tiers.tierpeers.owner_of``: a pack or index to its
+to its **owner**'s objects (``quire._tiers.ownership.owner_of``: a pack or index to its
 process, an object of a per-process unit to its process, anything else to the primary), and
 is read from
 
 1. this process's own root, when it holds that owner's objects (its marker);
 2. else a live peer holder, over the peer link (``peerlink.fetch_into`` with a byte range:
    only the ranges the load asks for), the one with the fewest bytes in flight
-   (``tiersources.Holder``, whose connections stay open for the load); a holder that fails
+   (``providers.Holder``, whose connections stay open for the load); a holder that fails
    or misses the deadline is treated as lost for the rest of the load and the next one is
    asked;
 3. else the persistent tier, only when it holds the agreed step with the same commit
    record (checked once, on first use).
 
 While a further source is left, what a source sent is checked before the load uses it
-(``tiercheck``): bytes that fail are logged and read again from the next source.  The
+(``read_checks``): bytes that fail are logged and read again from the next source.  The
 commit record is the agreed one, served from memory.  Sizes and listings (for unit
 objects, which have no index) come from the holder's marker, or from the persistent tier.
 Nothing is written: the writes raise ``PermissionError``.
@@ -38,9 +38,8 @@ from quire._engine import commit as _commit
 from quire._format.chunkindex import PACK_DIR
 from quire._format.crc import ChunkError
 from quire._store.base import Backend, Buffer, Capabilities
-from quire._tiers import tierpeers as _peers
-from quire._tiers.tiercheck import ChunkChecks
-from quire._tiers.tiersources import (
+from quire._tiers import ownership
+from quire._tiers.providers import (
     PEER_STREAMS,
     Holder,
     Source,
@@ -50,10 +49,11 @@ from quire._tiers.tiersources import (
     peer_source,
     persistent_source,
 )
+from quire._tiers.read_checks import ChunkChecks
 from quire.errors import CorruptCheckpointError, MultiProcessError, PeerError
 
 if TYPE_CHECKING:
-    from quire._tiers.tierpull import PeerCopies
+    from quire._tiers.peer_copies import PeerCopies
 
 __all__ = [
     "PEER_STREAMS",
@@ -140,7 +140,7 @@ class RestoreReader(Backend):
     def _owner(self, key: str) -> int | None:
         if not key.startswith(f"d/{self._txid}/"):
             return None
-        return _peers.owner_of(key, self.primary, self.doc)
+        return ownership.owner_of(key, self.primary, self.doc)
 
     async def _usable(self, src: Source) -> bool:
         if src.name in self._lost:
@@ -238,11 +238,11 @@ class RestoreReader(Backend):
                 self.checks.check_index(owner, b"".join(bytes(v) for v in views))
         elif f"/{PACK_DIR}/" in key:
             await self.checks.check_range(key, start, views, n)
-        elif whole and _peers.is_unit_key(key, self.doc):
+        elif whole and ownership.is_unit_key(key, self.doc):
             self.checks.check_unit(key, b"".join(bytes(v) for v in views))
 
     async def _index_of(self, owner: int) -> bytes:
-        entry = _peers.entry_of(self.doc, owner)
+        entry = ownership.entry_of(self.doc, owner)
         assert entry is not None
         return await self.get(str(entry["object"]))
 

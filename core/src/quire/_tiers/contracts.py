@@ -1,6 +1,6 @@
 """What the local tier asks of the Checkpointer's parts it is handed: contracts only.
 
-The tier (``tiers._Tier``, ``tiermulti.Spread``) works on roots of numbered steps and save
+The tier (``two_tiers.TwoTiers``, ``spread.Spread``) works on roots of numbered steps and save
 decisions that the Checkpointer makes (``quire._checkpointer.steproot.StepRoot``,
 ``quire._checkpointer.deciding.SaveDecider``) and reads its configuration
 (``quire.LocalTier``); it knows them only through these protocols, so that it needs none of

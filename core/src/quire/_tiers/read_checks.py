@@ -1,5 +1,5 @@
 """The checks a multi-process local tier's restore makes of bytes before using them
-(``tierread``), so that bytes one holder got wrong are read again from the next one.
+(``restore_reader``), so that bytes one holder got wrong are read again from the next one.
 
 The load engine checks every chunk it decodes anyway; a failure there fails the load.  The
 restore reader checks first, where another source is left to ask:
@@ -27,7 +27,7 @@ from quire._format.chunkid import Ref, crc_hex, trailer_hex
 from quire._format.chunkindex import parse_index
 from quire._format.crc import ChunkError, crc32c
 from quire._runtime.ioloop import run_blocking
-from quire._tiers import tierpeers as _peers
+from quire._tiers import ownership
 
 __all__ = ["ChunkChecks"]
 
@@ -53,7 +53,7 @@ class ChunkChecks:
         return self._index_keys.get(key)
 
     def check_index(self, owner: int, data: bytes) -> None:
-        entry = _peers.entry_of(self.doc, owner)
+        entry = ownership.entry_of(self.doc, owner)
         assert entry is not None
         parse_index(data, entry, self.url, self.doc["txids"])
 
@@ -64,7 +64,7 @@ class ChunkChecks:
             raise ChunkError(f"{key}: {e}") from e
 
     async def _by_pack(self, owner: int) -> dict[str, list[tuple[int, int, str, Ref]]]:
-        entry = _peers.entry_of(self.doc, owner)
+        entry = ownership.entry_of(self.doc, owner)
         if entry is None:
             return {}
         refs = parse_index(await self._read_index(owner), entry, self.url, self.doc["txids"])
@@ -80,7 +80,7 @@ class ChunkChecks:
         """Check every chunk the bytes ``[start, start + n)`` of ``pack`` (in ``views``)
         hold whole, in the I/O pool; the number checked.  Raises ``ChunkError`` for the
         first that fails."""
-        owner = _peers.owner_of(pack, self.primary)
+        owner = ownership.owner_of(pack, self.primary)
         if owner not in self._refs:
             self._refs[owner] = asyncio.ensure_future(self._by_pack(owner))
         rs = (await asyncio.shield(self._refs[owner])).get(pack, [])

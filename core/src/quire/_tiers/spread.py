@@ -1,23 +1,23 @@
 """The local tier with several JAX processes: peer copies, the agreed step, per-owner restore.
 
 Every process keeps its own local root (``LocalTier.process_url``); a step is saved by all
-of them together (``quire._tiers.spreadsave``), and its objects are split by **owner**
-process (``quire._tiers.tierpeers``).  This module adds what needs every process:
+of them together (``quire._tiers.spread_save``), and its objects are split by **owner**
+process (``quire._tiers.ownership``).  This module adds what needs every process:
 
 * **Peer copies** (``LocalTier(peers=k)``), after each local commit, in the background: each
-  owner's objects are pulled over TCP by its ``k`` holders (``quire._tiers.tierpull``;
-  who holds whom: ``quire._tiers.tierplace``, spread over failure domains), which
+  owner's objects are pulled over TCP by its ``k`` holders (``quire._tiers.peer_copies``;
+  who holds whom: ``quire._tiers.placement``, spread over failure domains), which
   check them against the commit record and the chunk index before writing them at the same
   paths in their own root (:meth:`Spread.after_local`).
 * **The agreed step** (:meth:`Spread.agree`, behind ``latest_step()`` and ``load()``): each
   process publishes, for every local step, its commit record's digest and which owners'
   objects it holds whole, plus the persistent steps it lists; every process computes the
-  same answer (``quire._tiers.tierplan.decide``): the newest step for which every owner's objects have a live
+  same answer (``quire._tiers.restore_plan.decide``): the newest step for which every owner's objects have a live
   holder (with the same record), or which the persistent tier holds.  A step some owner's
   objects were never completed for (a process killed mid-save) has no holder for them and
   is never chosen.
 * **Restore** (:meth:`Spread.load`): with ``peers > 0`` (TCP), the normal load reads the
-  chosen step through a read-only view (``quire._tiers.tierread``): only the byte
+  chosen step through a read-only view (``quire._tiers.restore_reader``): only the byte
   ranges its shards need, each owner's from this root when it holds them, else from a live
   holder over TCP (the next one when one fails), else from the persistent tier (only when it
   holds the step with the same record); then every process waits until all are done reading.
@@ -44,9 +44,10 @@ from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.multihost import Coordinator
 from quire._store.url import mounted, normalize, open_backend
-from quire._tiers import tierpeers as _peers
-from quire._tiers.tierplace import domain_of
-from quire._tiers.tierplan import (
+from quire._tiers import ownership
+from quire._tiers.peer_copies import PeerCopies
+from quire._tiers.placement import domain_of
+from quire._tiers.restore_plan import (
     PERSISTENT_SOURCE,
     Plan,
     agreed_doc,
@@ -55,8 +56,7 @@ from quire._tiers.tierplan import (
     self_contained,
     sources,
 )
-from quire._tiers.tierpull import PeerCopies
-from quire._tiers.tierread import (
+from quire._tiers.restore_reader import (
     Holder,
     RestoreReader,
     Source,
@@ -66,11 +66,11 @@ from quire._tiers.tierread import (
     persistent_source,
     read_record,
 )
-from quire._tiers.tierread import digest as _digest
+from quire._tiers.restore_reader import digest as _digest
 from quire.errors import CheckpointNotFoundError, MultiProcessError, QuireError
 
 if TYPE_CHECKING:
-    from quire._tiers.tiertypes import Paths, Root, TierSpec
+    from quire._tiers.contracts import Paths, Root, TierSpec
 
 __all__ = ["PERSISTENT_SOURCE", "Plan", "Spread", "decide", "sources"]
 
@@ -83,7 +83,7 @@ _opened: collections.Counter[str] = collections.Counter()
 
 
 class Spread:
-    """The multi-process part of a local tier (``quire._tiers.tiers._Tier``).
+    """The multi-process part of a local tier (``quire._tiers.two_tiers.TwoTiers``).
 
     Parameters
     ----------
@@ -137,7 +137,7 @@ class Spread:
 
     def save_name(self, step: int) -> str:
         """The coordination name of the next local save (of ``step``): every process saves
-        into its own root, together (``quire._tiers.spreadsave``)."""
+        into its own root, together (``quire._tiers.spread_save``)."""
         self.saves += 1
         return f"{self.name}/{step}/{self.saves}"
 
@@ -212,7 +212,7 @@ class Spread:
             log.warning("%s: step %d: local save failed; no peer copies", url, step)
             return
         doc = (await _commit.read(backend, url)).doc
-        await _peers.mark_own(backend, url, doc, self.me, self.primary)
+        await ownership.mark_own(backend, url, doc, self.me, self.primary)
         if self.copies is not None:
             rel = self.local.paths.name(step)
             await self.copies.after_commit(backend, url, rel, doc, self.primary, f"{step}/{seq}")
@@ -234,8 +234,8 @@ class Spread:
                 continue
             if rec is None:
                 continue
-            need = _peers.owners(rec.doc, self.primary)
-            held = [j for j in need if await _peers.holds(backend, rec.doc, j)]
+            need = ownership.owners(rec.doc, self.primary)
+            held = [j for j in need if await ownership.holds(backend, rec.doc, j)]
             steps[str(s)] = {"d": _digest(rec.raw), "need": need, "held": held}
         return {"steps": steps, "persistent": persistent}
 
@@ -386,7 +386,7 @@ class Spread:
             if who == PERSISTENT_SOURCE:  # one process reads them, then sends them on
                 who = lacking[j % len(lacking)]
                 if self.me == who:
-                    n = await _peers.fetch_owner(pb, purl, backend, url, doc, j, self.primary)
+                    n = await ownership.fetch_owner(pb, purl, backend, url, doc, j, self.primary)
                     log.info(
                         "%s: step %d: process %d's objects read from the persistent tier %s "
                         "(%d bytes)", url, s, j, purl, n,
@@ -399,7 +399,7 @@ class Spread:
                 continue
             payload = b""
             if self.me == who:
-                payload = _peers.encode(await _peers.read_owned(backend, doc, j))
+                payload = ownership.encode(await ownership.read_owned(backend, doc, j))
             rows = await run_blocking(
                 self._exchange,
                 f"restoring step {s}: process {j}'s objects from process {who}",
@@ -409,8 +409,10 @@ class Spread:
                 url,
             )
             if self.me in lacking:
-                objects = _peers.decode(rows[group.index(who)], url, f"process {who}", j)
-                await _peers.receive(backend, url, doc, j, self.primary, objects, f"process {who}")
+                objects = ownership.decode(rows[group.index(who)], url, f"process {who}", j)
+                await ownership.receive(
+                    backend, url, doc, j, self.primary, objects, f"process {who}"
+                )
         if self.me not in has_rec:
             await _commit.publish(backend, url, raw, doc["txids"], overwrite=True)
         return True
@@ -440,7 +442,7 @@ class Spread:
         in_persistent = s in {int(x) for x in views[self.primary]["persistent"]}
         by_owner: dict[int, list[Source]] = {}
         slots = {h: Holder(copies, h) for h in range(self.count)}
-        for j in _peers.owners(doc, self.primary):
+        for j in ownership.owners(doc, self.primary):
             hs = held.get(j, [])
             srcs = [local_source(backend, doc, j)] if self.me in hs else []
             others = [h for h in hs if h != self.me]

@@ -16,7 +16,7 @@ process (the Checkpointer's, not the per-process URL).  Order:
 4. every other process commits the identical record in its own root.
 
 A step counts as a local tier step of the run only when every process's objects have a
-holder (``quire._tiers.tiermulti`` agrees on that through the key-value store):
+holder (``quire._tiers.spread`` agrees on that through the key-value store):
 a crash between 3 and 4 leaves some roots without the record, which restore treats as
 those processes not holding the step.  A failure in 1 or 2 aborts the save on every process,
 and each removes its own txid.

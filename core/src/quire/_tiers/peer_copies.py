@@ -1,4 +1,4 @@
-"""Peer copies of a multi-process local tier, pulled over TCP (``quire._peers.peerlink``).
+"""Peer copies of a multi-process local tier, pulled over TCP (``quire.ownership.peerlink``).
 
 Each process serves its own local root read-only with a ``PeerServer`` on the interface
 ``LocalTier(peer_host=...)`` names, over TLS 1.3 with mutual authentication: each process's
@@ -7,10 +7,10 @@ through ``jax.distributed``'s key-value store and pinned by the others; the addr
 through the store too.
 
 When the tier opens, the processes exchange their failure domains through the store too, and
-each computes the same placement (``quire._tiers.tierplace.place``): the ``k`` holders
+each computes the same placement (``quire._tiers.placement.place``): the ``k`` holders
 of each owner's objects, in other failure domains whenever enough processes lie outside the
 owner's.  After the local commit of step S, process ``j`` marks its own objects held
-(``quire._tiers.tierpeers``) and says so in the key-value store (``.../ready/<j>``).  Each of
+(``quire._tiers.ownership``) and says so in the key-value store (``.../ready/<j>``).  Each of
 its ``k`` holders waits for that (at most ``timeout`` seconds), asks
 ``j`` for its marker and then for the objects the marker names, over one connection, checks
 them (exactly ``j``'s set of S, every object against the commit record and chunk index) and
@@ -39,8 +39,7 @@ from quire._runtime.multihost import _client, _first_line
 from quire._store.base import Backend
 from quire._store.memory import MemoryBackend
 from quire._store.url import protocol_of
-from quire._tiers import tierpeers as _peers
-from quire._tiers import tierplace as _place
+from quire._tiers import ownership, placement
 from quire.errors import CorruptCheckpointError, MultiProcessError, PeerError
 
 __all__ = ["PeerCopies"]
@@ -77,9 +76,9 @@ class PeerCopies:
         peerlink.publish_address(_key(f"{self.name}/address"), self.server.address)
         self._addresses: dict[int, tuple[str, int]] = {}
         self.domains = _domains(_key(f"{self.name}/domain"), me, count, domain, timeout)
-        self.placement = _place.place(self.domains, peers)  # owner -> its holders
-        self.sources = _place.sources_of(self.placement, me)  # the owners held here
-        shared = _place.shared_domains(self.domains, self.placement)
+        self.placement = placement.place(self.domains, peers)  # owner -> its holders
+        self.sources = placement.sources_of(self.placement, me)  # the owners held here
+        shared = placement.shared_domains(self.domains, self.placement)
         if shared and me == 0:  # once per tier and run
             log.warning(
                 "%s: LocalTier(peers=%d): processes %s keep a copy in their own failure domain "
@@ -90,7 +89,7 @@ class PeerCopies:
                 peers,
                 shared,
                 self.domains,
-                _place.ENV,
+                placement.ENV,
             )
         self._last_ready: str | None = None  # the key the successors delete once they pulled
 
@@ -198,7 +197,7 @@ class PeerCopies:
         peer = self.peer(holder)
         objects: dict[str, bytes] = {}
         sizes: dict[str, int] = {}
-        entry = _peers.entry_of(doc, j)
+        entry = ownership.entry_of(doc, j)
         if entry is not None:
             index = await run_blocking(
                 peerlink.fetch,
@@ -209,21 +208,21 @@ class PeerCopies:
                 int(entry["size"]),
             )
             objects[entry["object"]] = index
-            sizes.update(_peers.pack_extents(doc, url, j, index, who))
-        if _peers.owned_unit_locations(doc, j, primary):
-            marker = _peers.marker_key(str(doc["txids"][0]), j)
+            sizes.update(ownership.pack_extents(doc, url, j, index, who))
+        if ownership.owned_unit_locations(doc, j, primary):
+            marker = ownership.marker_key(str(doc["txids"][0]), j)
             raw = await run_blocking(
                 peerlink.fetch, addr, f"{rel}/{marker}", peer, self.timeout, _MAX_MARKER
             )
             try:
                 listed = {str(k): int(n) for k, n in json.loads(raw)["objects"].items()}
             except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise _peers.refused(url, who, j, f"its marker is malformed ({e})") from e
+                raise ownership.refused(url, who, j, f"its marker is malformed ({e})") from e
             for k, n in listed.items():
                 if k in sizes or k in objects:
                     continue
-                if not _peers.owns_unit_key(k, doc, j, primary) or n < 0:
-                    raise _peers.refused(url, who, j, f"{k!r} is not an object of its part")
+                if not ownership.owns_unit_key(k, doc, j, primary) or n < 0:
+                    raise ownership.refused(url, who, j, f"{k!r} is not an object of its part")
                 sizes[k] = n
         keys = sorted(sizes)
         if keys:
@@ -236,7 +235,7 @@ class PeerCopies:
                 max(1, sum(sizes.values())),
             )
             objects.update(zip(keys, datas))
-        await _peers.receive(backend, url, doc, j, primary, objects, who)
+        await ownership.receive(backend, url, doc, j, primary, objects, who)
 
 
 def _served(root: str, peers: int) -> Callable[[], Any]:

@@ -1,6 +1,6 @@
 """A multi-process local tier step, object by object: who owns what, who holds it, copies.
 
-A step saved by N processes into their own roots (``quire._tiers.spreadsave``) has one
+A step saved by N processes into their own roots (``quire._tiers.spread_save``) has one
 commit record (the same bytes in every root) and one **object set per owner process**:
 
 * process ``j``'s chunk index ``d/<txid>/%packs/p<j>.index.json`` (when it wrote chunks) and

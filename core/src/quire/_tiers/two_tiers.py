@@ -4,11 +4,11 @@ A tier is a quire Checkpointer root.  The persistent tier is the Checkpointer's 
 local tier is a second root per process, ``<local url>/process_<index>``, kept by a
 ``StepRoot`` of its own (``quire._checkpointer.steproot``: the same format, commit protocol,
 retention and garbage rules as the persistent root, so ``quire.load``, ``quire verify`` and
-``quire cp`` work on it unchanged).  The Checkpointer holds the local tier as a ``_Tier``,
+``quire cp`` work on it unchanged).  The Checkpointer holds the local tier as a ``TwoTiers``,
 made by ``quire._checkpointer.tiering.arrange``, which hands it the roots and save decisions
-(``tiertypes``: what it asks of them).
+(``contracts``: what it asks of them).
 
-Order of a save of step S (``Checkpointer`` with ``_Tier.save`` and ``_Tier.promotion``), the
+Order of a save of step S (``Checkpointer`` with ``TwoTiers.save`` and ``TwoTiers.promotion``), the
 commit points marked:
 
 1. decide: the local tier saves when either tier's policy says so (the persistent tier is only
@@ -28,10 +28,10 @@ commit points marked:
 At most one promotion (step 4) is in flight: a save due for the persistent tier waits for the
 previous promotion first.  Local saves never wait for a promotion.
 
-With several JAX processes, ``quire._tiers.tiermulti`` adds what needs them all: each
+With several JAX processes, ``quire._tiers.spread`` adds what needs them all: each
 local save is one collective save into every process's own root, followed by the peer copies;
 ``latest_step`` / ``load`` agree on a step and fill each root from peers or the persistent
-tier; a promotion copies each process's own objects (``quire._tiers.tierpeers``).
+tier; a promotion copies each process's own objects (``quire._tiers.ownership``).
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ from typing import Any
 from quire._engine.copying import copy_checkpoint
 from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator
+from quire._tiers.contracts import Decider, Root, TierSpec
+from quire._tiers.ownership import promote_spread
 from quire._tiers.promotion import promote
 from quire._tiers.promotion import promote_spread as promote_spread_incremental
-from quire._tiers.tiermulti import Spread
-from quire._tiers.tierpeers import promote_spread
-from quire._tiers.tiertypes import Decider, Root, TierSpec
+from quire._tiers.spread import Spread
 from quire.errors import CorruptCheckpointError
 
 __all__ = ["LOCAL", "PERSISTENT"]
@@ -61,7 +61,7 @@ LOCAL = "local"
 PERSISTENT = "persistent"
 
 
-class _Tier:
+class TwoTiers:
     """A Checkpointer's local tier over its persistent root: what the Checkpointer's saves,
     decisions and reads go through when it has one.
 
@@ -99,7 +99,7 @@ class _Tier:
         self.persistent = persistent
         self.outer_decider = decider
         self.url = spec.process_url(jax.process_index())
-        several = jax.process_count() > 1  # every process its own root (.tiermulti)
+        several = jax.process_count() > 1  # every process its own root (.spread)
         if several and current().layout != "packed":
             raise NotImplementedError(
                 f"quire.Checkpointer({persistent.root!r}, local=...): with several JAX processes "
