@@ -96,7 +96,7 @@ def reader(step: dict[str, Any], servers: list[peerlink.PeerServer]) -> restore_
     link = Link({i + 1: s.address for i, s in enumerate(servers)})
     holders = {h: restore_reader.Holder(link, h) for h in link.addresses}  # type: ignore[arg-type]
     srcs = [
-        restore_reader.peer_source(link, h, "s", step["doc"], 0, holders[h])  # type: ignore[arg-type]
+        restore_reader.peer_provider(link, h, "s", step["doc"], 0, holders[h])  # type: ignore[arg-type]
         for h in sorted(holders)
     ]
     return restore_reader.RestoreReader(str(step["mine"]), step["raw"], step["doc"], 0, {0: srcs})
@@ -151,8 +151,8 @@ def test_altered_bytes_here_and_at_the_peers_are_read_from_the_persistent_tier(
         peerlink.PeerServer(step["holders"][1], CREDS) as b,
     ):
         peers = reader(step, [a, b]).sources[0]
-        here = restore_reader.local_source(open_backend(str(mine)), step["doc"], 0)
-        there = restore_reader.persistent_source(
+        here = restore_reader.local_provider(open_backend(str(mine)), step["doc"], 0)
+        there = restore_reader.persistent_provider(
             open_backend(str(persistent)), str(persistent), step["doc"], 0, 0
         )
         r = restore_reader.RestoreReader(

@@ -88,11 +88,11 @@ def reader(
         return persistent_raw
 
     sources = {
-        0: [restore_reader.local_source(local, DOC, 0)],
+        0: [restore_reader.local_provider(local, DOC, 0)],
         1: [
-            restore_reader.peer_source(link, 2, "s", DOC, 1, slots[2]),  # type: ignore[arg-type]
-            restore_reader.peer_source(link, 1, "s", DOC, 1, slots[1]),  # type: ignore[arg-type]
-            restore_reader.persistent_source(pb, str(roots["persistent"]), DOC, 1, 0),
+            restore_reader.peer_provider(link, 2, "s", DOC, 1, slots[2]),  # type: ignore[arg-type]
+            restore_reader.peer_provider(link, 1, "s", DOC, 1, slots[1]),  # type: ignore[arg-type]
+            restore_reader.persistent_provider(pb, str(roots["persistent"]), DOC, 1, 0),
         ],
     }
     return restore_reader.RestoreReader(

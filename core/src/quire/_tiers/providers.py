@@ -1,6 +1,6 @@
 """Where a multi-process local tier's restore reads an owner's objects (``restore_reader``).
 
-A :class:`Source` is one place: this process's own root, a peer holder over the peer link
+A :class:`Provider` is one place: this process's own root, a peer holder over the peer link
 (byte ranges, through a :class:`Holder` shared by every owner that peer holds), or the
 persistent tier.  A :class:`Holder` is one peer process as one load sees it: at most
 :data:`PEER_STREAMS` reads in flight to it, the bytes those reads ask for (the reader sends
@@ -27,10 +27,10 @@ if TYPE_CHECKING:
 __all__ = [
     "PEER_STREAMS",
     "Holder",
-    "Source",
-    "local_source",
-    "peer_source",
-    "persistent_source",
+    "Provider",
+    "local_provider",
+    "peer_provider",
+    "persistent_provider",
 ]
 
 log = logging.getLogger("quire")
@@ -42,7 +42,7 @@ _MAX_MARKER = 1 << 24
 PEER_STREAMS = 4
 
 
-class Source:
+class Provider:
     """One place an owner's objects can be read: this root, a peer, the persistent tier."""
 
     def __init__(self, name: str, backend: Backend | None = None) -> None:
@@ -77,7 +77,7 @@ class Source:
         """Release what the source keeps open (a peer's connections)."""
 
 
-class _Local(Source):
+class _Local(Provider):
     def __init__(self, backend: Backend, doc: Mapping[str, Any], owner: int) -> None:
         super().__init__("this process's local tier", backend)
         self.doc, self.owner = doc, owner
@@ -118,7 +118,7 @@ class Holder:
             self._pool.close()
 
 
-class _Peer(Source):
+class _Peer(Provider):
     def __init__(
         self,
         copies: PeerCopies,
@@ -185,7 +185,7 @@ class _Peer(Source):
         self.holder.close()
 
 
-class _Persistent(Source):
+class _Persistent(Provider):
     def __init__(
         self, backend: Backend, url: str, doc: Mapping[str, Any], owner: int, primary: int
     ) -> None:
@@ -211,18 +211,18 @@ class _Persistent(Source):
         )
 
 
-def local_source(backend: Backend, doc: Mapping[str, Any], owner: int) -> Source:
+def local_provider(backend: Backend, doc: Mapping[str, Any], owner: int) -> Provider:
     return _Local(backend, doc, owner)
 
 
-def peer_source(
+def peer_provider(
     copies: PeerCopies,
     holder: int,
     rel: str,
     doc: Mapping[str, Any],
     owner: int,
     slots: Holder | asyncio.Semaphore,
-) -> Source:
+) -> Provider:
     """Owner ``owner``'s objects at process ``holder``; ``slots``: the :class:`Holder`
     shared by every source of that process (a bare semaphore: a holder of its own)."""
     if not isinstance(slots, Holder):
@@ -232,15 +232,15 @@ def peer_source(
     return _Peer(copies, slots, rel, doc, owner)
 
 
-def is_peer(src: Source) -> bool:
+def is_peer(src: Provider) -> bool:
     return isinstance(src, _Peer)
 
 
-def is_persistent(src: Source) -> bool:
+def is_persistent(src: Provider) -> bool:
     return isinstance(src, _Persistent)
 
 
-def persistent_source(
+def persistent_provider(
     backend: Backend, url: str, doc: Mapping[str, Any], owner: int, primary: int
-) -> Source:
+) -> Provider:
     return _Persistent(backend, url, doc, owner, primary)

@@ -13,21 +13,22 @@ is simply not held.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 from quire._engine import commit as _commit
 from quire._format import record as _format
-from quire._tiers.restore_reader import digest as _digest
 from quire.errors import CorruptCheckpointError
 
 __all__ = [
     "PERSISTENT_SOURCE",
-    "Plan",
+    "RestorePlan",
     "agreed_doc",
     "decide",
     "holders",
     "need",
+    "record_digest",
     "self_contained",
     "sources",
 ]
@@ -36,7 +37,7 @@ PERSISTENT_SOURCE = -1  # a source meaning "the persistent tier"
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class RestorePlan:
     """A restore agreed by every process: the step, the record digest (None: the
     persistent tier's record, read at restore), and each process's view."""
 
@@ -45,9 +46,14 @@ class Plan:
     views: tuple[dict[str, Any], ...]
 
 
+def record_digest(raw: bytes) -> str:
+    """A commit record's digest, as processes compare them when agreeing on a step."""
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
 def agreed_doc(raw: bytes, digest: str, url: str, step: int) -> dict[str, Any]:
     """The commit record ``raw`` parsed, once checked to be the agreed one (``digest``)."""
-    if _digest(raw) != digest:
+    if record_digest(raw) != digest:
         raise CorruptCheckpointError(
             f"{url}: the commit record received for step {step} is not the agreed one"
         )
@@ -92,7 +98,7 @@ def sources(views: Sequence[dict[str, Any]], step: int, digest: str) -> dict[int
     return out
 
 
-def self_contained(plan: Plan) -> bool:
+def self_contained(plan: RestorePlan) -> bool:
     """Whether every process holds every owner's objects of the plan's step (then no
     process reads from another)."""
     if plan.digest is None:
@@ -102,7 +108,7 @@ def self_contained(plan: Plan) -> bool:
     return all(everyone <= set(held.get(j, ())) for j in need(plan.views, plan.step, plan.digest))
 
 
-def decide(views: Sequence[dict[str, Any]], want: int | None, primary: int) -> Plan | None:
+def decide(views: Sequence[dict[str, Any]], want: int | None, primary: int) -> RestorePlan | None:
     """The step to restore (``want``, or the newest restorable), the same in every process.
 
     A step is restorable from the local tier when, for one record digest, every owner's
@@ -117,7 +123,7 @@ def decide(views: Sequence[dict[str, Any]], want: int | None, primary: int) -> P
     for s in steps:
         for d in sorted(local.get(s, ())):
             if all(v != PERSISTENT_SOURCE for v in sources(views, s, d).values()):
-                return Plan(s, d, tuple(views))
+                return RestorePlan(s, d, tuple(views))
         if s in persistent:
-            return Plan(s, None, tuple(views))
+            return RestorePlan(s, None, tuple(views))
     return None

@@ -1,7 +1,7 @@
 """A multi-process local tier's restore reader: each byte from the nearest live holder.
 
 :class:`RestoreReader` is a read-only :class:`~quire._store.base.Backend` over one agreed
-step (``quire._tiers.restore_plan.Plan``).  The load engine reads the step through it
+step (``quire._tiers.restore_plan.RestorePlan``).  The load engine reads the step through it
 (``quire._store.url.mounted``: the step's local URL resolves to it for the load), unchanged:
 every chunk is checked against the chunk index and its crc32c as in any load.  Each key goes
 to its **owner**'s objects (``quire._tiers.ownership.owner_of``: a pack or index to its
@@ -42,14 +42,15 @@ from quire._tiers import ownership
 from quire._tiers.providers import (
     PEER_STREAMS,
     Holder,
-    Source,
+    Provider,
     is_peer,
     is_persistent,
-    local_source,
-    peer_source,
-    persistent_source,
+    local_provider,
+    peer_provider,
+    persistent_provider,
 )
 from quire._tiers.read_checks import ChunkChecks
+from quire._tiers.restore_plan import record_digest
 from quire.errors import CorruptCheckpointError, MultiProcessError, PeerError
 
 if TYPE_CHECKING:
@@ -58,13 +59,12 @@ if TYPE_CHECKING:
 __all__ = [
     "PEER_STREAMS",
     "Holder",
+    "Provider",
     "RestoreReader",
-    "Source",
     "agreed_record",
-    "digest",
-    "local_source",
-    "peer_source",
-    "persistent_source",
+    "local_provider",
+    "peer_provider",
+    "persistent_provider",
     "read_record",
 ]
 
@@ -86,7 +86,7 @@ class RestoreReader(Backend):
         It, parsed.
     primary : int
         The primary process (the owner of unit objects).
-    sources : mapping of int to list of Source
+    sources : mapping of int to list of Provider
         Per owner, where to read its objects, nearest first.
     persistent_record : callable, optional
         Returns (awaitable) the persistent tier's record bytes for the step; a
@@ -101,7 +101,7 @@ class RestoreReader(Backend):
         raw: bytes,
         doc: dict[str, Any],
         primary: int,
-        sources: Mapping[int, builtins.list[Source]],
+        sources: Mapping[int, builtins.list[Provider]],
         persistent_record: Any = None,
         keep_open: Any = None,
     ) -> None:
@@ -142,7 +142,7 @@ class RestoreReader(Backend):
             return None
         return ownership.owner_of(key, self.primary, self.doc)
 
-    async def _usable(self, src: Source) -> bool:
+    async def _usable(self, src: Provider) -> bool:
         if src.name in self._lost:
             return False
         if is_persistent(src):
@@ -163,7 +163,7 @@ class RestoreReader(Backend):
             log.warning("%s: the persistent tier holds another record of this step", self.url)
         return bool(same)
 
-    def _order(self, j: int) -> builtins.list[Source]:
+    def _order(self, j: int) -> builtins.list[Provider]:
         """Owner ``j``'s sources in the order to ask them: this root first, then the peer
         holders with the fewest bytes asked of them (ties in the order given: rotated per
         process and owner, so that processes spread over them), the persistent tier last."""
@@ -285,7 +285,7 @@ class RestoreReader(Backend):
         return await self._route(key, lambda s: s.get_into(key, buffers, offset), check)  # type: ignore[no-any-return]
 
     async def _sizes(self, key: str) -> dict[str, int]:
-        async def op(s: Source) -> dict[str, int]:
+        async def op(s: Provider) -> dict[str, int]:
             return await s.listing()
 
         return await self._route(key, op)  # type: ignore[no-any-return]
@@ -349,11 +349,6 @@ async def read_record(backend: Backend, url: str) -> bytes:
     return (await _commit.read(backend, url)).raw
 
 
-def digest(raw: bytes) -> str:
-    """A commit record's digest, as processes compare them when agreeing on a step."""
-    return hashlib.sha256(raw).hexdigest()[:32]
-
-
 async def agreed_record(
     copies: PeerCopies,
     me: int,
@@ -376,7 +371,7 @@ async def agreed_record(
             log.warning("%s: the commit record from process %d: %s", url, h, e)
             errors.append(f"process {h}: {e}")
             continue
-        if digest(got) == want:
+        if record_digest(got) == want:
             return got
         errors.append(f"process {h}: not the agreed record")
     raise PeerError(

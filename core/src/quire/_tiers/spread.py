@@ -49,30 +49,30 @@ from quire._tiers.peer_copies import PeerCopies
 from quire._tiers.placement import domain_of
 from quire._tiers.restore_plan import (
     PERSISTENT_SOURCE,
-    Plan,
+    RestorePlan,
     agreed_doc,
     decide,
     holders,
+    record_digest,
     self_contained,
     sources,
 )
 from quire._tiers.restore_reader import (
     Holder,
+    Provider,
     RestoreReader,
-    Source,
     agreed_record,
-    local_source,
-    peer_source,
-    persistent_source,
+    local_provider,
+    peer_provider,
+    persistent_provider,
     read_record,
 )
-from quire._tiers.restore_reader import digest as _digest
 from quire.errors import CheckpointNotFoundError, MultiProcessError, QuireError
 
 if TYPE_CHECKING:
     from quire._tiers.contracts import Paths, Root, TierSpec
 
-__all__ = ["PERSISTENT_SOURCE", "Plan", "Spread", "decide", "sources"]
+__all__ = ["PERSISTENT_SOURCE", "RestorePlan", "Spread", "decide", "sources"]
 
 log = logging.getLogger("quire")
 
@@ -117,7 +117,7 @@ class Spread:
                 self.peers,
             )
         self.agreed: int | None = None
-        self.plan: Plan | None = None
+        self.plan: RestorePlan | None = None
         self._seq = 0
         self.saves = 0  # local saves so far: the same count in every process
         self.copies: PeerCopies | None = None
@@ -236,11 +236,11 @@ class Spread:
                 continue
             need = ownership.owners(rec.doc, self.primary)
             held = [j for j in need if await ownership.holds(backend, rec.doc, j)]
-            steps[str(s)] = {"d": _digest(rec.raw), "need": need, "held": held}
+            steps[str(s)] = {"d": record_digest(rec.raw), "need": need, "held": held}
         return {"steps": steps, "persistent": persistent}
 
-    def agree(self, want: int | None, persistent: list[int]) -> Plan | None:
-        """Every process's holdings, exchanged; the same :class:`Plan` everywhere (blocking,
+    def agree(self, want: int | None, persistent: list[int]) -> RestorePlan | None:
+        """Every process's holdings, exchanged; the same :class:`RestorePlan` everywhere (blocking,
         collective: every process calls it)."""
         self.local.wait()  # this process's local saves and peer copies
         self.local.reload()
@@ -294,7 +294,7 @@ class Spread:
         return local.load(plan.step, fn, agreed=True)
 
     def _through(
-        self, plan: Plan, url: str, fn: Callable[[str], Any], fallback: Callable[[int], Any]
+        self, plan: RestorePlan, url: str, fn: Callable[[str], Any], fallback: Callable[[int], Any]
     ) -> Any:
         """``fn(url)`` with ``url`` read through the :class:`RestoreReader` (step pinned)."""
         failed, t0 = True, time.monotonic()
@@ -339,7 +339,7 @@ class Spread:
         )
         return out
 
-    async def _assemble(self, plan: Plan) -> bool:
+    async def _assemble(self, plan: RestorePlan) -> bool:
         """Get what this process lacks of ``plan.step`` into its local root; False when the
         whole step is to be read from the persistent tier instead."""
         s = plan.step
@@ -351,7 +351,7 @@ class Spread:
         digest, raw = plan.digest, None
         if digest is None:  # the persistent tier's record: local holders of it help
             raw = (await _commit.read(pb, purl)).raw
-            digest = _digest(raw)
+            digest = record_digest(raw)
             if not any(h for h in holders(views, s, digest).values()):
                 return False
         src = sources(views, s, digest)
@@ -417,7 +417,7 @@ class Spread:
             await _commit.publish(backend, url, raw, doc["txids"], overwrite=True)
         return True
 
-    async def _reader(self, plan: Plan) -> RestoreReader | None:
+    async def _reader(self, plan: RestorePlan) -> RestoreReader | None:
         """Over TCP (``peers > 0``): the read-only view the load reads ``plan.step``
         through, each owner's objects from this root, else the live holders (nearest and
         least asked first), else the persistent tier; None when no live holder has any
@@ -431,7 +431,7 @@ class Spread:
         digest, raw, praw = plan.digest, None, None
         if digest is None:  # the persistent tier's record: local holders of it help
             raw = praw = (await _commit.read(pb, purl)).raw
-            digest = _digest(raw)
+            digest = record_digest(raw)
             if not any(h for h in holders(views, s, digest).values()):
                 return None
         has_rec = [p for p, v in enumerate(views) if v["steps"].get(str(s), {}).get("d") == digest]
@@ -440,19 +440,19 @@ class Spread:
         doc = agreed_doc(raw, digest, url, s)
         held = holders(views, s, digest)
         in_persistent = s in {int(x) for x in views[self.primary]["persistent"]}
-        by_owner: dict[int, list[Source]] = {}
+        by_owner: dict[int, list[Provider]] = {}
         slots = {h: Holder(copies, h) for h in range(self.count)}
         for j in ownership.owners(doc, self.primary):
             hs = held.get(j, [])
-            srcs = [local_source(backend, doc, j)] if self.me in hs else []
+            srcs = [local_provider(backend, doc, j)] if self.me in hs else []
             others = [h for h in hs if h != self.me]
             if others:
                 k = (self.me + j) % len(others)
                 srcs += [
-                    peer_source(copies, h, rel, doc, j, slots[h]) for h in others[k:] + others[:k]
+                    peer_provider(copies, h, rel, doc, j, slots[h]) for h in others[k:] + others[:k]
                 ]
             if in_persistent:
-                srcs.append(persistent_source(pb, purl, doc, j, self.primary))
+                srcs.append(persistent_provider(pb, purl, doc, j, self.primary))
             by_owner[j] = srcs
 
         async def persistent_record() -> bytes:
