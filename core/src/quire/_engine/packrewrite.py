@@ -25,7 +25,7 @@ of the versions that lost a leaf since (the others are wholly live and kept unre
 
 Liveness is decided once, before anything moves.  Nothing is deleted here before the
 commit: the new record names the kept indexes plus ``R``'s and every txid whose packs it
-uses, and after the commit point the caller deletes :attr:`Plan.dropped` (the rewritten
+uses, and after the commit point the caller deletes :attr:`RewritePlan.dropped` (the rewritten
 packs and the superseded index objects inside txids that stay live); txids with no live
 data left go the usual way.  A crash before the commit leaves the journal untouched
 (loadable, finalize can be run again) and ``d/R/`` unreferenced: garbage for ``quire gc``.
@@ -72,7 +72,7 @@ CONCURRENCY = 8  # coalesced range reads in flight
 
 
 @dataclass(frozen=True)
-class Plan:
+class RewritePlan:
     """What a finalize commits: the tree (moved leaves relocated), the chunk indexes and
     txids the record names, and what to delete once it is committed."""
 
@@ -169,7 +169,7 @@ async def plan(
     pack_bytes: int,
     byte_budget: int,
     suspects: Collection[str] | None = None,
-) -> Plan:
+) -> RewritePlan:
     """Decide which packs to rewrite, copy their live chunks under ``new_txid`` and write
     its indexes; returns what to commit.  Only the indexes of txids in ``suspects`` (all
     when None) are read: the others are known to be wholly live and are kept unread.  On
@@ -181,7 +181,7 @@ async def plan(
     untouched = [e for e in entries if suspects is not None and e["txid"] not in suspects]
     entries = [e for e in entries if suspects is None or e["txid"] in suspects]
     if not entries:
-        return Plan(tree, untouched, base_txids)
+        return RewritePlan(tree, untouched, base_txids)
     refs = await _read_indexes(backend, url, entries)
     sizes = pack_liveness(refs, live)
     doomed = {p for p, (n, size) in sizes.items() if rewrites(n, size)}
@@ -208,7 +208,7 @@ async def plan(
         "indexes_blocked": blocked,
     }
     if not sup:
-        return Plan(tree, untouched + list(entries), base_txids, stats=stats)
+        return RewritePlan(tree, untouched + list(entries), base_txids, stats=stats)
     dropped_packs = {r.target for i in sup for r in refs[i].values() if r.target in doomed}
     assert all(p is not None for p in dropped_packs)
     stats["packs_rewritten"] = len(dropped_packs)
@@ -283,7 +283,7 @@ async def plan(
         "%s: finalize rewrote %d of %d packs (%d live bytes copied into d/%s)",
         url, stats["packs_rewritten"], stats["packs"], stats["bytes_copied"], new_txid,
     )  # fmt: skip
-    return Plan(out_tree, indexes, txids, new_txid if new_entries else None, dropped, stats)
+    return RewritePlan(out_tree, indexes, txids, new_txid if new_entries else None, dropped, stats)
 
 
 async def _copy(
@@ -362,7 +362,7 @@ async def _copy(
 
 async def finalize_plan(
     backend: Backend, url: str, tree: dict[str, Any], records: Sequence[Mapping[str, Any]]
-) -> Plan:
+) -> RewritePlan:
     """:func:`plan` for ``quire.partial.finalize`` of the journal ``records`` replayed into
     ``tree``, on this (the finalizing) process, with the current Context's ``pack_bytes``
     and ``byte_budget``; removes its own data on failure.  It reads only the indexes of
@@ -391,7 +391,7 @@ async def finalize_plan(
 
 
 @contextlib.asynccontextmanager
-async def committing(backend: Backend, url: str, p: Plan) -> AsyncIterator[None]:
+async def committing(backend: Backend, url: str, p: RewritePlan) -> AsyncIterator[None]:
     """Around the commit of ``p``'s record: when another finalize won the race, remove the
     rewrite's data (nothing references it); once committed, delete what it superseded."""
     try:

@@ -26,7 +26,7 @@ def _norm_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice
 
 
 @dataclass
-class _Plan:
+class ArrayPlan:
     """Where an array's owned chunks come from (host copies for async saves)."""
 
     shape: tuple[int, ...]
@@ -78,7 +78,7 @@ def _plan(
     path: tuple[Any, ...],
     writers: Writers | None = None,
     stage: Callable[[Any], Any] | None = None,
-) -> _Plan:
+) -> ArrayPlan:
     """The save plan of ``value``; ``stage(shard)``, if given, is the array a ``jax.Array``
     shard's bytes are read from (``quire._handlers.arraysnap``: a pinned host copy)."""
     cast = None if storage.dtype is None else np.dtype(storage.dtype)
@@ -87,7 +87,7 @@ def _plan(
     if isinstance(value, jax.Array) and writers is not None:
         # replica-parallel (quire._handlers.replicas): this process's pieces, any replica
         on_cpu = all(getattr(d, "platform", "") == "cpu" for d in value.sharding.device_set)
-        plan = _Plan(
+        plan = ArrayPlan(
             tuple(value.shape),
             np.dtype(value.dtype),
             writers.chunk_shape,
@@ -123,14 +123,14 @@ def _plan(
                 )
             chunk = shape
             owned = [(tuple(0 for _ in shape), _host(value))]
-        plan = _Plan(shape, src, chunk, owned, not on_cpu, sharding_json(sharding))
+        plan = ArrayPlan(shape, src, chunk, owned, not on_cpu, sharding_json(sharding))
     else:
         arr = np.asarray(value)
         swapped = not arr.dtype.isnative and arr.dtype.kind in "iufc"
         if swapped:  # store little-endian, like every other array
             arr = arr.astype(arr.dtype.newbyteorder("="))
         shape = tuple(arr.shape)
-        plan = _Plan(shape, arr.dtype, shape, [(tuple(0 for _ in shape), _const(arr))], swapped)
+        plan = ArrayPlan(shape, arr.dtype, shape, [(tuple(0 for _ in shape), _const(arr))], swapped)
     try:
         dtype_name(plan.dtype)
     except TypeError:
@@ -158,7 +158,7 @@ def _plan(
     return plan
 
 
-def _layout(plan: _Plan, storage: Any, url: str) -> ArrayLayout:
+def _layout(plan: ArrayPlan, storage: Any, url: str) -> ArrayLayout:
     comps = tuple(_codecs.resolve(c, url=url) for c in (storage.codecs or ()))
     comps = tuple(c for c in comps if type(c).__name__ != "Crc32cCodec")
     inner = None

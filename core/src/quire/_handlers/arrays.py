@@ -15,9 +15,9 @@ import numpy as np
 from quire._format.dtypes import dtype_from_name, dtype_name
 from quire._format.tree import keystr
 from quire._handlers.arrayplan import (
+    ArrayPlan,
     _layout,
     _norm_index,
-    _Plan,
     _plan,
     layout_from_record,
 )
@@ -175,7 +175,7 @@ class ArrayHandler:
         async def one(e: SaveEntry) -> dict[str, Any]:
             plan = (
                 e.value
-                if isinstance(e.value, _Plan)
+                if isinstance(e.value, ArrayPlan)
                 else _plan(self.to_array(e.value), e.storage, e.path, e.writers)
             )
             layout = _layout(plan, e.storage, ctx.url)

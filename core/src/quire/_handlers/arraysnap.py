@@ -29,13 +29,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from quire._handlers.arrayplan import _const, _Plan, _plan
+from quire._handlers.arrayplan import ArrayPlan, _const, _plan
 from quire._handlers.base import SaveEntry
 from quire._runtime.config import current
 from quire._runtime.hostbuf import staging
 from quire._runtime.ioloop import pool
 
-_Job = tuple[_Plan, int, Callable[[], "np.ndarray | None"]]
+_Job = tuple[ArrayPlan, int, Callable[[], "np.ndarray | None"]]
 
 log = logging.getLogger("quire")
 
@@ -75,7 +75,7 @@ def _stager(a: Any, pinned: bool | None) -> Callable[[Any], Any] | None:
     return stage
 
 
-def snapshot_plans(arrays: Sequence[Any], entries: Sequence[SaveEntry]) -> list[_Plan]:
+def snapshot_plans(arrays: Sequence[Any], entries: Sequence[SaveEntry]) -> list[ArrayPlan]:
     """The save plans of ``arrays`` (the entries' values as arrays), every owned shard a
     constant the caller can no longer change: a protected view, the transfer's host array,
     a fresh cast, or a staging copy."""

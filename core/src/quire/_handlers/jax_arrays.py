@@ -12,7 +12,7 @@ import numpy as np
 
 from quire._format.bounds import prng_impls
 from quire._format.tree import keystr
-from quire._handlers.arrayplan import _Plan
+from quire._handlers.arrayplan import ArrayPlan
 from quire._handlers.arrays import ArrayHandler
 from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry
 from quire.errors import CorruptCheckpointError, UnsupportedLeafError
@@ -49,7 +49,7 @@ class JaxArrayHandler(ArrayHandler):
 
 def _impl_and_shape(value: Any) -> tuple[str, tuple[int, ...]]:
     """A key's (or its host snapshot's) implementation name and key shape."""
-    if isinstance(value, _Plan):
+    if isinstance(value, ArrayPlan):
         impl, shape = value.impl, value.key_shape  # type: ignore[attr-defined]
     else:
         impl, shape = jax.random.key_impl(value), value.shape
