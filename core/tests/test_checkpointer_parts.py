@@ -17,10 +17,10 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import quire
+from quire._checkpointer.background import BackgroundTasks
 from quire._checkpointer.deciding import SaveDecider, preempted
 from quire._checkpointer.ledger import StepLedger
 from quire._checkpointer.retain import Retention
-from quire._checkpointer.tasks import BackgroundTasks
 from quire._format import root as _root
 from quire._runtime import ioloop as _io
 from quire._store.url import open_backend

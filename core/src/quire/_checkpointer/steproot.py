@@ -7,7 +7,7 @@ Checkpointer's ``SaveDecider`` does); it saves when told, and holds its parts:
 
 * the :class:`~quire._checkpointer.ledger.StepLedger` (which steps are committed,
   pinned, being deleted or saved),
-* :class:`~quire._checkpointer.tasks.BackgroundTasks` (the save in flight, the retention
+* :class:`~quire._checkpointer.background.BackgroundTasks` (the save in flight, the retention
   chain, the kept errors),
 * :class:`~quire._checkpointer.retain.Retention` (the keep policy, garbage collection),
 * with ``incremental``, the root's ``quire._engine.incremental.Incremental``.
@@ -39,10 +39,10 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 from quire import _api
+from quire._checkpointer.background import BackgroundTasks
 from quire._checkpointer.keep_policies import BestN, KeepPolicy, StepInfo
 from quire._checkpointer.ledger import StepLedger, as_step, clean_metrics
 from quire._checkpointer.retain import Retention
-from quire._checkpointer.tasks import BackgroundTasks
 from quire._engine import garbage as _gc
 from quire._engine import incremental as _inc
 from quire._format import root as _root
