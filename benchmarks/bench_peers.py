@@ -12,7 +12,7 @@ pack file of ``--mib`` MiB in their own tier directory (written, then read back 
 is in the page cache).  Each process runs a server of each transport on its directory.  The
 ways a pack moves:
 
-* **tls**: ``peerlink.fetch_into`` (a restore's read: into a buffer allocated once) over TLS
+* **tls**: ``link.fetch_into`` (a restore's read: into a buffer allocated once) over TLS
   1.3 (this checkout: ``ssl``, AES-GCM records, the ephemeral certificates pinned through
   the key-value store);
 * **old**: the peer link of ``--baseline-rev`` (default ``b5b9b53``, the last commit with the
@@ -59,7 +59,7 @@ from typing import Any
 
 PREFIX = "BENCH-PEERS "
 ROOT = Path(__file__).resolve().parents[1]
-OLD_MODULES = ("peerlink", "peerconn", "peerserve", "peerwire")
+OLD_MODULES = ("peerlink", "peerconn", "peerserve", "peerwire")  # their names at that revision
 
 
 def load_peer_modules(rev: str, into: str) -> str:
@@ -92,7 +92,7 @@ def worker(pid: int, nproc: int, port: int, opts: dict[str, Any]) -> None:
     import numpy as np
     from jax._src import distributed
 
-    from quire._peers import peerlink
+    from quire._peers import link
     from quire._runtime.collective import ring_shift
 
     client = distributed.global_state.client
@@ -130,14 +130,14 @@ def worker(pid: int, nproc: int, port: int, opts: dict[str, Any]) -> None:
         return time.perf_counter() - t, cpu() - c
 
     prev, one_src = (pid - 1) % nproc, 0
-    creds = peerlink.run_credentials("bench/certs", 60)
-    server = peerlink.PeerServer(tier, creds)
-    peerlink.publish_address("bench/tls", server.address)
-    tls_at = {j: peerlink.lookup_address("bench/tls", j, 60) for j in (prev, one_src)}
+    creds = link.run_credentials("bench/certs", 60)
+    server = link.PeerServer(tier, creds)
+    link.publish_address("bench/tls", server.address)
+    tls_at = {j: link.lookup_address("bench/tls", j, 60) for j in (prev, one_src)}
     into = [memoryview(bytearray(nbytes))]  # one buffer, touched once: no allocation timed
     into[0][:] = pack.read_bytes()
     ways: dict[str, Any] = {
-        "tls": lambda j: peerlink.fetch_into(tls_at[j], "pack", creds.peer(j), 600, into, 0),
+        "tls": lambda j: link.fetch_into(tls_at[j], "pack", creds.peer(j), 600, into, 0),
     }
     old_server = None
     if opts.get("old"):

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from quire._peers.peertls import Credentials, Identity
+from quire._peers.tls import Credentials, Identity
 
 BIG = 3 * (1 << 20) + 12345  # several of the server's 1 MiB blocks, not a multiple
 

@@ -212,11 +212,11 @@ def test_the_check_fails_on_a_peer_link_user_below_the_tiers(tmp_path: Path) -> 
     copy = tmp_path / "quire"
     shutil.copytree(SRC, copy, ignore=shutil.ignore_patterns("__pycache__"))
     save = copy / "_engine" / "save.py"
-    save.write_text(save.read_text() + "\nfrom quire._peers import peerlink  # noqa\n")
+    save.write_text(save.read_text() + "\nfrom quire._peers import link  # noqa\n")
     found = violations(copy)
     assert [v for v in found if "quire._engine.save" in v] == [
         f"quire._engine.save:{len(save.read_text().splitlines())} imports "
-        "quire._peers.peerlink: peers is for tiers and the rooms above it, not engine"
+        "quire._peers.link: peers is for tiers and the rooms above it, not engine"
     ]
 
 

@@ -31,16 +31,16 @@ from peer_helpers import (
     tls_connect,
 )
 
-from quire._peers import peerlink
-from quire._peers.peertls import Credentials
-from quire._peers.peerwire import ANS, MAX_PATH_BYTES, REQ
+from quire._peers import link
+from quire._peers.tls import Credentials
+from quire._peers.wire import ANS, MAX_PATH_BYTES, REQ
 from quire._runtime.collective import ring_shift
 from quire.errors import MultiProcessError, PeerError
 
 
 @pytest.fixture(scope="module")
 def creds() -> Credentials:
-    return peerlink.run_credentials("test/peers", 1.0)  # one JAX process: its own only
+    return link.run_credentials("test/peers", 1.0)  # one JAX process: its own only
 
 
 @pytest.fixture
@@ -49,16 +49,16 @@ def tier(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def server(tier: Path, creds: Credentials) -> Iterator[peerlink.PeerServer]:
-    with peerlink.PeerServer(tier, creds, idle_timeout=5.0) as s:
+def server(tier: Path, creds: Credentials) -> Iterator[link.PeerServer]:
+    with link.PeerServer(tier, creds, idle_timeout=5.0) as s:
         yield s
 
 
-def test_fetches_files_whole(server: peerlink.PeerServer, tier: Path, creds: Credentials) -> None:
+def test_fetches_files_whole(server: link.PeerServer, tier: Path, creds: Credentials) -> None:
     me = creds.peer(0)
     big = (tier / "d" / "tx" / "p00000").read_bytes()
-    assert peerlink.fetch(server.address, "d/tx/p00000", me, 30, BIG) == big
-    got = peerlink.fetch_many(
+    assert link.fetch(server.address, "d/tx/p00000", me, 30, BIG) == big
+    got = link.fetch_many(
         server.address, ["d/tx/idx.json", "empty", "inside_link", "d/tx/p00000"], me, 30, 1 << 30
     )
     assert got == [b'{"a": 1}', b"", b'{"a": 1}', big]
@@ -66,7 +66,7 @@ def test_fetches_files_whole(server: peerlink.PeerServer, tier: Path, creds: Cre
 
 
 def test_speaks_tls_1_3_only_with_a_certificate_on_both_sides(
-    server: peerlink.PeerServer, creds: Credentials
+    server: link.PeerServer, creds: Credentials
 ) -> None:
     with tls_connect(server.address, creds) as s:
         assert s.version() == "TLSv1.3"
@@ -77,7 +77,7 @@ def test_speaks_tls_1_3_only_with_a_certificate_on_both_sides(
 
 
 def test_listens_only_on_the_interface_given(tier: Path, creds: Credentials) -> None:
-    with peerlink.PeerServer(tier, creds) as s:
+    with link.PeerServer(tier, creds) as s:
         sock = s._server.socket
         assert sock.getsockname()[0] == "127.0.0.1"
         assert sock.family == socket.AF_INET
@@ -102,7 +102,7 @@ def test_listens_only_on_the_interface_given(tier: Path, creds: Credentials) -> 
     ],
 )
 def test_refuses_paths_outside_or_not_files(
-    server: peerlink.PeerServer,
+    server: link.PeerServer,
     tier: Path,
     creds: Credentials,
     caplog: pytest.LogCaptureFixture,
@@ -113,7 +113,7 @@ def test_refuses_paths_outside_or_not_files(
     before = snapshot(tier.parent)
     t = time.monotonic()
     with pytest.raises(PeerError) as e:
-        peerlink.fetch(server.address, path, creds.peer(0), 10, 1 << 30)
+        link.fetch(server.address, path, creds.peer(0), 10, 1 << 30)
     assert time.monotonic() - t < 5  # the FIFO never blocks the server
     msg = str(e.value)
     assert f"{server.address[0]}:{server.address[1]}" in msg and repr(path) in msg
@@ -123,25 +123,25 @@ def test_refuses_paths_outside_or_not_files(
     assert "process 0 at 127.0.0.1:" in warned[0].getMessage()
     assert snapshot(tier.parent) == before
     # the connection of an authenticated client survives a refusal
-    assert peerlink.fetch_many(server.address, ["empty"], creds.peer(0), 10, 10) == [b""]
+    assert link.fetch_many(server.address, ["empty"], creds.peer(0), 10, 10) == [b""]
 
 
 def test_file_longer_than_asked_is_refused(
-    server: peerlink.PeerServer, creds: Credentials, caplog: pytest.LogCaptureFixture
+    server: link.PeerServer, creds: Credentials, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="quire")
     me = creds.peer(0)
     with pytest.raises(PeerError, match=f"file of {BIG} bytes, more than the {BIG - 1}"):
-        peerlink.fetch(server.address, "d/tx/p00000", me, 10, BIG - 1)
+        link.fetch(server.address, "d/tx/p00000", me, 10, BIG - 1)
     assert f"more than the {BIG - 1} asked for" in caplog.text
     # fetch_many's bound is for all files together
     with pytest.raises(PeerError, match="more than the 1 asked for"):
-        peerlink.fetch_many(server.address, ["d/tx/idx.json", "d/tx/idx.json"], me, 10, 9)
+        link.fetch_many(server.address, ["d/tx/idx.json", "d/tx/idx.json"], me, 10, 9)
     assert issubclass(PeerError, MultiProcessError)
 
 
 def test_oversize_or_unknown_requests_are_refused_unread(
-    server: peerlink.PeerServer, creds: Credentials, caplog: pytest.LogCaptureFixture
+    server: link.PeerServer, creds: Credentials, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="quire")
     for head in (REQ.pack(b"G", MAX_PATH_BYTES + 1, 10, 0, 0), REQ.pack(b"X", 1, 10, 0, 0)):
@@ -153,11 +153,11 @@ def test_oversize_or_unknown_requests_are_refused_unread(
             assert sock.recv(10) == b""  # and the server hung up
     assert "oversize request" in caplog.text and "unknown request" in caplog.text
     with pytest.raises(PeerError, match=f"at most {MAX_PATH_BYTES}"):
-        peerlink.fetch(server.address, "a" * (MAX_PATH_BYTES + 1), creds.peer(0), 5, 10)
+        link.fetch(server.address, "a" * (MAX_PATH_BYTES + 1), creds.peer(0), 5, 10)
 
 
 def test_idle_connections_are_dropped(tier: Path, creds: Credentials) -> None:
-    with peerlink.PeerServer(tier, creds, idle_timeout=0.3, handshake_timeout=0.3) as s:
+    with link.PeerServer(tier, creds, idle_timeout=0.3, handshake_timeout=0.3) as s:
         silent = socket.create_connection(s.address, timeout=5)  # never says hello
         authed = tls_connect(s.address, creds)  # authenticated, then asks nothing
         t = time.monotonic()
@@ -173,13 +173,13 @@ def test_a_peer_that_never_answers_times_out(creds: Credentials) -> None:
     for where in fake_peer(lambda conn: None):  # accepts, says nothing
         t = time.monotonic()
         with pytest.raises(PeerError, match=r"no answer within the 0\.5s deadline") as e:
-            peerlink.fetch(where, "d/tx/p00000", creds.peer(0), 0.5, 100)
+            link.fetch(where, "d/tx/p00000", creds.peer(0), 0.5, 100)
         assert time.monotonic() - t < 2
         assert f"{where[0]}:{where[1]}" in str(e.value) and "'d/tx/p00000'" in str(e.value)
 
 
 def test_a_peer_that_stalls_mid_answer_times_out(
-    server: peerlink.PeerServer, creds: Credentials
+    server: link.PeerServer, creds: Credentials
 ) -> None:
     def stall(data: bytes, offset: int) -> bytes:
         if offset > 200_000:
@@ -189,7 +189,7 @@ def test_a_peer_that_stalls_mid_answer_times_out(
     for where in relay(server.address, stall):
         t = time.monotonic()
         with pytest.raises(PeerError, match="no answer within"):
-            peerlink.fetch(where, "d/tx/p00000", creds.peer(0), 0.5, BIG)
+            link.fetch(where, "d/tx/p00000", creds.peer(0), 0.5, BIG)
         assert time.monotonic() - t < 2
 
 
@@ -197,26 +197,26 @@ def test_not_a_peer(creds: Credentials, caplog: pytest.LogCaptureFixture) -> Non
     caplog.set_level(logging.WARNING, logger="quire")
     for where in fake_peer(lambda conn: conn.sendall(b"HTTP/1.1 400 Bad Request\r\n" * 3)):
         with pytest.raises(PeerError, match=r"TLS 1\.3 handshake failed"):
-            peerlink.fetch(where, "f", creds.peer(0), 5, 10)
+            link.fetch(where, "f", creds.peer(0), 5, 10)
     assert "TLS 1.3 handshake failed" in caplog.text
 
 
 def test_an_altered_answer_is_refused(
-    server: peerlink.PeerServer, creds: Credentials, caplog: pytest.LogCaptureFixture
+    server: link.PeerServer, creds: Credentials, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="quire")
     for spot in (100_000, 2_500_000):  # a byte of the body's TLS records
         for where in relay(server.address, flip_at(spot)):
             with pytest.raises(PeerError, match="TLS record failed its check"):
-                peerlink.fetch(where, "d/tx/p00000", creds.peer(0), 10, BIG)
+                link.fetch(where, "d/tx/p00000", creds.peer(0), 10, BIG)
     where_s = f"peer {where[0]}:{where[1]} (process 0), file 'd/tx/p00000'"
     assert where_s in caplog.text
     for where in relay(server.address):  # the relay itself is harmless
-        assert len(peerlink.fetch(where, "d/tx/p00000", creds.peer(0), 10, BIG)) == BIG
+        assert len(link.fetch(where, "d/tx/p00000", creds.peer(0), 10, BIG)) == BIG
 
 
 def test_a_cut_answer_is_refused(
-    server: peerlink.PeerServer, creds: Credentials, caplog: pytest.LogCaptureFixture
+    server: link.PeerServer, creds: Credentials, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="quire")
 
@@ -225,33 +225,33 @@ def test_a_cut_answer_is_refused(
 
     for where in relay(server.address, cut):
         with pytest.raises(PeerError, match="short answer"):
-            peerlink.fetch(where, "d/tx/p00000", creds.peer(0), 10, BIG)
+            link.fetch(where, "d/tx/p00000", creds.peer(0), 10, BIG)
         assert "file 'd/tx/p00000': short answer" in caplog.text
 
 
 def test_closed_server_is_unreachable(tier: Path, creds: Credentials) -> None:
-    s = peerlink.PeerServer(tier, creds)
+    s = link.PeerServer(tier, creds)
     sock = tls_connect(s.address, creds)  # an open connection does not keep close() waiting
     t = time.monotonic()
     s.close()
     assert time.monotonic() - t < 3
     s.close()  # idempotent
     with pytest.raises(PeerError, match="cannot reach the peer"):
-        peerlink.fetch(s.address, "empty", creds.peer(0), 2, 10)
+        link.fetch(s.address, "empty", creds.peer(0), 2, 10)
     sock.close()
 
 
 def test_bad_arguments(tier: Path, creds: Credentials) -> None:
     with pytest.raises(TypeError, match="run_credentials"):
-        peerlink.PeerServer(tier, b"a secret" * 4)  # type: ignore[arg-type]
+        link.PeerServer(tier, b"a secret" * 4)  # type: ignore[arg-type]
     with pytest.raises(NotADirectoryError):
-        peerlink.PeerServer(tier / "empty", creds)
+        link.PeerServer(tier / "empty", creds)
     with pytest.raises(KeyError, match="process 3"):
         creds.peer(3)
 
 
 def test_one_process() -> None:
-    a, b = peerlink.run_credentials("k", 1.0), peerlink.run_credentials("k", 1.0)
+    a, b = link.run_credentials("k", 1.0), link.run_credentials("k", 1.0)
     assert a.processes == b.processes == [0]
     assert a.peer(0).fingerprint != b.peer(0).fingerprint  # a fresh key each time
     assert ring_shift("k", b"abc", 1, 1.0) == b"abc"
@@ -259,31 +259,31 @@ def test_one_process() -> None:
 
 
 def test_fetch_to_writes_only_a_whole_file(
-    server: peerlink.PeerServer, tier: Path, tmp_path: Path, creds: Credentials
+    server: link.PeerServer, tier: Path, tmp_path: Path, creds: Credentials
 ) -> None:
     me = creds.peer(0)
     mine = tmp_path / "mine"
     mine.mkdir()
     dest = mine / "p00000"
     big = (tier / "d" / "tx" / "p00000").read_bytes()
-    assert peerlink.fetch_to(server.address, "d/tx/p00000", me, 30, BIG, dest) == BIG
+    assert link.fetch_to(server.address, "d/tx/p00000", me, 30, BIG, dest) == BIG
     assert dest.read_bytes() == big
     assert os.listdir(mine) == ["p00000"]
     # failures leave the destination as it was, and no partial file
     dest.write_bytes(b"old")
     with pytest.raises(PeerError, match="leaves the served directory"):
-        peerlink.fetch_to(server.address, "escape", me, 30, BIG, dest)
+        link.fetch_to(server.address, "escape", me, 30, BIG, dest)
     for where in relay(server.address, flip_at(2_500_000, 0x80)):
         with pytest.raises(PeerError, match="TLS record failed its check"):
-            peerlink.fetch_to(where, "d/tx/p00000", me, 30, BIG, dest)
+            link.fetch_to(where, "d/tx/p00000", me, 30, BIG, dest)
     assert dest.read_bytes() == b"old" and os.listdir(mine) == ["p00000"]
     # the caller's own file system failing is not the peer's fault
     with pytest.raises(FileNotFoundError):
-        peerlink.fetch_to(server.address, "empty", me, 30, 10, mine / "no" / "such")
+        link.fetch_to(server.address, "empty", me, 30, 10, mine / "no" / "such")
 
 
 def test_concurrent_clients_each_get_the_whole_file(
-    server: peerlink.PeerServer, tier: Path, creds: Credentials
+    server: link.PeerServer, tier: Path, creds: Credentials
 ) -> None:
     import concurrent.futures
 
@@ -291,7 +291,7 @@ def test_concurrent_clients_each_get_the_whole_file(
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         got = list(
             pool.map(
-                lambda _: peerlink.fetch(server.address, "d/tx/p00000", creds.peer(0), 60, BIG),
+                lambda _: link.fetch(server.address, "d/tx/p00000", creds.peer(0), 60, BIG),
                 range(6),
             )
         )
@@ -306,23 +306,23 @@ def test_ring_shift_counts_bytes_of_any_buffer() -> None:
 
 
 def test_a_link_to_the_root_itself_is_not_a_file(
-    server: peerlink.PeerServer, tier: Path, creds: Credentials
+    server: link.PeerServer, tier: Path, creds: Credentials
 ) -> None:
     (tier / "self").symlink_to(tier)
     with pytest.raises(PeerError, match="not a regular file"):
-        peerlink.fetch(server.address, "self", creds.peer(0), 5, 10)
+        link.fetch(server.address, "self", creds.peer(0), 5, 10)
     # and through it, files inside the root are served as themselves
-    assert peerlink.fetch(server.address, "self/empty", creds.peer(0), 5, 10) == b""
+    assert link.fetch(server.address, "self/empty", creds.peer(0), 5, 10) == b""
 
 
 def test_fetches_byte_ranges_and_counts_what_it_served(
-    server: peerlink.PeerServer, tier: Path, creds: Credentials
+    server: link.PeerServer, tier: Path, creds: Credentials
 ) -> None:
     me = creds.peer(0)
     big = (tier / "d" / "tx" / "p00000").read_bytes()
     a, b = 1_000_000, 2_500_001  # across the server's 1 MiB blocks
-    assert peerlink.fetch(server.address, "d/tx/p00000", me, 30, b - a, a, b) == big[a:b]
-    got = peerlink.fetch_many(
+    assert link.fetch(server.address, "d/tx/p00000", me, 30, b - a, a, b) == big[a:b]
+    got = link.fetch_many(
         server.address,
         ["d/tx/p00000", "d/tx/idx.json", "d/tx/p00000", "empty"],
         me,
@@ -333,62 +333,62 @@ def test_fetches_byte_ranges_and_counts_what_it_served(
     assert got == [big[-7:], b'{"a": 1}', b"", b""]
     assert server.served == (b - a) + 7 + 8 and server.requests == 5
     # a range may be longer than the file's own limit allows only up to max_bytes
-    assert peerlink.fetch(server.address, "d/tx/p00000", me, 30, 10, 0, 10) == big[:10]
+    assert link.fetch(server.address, "d/tx/p00000", me, 30, 10, 0, 10) == big[:10]
 
 
 def test_ranges_past_the_end_reversed_or_longer_than_asked_are_refused(
-    server: peerlink.PeerServer, tier: Path, creds: Credentials, caplog: pytest.LogCaptureFixture
+    server: link.PeerServer, tier: Path, creds: Credentials, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="quire")
     me = creds.peer(0)
     before = snapshot(tier.parent)
     with pytest.raises(PeerError, match=f"range ends at byte {BIG + 1}, past the end"):
-        peerlink.fetch(server.address, "d/tx/p00000", me, 10, 100, BIG - 1, BIG + 1)
+        link.fetch(server.address, "d/tx/p00000", me, 10, 100, BIG - 1, BIG + 1)
     with pytest.raises(PeerError, match="longer than the 9 bytes asked for"):
-        peerlink.fetch(server.address, "d/tx/p00000", me, 10, 9, 0, 10)
+        link.fetch(server.address, "d/tx/p00000", me, 10, 9, 0, 10)
     with pytest.raises(PeerError, match="no such file"):
-        peerlink.fetch(server.address, "d/tx/nope", me, 10, 9, 0, 1)
+        link.fetch(server.address, "d/tx/nope", me, 10, 9, 0, 1)
     with pytest.raises(PeerError, match=r"with '\.\.'"):
-        peerlink.fetch(server.address, "d/../../outside/secret.txt", me, 10, 9, 0, 1)
+        link.fetch(server.address, "d/../../outside/secret.txt", me, 10, 9, 0, 1)
     with pytest.raises(ValueError, match="both start and end"):
-        peerlink.fetch(server.address, "d/tx/p00000", me, 10, 9, 0)
+        link.fetch(server.address, "d/tx/p00000", me, 10, 9, 0)
     with pytest.raises(ValueError, match="bad range"):
-        peerlink.fetch(server.address, "d/tx/p00000", me, 10, 9, 5, 4)
+        link.fetch(server.address, "d/tx/p00000", me, 10, 9, 5, 4)
     assert caplog.text.count("refused") >= 4 and "past the end" in caplog.text
     assert snapshot(tier.parent) == before and server.served == 0
 
 
 def test_fetch_into_fills_the_callers_buffers(
-    server: peerlink.PeerServer, tier: Path, creds: Credentials
+    server: link.PeerServer, tier: Path, creds: Credentials
 ) -> None:
     me = creds.peer(0)
     big = (tier / "d" / "tx" / "p00000").read_bytes()
     a, b = bytearray(1_500_000), bytearray(700_001)  # across the server's 1 MiB blocks
-    n = peerlink.fetch_into(
+    n = link.fetch_into(
         server.address, "d/tx/p00000", me, 30, [memoryview(a), memoryview(b)], 12_345
     )
     assert n == len(a) + len(b) and bytes(a + b) == big[12_345 : 12_345 + n]
     with pytest.raises(PeerError, match="past the end"):
-        peerlink.fetch_into(server.address, "d/tx/p00000", me, 30, [memoryview(a)], BIG)
+        link.fetch_into(server.address, "d/tx/p00000", me, 30, [memoryview(a)], BIG)
     for where in relay(server.address, flip_at(1000)):
         with pytest.raises(PeerError, match="TLS"):
-            peerlink.fetch_into(where, "d/tx/p00000", me, 30, [memoryview(a)], 0)
+            link.fetch_into(where, "d/tx/p00000", me, 30, [memoryview(a)], 0)
 
 
 def test_a_pool_keeps_connections_and_replaces_dropped_ones(tier: Path, creds: Credentials) -> None:
     me = creds.peer(0)
     big = (tier / "d" / "tx" / "p00000").read_bytes()
     with (
-        peerlink.PeerServer(tier, creds, idle_timeout=0.3) as s,
-        peerlink.Pool(s.address, me, 2) as pool,
+        link.PeerServer(tier, creds, idle_timeout=0.3) as s,
+        link.Pool(s.address, me, 2) as pool,
     ):
         for i in range(3):
-            got = peerlink.fetch(s.address, "d/tx/p00000", me, 5, 10, i, i + 10, pool=pool)
+            got = link.fetch(s.address, "d/tx/p00000", me, 5, 10, i, i + 10, pool=pool)
             assert got == big[i : i + 10]
         assert pool.connections == 1
         time.sleep(0.8)  # the server drops the idle connection
-        assert peerlink.fetch(s.address, "empty", me, 5, 10, 0, 0, pool=pool) == b""
+        assert link.fetch(s.address, "empty", me, 5, 10, 0, 0, pool=pool) == b""
         assert pool.connections == 2
         with pytest.raises(ValueError, match="a pool of process 0 used for process 1"):
-            other = peerlink.Pinned(1, me.fingerprint, me.context)
-            peerlink.fetch(s.address, "empty", other, 5, 10, pool=pool)
+            other = link.Pinned(1, me.fingerprint, me.context)
+            link.fetch(s.address, "empty", other, 5, 10, pool=pool)

@@ -30,10 +30,10 @@ from pathlib import Path
 import pytest
 from peer_helpers import BIG, fake_peer, flip_at, make_tier, read_exact, relay, run_of, tls_connect
 
-from quire._peers import peerlink
-from quire._peers.peerserve import _Warnings
-from quire._peers.peertls import Credentials, Identity
-from quire._peers.peerwire import ANS, REQ
+from quire._peers import link
+from quire._peers.server import _Warnings
+from quire._peers.tls import Credentials, Identity
+from quire._peers.wire import ANS, REQ
 from quire.errors import PeerError
 
 RUN, CERTS = run_of(2)  # processes 0 and 1 of one run
@@ -46,9 +46,9 @@ def tier(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def server(tier: Path) -> Iterator[peerlink.PeerServer]:
+def server(tier: Path) -> Iterator[link.PeerServer]:
     """Process 0's server; the tests' client is process 1."""
-    with peerlink.PeerServer(tier, P0, idle_timeout=5.0) as s:
+    with link.PeerServer(tier, P0, idle_timeout=5.0) as s:
         yield s
 
 
@@ -72,29 +72,29 @@ def drain(sock: socket.socket) -> bytes:
 
 # ---------------------------------------------------------------------- forgery, MITM
 def test_a_server_without_the_pinned_certificate_is_refused_unasked(
-    tmp_path: Path, server: peerlink.PeerServer, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, server: link.PeerServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="quire")
     forged = make_tier(tmp_path / "forged")
     (forged / "d" / "tx" / "idx.json").write_bytes(b'{"a": "forged"}')
     # another run's process 0, serving forged files where process 0 was published
-    with peerlink.PeerServer(forged, outsider(0)) as mitm:
+    with link.PeerServer(forged, outsider(0)) as mitm:
         with pytest.raises(PeerError, match="TLS certificate is not one of this run's") as e:
-            peerlink.fetch(mitm.address, "d/tx/idx.json", P1.peer(0), 5, 100)
+            link.fetch(mitm.address, "d/tx/idx.json", P1.peer(0), 5, 100)
         assert "man in the middle" in str(e.value)
         assert mitm.requests == 0  # the request (its path) never reached it
     # the genuine certificate of the run's process 1, where process 0 was meant
-    with peerlink.PeerServer(forged, P1) as other:
+    with link.PeerServer(forged, P1) as other:
         with pytest.raises(PeerError, match="not the one process 0 published"):
-            peerlink.fetch(other.address, "d/tx/idx.json", P1.peer(0), 5, 100)
+            link.fetch(other.address, "d/tx/idx.json", P1.peer(0), 5, 100)
         assert other.requests == 0
     # a relay that alters the server's handshake
     for where in relay(server.address, flip_at(60)):
         with pytest.raises(PeerError, match="TLS"):
-            peerlink.fetch(where, "d/tx/idx.json", P1.peer(0), 5, 100)
+            link.fetch(where, "d/tx/idx.json", P1.peer(0), 5, 100)
     assert server.requests == 0
     assert caplog.text.count("d/tx/idx.json") >= 3  # each refusal logged by the client
-    assert peerlink.fetch(server.address, "d/tx/idx.json", P1.peer(0), 5, 100) == b'{"a": 1}'
+    assert link.fetch(server.address, "d/tx/idx.json", P1.peer(0), 5, 100) == b'{"a": 1}'
 
 
 @pytest.mark.parametrize("side", ["server", "client"])
@@ -105,28 +105,28 @@ def test_no_downgrade_to_tls_1_2(tier: Path, side: str) -> None:
         ctx.minimum_version = ctx.maximum_version = ssl.TLSVersion.TLSv1_2
     if side == "server":
         creds = old.trust({0: old.cert_pem})
-        with peerlink.PeerServer(tier, creds) as s:
+        with link.PeerServer(tier, creds) as s:
             client = outsider(1, {0: old.cert_pem})
             with pytest.raises(PeerError, match=r"TLS 1\.3 handshake failed"):
-                peerlink.fetch(s.address, "empty", client.peer(0), 5, 10)
+                link.fetch(s.address, "empty", client.peer(0), 5, 10)
             assert s.requests == 0
     else:
         creds = old.trust({1: old.cert_pem, 0: CERTS[0]})
         server = outsider(0, {1: old.cert_pem})
-        with peerlink.PeerServer(tier, server) as s:
+        with link.PeerServer(tier, server) as s:
             with pytest.raises(PeerError, match=r"TLS 1\.3 handshake failed"):
-                peerlink.fetch(s.address, "empty", creds.peer(0), 5, 10)
+                link.fetch(s.address, "empty", creds.peer(0), 5, 10)
             assert s.requests == 0
 
 
 # ---------------------------------------------------------------------- replay
 def test_a_replayed_client_session_gets_nothing_served(
-    server: peerlink.PeerServer, caplog: pytest.LogCaptureFixture
+    server: link.PeerServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="quire")
     record = {"up": bytearray(), "down": bytearray()}
     for where in relay(server.address, record=record):
-        assert peerlink.fetch(where, "d/tx/idx.json", P1.peer(0), 5, 100) == b'{"a": 1}'
+        assert link.fetch(where, "d/tx/idx.json", P1.peer(0), 5, 100) == b'{"a": 1}'
     assert server.requests == 1 and b"d/tx/idx.json" not in record["up"]  # encrypted
     with socket.create_connection(server.address, timeout=5) as raw:
         raw.sendall(bytes(record["up"]))
@@ -136,10 +136,10 @@ def test_a_replayed_client_session_gets_nothing_served(
     assert "no TLS 1.3 handshake with a certificate of this run" in caplog.text
 
 
-def test_a_replayed_server_session_is_refused(server: peerlink.PeerServer, tier: Path) -> None:
+def test_a_replayed_server_session_is_refused(server: link.PeerServer, tier: Path) -> None:
     record = {"up": bytearray(), "down": bytearray()}
     for where in relay(server.address, record=record):
-        assert peerlink.fetch(where, "d/tx/idx.json", P1.peer(0), 5, 100) == b'{"a": 1}'
+        assert link.fetch(where, "d/tx/idx.json", P1.peer(0), 5, 100) == b'{"a": 1}'
     (tier / "d" / "tx" / "idx.json").write_bytes(b'{"a": 2}')  # changed since
 
     def replay(conn: socket.socket) -> None:
@@ -148,8 +148,8 @@ def test_a_replayed_server_session_is_refused(server: peerlink.PeerServer, tier:
 
     for where in fake_peer(replay):
         with pytest.raises(PeerError, match="TLS"):
-            peerlink.fetch(where, "d/tx/idx.json", P1.peer(0), 5, 100)
-    assert peerlink.fetch(server.address, "d/tx/idx.json", P1.peer(0), 5, 100) == b'{"a": 2}'
+            link.fetch(where, "d/tx/idx.json", P1.peer(0), 5, 100)
+    assert link.fetch(server.address, "d/tx/idx.json", P1.peer(0), 5, 100) == b'{"a": 2}'
 
 
 # ---------------------------------------------------------------------- slowloris
@@ -185,7 +185,7 @@ def test_slow_handshakes_hold_few_slots_briefly_and_a_fetch_still_succeeds(
     caplog.set_level(logging.WARNING, logger="quire")
     big = (tier / "d" / "tx" / "p00000").read_bytes()
     caps = dict(max_connections=16, max_handshakes=8, max_handshakes_per_address=4)
-    with peerlink.PeerServer(tier, P0, handshake_timeout=1.0, **caps) as s:  # type: ignore[arg-type]
+    with link.PeerServer(tier, P0, handshake_timeout=1.0, **caps) as s:  # type: ignore[arg-type]
         stop = threading.Event()
         lasted: list[float] = []
 
@@ -199,7 +199,7 @@ def test_slow_handshakes_hold_few_slots_briefly_and_a_fetch_still_succeeds(
         time.sleep(0.5)
         assert s.handshakes <= 4  # that address's share, however many it opens
         t0 = time.monotonic()
-        got = peerlink.fetch(s.address, "d/tx/p00000", P1.peer(0), 10, BIG)  # from 127.0.0.1
+        got = link.fetch(s.address, "d/tx/p00000", P1.peer(0), 10, BIG)  # from 127.0.0.1
         took = time.monotonic() - t0
         time.sleep(1.5)  # every admitted slow handshake reaches its deadline meanwhile
         stop.set()
@@ -212,7 +212,7 @@ def test_slow_handshakes_hold_few_slots_briefly_and_a_fetch_still_succeeds(
 
 
 def test_a_request_trickled_byte_by_byte_is_cut_at_its_deadline(tier: Path) -> None:
-    with peerlink.PeerServer(tier, P0, idle_timeout=5.0, request_timeout=0.5) as s:
+    with link.PeerServer(tier, P0, idle_timeout=5.0, request_timeout=0.5) as s:
         sock = tls_connect(s.address, P1)
         path = b"d/tx/idx.json"
         message = REQ.pack(b"G", len(path), 100, 0, 0) + path  # 2 s at a byte per 50 ms
@@ -230,7 +230,7 @@ def test_a_request_trickled_byte_by_byte_is_cut_at_its_deadline(tier: Path) -> N
 # ---------------------------------------------------------------------- split header
 @pytest.mark.parametrize("cut", [1, 5, REQ.size - 1, REQ.size + 3])
 def test_a_request_split_over_records_and_segments_is_read_whole(
-    server: peerlink.PeerServer, cut: int
+    server: link.PeerServer, cut: int
 ) -> None:
     path = b"d/tx/idx.json"
     message = REQ.pack(b"G", len(path), 100, 0, 0) + path
@@ -246,12 +246,12 @@ def test_a_request_split_over_records_and_segments_is_read_whole(
 
 # ---------------------------------------------------------------------- a wrong certificate
 def test_a_client_with_the_wrong_certificate_is_closed_unanswered(
-    server: peerlink.PeerServer, caplog: pytest.LogCaptureFixture
+    server: link.PeerServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="quire")
     stranger = outsider(7, {0: CERTS[0]})  # knows process 0's certificate; not the run's
     with pytest.raises(PeerError, match="did not accept this process's certificate") as e:
-        peerlink.fetch(server.address, "d/tx/idx.json", stranger.peer(0), 5, 100)
+        link.fetch(server.address, "d/tx/idx.json", stranger.peer(0), 5, 100)
     assert "'d/tx/idx.json'" in str(e.value)
     assert server.requests == 0 and server.served == 0
     # The server logs from its own thread, after the close the client saw: wait for it.
@@ -260,14 +260,14 @@ def test_a_client_with_the_wrong_certificate_is_closed_unanswered(
         time.sleep(0.02)
     assert "closed a connection from 127.0.0.1:" in caplog.text
     assert "no TLS 1.3 handshake with a certificate of this run" in caplog.text
-    assert peerlink.fetch(server.address, "d/tx/idx.json", P1.peer(0), 5, 100) == b'{"a": 1}'
+    assert link.fetch(server.address, "d/tx/idx.json", P1.peer(0), 5, 100) == b'{"a": 1}'
 
 
 def test_warnings_about_refused_connections_are_rate_limited(
     tier: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="quire")
-    with peerlink.PeerServer(tier, P0) as s:
+    with link.PeerServer(tier, P0) as s:
         s._warn = _Warnings(burst=3, every=0.5)
         for _ in range(30):  # not TLS at all: each handshake fails at once
             with socket.create_connection(s.address, timeout=5) as c:
@@ -287,14 +287,14 @@ def test_a_connection_over_the_cap_is_closed_and_the_client_asks_again(
     tier: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="quire")
-    with peerlink.PeerServer(tier, P0, max_connections=1) as s:
+    with link.PeerServer(tier, P0, max_connections=1) as s:
         held = tls_connect(s.address, P1)  # takes the only slot
         with pytest.raises(PeerError, match="kept closing new connections unanswered"):
-            peerlink.fetch(s.address, "empty", P1.peer(0), 0.5, 10)
+            link.fetch(s.address, "empty", P1.peer(0), 0.5, 10)
         assert "too many connections" in caplog.text
         threading.Timer(0.3, held.close).start()  # the slot comes back meanwhile
         t = time.monotonic()
-        assert peerlink.fetch(s.address, "empty", P1.peer(0), 5, 10) == b""
+        assert link.fetch(s.address, "empty", P1.peer(0), 5, 10) == b""
         assert 0.2 < time.monotonic() - t < 3
 
 

@@ -18,8 +18,8 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 from peer_helpers import run_of
 
-from quire._peers import peerlink
-from quire._peers.peertls import Identity
+from quire._peers import link
+from quire._peers.tls import Identity
 from quire.errors import PeerError
 
 (CREDS,), CERTS = run_of(1)
@@ -47,24 +47,24 @@ def fs() -> Iterator[MemoryFileSystem]:
 
 
 @pytest.fixture
-def server(fs: MemoryFileSystem) -> Iterator[peerlink.PeerServer]:
-    with peerlink.PeerServer(peerlink.FsspecFiles(fs, f"memory://{ROOT}"), CREDS) as s:
+def server(fs: MemoryFileSystem) -> Iterator[link.PeerServer]:
+    with link.PeerServer(link.FsspecFiles(fs, f"memory://{ROOT}"), CREDS) as s:
         yield s
 
 
 def test_serves_whole_files_and_ranges_from_the_store(
-    server: peerlink.PeerServer, fs: MemoryFileSystem
+    server: link.PeerServer, fs: MemoryFileSystem
 ) -> None:
     big = fs.cat_file(f"{ROOT}/d/tx/p00000")
-    assert peerlink.fetch(server.address, "d/tx/p00000", ME, 30, BIG) == big
-    got = peerlink.fetch_many(
+    assert link.fetch(server.address, "d/tx/p00000", ME, 30, BIG) == big
+    got = link.fetch_many(
         server.address, ["d/tx/idx.json", "empty", "d/tx/p00000"], ME, 30, 1 << 30
     )
     assert got == [b'{"a": 1}', b"", big]
     a, b = 1_000_000, 2_500_001  # across the server's 1 MiB blocks
-    assert peerlink.fetch(server.address, "d/tx/p00000", ME, 30, b - a, a, b) == big[a:b]
+    assert link.fetch(server.address, "d/tx/p00000", ME, 30, b - a, a, b) == big[a:b]
     buf = bytearray(b - a)
-    n = peerlink.fetch_into(server.address, "d/tx/p00000", ME, 30, [memoryview(buf)], a)
+    n = link.fetch_into(server.address, "d/tx/p00000", ME, 30, [memoryview(buf)], a)
     assert n == b - a and bytes(buf) == big[a:b]
     assert server.requests == 6 and server.served == 2 * BIG + 8 + 2 * (b - a)
     assert "MemoryFileSystem:/peertest/tier" in repr(server)
@@ -87,7 +87,7 @@ def test_serves_whole_files_and_ranges_from_the_store(
     ],
 )
 def test_refuses_paths_outside_or_not_files(
-    server: peerlink.PeerServer,
+    server: link.PeerServer,
     fs: MemoryFileSystem,
     caplog: pytest.LogCaptureFixture,
     path: str,
@@ -96,7 +96,7 @@ def test_refuses_paths_outside_or_not_files(
     caplog.set_level(logging.WARNING, logger="quire")
     before = snapshot(fs)
     with pytest.raises(PeerError) as e:
-        peerlink.fetch(server.address, path, ME, 10, 1 << 30)
+        link.fetch(server.address, path, ME, 10, 1 << 30)
     msg = str(e.value)
     assert "refused" in msg and reason in msg, msg
     warned = [r for r in caplog.records if r.name == "quire" and r.levelno == logging.WARNING]
@@ -105,22 +105,22 @@ def test_refuses_paths_outside_or_not_files(
 
 
 def test_refuses_too_long_past_the_end_and_a_wrong_certificate(
-    server: peerlink.PeerServer, fs: MemoryFileSystem
+    server: link.PeerServer, fs: MemoryFileSystem
 ) -> None:
     before = snapshot(fs)
     with pytest.raises(PeerError, match="more than the 100 asked for"):
-        peerlink.fetch(server.address, "d/tx/p00000", ME, 10, 100)
+        link.fetch(server.address, "d/tx/p00000", ME, 10, 100)
     with pytest.raises(PeerError, match=f"range ends at byte {BIG + 1}, past the end"):
-        peerlink.fetch(server.address, "d/tx/p00000", ME, 10, 100, BIG - 1, BIG + 1)
+        link.fetch(server.address, "d/tx/p00000", ME, 10, 100, BIG - 1, BIG + 1)
     stranger = Identity.ephemeral(5)  # not of the run; it pins process 0 all the same
     pinned = stranger.trust({5: stranger.cert_pem, 0: CERTS[0]}).peer(0)
     with pytest.raises(PeerError, match="did not accept this process's certificate"):
-        peerlink.fetch(server.address, "d/tx/idx.json", pinned, 10, 100)
+        link.fetch(server.address, "d/tx/idx.json", pinned, 10, 100)
     assert snapshot(fs) == before and server.served == 0
 
 
 def test_the_root_must_be_a_directory_of_the_store(fs: MemoryFileSystem) -> None:
     with pytest.raises(NotADirectoryError, match="/peertest/nothing"):
-        peerlink.FsspecFiles(fs, "/peertest/nothing")
+        link.FsspecFiles(fs, "/peertest/nothing")
     with pytest.raises(NotADirectoryError):
-        peerlink.FsspecFiles(fs, f"{ROOT}/empty")  # a file
+        link.FsspecFiles(fs, f"{ROOT}/empty")  # a file

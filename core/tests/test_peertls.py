@@ -26,8 +26,8 @@ from cryptography.x509.oid import NameOID
 from peer_helpers import run_of
 
 import quire
-from quire._peers import peerlink
-from quire._peers.peertls import Identity
+from quire._peers import link
+from quire._peers.tls import Identity
 from quire.errors import PeerError, PluginError
 
 
@@ -101,41 +101,41 @@ def test_a_users_pki_pins_the_published_certificates(
     root = tmp_path / "tier"
     root.mkdir()
     (root / "f").write_bytes(b"pack bytes")
-    with peerlink.PeerServer(root, p0) as s0, peerlink.PeerServer(root, p1) as s1:
-        assert peerlink.fetch(s0.address, "f", p1.peer(0), 5, 100) == b"pack bytes"
+    with link.PeerServer(root, p0) as s0, link.PeerServer(root, p1) as s1:
+        assert link.fetch(s0.address, "f", p1.peer(0), 5, 100) == b"pack bytes"
         # signed by the CA, but no process published it: closed unanswered
         with pytest.raises(PeerError, match="closed the connection unanswered"):
-            peerlink.fetch(s0.address, "f", p2.peer(0), 5, 100)
+            link.fetch(s0.address, "f", p2.peer(0), 5, 100)
         assert "none that a process of this run published" in caplog.text
         # signed by the CA, published, but another process than the one meant
         with pytest.raises(PeerError, match="not the one process 0 published"):
-            peerlink.fetch(s1.address, "f", p0.peer(0), 5, 100)
+            link.fetch(s1.address, "f", p0.peer(0), 5, 100)
         # a self-signed certificate, of no CA of ours: the server ends the handshake
         ident = Identity.ephemeral(5)
         stranger = ident.trust({5: ident.cert_pem, 0: pem[0]})
         stranger.client_context.load_verify_locations(cafile=str(tls[0].ca))
         pinned = dataclasses.replace(stranger.peer(0), named=False)  # a CA's: no SAN to check
         with pytest.raises(PeerError, match="did not accept this process's certificate"):
-            peerlink.fetch(s0.address, "f", pinned, 5, 100)
+            link.fetch(s0.address, "f", pinned, 5, 100)
         # and a server of no CA of ours is refused by the client
         (outsider,), _ = run_of(1)
         with (
-            peerlink.PeerServer(root, outsider) as s3,
+            link.PeerServer(root, outsider) as s3,
             pytest.raises(PeerError, match="not one of this run's"),
         ):
-            peerlink.fetch(s3.address, "f", p1.peer(0), 5, 100)
+            link.fetch(s3.address, "f", p1.peer(0), 5, 100)
         assert s0.requests == 1 and s1.requests == 0
 
 
 def test_run_credentials_with_a_users_pki(tmp_path: Path) -> None:
     (tls,) = make_pki(tmp_path / "pki", 1)
-    creds = peerlink.run_credentials("test/pki", 1.0, tls)  # one JAX process
+    creds = link.run_credentials("test/pki", 1.0, tls)  # one JAX process
     assert creds.processes == [0]
     root = tmp_path / "tier"
     root.mkdir()
     (root / "f").write_bytes(b"x")
-    with peerlink.PeerServer(root, creds) as s:
-        assert peerlink.fetch(s.address, "f", creds.peer(0), 5, 10) == b"x"
+    with link.PeerServer(root, creds) as s:
+        assert link.fetch(s.address, "f", creds.peer(0), 5, 10) == b"x"
 
 
 def test_bad_certificate_files_fail_when_configured(tmp_path: Path) -> None:
@@ -170,4 +170,4 @@ def test_peers_without_cryptography_fail_at_configuration(
     assert quire.LocalTier(tmp_path / "local").peers == 0  # no peers: nothing needed
     assert quire.LocalTier(tmp_path / "local", peers=1, peer_tls=tls).peer_tls == tls
     with pytest.raises(PluginError):
-        peerlink.run_credentials("test/nocrypto", 1.0)
+        link.run_credentials("test/nocrypto", 1.0)

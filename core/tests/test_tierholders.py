@@ -28,7 +28,7 @@ from peer_helpers import run_of
 
 import quire
 from quire._engine import commit as _commit
-from quire._peers import peerlink
+from quire._peers import link
 from quire._store.url import mounted, normalize, open_backend
 from quire._tiers import ownership, restore_reader
 from quire.errors import CorruptCheckpointError
@@ -43,7 +43,7 @@ class Link:
     def __init__(self, addresses: dict[int, tuple[str, int]]) -> None:
         self.addresses, self.timeout = addresses, 10.0
 
-    def peer(self, j: int) -> peerlink.Pinned:
+    def peer(self, j: int) -> link.Pinned:
         return CREDS.peer(0)
 
     def _address(self, j: int) -> tuple[str, int]:
@@ -92,11 +92,11 @@ def damage_file(f: Path) -> None:
     f.write_bytes(bytes(data))
 
 
-def reader(step: dict[str, Any], servers: list[peerlink.PeerServer]) -> restore_reader.RestoreReader:
-    link = Link({i + 1: s.address for i, s in enumerate(servers)})
-    holders = {h: restore_reader.Holder(link, h) for h in link.addresses}  # type: ignore[arg-type]
+def reader(step: dict[str, Any], servers: list[link.PeerServer]) -> restore_reader.RestoreReader:
+    copies = Link({i + 1: s.address for i, s in enumerate(servers)})
+    holders = {h: restore_reader.Holder(copies, h) for h in copies.addresses}  # type: ignore[arg-type]
     srcs = [
-        restore_reader.peer_provider(link, h, "s", step["doc"], 0, holders[h])  # type: ignore[arg-type]
+        restore_reader.peer_provider(copies, h, "s", step["doc"], 0, holders[h])  # type: ignore[arg-type]
         for h in sorted(holders)
     ]
     return restore_reader.RestoreReader(str(step["mine"]), step["raw"], step["doc"], 0, {0: srcs})
@@ -118,8 +118,8 @@ def test_altered_bytes_at_one_holder_are_read_again_from_the_next(
 ) -> None:
     damage(step["holders"][0], step["pack"])
     with (
-        peerlink.PeerServer(step["holders"][0], CREDS) as bad,
-        peerlink.PeerServer(step["holders"][1], CREDS) as good,
+        link.PeerServer(step["holders"][0], CREDS) as bad,
+        link.PeerServer(step["holders"][1], CREDS) as good,
     ):
         r = reader(step, [bad, good])
         with caplog.at_level(logging.WARNING, logger="quire"):
@@ -147,8 +147,8 @@ def test_altered_bytes_here_and_at_the_peers_are_read_from_the_persistent_tier(
         return bytes(step["raw"])
 
     with (
-        peerlink.PeerServer(step["holders"][0], CREDS) as a,
-        peerlink.PeerServer(step["holders"][1], CREDS) as b,
+        link.PeerServer(step["holders"][0], CREDS) as a,
+        link.PeerServer(step["holders"][1], CREDS) as b,
     ):
         peers = reader(step, [a, b]).sources[0]
         here = restore_reader.local_provider(open_backend(str(mine)), step["doc"], 0)
@@ -172,8 +172,8 @@ def test_altered_bytes_at_every_holder_fail_the_load(step: dict[str, Any]) -> No
     for h in step["holders"]:
         damage(h, step["pack"])
     with (
-        peerlink.PeerServer(step["holders"][0], CREDS) as a,
-        peerlink.PeerServer(step["holders"][1], CREDS) as b,
+        link.PeerServer(step["holders"][0], CREDS) as a,
+        link.PeerServer(step["holders"][1], CREDS) as b,
     ):
         r = reader(step, [a, b])
         with pytest.raises(CorruptCheckpointError, match=r"process 1: .*process 2: "):
@@ -185,8 +185,8 @@ def test_ranges_spread_over_the_least_loaded_holders_on_kept_connections(
     step: dict[str, Any],
 ) -> None:
     with (
-        peerlink.PeerServer(step["holders"][0], CREDS) as a,
-        peerlink.PeerServer(step["holders"][1], CREDS) as b,
+        link.PeerServer(step["holders"][0], CREDS) as a,
+        link.PeerServer(step["holders"][1], CREDS) as b,
     ):
         r = reader(step, [a, b])
         size = (Path(step["holders"][0]) / "s" / step["pack"]).stat().st_size
@@ -221,15 +221,15 @@ def test_ranges_spread_over_the_least_loaded_holders_on_kept_connections(
 
 def test_a_pooled_connection_dropped_while_idle_is_replaced(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"0123456789" * 1000)
-    server = peerlink.PeerServer(tmp_path, CREDS, idle_timeout=0.2)
+    server = link.PeerServer(tmp_path, CREDS, idle_timeout=0.2)
     me = CREDS.peer(0)
-    with server, peerlink.Pool(server.address, me, 2) as pool:
-        a = peerlink.fetch(server.address, "f", me, 5, 1 << 20, 0, 10, pool=pool)
-        b = peerlink.fetch(server.address, "f", me, 5, 1 << 20, 10, 20, pool=pool)
+    with server, link.Pool(server.address, me, 2) as pool:
+        a = link.fetch(server.address, "f", me, 5, 1 << 20, 0, 10, pool=pool)
+        b = link.fetch(server.address, "f", me, 5, 1 << 20, 10, 20, pool=pool)
         assert (a, b) == (b"0123456789", b"0123456789")
         assert pool.connections == 1  # the second request on the first connection
         time.sleep(0.6)  # the server drops the idle connection
         buf = bytearray(5)
-        n = peerlink.fetch_into(server.address, "f", me, 5, [memoryview(buf)], 3, pool=pool)
+        n = link.fetch_into(server.address, "f", me, 5, [memoryview(buf)], 3, pool=pool)
         assert (n, bytes(buf)) == (5, b"34567")
         assert pool.connections == 2

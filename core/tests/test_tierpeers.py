@@ -187,11 +187,11 @@ def _holder(tmp_path: Path) -> tuple[Path, str, dict[str, Any]]:
 
 def _pull(tmp_path: Path, root: Path, doc: dict[str, Any], mine: Any, theirs: Any) -> Any:
     """Pull process 0's objects from a server of ``theirs`` credentials, as ``mine``."""
-    from quire._peers import peerlink
+    from quire._peers import link
     from quire._tiers.peer_copies import PeerCopies
 
     dst = tmp_path / "mine" / "step_1"
-    with peerlink.PeerServer(root, theirs) as server:
+    with link.PeerServer(root, theirs) as server:
         pc = object.__new__(PeerCopies)  # the client half only: no key-value store here
         pc.credentials, pc.timeout, pc._addresses = mine, 5.0, {0: server.address}
         return run(pc.pull(open_backend(str(dst)), str(dst), "step_1", doc, 0, 0, 0))

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from peer_helpers import run_of
 
-from quire._peers import peerlink
+from quire._peers import link
 from quire._store.url import mounted, open_backend
 from quire._tiers import restore_reader
 from quire.errors import PeerError
@@ -40,7 +40,7 @@ class Link:
     def __init__(self, addresses: dict[int, tuple[str, int]]) -> None:
         self.addresses, self.timeout = addresses, 5.0
 
-    def peer(self, j: int) -> peerlink.Pinned:
+    def peer(self, j: int) -> link.Pinned:
         return CREDS.peer(0)
 
     def _address(self, j: int) -> tuple[str, int]:
@@ -76,9 +76,9 @@ def roots(tmp_path: Path) -> dict[str, Any]:
 
 
 def reader(
-    roots: dict[str, Any], server: peerlink.PeerServer, persistent_raw: bytes | None
+    roots: dict[str, Any], server: link.PeerServer, persistent_raw: bytes | None
 ) -> restore_reader.RestoreReader:
-    link = Link({1: server.address, 2: dead_address()})
+    copies = Link({1: server.address, 2: dead_address()})
     local = open_backend(str(roots["mine"]))
     pb = open_backend(str(roots["persistent"]))
     slots = {h: asyncio.Semaphore(restore_reader.PEER_STREAMS) for h in (1, 2)}
@@ -90,8 +90,8 @@ def reader(
     sources = {
         0: [restore_reader.local_provider(local, DOC, 0)],
         1: [
-            restore_reader.peer_provider(link, 2, "s", DOC, 1, slots[2]),  # type: ignore[arg-type]
-            restore_reader.peer_provider(link, 1, "s", DOC, 1, slots[1]),  # type: ignore[arg-type]
+            restore_reader.peer_provider(copies, 2, "s", DOC, 1, slots[2]),  # type: ignore[arg-type]
+            restore_reader.peer_provider(copies, 1, "s", DOC, 1, slots[1]),  # type: ignore[arg-type]
             restore_reader.persistent_provider(pb, str(roots["persistent"]), DOC, 1, 0),
         ],
     }
@@ -101,7 +101,7 @@ def reader(
 
 
 def test_ranges_from_the_live_holder_after_a_dead_one(roots: dict[str, Any]) -> None:
-    holder = peerlink.PeerServer(roots["holder"], CREDS)
+    holder = link.PeerServer(roots["holder"], CREDS)
     with holder:
         r = reader(roots, holder, None)
         one = roots["one"]
@@ -133,7 +133,7 @@ def test_ranges_from_the_live_holder_after_a_dead_one(roots: dict[str, Any]) -> 
 
 
 def test_the_persistent_tier_only_with_the_agreed_record(roots: dict[str, Any]) -> None:
-    holder = peerlink.PeerServer(roots["holder"], CREDS)
+    holder = link.PeerServer(roots["holder"], CREDS)
     holder.close()  # every holder of owner 1 is gone
     r = reader(roots, holder, RAW)
     got = asyncio.run(r.get(PACK1, 5, 50))
@@ -148,7 +148,7 @@ def test_the_persistent_tier_only_with_the_agreed_record(roots: dict[str, Any]) 
 
 
 def test_mounted_only_inside_its_block(roots: dict[str, Any]) -> None:
-    with peerlink.PeerServer(roots["holder"], CREDS) as holder:
+    with link.PeerServer(roots["holder"], CREDS) as holder:
         r = reader(roots, holder, None)
         url = str(roots["mine"])
         with mounted(url, r):

@@ -40,8 +40,8 @@ if __name__ == "__main__":
 
 import jax
 
-from quire._peers import peerlink
-from quire._peers.peertls import Identity
+from quire._peers import link
+from quire._peers.tls import Identity
 from quire._runtime.collective import ring_shift
 from quire.errors import MultiProcessError, PeerError
 
@@ -94,16 +94,16 @@ def ring() -> None:
 
 
 def peer() -> None:
-    creds = peerlink.run_credentials("test/certs", 30.0)
+    creds = link.run_credentials("test/certs", 30.0)
     tier = WORKDIR / f"tier{PID}"
     (tier / "packs").mkdir(parents=True)
     body = payload(100 + PID, ARGS["pack_bytes"])
     (tier / "packs" / f"p{PID:05d}").write_bytes(body)
-    with peerlink.PeerServer(tier, creds) as server:
-        peerlink.publish_address("test/peers", server.address)
+    with link.PeerServer(tier, creds) as server:
+        link.publish_address("test/peers", server.address)
         nxt, other = (PID + 1) % NPROC, (PID + 2) % NPROC
-        where = peerlink.lookup_address("test/peers", nxt, 30.0)
-        got = peerlink.fetch(where, f"packs/p{nxt:05d}", creds.peer(nxt), 30.0, 1 << 30)
+        where = link.lookup_address("test/peers", nxt, 30.0)
+        got = link.fetch(where, f"packs/p{nxt:05d}", creds.peer(nxt), 30.0, 1 << 30)
         refusals = []
         stranger = Identity.ephemeral(PID)  # of no run: it knows nxt's certificate only
         their = ssl.DER_cert_to_PEM_cert(_cert_at(where)).encode()
@@ -112,7 +112,7 @@ def peer() -> None:
             stranger.trust({PID: stranger.cert_pem, nxt: their}).peer(nxt),
         ):
             try:
-                peerlink.fetch(where, f"packs/p{nxt:05d}", who, 30.0, 1 << 30)
+                link.fetch(where, f"packs/p{nxt:05d}", who, 30.0, 1 << 30)
                 refusals.append(None)
             except PeerError as e:
                 refusals.append(str(e))

@@ -18,7 +18,7 @@ from quire._checkpointer.checkpointer import Checkpointer
 from quire._checkpointer.localtier import LocalTier
 from quire._format.dtypes import register_with_zarr as _register_with_zarr
 from quire._ops import CopyResult, VerifyProblem, VerifyReport, copy, verify
-from quire._peers.peertls import PeerTLS
+from quire._peers.tls import PeerTLS
 from quire._runtime.config import Config, Context, configure
 from quire._runtime.registry import (
     register_checkpointable_handler,

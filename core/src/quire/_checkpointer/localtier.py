@@ -14,7 +14,7 @@ from typing import Any
 
 from quire._checkpointer.keep_policies import KeepPolicy
 from quire._checkpointer.save_policies import SavePolicy
-from quire._peers.peertls import PeerTLS, require_cryptography
+from quire._peers.tls import PeerTLS, require_cryptography
 from quire._store.url import normalize
 
 __all__ = ["LocalTier"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from quire._engine.incremental import Incremental
-    from quire._peers.peertls import PeerTLS
+    from quire._peers.tls import PeerTLS
 
 __all__ = ["Decider", "Info", "Paths", "Root", "TierSpec"]
 

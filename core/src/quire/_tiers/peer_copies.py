@@ -1,4 +1,4 @@
-"""Peer copies of a multi-process local tier, pulled over TCP (``quire.ownership.peerlink``).
+"""Peer copies of a multi-process local tier, pulled over TCP (``quire.ownership.link``).
 
 Each process serves its own local root read-only with a ``PeerServer`` on the interface
 ``LocalTier(peer_host=...)`` names, over TLS 1.3 with mutual authentication: each process's
@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from quire._peers import peerlink
+from quire._peers import link
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.multihost import _client, _first_line
 from quire._store.base import Backend
@@ -64,16 +64,16 @@ class PeerCopies:
         host: str,
         timeout: float,
         domain: str = "",
-        tls: peerlink.PeerTLS | None = None,
+        tls: link.PeerTLS | None = None,
     ) -> None:
         served = _served(root, peers)
         _opened[name] += 1  # the same count in every process: Checkpointers open in order
         self.name = f"{name}#{_opened[name]}"
         self.me, self.count, self.peers, self.timeout = me, count, peers, timeout
         self.root = root
-        self.credentials = peerlink.run_credentials(_key(f"{self.name}/cert"), timeout, tls)
-        self.server = peerlink.PeerServer(served(), self.credentials, host=host)
-        peerlink.publish_address(_key(f"{self.name}/address"), self.server.address)
+        self.credentials = link.run_credentials(_key(f"{self.name}/cert"), timeout, tls)
+        self.server = link.PeerServer(served(), self.credentials, host=host)
+        link.publish_address(_key(f"{self.name}/address"), self.server.address)
         self._addresses: dict[int, tuple[str, int]] = {}
         self.domains = _domains(_key(f"{self.name}/domain"), me, count, domain, timeout)
         self.placement = placement.place(self.domains, peers)  # owner -> its holders
@@ -111,14 +111,14 @@ class PeerCopies:
     def _ms(self) -> int:
         return min(2**31 - 1, max(1, int(self.timeout * 1000)))
 
-    def peer(self, j: int) -> peerlink.Pinned:
+    def peer(self, j: int) -> link.Pinned:
         """What to expect of process ``j`` (its pinned certificate)."""
         return self.credentials.peer(j)
 
     def _address(self, j: int) -> tuple[str, int]:
         if j not in self._addresses:
             key = _key(f"{self.name}/address")
-            self._addresses[j] = peerlink.lookup_address(key, j, self.timeout)
+            self._addresses[j] = link.lookup_address(key, j, self.timeout)
         return self._addresses[j]
 
     async def after_commit(
@@ -153,7 +153,7 @@ class PeerCopies:
         def fetch() -> bytes:  # one trip to the I/O pool: the address, then the record
             addr = self._address(holder)
             peer = self.peer(holder)
-            return peerlink.fetch(addr, f"{rel}/quire.json", peer, self.timeout, _MAX_MARKER)
+            return link.fetch(addr, f"{rel}/quire.json", peer, self.timeout, _MAX_MARKER)
 
         return await run_blocking(fetch)
 
@@ -200,7 +200,7 @@ class PeerCopies:
         entry = ownership.entry_of(doc, j)
         if entry is not None:
             index = await run_blocking(
-                peerlink.fetch,
+                link.fetch,
                 addr,
                 f"{rel}/{entry['object']}",
                 peer,
@@ -212,7 +212,7 @@ class PeerCopies:
         if ownership.owned_unit_locations(doc, j, primary):
             marker = ownership.marker_key(str(doc["txids"][0]), j)
             raw = await run_blocking(
-                peerlink.fetch, addr, f"{rel}/{marker}", peer, self.timeout, _MAX_MARKER
+                link.fetch, addr, f"{rel}/{marker}", peer, self.timeout, _MAX_MARKER
             )
             try:
                 listed = {str(k): int(n) for k, n in json.loads(raw)["objects"].items()}
@@ -227,7 +227,7 @@ class PeerCopies:
         keys = sorted(sizes)
         if keys:
             datas = await run_blocking(
-                peerlink.fetch_many,
+                link.fetch_many,
                 addr,
                 [f"{rel}/{k}" for k in keys],
                 peer,
@@ -254,7 +254,7 @@ def _served(root: str, peers: int) -> Callable[[], Any]:
         def memory() -> Any:
             b = MemoryBackend(root)
             b.fs.makedirs(b.root, exist_ok=True)
-            return peerlink.FsspecFiles(b.fs, b.root)
+            return link.FsspecFiles(b.fs, b.root)
 
         return memory
     raise NotImplementedError(

@@ -5,7 +5,7 @@ A :class:`Provider` is one place: this process's own root, a peer holder over th
 persistent tier.  A :class:`Holder` is one peer process as one load sees it: at most
 :data:`PEER_STREAMS` reads in flight to it, the bytes those reads ask for (the reader sends
 a range to the holder with the fewest), and a pool of connections kept open for the whole
-load (``peerlink.Pool``).
+load (``link.Pool``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from quire._peers import peerlink
+from quire._peers import link
 from quire._runtime.ioloop import run_blocking
 from quire._store.base import Backend
 from quire._tiers import ownership
@@ -99,13 +99,13 @@ class Holder:
         self.slots = asyncio.Semaphore(streams)
         self.streams = streams
         self.inflight = 0  # bytes asked of it and not yet answered
-        self._pool: peerlink.Pool | None = None
+        self._pool: link.Pool | None = None
 
-    async def pool(self) -> peerlink.Pool:
+    async def pool(self) -> link.Pool:
         if self._pool is None:
             addr = await run_blocking(self.copies._address, self.index)
             if self._pool is None:
-                self._pool = peerlink.Pool(addr, self.copies.peer(self.index), self.streams)
+                self._pool = link.Pool(addr, self.copies.peer(self.index), self.streams)
         return self._pool
 
     @property
@@ -152,7 +152,7 @@ class _Peer(Provider):
     async def _fetch(self, key: str, limit: int, span: tuple[int, int] | None) -> bytes:
         a, b = span if span is not None else (None, None)
         size = limit if span is None else span[1] - span[0]
-        data = await self._call(size, peerlink.fetch, f"{self.rel}/{key}", limit, a, b)
+        data = await self._call(size, link.fetch, f"{self.rel}/{key}", limit, a, b)
         self.bytes += len(data)
         self.requests += 1
         return data  # type: ignore[no-any-return]
@@ -167,7 +167,7 @@ class _Peer(Provider):
 
     async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int) -> int:
         size = sum(memoryview(b).nbytes for b in buffers)
-        n = await self._call(size, peerlink.fetch_into, f"{self.rel}/{key}", list(buffers), offset)
+        n = await self._call(size, link.fetch_into, f"{self.rel}/{key}", list(buffers), offset)
         self.bytes += n
         self.requests += 1
         return n  # type: ignore[no-any-return]

@@ -9,7 +9,7 @@ process, an object of a per-process unit to its process, anything else to the pr
 is read from
 
 1. this process's own root, when it holds that owner's objects (its marker);
-2. else a live peer holder, over the peer link (``peerlink.fetch_into`` with a byte range:
+2. else a live peer holder, over the peer link (``link.fetch_into`` with a byte range:
    only the ranges the load asks for), the one with the fewest bytes in flight
    (``providers.Holder``, whose connections stay open for the load); a holder that fails
    or misses the deadline is treated as lost for the rest of the load and the next one is

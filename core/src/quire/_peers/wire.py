@@ -1,7 +1,7 @@
-"""The messages of peer fetches (``peerlink``) and the TLS 1.3 connection that carries them,
+"""The messages of peer fetches (``link``) and the TLS 1.3 connection that carries them,
 read and written against one deadline.
 
-After the handshake (``peertls``: both sides present a pinned certificate), numbers
+After the handshake (``tls``: both sides present a pinned certificate), numbers
 big-endian::
 
     client: REQ = op (b"G": the whole file, b"R": the bytes [start, end) of it)
@@ -45,7 +45,7 @@ class Closed(Exception):
 
 
 class TLSStream:
-    """A TLS connection over the connected socket ``sock`` (``ctx`` made by ``peertls``);
+    """A TLS connection over the connected socket ``sock`` (``ctx`` made by ``tls``);
     :meth:`handshake` first.  Not thread-safe: one user at a time."""
 
     def __init__(self, sock: socket.socket, ctx: ssl.SSLContext, server_side: bool) -> None:

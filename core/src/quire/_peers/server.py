@@ -1,6 +1,6 @@
 """The server side of peer fetches: ``PeerServer`` serves regular files under one directory
-(a ``peerfiles.Files``), read-only, over TLS 1.3 to the run's processes (certificates in
-``peertls``, messages in ``peerwire``): caps on connections, one deadline per handshake and
+(a ``files.Files``), read-only, over TLS 1.3 to the run's processes (certificates in
+``tls``, messages in ``wire``): caps on connections, one deadline per handshake and
 per request, refusals logged at a bounded rate."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import threading
 import time
 from typing import Any
 
-from quire._peers.peerfiles import Files, FsspecFiles, LocalFiles, Refused
-from quire._peers.peertls import Credentials
-from quire._peers.peerwire import ANS, BLOCK, MAX_PATH_BYTES, REQ, Closed, TLSStream
+from quire._peers.files import Files, FsspecFiles, LocalFiles, Refused
+from quire._peers.tls import Credentials
+from quire._peers.wire import ANS, BLOCK, MAX_PATH_BYTES, REQ, Closed, TLSStream
 
 __all__ = ["Files", "FsspecFiles", "LocalFiles", "PeerServer"]
 
@@ -88,7 +88,7 @@ class PeerServer:
         :class:`LocalFiles`), or a :class:`Files` such as :class:`FsspecFiles`.
     credentials : Credentials
         This process's TLS identity and the run's certificates
-        (``peerlink.run_credentials``).
+        (``link.run_credentials``).
     host : str
         The interface to listen on (``127.0.0.1`` by default: this machine only).  Give
         the address of the network peers use, never ``0.0.0.0`` unless every interface
@@ -142,7 +142,7 @@ class PeerServer:
     ) -> None:
         if not isinstance(credentials, Credentials):
             raise TypeError(
-                f"PeerServer: credentials must be peertls.Credentials (peerlink."
+                f"PeerServer: credentials must be tls.Credentials (link."
                 f"run_credentials), got {type(credentials).__name__}"
             )
         self.files = root if isinstance(root, Files) else LocalFiles(root)

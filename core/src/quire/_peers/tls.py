@@ -1,6 +1,6 @@
 """Who the peers of a run are: each process's TLS identity and the certificates it pins.
 
-The peer link (``peerlink``) speaks TLS 1.3 only, with mutual authentication
+The peer link (``link``) speaks TLS 1.3 only, with mutual authentication
 (``docs/peers.md``):
 
 * :class:`Identity`: this process's private key and certificate, loaded into its two TLS
@@ -9,7 +9,7 @@ The peer link (``peerlink``) speaks TLS 1.3 only, with mutual authentication
   anywhere but a private temporary file read back at once; or the certificate, key and CA of
   the user's own PKI (:class:`PeerTLS`).
 * :class:`Credentials`: the identity plus every process's certificate, as published through
-  the key-value store (``peerlink.run_credentials``).  Both contexts demand a certificate of
+  the key-value store (``link.run_credentials``).  Both contexts demand a certificate of
   the other side (``CERT_REQUIRED``) and trust only the run's certificates
   (``load_verify_locations(cadata=...)``), or only the user's CA.
 * :class:`Pinned`: what a client expects of the one process it means to reach; checked after

@@ -17,7 +17,7 @@ peer's local tier by their path relative to it.
 * ``Pool(address, peer, size)``: connections to one peer kept open between calls
   (``pool=``), for a caller that sends a peer many requests (a restore's range reads).
 
-Certificates and their checks are in ``peertls``, the messages in ``peerwire``; the server
+Certificates and their checks are in ``tls``, the messages in ``wire``; the server
 opens files read-only and writes nothing.
 """
 
@@ -33,11 +33,11 @@ from pathlib import Path
 
 import jax
 
-from quire._peers.peerconn import Conversation, LocalWrite, Pool, converse
-from quire._peers.peerfiles import FsspecFiles
-from quire._peers.peerserve import PeerServer
-from quire._peers.peertls import Credentials, Identity, PeerTLS, Pinned
-from quire._peers.peerwire import MAX_PATH_BYTES
+from quire._peers.connections import Conversation, LocalWrite, Pool, converse
+from quire._peers.files import FsspecFiles
+from quire._peers.server import PeerServer
+from quire._peers.tls import Credentials, Identity, PeerTLS, Pinned
+from quire._peers.wire import MAX_PATH_BYTES
 from quire._runtime.multihost import _client, _first_line
 from quire.errors import MultiProcessError
 

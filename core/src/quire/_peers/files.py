@@ -1,4 +1,4 @@
-"""What a peer server (``peerserve``) serves: regular files under one root, read-only.
+"""What a peer server (``server``) serves: regular files under one root, read-only.
 
 :class:`LocalFiles` is a directory on disk or tmpfs, :class:`FsspecFiles` a directory of an
 fsspec filesystem (e.g. the process's ``memory://`` store).  The server checks a request's

@@ -1,7 +1,7 @@
-"""The client side of peer fetches (``peerlink``): the TLS connection to one pinned process,
+"""The client side of peer fetches (``link``): the TLS connection to one pinned process,
 one connection's requests, the mapping of every failure to a ``PeerError``, and a pool of
-connections kept open between calls (messages in ``peerwire``, certificates in
-``peertls``)."""
+connections kept open between calls (messages in ``wire``, certificates in
+``tls``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from quire._peers.peertls import Pinned
-from quire._peers.peerwire import ANS, BLOCK, MAX_PATH_BYTES, MAX_REASON, REQ, Closed, TLSStream
+from quire._peers.tls import Pinned
+from quire._peers.wire import ANS, BLOCK, MAX_PATH_BYTES, MAX_REASON, REQ, Closed, TLSStream
 from quire.errors import PeerError
 
 __all__ = ["Conversation", "LocalWrite", "Pool", "converse"]
@@ -248,7 +248,7 @@ def converse(
 
 class Pool:
     """Connections to process ``peer.index`` at ``address`` kept open between calls (pass it
-    as ``pool=`` to ``peerlink``'s fetches): at most ``size`` idle ones; thread-safe; close
+    as ``pool=`` to ``link``'s fetches): at most ``size`` idle ones; thread-safe; close
     it (or use it as a context manager) when done."""
 
     def __init__(self, address: tuple[str, int], peer: Pinned, size: int) -> None:
