@@ -17,7 +17,7 @@ shard with ``replica_id == 0``), packs are sealed as in a real save on an object
 on a backend that streams writes (local disks, S3 multipart: packs of ``pack_bytes``) or,
 with ``--buffered``, on one that does not (GCS today: packs sealed at a quarter of
 ``byte_budget``), and its chunk index is serialized for real.  The primary's commit record is
-then built with quire's own ``_format.build`` from synthetic leaf records of the measured
+then built with quire's own ``_records.build`` from synthetic leaf records of the measured
 shape.  Chunk payloads are not materialized (one shared zero buffer; the per-chunk CRC is
 not computed — it does not change any size).
 
@@ -128,7 +128,7 @@ async def simulate(
     name: str, hosts: int, devices: int, local: bool, replicas: bool = False
 ) -> dict[str, Any]:
     from quire._format import pack as _pack
-    from quire._format import record as _format
+    from quire._format import record as _records
     from quire._format.chunkindex import index_entry
     from quire._runtime.config import current
     from quire._store.memory import MemoryBackend
@@ -205,7 +205,7 @@ async def simulate(
     }
     n = lay["large"] + lay["small"]
     tree = {"kind": "dict", "keys": [f"w{i:04d}" for i in range(n)], "children": [leaf] * n}
-    record = _format.build(
+    record = _records.build(
         units={"pytree": {"kind": "pytree", "tree": tree}},
         txids=[txid],
         metadata={},

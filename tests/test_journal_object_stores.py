@@ -55,7 +55,7 @@ def test_concurrent_appends_on_s3_never_lose_a_version(moto: MotoS3) -> None:
     errors: list[BaseException] = []
 
     from quire._engine import journal as _journal
-    from quire._engine import save as _engine
+    from quire._engine import save as _saving
     from quire._runtime import ioloop as _io
 
     def writer(who: str) -> None:
@@ -64,7 +64,7 @@ def test_concurrent_appends_on_s3_never_lose_a_version(moto: MotoS3) -> None:
                 # The engine directly, not quire.partial.save: that would queue the two
                 # writers one after the other; here they race for versions on the server.
                 with quire.Context(storage_options={"s3": opts}):
-                    prep = _engine.prepare_save(
+                    prep = _saving.prepare_save(
                         {"pytree": {who: {f"k{i}": np.full(2, i)}}}, None, copy=True, url=url
                     )
                     _io.submit(_journal.append(url, prep=prep)).result()

@@ -9,6 +9,7 @@ with ``ast``: nothing is imported.
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -312,3 +313,48 @@ def test_no_module_over_500_lines() -> None:
         if (n := len(p.read_text().splitlines())) > 500
     }
     assert long == {}
+
+
+#: The repository's Python files outside the package, also held to the alias rule (tests,
+#: benchmarks and CI scripts import rooms too).
+REPO = SRC.parents[2]
+
+
+def shadowing_aliases(files: list[Path]) -> list[str]:
+    """``import ... as <name>`` where ``<name>`` is a room's own name (``record as _format``):
+    the reader takes ``_format.build`` for the room when it is one module of it."""
+    rooms = {m.split(".")[1] for _, ps in ORDER for m in ps if m.count(".") == 1}
+    rooms = {r for r in rooms if r.startswith("_")}
+    out = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                for a in node.names:
+                    if a.asname in rooms:
+                        out.append(f"{path}:{node.lineno}: {a.name} imported as {a.asname}")
+    return out
+
+
+def _python_files() -> list[Path]:
+    out = []
+    for d, dirs, files in os.walk(REPO):
+        dirs[:] = [x for x in dirs if not x.startswith(".") and x not in {"site", "build"}]
+        out += [Path(d, f) for f in files if f.endswith(".py")]
+    return out
+
+
+def test_no_import_alias_shadows_a_room() -> None:
+    assert shadowing_aliases(_python_files()) == []
+
+
+def test_the_alias_check_finds_a_shadowing_alias(tmp_path: Path) -> None:
+    f = tmp_path / "m.py"
+    f.write_text(
+        "from quire._format import record as _format\n"
+        "from quire._engine import save as _saving\n"
+        "import quire._handlers.select as _handlers\n"
+    )
+    assert [s.split(": ", 1)[1] for s in shadowing_aliases([f])] == [
+        "record imported as _format",
+        "quire._handlers.select imported as _handlers",
+    ]

@@ -31,8 +31,8 @@ from quire import partial
 from quire._cli.main import main
 from quire._engine import journal as _journal
 from quire._format import chunkid as _chunkid
-from quire._format import record as _format
 from quire._format.crc import crc32c
+from quire._format.record import record_checksum
 from quire._store.memory import MemoryBackend
 from quire.errors import CorruptCheckpointError
 
@@ -70,7 +70,7 @@ def _resign(url: str) -> None:
         for e in doc["indexes"]:
             data = Path(url, e["object"]).read_bytes()
             e["size"], e["crc32c"] = len(data), f"{crc32c(data):08x}"
-        doc["checksum"] = _format.record_checksum(doc)
+        doc["checksum"] = record_checksum(doc)
         rp.write_text(json.dumps(doc))
     with _journal._cache_lock:  # journal records are immutable, so cached per process
         _journal._cache.clear()

@@ -13,7 +13,7 @@ import pytest
 
 import quire
 from quire._engine import commit as _commit
-from quire._format import record as _format
+from quire._format import record as _records
 from quire._runtime import ioloop as _io
 from quire._store.memory import MemoryBackend, forget
 from quire.backends import Capabilities
@@ -32,7 +32,7 @@ WRITES = CONDITIONAL | {"put"}
 
 def _is_record_name(node: ast.AST) -> bool:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return _format.RECORD in node.value
+        return _records.RECORD in node.value
     if isinstance(node, ast.JoinedStr):
         return any(_is_record_name(v) for v in node.values)
     if isinstance(node, ast.Attribute | ast.Name):
@@ -77,7 +77,7 @@ class _NoSwapBackend(MemoryBackend):
 
 
 def _record(txid: str) -> bytes:
-    return _format.build(
+    return _records.build(
         units={"pytree": {"kind": "pytree", "tree": {"kind": "dict", "keys": [], "children": []}}},
         txids=[txid],
         metadata={},
@@ -128,11 +128,11 @@ def test_read_refuses_locations_outside_d(quire_url: str) -> None:
 
     quire.save(quire_url, {"w": np.ones(2)})
     b = open_backend(quire_url)
-    doc = json.loads(_run(b.get(_format.RECORD)))
+    doc = json.loads(_run(b.get(_records.RECORD)))
     doc["units"]["pytree"]["tree"]["children"][0]["location"] = "../elsewhere"
-    doc["checksum"] = _format.record_checksum(doc)
-    _run(b.delete([_format.RECORD]))
-    _run(b.put(_format.RECORD, [json.dumps(doc).encode()]))
+    doc["checksum"] = _records.record_checksum(doc)
+    _run(b.delete([_records.RECORD]))
+    _run(b.put(_records.RECORD, [json.dumps(doc).encode()]))
     for fn in (quire.load, quire.metadata):
         with pytest.raises(quire.CorruptCheckpointError, match=r"(outside|inside) d/"):
             fn(quire_url)

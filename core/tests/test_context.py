@@ -281,10 +281,10 @@ def test_byte_budget_bounds_a_save(tmp_path: Path) -> None:
 
 
 def test_primary_process_and_timeout_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    from quire._engine import save as _engine
+    from quire._engine import save as _saving
 
     with quire.Context(primary_process=3):
-        assert _engine.process_layout()[2] == 3
+        assert _saving.process_layout()[2] == 3
     seen: list[tuple[int, float | None]] = []
     import quire._runtime.multihost as mh
 
@@ -295,7 +295,7 @@ def test_primary_process_and_timeout_reach_the_engine(monkeypatch: pytest.Monkey
             seen.append((primary, timeout))
             super().__init__(url, what, primary=primary, timeout=timeout, **kw)
 
-    monkeypatch.setattr(_engine, "Coordinator", Probe)
+    monkeypatch.setattr(_saving, "Coordinator", Probe)
     with quire.Context(timeout=12.5):
         quire.save("memory://quire-tests/ctx-timeout", {"x": np.ones(1)}, overwrite=True)
     assert seen and seen[0] == (0, 12.5)

@@ -79,15 +79,15 @@ def test_checkpointer_wait_says_what_it_waits_for(
 ) -> None:
     import asyncio
 
-    from quire._engine import save as _engine
+    from quire._engine import save as _saving
 
-    orig = _engine.save_prepared
+    orig = _saving.save_prepared
 
     async def slow(*a: Any, **k: Any) -> Any:
         await asyncio.sleep(1.5)
         return await orig(*a, **k)
 
-    monkeypatch.setattr(_engine, "save_prepared", slow)
+    monkeypatch.setattr(_saving, "save_prepared", slow)
     caplog.set_level(logging.WARNING, logger="quire")
     with quire.Checkpointer(str(tmp_path / "run")) as ckpt:
         ckpt.save(1, {"x": np.ones(3)}, force=True)

@@ -110,13 +110,13 @@ def test_exit_says_what_it_waits_for(tmp_path: Path) -> None:
         """
         import sys, time
         import numpy as np, quire
-        from quire._engine import save as _engine
-        orig = _engine.save_prepared
+        from quire._engine import save as _saving
+        orig = _saving.save_prepared
         async def slow(*a, **k):
             import asyncio
             await asyncio.sleep(2.5)
             return await orig(*a, **k)
-        _engine.save_prepared = slow
+        _saving.save_prepared = slow
         quire.save_async(sys.argv[1], {"x": 1}, overwrite=True)
         """
     )

@@ -185,7 +185,7 @@ def test_conflicting_concurrent_writer_fails_clearly(
     calls = {"n": 0}
 
     # Drive two writers deterministically: A reads base 1, then B commits 2, then A retries.
-    real_write_units = _journal._engine.write_units
+    real_write_units = _journal._saving.write_units
 
     async def write_units_hook(*a: Any, **k: Any) -> Any:
         r = await real_write_units(*a, **k)
@@ -198,7 +198,7 @@ def test_conflicting_concurrent_writer_fails_clearly(
                 await asyncio.sleep(0.01)
         return r
 
-    monkeypatch.setattr(_journal._engine, "write_units", write_units_hook)
+    monkeypatch.setattr(_journal._saving, "write_units", write_units_hook)
     errors: list[BaseException] = []
 
     def writer_a() -> None:
@@ -211,10 +211,10 @@ def test_conflicting_concurrent_writer_fails_clearly(
     ta.start()
     assert gate.wait(30)
     # Writer B goes through the engine directly (quire.partial.save would queue it behind A).
-    from quire._engine import save as _engine
+    from quire._engine import save as _saving
     from quire._runtime import ioloop as _io
 
-    prep = _engine.prepare_save({"pytree": {"w": np.full(2, 5.0)}}, None, copy=False, url=url)
+    prep = _saving.prepare_save({"pytree": {"w": np.full(2, 5.0)}}, None, copy=False, url=url)
     assert _io.submit(_journal.append(url, prep=prep)).result() == 2
     go.set()
     ta.join(60)
@@ -230,22 +230,22 @@ def test_non_conflicting_concurrent_writer_lands_on_top(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from quire._engine import journal as _journal
-    from quire._engine import save as _engine
+    from quire._engine import save as _saving
     from quire._runtime import ioloop as _io
 
     partial.save(url, {"a": np.zeros(1)})
-    real = _journal._engine.write_units
+    real = _journal._saving.write_units
     state = {"n": 0}
 
     async def hook(*a: Any, **k: Any) -> Any:
         r = await real(*a, **k)
         state["n"] += 1
         if state["n"] == 1:
-            prep = _engine.prepare_save({"pytree": {"b": np.ones(1)}}, None, copy=False, url=url)
+            prep = _saving.prepare_save({"pytree": {"b": np.ones(1)}}, None, copy=False, url=url)
             await _journal.append(url, prep=prep)  # sneaks in as version 2
         return r
 
-    monkeypatch.setattr(_journal._engine, "write_units", hook)
+    monkeypatch.setattr(_journal._saving, "write_units", hook)
     assert partial.save(url, {"c": np.full(1, 2.0)}) == 3
     out = partial.load(url)
     assert sorted(out) == ["a", "b", "c"]

@@ -18,7 +18,7 @@ import pytest
 
 import quire
 from quire._format.record import record_checksum
-from quire._handlers import select as _handlers
+from quire._handlers import select as _selection
 from quire._runtime.registry import clear_caches, codecs, leaf_handlers, registries
 
 # -- fake installed distributions -----------------------------------------------------------
@@ -210,7 +210,7 @@ def test_a_broken_plugin_never_breaks_quire(install: Callable[..., None], tmp_pa
         quire.save("brk://bucket/x", {"x": 1})
     assert isinstance(e.value.__cause__, ImportError)
     with pytest.raises(quire.PluginError, match="failed to import"):
-        _handlers.get("broken")
+        _selection.get("broken")
     out = _plugins_output()
     line = next(ln for ln in out.splitlines() if ln.split()[:1] == ["broken"])
     assert "quire-broken" in line and "1.0" in line
@@ -257,7 +257,7 @@ def test_missing_leaf_handler_names_the_id_and_the_package(
     scanned = dict(leaf_handlers._scan())
     scanned.pop("torch", None)
     monkeypatch.setattr(leaf_handlers, "_eps", scanned)
-    _handlers.clear_instances()
+    _selection.clear_instances()
     with pytest.raises(quire.PluginError, match=r"'torch'.*install quire-torch \(pip install"):
         quire.load(url)
     rec["units"]["pytree"]["tree"]["children"][0]["handler"] = "numpy"
@@ -359,11 +359,11 @@ def test_most_specific_type_wins(registered: Callable[[Any], Any]) -> None:
     generic = _handler("h-generic", None, priority=100, accept=lambda v: isinstance(v, Base))
     for h in (generic, base, derived):
         registered(h)
-    assert _handlers.for_value(Base()) is base
-    assert _handlers.for_value(Derived()) is derived  # despite its lower priority
-    assert _handlers.for_value(MoreDerived()) is derived  # nearest in the MRO
-    assert _handlers.for_value(object()) is None
-    assert [h.id for h in _handlers.ranked(MoreDerived)][:3] == ["h-derived", "h-base", "h-generic"]
+    assert _selection.for_value(Base()) is base
+    assert _selection.for_value(Derived()) is derived  # despite its lower priority
+    assert _selection.for_value(MoreDerived()) is derived  # nearest in the MRO
+    assert _selection.for_value(object()) is None
+    assert [h.id for h in _selection.ranked(MoreDerived)][:3] == ["h-derived", "h-base", "h-generic"]
 
 
 def test_priority_then_handles_break_ties(registered: Callable[[Any], Any]) -> None:
@@ -371,23 +371,23 @@ def test_priority_then_handles_break_ties(registered: Callable[[Any], Any]) -> N
     high = registered(_handler("h-high", (Derived,), priority=1, accept=lambda v: v.ok))
     d = Derived()
     d.ok = True  # type: ignore[attr-defined]
-    assert _handlers.for_value(d) is high
+    assert _selection.for_value(d) is high
     d.ok = False  # type: ignore[attr-defined]
-    assert _handlers.for_value(d) is low  # the winner declined: next in rank
+    assert _selection.for_value(d) is low  # the winner declined: next in rank
 
 
 def test_builtins_keep_their_choice() -> None:
     import jax
 
-    assert _handlers.for_value(np.ones(2)).id == "numpy"
-    assert _handlers.for_value(jax.numpy.ones(2)).id == "jax"
-    assert _handlers.for_value(jax.random.key(0)).id == "prng_key"
-    assert _handlers.for_value(np.float32(1)).id == "scalar"
-    assert _handlers.for_value(True).id == "scalar"
-    assert _handlers.for_value("s").id == "str"
-    assert _handlers.for_value(b"s").id == "bytes"
-    assert _handlers.for_value(None).id == "none"
-    assert _handlers.for_value(object()) is None
+    assert _selection.for_value(np.ones(2)).id == "numpy"
+    assert _selection.for_value(jax.numpy.ones(2)).id == "jax"
+    assert _selection.for_value(jax.random.key(0)).id == "prng_key"
+    assert _selection.for_value(np.float32(1)).id == "scalar"
+    assert _selection.for_value(True).id == "scalar"
+    assert _selection.for_value("s").id == "str"
+    assert _selection.for_value(b"s").id == "bytes"
+    assert _selection.for_value(None).id == "none"
+    assert _selection.for_value(object()) is None
 
 
 def test_run_time_registration_round_trip(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from quire import partial
 from quire._cli.main import main
 from quire._format import chunkid as _chunkid
 from quire._format import packedreader as _packedreader
-from quire._format import record as _format
+from quire._format import record as _records
 from quire._format import shardid as _shardid
 from quire._format.crc import crc32c
 from quire.errors import CorruptCheckpointError
@@ -57,7 +57,7 @@ def _resign(url: str) -> None:
     for e in doc["indexes"]:
         data = Path(url, e["object"]).read_bytes()
         e["size"], e["crc32c"] = len(data), f"{crc32c(data):08x}"
-    doc["checksum"] = _format.record_checksum(doc)
+    doc["checksum"] = _records.record_checksum(doc)
     Path(url, "quire.json").write_text(json.dumps(doc))
 
 

@@ -7,9 +7,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypedDict, Unpack
 
 from quire._engine import load as _load
-from quire._engine import save as _engine
+from quire._engine import save as _saving
 from quire._engine.incremental import Incremental
-from quire._format import record as _format
+from quire._format import record as _records
 from quire._handlers.units import as_mapping
 from quire._runtime import ioloop as _io
 from quire._runtime import progress as _progress
@@ -58,7 +58,7 @@ def _start_save(
     rep = _progress.make(progress, "save", u)
     if rep is not None:
         rep.add_total(_tree_nbytes(units))
-    prep = _engine.prepare_save(
+    prep = _saving.prepare_save(
         units,
         options.get("storage"),
         copy=copy,
@@ -67,7 +67,7 @@ def _start_save(
         incremental=incremental,
         spread=spread,
     )
-    writer = _spreadsave.save_spread if prep.spread and prep.coord.active else _engine.save_prepared
+    writer = _spreadsave.save_spread if prep.spread and prep.coord.active else _saving.save_prepared
 
     def write() -> Awaitable[None]:
         return _progress.tracked(
@@ -160,7 +160,7 @@ def save(url: str | os.PathLike[str], tree: Any, **options: Unpack[SaveOptions])
         committed.
     """
     # The streaming path: no host copy of the tree, shards are read while writing.
-    _start_save("save", url, {_format.PYTREE: tree}, False, options).result()
+    _start_save("save", url, {_records.PYTREE: tree}, False, options).result()
 
 
 def save_async(
@@ -191,7 +191,7 @@ def save_async(
     UnsupportedLeafError
         A leaf has a type no installed leaf handler saves (raised at once).
     """
-    return _start_save("save_async", url, {_format.PYTREE: tree}, True, options)
+    return _start_save("save_async", url, {_records.PYTREE: tree}, True, options)
 
 
 def save_checkpointables(

@@ -25,9 +25,9 @@ from typing import Any, TypedDict, Unpack
 
 from quire import _api
 from quire._engine import journal as _journal
-from quire._engine import save as _engine
+from quire._engine import save as _saving
 from quire._engine.journal import JournalConflictError, JournalVersion
-from quire._format import record as _format
+from quire._format import record as _records
 from quire._runtime import ioloop as _io
 from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator
@@ -68,7 +68,7 @@ def _start_save(
     if unknown:
         raise TypeError(f"quire.partial.{fn}() got an unexpected keyword argument {unknown[0]!r}")
     u = normalize(url)
-    prep = _engine.prepare_save({_format.PYTREE: tree}, options.get("storage"), copy=copy, url=u)
+    prep = _saving.prepare_save({_records.PYTREE: tree}, options.get("storage"), copy=copy, url=u)
     md = dict(options.get("metadata") or {})
     so = options.get("storage_options")
 

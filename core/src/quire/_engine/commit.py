@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from quire._format import record as _format
+from quire._format import record as _records
 from quire._format.paths import is_safe_location
 from quire._format.root import root_hint
 from quire._format.tree import from_json, keystr
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("quire")
 
-RECORD = _format.RECORD
+RECORD = _records.RECORD
 JOURNAL_DIR = "journal"
 
 T = TypeVar("T")
@@ -146,7 +146,7 @@ def check_record(raw: bytes, where: str) -> dict[str, Any]:
     CorruptCheckpointError
         Naming ``where`` and the key path of the first bad value.
     """
-    doc = _format.parse(raw, where)
+    doc = _records.parse(raw, where)
     check_locations(doc["units"], where)
     return doc
 
@@ -270,7 +270,7 @@ async def publish(
 
 async def _txids_at(backend: Backend, url: str) -> set[str]:
     try:
-        return set(_format.parse(await backend.get(RECORD), url)["txids"])
+        return set(_records.parse(await backend.get(RECORD), url)["txids"])
     except (FileNotFoundError, CorruptCheckpointError):
         return set()
 

@@ -27,7 +27,7 @@ from typing import Any
 from quire._engine import commit as _commit
 from quire._engine.packcopy import plan_packed
 from quire._engine.unborrow import Unborrow
-from quire._format import record as _format
+from quire._format import record as _records
 from quire._format.borrow import BorrowingView, parent_url
 from quire._format.paths import is_chunk, is_safe_location
 from quire._format.tree import from_json, keystr
@@ -129,7 +129,7 @@ async def plan(backend: Backend, url: str, doc: dict[str, Any]) -> list[_Item]:
                 loc = leaf.value.get("location")
                 if loc is not None and not is_safe_location(loc):
                     raise CorruptCheckpointError(
-                        f"{url}/{_format.RECORD}: leaf {keystr(leaf.path)!r} has location "
+                        f"{url}/{_records.RECORD}: leaf {keystr(leaf.path)!r} has location "
                         f"{loc!r}, outside d/; refusing to copy it"
                     )
                 rec = leaf.value
@@ -143,7 +143,7 @@ async def plan(backend: Backend, url: str, doc: dict[str, Any]) -> list[_Item]:
             loc = unit["location"]
             if not is_safe_location(loc):
                 raise CorruptCheckpointError(
-                    f"{url}/{_format.RECORD}: unit {name!r} has location {loc!r}, outside d/"
+                    f"{url}/{_records.RECORD}: unit {name!r} has location {loc!r}, outside d/"
                 )
             listed.append((loc, f"unit {name!r}", _check_unit_object))
     # Objects by key: a packed object holds ranges of several leaves; it is copied once.

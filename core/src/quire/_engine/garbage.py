@@ -35,7 +35,7 @@ from typing import Any
 from quire._engine import commit as _commit
 from quire._engine import journal as _journal
 from quire._engine.incremental import LEASE_DIR, MARKER
-from quire._format import record as _format
+from quire._format import record as _records
 from quire._format.borrow import borrowed_of, root_relative
 from quire._format.record import JOURNAL_DIR
 from quire._format.root import (
@@ -200,7 +200,7 @@ async def remove(backend: Backend, url: str, g: Garbage) -> bool:
     if g.kind == "lease":
         await backend.delete(list(g.keys))
     elif g.keys:  # borrowed packs stay: remove the rest, once it is still garbage
-        if g.kind == "incomplete" and await backend.exists(f"{name}/{_format.RECORD}"):
+        if g.kind == "incomplete" and await backend.exists(f"{name}/{_records.RECORD}"):
             return False
         if g.kind == "superseded":
             doc = await read_step_record(backend, url, name)
@@ -211,7 +211,7 @@ async def remove(backend: Backend, url: str, g: Garbage) -> bool:
         if not await finish_unfinished(backend, url, name):
             return False
     elif g.kind == "incomplete":
-        if await backend.exists(f"{name}/{_format.RECORD}"):
+        if await backend.exists(f"{name}/{_records.RECORD}"):
             return False  # a slow writer committed it meanwhile
         await backend.delete_prefix(g.prefix)
     else:
@@ -318,7 +318,7 @@ async def retire_step(backend: Backend, url: str, name: str) -> None:
     them no other step borrows.  A crash in between leaves an incomplete step directory
     (``collect`` removes it after the grace period, borrowed packs excepted)."""
     doc = await read_step_record(backend, url, name)
-    await backend.delete([f"{name}/{_format.RECORD}"])
+    await backend.delete([f"{name}/{_records.RECORD}"])
     if doc is not None:
         await backend.put(f"{name}/{RETIRED}", [json.dumps({"txids": doc["txids"]}).encode()])
 
@@ -354,5 +354,5 @@ async def delete_step(backend: Backend, name: str) -> None:
 
     A crash in between leaves an incomplete step directory, which :func:`collect` removes.
     """
-    await backend.delete([f"{name}/{_format.RECORD}"])
+    await backend.delete([f"{name}/{_records.RECORD}"])
     await backend.delete_prefix(name)

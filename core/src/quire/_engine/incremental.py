@@ -39,7 +39,7 @@ from typing import Any
 
 import jax
 
-from quire._format import record as _format
+from quire._format import record as _records
 from quire._format.borrow import Previous, from_root, root_relative
 from quire._format.chunkid import Ref
 from quire._format.chunkindex import parse_index
@@ -163,7 +163,7 @@ class Incremental:
         doc = {"created": time.time(), "packs": base.previous.packs()}
         await root.put(self.lease_key, [json.dumps(doc).encode()])
         try:
-            rec = _format.parse(await root.get(f"{base.step}/{_format.RECORD}"), self.root)
+            rec = _records.parse(await root.get(f"{base.step}/{_records.RECORD}"), self.root)
         except (FileNotFoundError, ValueError) as e:  # deleted meanwhile, or damaged
             log.info("%s: not borrowing from %s (%s)", self.root, base.step, e)
             return False
@@ -213,7 +213,7 @@ async def resume(root: Backend, url: str, step: str, process: int) -> Base | Non
     """The base of a step committed earlier (by another run): its record and this
     process's index, if the step was saved incrementally (its index has chunk hashes)."""
     try:
-        doc = _format.parse(await root.get(f"{step}/{_format.RECORD}"), url)
+        doc = _records.parse(await root.get(f"{step}/{_records.RECORD}"), url)
     except (FileNotFoundError, ValueError):
         return None
     entries = [e for e in doc.get("indexes") or [] if e.get("process") == process]

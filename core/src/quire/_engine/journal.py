@@ -32,7 +32,7 @@ from typing import Any
 from quire._engine import commit as _commit
 from quire._engine import load as _load
 from quire._engine import packrewrite as _packrewrite
-from quire._engine import save as _engine
+from quire._engine import save as _saving
 from quire._engine.journal_replay import (
     drop_dead,
     find,
@@ -42,7 +42,7 @@ from quire._engine.journal_replay import (
     replay,
     txids_of,
 )
-from quire._format import record as _format
+from quire._format import record as _records
 from quire._format import schema as _schema
 from quire._format.chunkindex import check_entries
 from quire._format.tree import KeyPath, keystr
@@ -58,7 +58,7 @@ from quire.errors import (
     TreeMismatchError,
 )
 
-JOURNAL = _format.JOURNAL_DIR
+JOURNAL = _records.JOURNAL_DIR
 FORMAT = "quire-journal"
 VERSION = 1
 MAX_RETRIES = 1000
@@ -120,8 +120,8 @@ def _parse(raw: bytes, url: str, n: int) -> dict[str, Any]:
             f"{VERSION}. Upgrade quire"
         )
     stored = doc.get("checksum")
-    if _format.verify_record() and (
-        not isinstance(stored, str) or stored != _format.record_checksum(doc)
+    if _records.verify_record() and (
+        not isinstance(stored, str) or stored != _records.record_checksum(doc)
     ):
         raise CorruptCheckpointError(
             f"{where} fails its checksum or has none; the journal is damaged (load it with "
@@ -172,7 +172,7 @@ async def read_records(backend: Backend, url: str, upto: int | None = None) -> l
         if hit is not None:
             return hit
         doc = _parse(await backend.get(record_key(n)), url, n)
-        if _format.verify_record():  # an unverified record must not serve verified reads
+        if _records.verify_record():  # an unverified record must not serve verified reads
             with _cache_lock:
                 _cache[(url, n)] = doc
         return doc
@@ -188,7 +188,7 @@ def _forget(url: str) -> None:
 
 # ----------------------------------------------------------------------------- operations
 async def _ensure_not_finalized(backend: Backend, url: str) -> None:
-    if await backend.exists(_format.RECORD):
+    if await backend.exists(_records.RECORD):
         raise CheckpointExistsError(
             f"{url} is already a finalized checkpoint; partial saves go to a new URL "
             "(or quire.save(url, tree, overwrite=True) to replace it)"
@@ -198,7 +198,7 @@ async def _ensure_not_finalized(backend: Backend, url: str) -> None:
 async def append(
     url: str,
     *,
-    prep: _engine.PreparedSave | None,
+    prep: _saving.PreparedSave | None,
     coord: Coordinator | None = None,
     deleted: Sequence[KeyPath] = (),
     metadata: dict[str, Any] | None = None,
@@ -233,14 +233,14 @@ async def append(
                 )
         if prep is None:
             return None
-        units = await _engine.write_units(url, backend, prep)
-        frag: dict[str, Any] = units[_format.PYTREE]["tree"]
+        units = await _saving.write_units(url, backend, prep)
+        frag: dict[str, Any] = units[_records.PYTREE]["tree"]
         return frag
 
     async def create(frag: dict[str, Any] | None) -> int:
         try:
             indexes = (
-                None if prep is None else await _engine.index_entries(backend, prep, coord.count)
+                None if prep is None else await _saving.index_entries(backend, prep, coord.count)
             )
             return await _create_record(
                 backend, url, frag, txid, base_box[0], deleted, metadata, indexes
@@ -257,7 +257,7 @@ async def append(
     def digests(frag: dict[str, Any] | None) -> dict[str, str]:
         if frag is None:
             return {"<deleted>": _multihost.digest([list(p) for p in deleted])}
-        return _engine.unit_digests({_format.PYTREE: {"kind": "pytree", "tree": frag}})
+        return _saving.unit_digests({_records.PYTREE: {"kind": "pytree", "tree": frag}})
 
     return await _commit.collective(coord, url, work, create, cleanup, digests)
 
@@ -305,11 +305,11 @@ async def _create_record(
             "deleted": [list(p) for p in deleted],
             "added": added,
             "replaced": replaced,
-            "process_count": _engine.process_layout()[1],
+            "process_count": _saving.process_layout()[1],
         }
         if indexes is not None:
             doc["indexes"] = indexes
-        doc["checksum"] = _format.record_checksum(doc)
+        doc["checksum"] = _records.record_checksum(doc)
         data = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
         check = _reader_of(url, n)  # what read_records parses version n with
         if await _commit.create(backend, record_key(n), data, url, check):  # COMMIT of n
@@ -354,10 +354,10 @@ async def load(
     storage_options: dict[str, Any] | None = None,
 ) -> Any:
     backend = open_backend(url, storage_options)
-    if await backend.exists(_format.RECORD):
+    if await backend.exists(_records.RECORD):
         # Once quire.json exists the journal is dead (a finalize may have been killed
         # before deleting it): read the committed state, never an older replay.
-        fin = _format.parse(await backend.get(_format.RECORD), url)
+        fin = _records.parse(await backend.get(_records.RECORD), url)
         if version is not None and version != fin.get("journal_version"):
             raise CheckpointNotFoundError(
                 f"{url} is finalized (from journal version {fin.get('journal_version')}); "
@@ -408,7 +408,7 @@ async def finalize(
 
 async def _finalize(url: str, storage_options: dict[str, Any] | None = None) -> None:
     backend = open_backend(url, storage_options)
-    if await backend.exists(_format.RECORD):
+    if await backend.exists(_records.RECORD):
         raise CheckpointExistsError(f"{url} is already finalized")
     records = await read_records(backend, url)
     if not records:
@@ -419,11 +419,11 @@ async def _finalize(url: str, storage_options: dict[str, Any] | None = None) -> 
     tree = state if state is not None else {"kind": "dict", "keys": [], "children": []}
     # Format v2: packs less than half live are rewritten (docs/format.md, _packrewrite).
     plan = await _packrewrite.finalize_plan(backend, url, tree, records)
-    data = _format.build(
-        units={_format.PYTREE: {"kind": "pytree", "tree": plan.tree}},
+    data = _records.build(
+        units={_records.PYTREE: {"kind": "pytree", "tree": plan.tree}},
         txids=sorted(plan.txids),
         metadata=meta,
-        process_count=_engine.process_layout()[1],
+        process_count=_saving.process_layout()[1],
         extra={"journal_version": len(records)},
         indexes=plan.indexes or None,
     )

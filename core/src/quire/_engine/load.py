@@ -18,7 +18,7 @@ from quire._engine.shared_reads import plan_shared, prefetch_shared
 from quire._format import packedreader as _packedreader
 from quire._format.record import PYTREE
 from quire._format.tree import KeyPath, Node, from_json, keystr, walk
-from quire._handlers import select as _handlers
+from quire._handlers import select as _selection
 from quire._handlers import unit_ops as _checkpointables
 from quire._handlers.base import LoadContext, LoadEntry
 from quire._handlers.meshes import Placer
@@ -67,7 +67,7 @@ def _is_abstract_leaf(x: Any) -> bool:
         return True
     if type(x) in (bool, int, float, complex, str, bytes):
         return True
-    return _handlers.for_value(x) is not None
+    return _selection.for_value(x) is not None
 
 
 def _diff_message(subject: str, missing: list[str], extra: list[str], bad: list[str]) -> str:
@@ -215,7 +215,7 @@ async def _load_tree(
             if why is not None:
                 return why
             placed[id(t)] = target
-            h = handler_cache.get(rec["handler"]) or _handlers.get(rec["handler"], url=url)
+            h = handler_cache.get(rec["handler"]) or _selection.get(rec["handler"], url=url)
             handler_cache[rec["handler"]] = h
             why = h.check(LoadEntry(t.path, rec, target))
             return why
@@ -245,9 +245,9 @@ async def _load_tree(
     values: dict[int, Any] = {}
 
     async def run(hid: str, items: list[tuple[Node, LoadEntry]]) -> None:
-        h = _handlers.get(hid, url=url)
+        h = _selection.get(hid, url=url)
         entries = [e for _, e in items]
-        with _handlers.failures_named(h, entries, url, "loading"):
+        with _selection.failures_named(h, entries, url, "loading"):
             got = await h.load(entries, ctx)
         for (node, _), v in zip(items, got):
             values[id(node)] = v
@@ -351,7 +351,7 @@ def metadata_tree(url: str, tree_json: dict[str, Any]) -> Any:
     metas: dict[int, Any] = {}
     for hid, leaves in by_handler.items():
         try:
-            h = _handlers.get(hid, url=url)
+            h = _selection.get(hid, url=url)
             ms = h.metadata([leaf.value for leaf in leaves])
         except QuireError:
             raise

@@ -31,13 +31,13 @@ import numpy as np
 from quire._engine import commit as _commit
 from quire._engine.compaction import compact
 from quire._engine.incremental import Carried, Incremental, LeafInfo, LeafKey
-from quire._format import record as _format
+from quire._format import record as _records
 from quire._format.bounds import is_distribution_name
 from quire._format.pack import PackWriter, gather_entries
 from quire._format.paths import assign_locations, escape_component
 from quire._format.record import PYTREE, process_dir
 from quire._format.tree import KeyPath, Node, from_json, keystr, to_json, walk
-from quire._handlers import select as _handlers
+from quire._handlers import select as _selection
 from quire._handlers import unit_ops as _checkpointables
 from quire._handlers.arrays import ArrayHandler
 from quire._handlers.base import SaveContext, SaveEntry
@@ -90,7 +90,7 @@ class PreparedSave:
 
 
 def _is_leaf_value(x: Any) -> bool:
-    return _handlers.for_value(x) is not None
+    return _selection.for_value(x) is not None
 
 
 def _storage_for(storage: StorageSpec, path: KeyPath, leaf: Any) -> StorageOptions:
@@ -165,7 +165,7 @@ def prepare_save(
         leaves = list(root.leaves())
         locs = assign_locations([n.path for n in leaves], f"d/{txid}/{escape_component(name)}")
         for node, loc in zip(leaves, locs):
-            h = _handlers.for_value(node.value)
+            h = _selection.for_value(node.value)
             if h is None:  # pragma: no cover - walk() only stops at handled leaves
                 raise UnsupportedLeafError(f"{url}: no handler for leaf {keystr(node.path)!r}")
             entry = SaveEntry(
@@ -182,7 +182,7 @@ def prepare_save(
         _spread_replica_writes(groups, url)
     if copy:
         for hid, items in groups.items():
-            snap = _handlers.get(hid).snapshot([e for _, e in items])
+            snap = _selection.get(hid).snapshot([e for _, e in items])
             groups[hid] = [(n, e) for (n, _), e in zip(items, snap)]
     if layout not in (None, "packed", "chunks"):
         raise ValueError(f'layout must be "packed" or "chunks", got {layout!r}')
@@ -210,7 +210,7 @@ def _spread_replica_writes(groups: dict[str, list[tuple[Node, SaveEntry]]], url:
     where: list[tuple[str, int]] = []
     arrays: list[tuple[Any, np.dtype[Any]]] = []
     for hid, items in groups.items():
-        h = _handlers.get(hid, url=url)
+        h = _selection.get(hid, url=url)
         if not isinstance(h, ArrayHandler):
             continue
         for j, (_, e) in enumerate(items):
@@ -253,9 +253,9 @@ async def write_units(
         ctx.backend = sink
 
     async def write_group(hid: str, items: list[tuple[Node, SaveEntry]]) -> None:
-        h = _handlers.get(hid, url=url)
+        h = _selection.get(hid, url=url)
         entries = [e for _, e in items]
-        with _handlers.failures_named(h, entries, url, "saving"):
+        with _selection.failures_named(h, entries, url, "saving"):
             if prep.feed is None:
                 recs = await h.save(entries, ctx)
             else:
@@ -339,7 +339,7 @@ def _uncarry(prep: PreparedSave) -> dict[str, list[tuple[Node, SaveEntry]]]:
     """The carried leaves as leaves to write (by handler), now in ``prep.groups``."""
     extra: dict[str, list[tuple[Node, SaveEntry]]] = {}
     for node, entry, _ in prep.carried.values():
-        h = _handlers.for_value(node.value)
+        h = _selection.for_value(node.value)
         assert h is not None
         extra.setdefault(h.id, []).append((node, entry))
     groups = {k: list(v) for k, v in prep.groups.items()}
@@ -431,7 +431,7 @@ async def build_record(
     """The commit record of ``prep``'s save: its units, txid, metadata, the plugins it
     needs and (format v2) every process's chunk index."""
     units = await _checkpointables.gather_records(prep.coord, units, backend.url)
-    return _format.build(
+    return _records.build(
         units=units,
         txids=[prep.txid],
         metadata=dict(metadata or {}),

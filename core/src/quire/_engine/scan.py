@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quire._engine import garbage as _gc
-from quire._format import record as _format
+from quire._format import record as _records
 from quire._format import root as _root
 from quire._runtime.progress import advance
 from quire._store.base import Backend
@@ -63,7 +63,7 @@ async def scan(backend: Backend, opener: Opener) -> Scan:
         step = None
         if root is not None and fmt is not None:
             step = fmt.parse(prefix.rsplit("/", 1)[-1])
-        if _format.RECORD in files:
+        if _records.RECORD in files:
             found.append(Found(prefix, "committed", root, step))
             continue
         if _gc.JOURNAL_DIR in dirs:
@@ -120,11 +120,11 @@ async def _txid_garbage(
 async def _live(backend: Backend, url: str, path: str) -> set[str] | None:
     """The txids ``<path>/quire.json`` references; empty if none; None if unreadable."""
     try:
-        raw = await backend.get(_join(path, _format.RECORD))
+        raw = await backend.get(_join(path, _records.RECORD))
     except FileNotFoundError:
         return set()
     try:
-        return set(_format.parse(raw, _join(url, path))["txids"])
+        return set(_records.parse(raw, _join(url, path))["txids"])
     except QuireError:
         return None  # a damaged record is for a human to look at, not for GC
 

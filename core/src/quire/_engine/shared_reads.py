@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from quire._handlers import select as _handlers
+from quire._handlers import select as _selection
 from quire._handlers.arrayplan import layout_from_record
 from quire._handlers.arrays import ArrayHandler
 from quire._runtime.collective import exchange
@@ -94,7 +94,7 @@ def plan_shared(pairs: Iterable[tuple[dict[str, Any], Any]], url: str) -> list[I
         ):
             continue
         try:
-            h = _handlers.get(rec["handler"], url=url)
+            h = _selection.get(rec["handler"], url=url)
         except PluginError:  # not installed: the load itself says so
             continue
         if not isinstance(h, ArrayHandler):

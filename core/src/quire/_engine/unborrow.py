@@ -16,7 +16,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from quire._format import record as _format
+from quire._format import record as _records
 from quire._format.borrow import UP, borrowed_of
 from quire._format.chunkindex import index_entry
 
@@ -62,5 +62,5 @@ class Unborrow:
         doc["indexes"] = [self.entries.get(e["object"], e) for e in doc["indexes"]]
         lent = {self.dest(t).split("/")[1] for t in self.borrowed}
         doc["txids"] = sorted(set(doc["txids"]) | lent)
-        doc["checksum"] = _format.record_checksum(doc)
+        doc["checksum"] = _records.record_checksum(doc)
         return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode(), doc["txids"]

@@ -27,7 +27,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from quire._format import record as _format
+from quire._format import record as _records
 from quire._format.record import JOURNAL_DIR
 from quire._runtime.version import __version__
 from quire._store.base import Backend
@@ -165,7 +165,7 @@ class StepDir:
 
     @property
     def state(self) -> str:
-        if f"{self.name}/{_format.RECORD}" in self.keys:
+        if f"{self.name}/{_records.RECORD}" in self.keys:
             return "committed"
         if any(k.startswith(f"{self.name}/{JOURNAL_DIR}/") for k in self.keys):
             return "partial"
@@ -189,7 +189,7 @@ async def committed_steps(backend: Backend, fmt: StepFormat) -> list[int]:
     (never a recursive listing of the steps' data)."""
     _, names = await backend.list_dir("")
     candidates = [(name, step) for name in names if (step := fmt.parse(name)) is not None]
-    found = await _gather_limited(backend.exists(f"{n}/{_format.RECORD}") for n, _ in candidates)
+    found = await _gather_limited(backend.exists(f"{n}/{_records.RECORD}") for n, _ in candidates)
     return sorted(step for (_, step), ok in zip(candidates, found) if ok)
 
 
@@ -276,7 +276,7 @@ async def root_hint(backend: Backend) -> str:
             f"<url>/{fmt.name(steps[-1])}; `quire ls <url>` lists them"
         )
     try:
-        have = [d for d in dirs if await backend.exists(f"{d}/{_format.RECORD}")]
+        have = [d for d in dirs if await backend.exists(f"{d}/{_records.RECORD}")]
     except Exception:  # broad: a hint in a "no checkpoint here" error only
         return ""
     if have:

@@ -15,11 +15,11 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from quire._format import record as _format
+from quire._format import record as _records
 from quire._format.crc import crc_bytes
 from quire._format.paths import is_safe_location
 from quire._format.tree import Node, keystr
-from quire._handlers import select as _handlers
+from quire._handlers import select as _selection
 from quire._handlers.base import LoadContext, LoadEntry, ObjectProblem, StoredObject
 from quire._handlers.objects import check_objects, default_objects
 from quire._store.base import Backend
@@ -32,7 +32,7 @@ def _by_handler(url: str, leaves: Sequence[Node]) -> dict[str, list[Node]]:
         hid = leaf.value.get("handler") if isinstance(leaf.value, dict) else None
         if not isinstance(hid, str):
             raise CorruptCheckpointError(
-                f"{url}/{_format.RECORD}: leaf {keystr(leaf.path)!r} names no handler"
+                f"{url}/{_records.RECORD}: leaf {keystr(leaf.path)!r} names no handler"
             )
         groups[hid].append(leaf)
     return groups
@@ -57,7 +57,7 @@ async def _owned(
         for o in objs:
             if not is_safe_location(o.key):
                 raise CorruptCheckpointError(
-                    f"{ctx.url}/{_format.RECORD}: leaf {keystr(e.path)!r} owns object "
+                    f"{ctx.url}/{_records.RECORD}: leaf {keystr(e.path)!r} owns object "
                     f"{o.key!r}, outside d/; refusing to touch it"
                 )
     return out
@@ -70,7 +70,7 @@ async def leaf_objects(
     ctx = LoadContext(url, backend)
     out: list[tuple[Node, list[StoredObject]]] = []
     for hid, group in _by_handler(url, leaves).items():
-        handler = _handlers.get(hid, url=url)
+        handler = _selection.get(hid, url=url)
         out += zip(group, await _owned(handler, _entries(group), ctx))
     return out
 
@@ -85,7 +85,7 @@ async def verify_leaves(
     problems: list[ObjectProblem] = []
     checked = 0
     for hid, group in _by_handler(url, leaves).items():
-        handler = _handlers.get(hid, url=url)
+        handler = _selection.get(hid, url=url)
         ctx = LoadContext(url, backend)
         entries = _entries(group)
         custom = getattr(handler, "verify", None)

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from quire._engine import load as _load
-from quire._engine import save as _engine
-from quire._format import record as _format
+from quire._engine import save as _saving
+from quire._format import record as _records
 from quire._handlers.base import SaveEntry
 from quire._runtime import progress as _progress
 from quire._runtime.config import current
@@ -142,11 +142,11 @@ def _convert(
     nbytes = sum(v.nbytes for v in lazy.values())
     meta = {"converted_from": source.url, "source_format": source.format}
     rep = _progress.make(progress, "cp", u, bytes_total=nbytes)
-    prep = _engine.prepare_save({_format.PYTREE: tree}, None, copy=False, url=u, layout=layout)
+    prep = _saving.prepare_save({_records.PYTREE: tree}, None, copy=False, url=u, layout=layout)
     prep.feed = _feed(lazy, max(1, current().byte_budget // 2))
 
     def save() -> Any:
-        return _engine.save_prepared(
+        return _saving.save_prepared(
             u, prep, metadata=meta, overwrite=overwrite, storage_options=dst_options
         )
 

@@ -18,7 +18,7 @@ from quire._engine.load import pytree_unit, read_for_data, rebuild_saved
 from quire._format.crc import ChunkError
 from quire._format.record import RECORD
 from quire._format.tree import Node, from_json, keystr
-from quire._handlers import select as _handlers
+from quire._handlers import select as _selection
 from quire._handlers.arrays import layout_from_record
 from quire._handlers.base import LoadContext, LoadEntry
 from quire._handlers.zarr_io import read_region
@@ -116,7 +116,7 @@ class QuireSource(Source):
         ctx.budget = ByteBudget(current().byte_budget)
 
         async def run(hid: str, leaves: list[Node]) -> None:
-            h = _handlers.get(hid, url=url)
+            h = _selection.get(hid, url=url)
             got = await h.load([LoadEntry(n.path, n.value, None) for n in leaves], ctx)
             for n, v in zip(leaves, got):
                 values[id(n)] = v

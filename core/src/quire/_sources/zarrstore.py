@@ -17,7 +17,7 @@ from typing import Any
 
 from quire._engine import commit as _commit
 from quire._format import chunkindex as _chunkindex
-from quire._format import record as _format
+from quire._format import record as _records
 from quire._runtime import ioloop as _io
 from quire._store.url import normalize, open_backend
 
@@ -64,7 +64,7 @@ def zarr_store(
     fs, root = fsspec.url_to_fs(u, **(storage_options or {}))
     base = DirFileSystem(path=root, fs=_async_fs(fs), asynchronous=True)
     entries = doc.get("indexes")
-    if doc["version"] == _format.VERSION or not entries:
+    if doc["version"] == _records.VERSION or not entries:
         return FsspecStore(base, path="", read_only=True)
 
     async def merged() -> dict[str, Any]:

@@ -40,7 +40,7 @@ from quire._engine import commit as _commit
 from quire._engine.compaction import compact
 from quire._engine.copying import _check_unit_object, _copy_objects, _Item, copy_checkpoint
 from quire._engine.incremental import Incremental, LeafInfo, LeafKey, record_leaves
-from quire._format import record as _format
+from quire._format import record as _records
 from quire._format.chunkcheck import check_stored
 from quire._format.chunkid import Ref
 from quire._format.chunkindex import parse_index
@@ -235,7 +235,7 @@ def _with_indexes(raw: bytes, entries: list[dict[str, Any]]) -> bytes:
     """The commit record ``raw`` with its ``indexes`` replaced and its checksum redone."""
     doc = json.loads(raw)
     doc["indexes"] = entries
-    doc["checksum"] = _format.record_checksum(doc)
+    doc["checksum"] = _records.record_checksum(doc)
     return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
 
 

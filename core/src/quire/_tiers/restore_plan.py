@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from quire._engine import commit as _commit
-from quire._format import record as _format
+from quire._format import record as _records
 from quire.errors import CorruptCheckpointError
 
 __all__ = [
@@ -57,7 +57,7 @@ def agreed_doc(raw: bytes, digest: str, url: str, step: int) -> dict[str, Any]:
         raise CorruptCheckpointError(
             f"{url}: the commit record received for step {step} is not the agreed one"
         )
-    doc = _format.parse(raw, url)
+    doc = _records.parse(raw, url)
     _commit.check_locations(doc["units"], url)
     return doc
 

@@ -86,9 +86,9 @@ class LeafHandlerSuite(UrlFixture):
     # -- helpers ----------------------------------------------------------------------
     @pytest.fixture
     def handler(self) -> Any:
-        from quire._handlers import select as _handlers
+        from quire._handlers import select as _selection
 
-        return _handlers.get(self.handler_id)
+        return _selection.get(self.handler_id)
 
     def _backend(self) -> Any:
         from quire._store.memory import MemoryBackend
@@ -136,12 +136,12 @@ class LeafHandlerSuite(UrlFixture):
 
     def test_chosen_for_its_values(self, handler: Any, values: list[Any]) -> None:
         """Handler choice picks this handler for each sample (no other handler wins)."""
-        from quire._handlers import select as _handlers
+        from quire._handlers import select as _selection
 
         assert values, "the values fixture must give at least one leaf"
         for v in values:
             assert handler.handles(v), f"handles({v!r}) is false"
-            chosen = _handlers.for_value(v)
+            chosen = _selection.for_value(v)
             assert chosen is handler, f"{v!r} goes to {getattr(chosen, 'id', None)!r}"
 
     def test_batch_round_trip(self, handler: Any, values: list[Any]) -> None:
