@@ -24,7 +24,7 @@ So whenever at least ``k`` processes lie outside an owner's domain, all of its h
 (then losing one whole domain loses no owner's objects, when that holds for every owner).
 With a single domain, or every process its own, the answer is the plain ring: owner ``j``'s
 copies on processes ``j+1 .. j+k``.  With domains of equal size every process holds exactly
-``k`` owners' copies (``core/tests/test_tierplace.py`` checks up to 5 domains of up to 4
+``k`` owners' copies (``core/tests/test_tier_placement.py`` checks up to 5 domains of up to 4
 processes, every ``k``).  Rule 4 is logged once, as a warning, by the tier that had to take
 it (:func:`shared_domains` says which owners).
 """

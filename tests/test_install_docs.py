@@ -107,7 +107,7 @@ def test_the_suite_fails_when_it_leaves_quire_temp_dirs(tmp_path: Path) -> None:
     shutil.copy(REPO / "conftest.py", tmp_path / "conftest.py")
     shutil.copy(REPO / "isolation_guard.py", tmp_path / "isolation_guard.py")
     (tmp_path / "test_leak.py").write_text(
-        "import tempfile as t\n\n"  # (not spelled out: test_newcomer scans for it)
+        "import tempfile as t\n\n"  # (not spelled out: test_cli scans for it)
         "def test_leaks():\n    t.mkdtemp(prefix='quire-leaky-')\n\n"
         "def test_clean(tmp_path):\n    (tmp_path / 'x').write_text('fine')\n"
     )
