@@ -84,7 +84,7 @@ class PreparedSave:
     incremental: Incremental | None = None
     carried: dict[int, tuple[Node, SaveEntry, Carried]] = field(default_factory=dict)
     paths: dict[str, LeafKey] = field(default_factory=dict)
-    # A local tier's save (quire._engine.tierio): every process saves into its own root.
+    # A local tier's save (quire._tiers.spread_save): every process saves into its own root.
     spread: bool = False
     per_process: frozenset[str] = frozenset()  # units every process writes its own state of
 
@@ -126,7 +126,7 @@ def prepare_save(
     used everywhere.  With ``incremental`` (packed layout only), a leaf that is the very
     ``jax.Array`` saved last time at its key path is carried: not copied to host.
     ``spread``: a local tier's save, every process into its own root ``url``; the
-    coordination name, the same in every process (``quire._engine.tierio``).
+    coordination name, the same in every process (``quire._tiers.spread_save``).
     """
     cfg = current()
     coord = Coordinator(url, "save", primary=cfg.primary_process, timeout=cfg.timeout, name=spread)

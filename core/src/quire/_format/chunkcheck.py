@@ -32,7 +32,7 @@ def mismatch(ref: Ref, key: str) -> ChunkError:
 def check_read(ref: Ref, key: str, views: Sequence[memoryview], n: int) -> None:
     """The check of a whole object read through the index, for a caller that decodes it
     (a trailer-bound chunk through its crc32c codec): the 4-byte trailer against the index,
-    or the CRC-32 of the bytes (and a zarr shard's trailers, :func:`check_shard_range`)."""
+    or the CRC-32 of the bytes (and a zarr shard's trailers, :func:`~quire._format.shardid.check_shard_range`)."""
     if ref.trailer:
         if trailer_hex(views, n) != ref.crc:
             raise mismatch(ref, key)

@@ -27,19 +27,19 @@ of array chunks must decode them through ``quire._handlers.zarr_io`` or call ``q
   decode: ``quire._format.chunkcheck.check_stored``, the crc32c of the message against the trailer and the
   index, one pass as for a CRC-32 (then ``chunk_checker``, as before).
 
-``PackedReader`` (``quire._format.chunkindex``) compares the trailer (``quire._format.chunkcheck.check_read``) on every
+``PackedReader`` (``quire._format.packedreader``) compares the trailer (``quire._format.chunkcheck.check_read``) on every
 whole-object read; the tests in ``core/tests/test_chunkid.py`` forge a chunk whose trailer
 still matches and check that each of these paths refuses it.
 
 **Zarr shards** (``quire.shards``, any index format, supplementary to their CRC-32): a load
 reads a shard by ranges (its shard index, then the inner chunks it needs), so the CRC-32 of
 the whole shard is checked only by whole-object readers (verify, cp, a finalize's copy).
-For range reads the index also holds, per shard key, :func:`shard_binding`: the hex of the
+For range reads the index also holds, per shard key, :func:`~quire._format.shardid.shard_binding`: the hex of the
 shard's last 4 bytes (the crc32c of the shard index) and of each inner chunk's own crc32c
 trailer, in shard-index order.  ``PackedReader`` checks every range read of a shard key:
 a range holding the shard index is compared with the first value and its crc32c checked
-(:func:`shard_rows`, rows kept per key); every inner chunk wholly inside a range is
-compared, at the offset those rows give, with its value (:func:`check_shard_range`; the
+(:func:`~quire._format.shardid.shard_rows`, rows kept per key); every inner chunk wholly inside a range is
+compared, at the offset those rows give, with its value (:func:`~quire._format.shardid.check_shard_range`; the
 reader reads the shard index itself first when a caller did not), and the decoder's crc32c
 check of the inner chunk (``_zarr._read_sharded``, zarr's sharding codec) binds the rest.
 The shard index's trailer alone binds nothing: it covers offsets and lengths only, the same

@@ -27,7 +27,7 @@ in from another checkpoint fails it.  Index format 2 has ``quire.crc32`` only (w
 wrote before the trailer binding; still read); format 3 adds ``quire.crc32c`` and is
 written when some key is trailer-bound (an older quire refuses it as an unknown index
 version).  ``quire.shards`` (any format; older quire ignores it) also binds each zarr shard
-by its shard index's and inner chunks' crc32c trailers, which :class:`PackedReader` checks
+by its shard index's and inner chunks' crc32c trailers, which :class:`~quire._format.packedreader.PackedReader` checks
 on the range reads a load makes of a shard.
 
 The commit record names the index objects (``"indexes"``: txid, process, object, size,

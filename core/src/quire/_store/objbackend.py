@@ -153,7 +153,7 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
         Parameters
         ----------
         options : dict
-            The storage options (after :meth:`client_options`).
+            The storage options (after :meth:`configure`).
         """
         ck = options.get("client_kwargs") or {}
         found = [options.get(k) for k in self.secret_options]
@@ -172,7 +172,7 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
         Parameters
         ----------
         options : dict
-            The storage options (after :meth:`client_options`).
+            The storage options (after :meth:`configure`).
         """
         import importlib
 

@@ -1,4 +1,4 @@
-"""Peer copies of a multi-process local tier, pulled over TCP (``quire.ownership.link``).
+"""Peer copies of a multi-process local tier, pulled over TCP (``quire._peers.link``).
 
 Each process serves its own local root read-only with a ``PeerServer`` on the interface
 ``LocalTier(peer_host=...)`` names, over TLS 1.3 with mutual authentication: each process's
