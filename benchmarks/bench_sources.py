@@ -86,13 +86,13 @@ def make_dir(root: str, total_bytes: int, n_shards: int = 4) -> dict[str, tuple[
     return names
 
 
-def _load_quire(root: str, rules: quire.PartitionRules) -> int:
+def _load_quire(root: str, rules: quire.surgery.PartitionRules) -> int:
     ours = quire.load(root, shardings=rules)
     jax.block_until_ready(jax.tree.leaves(ours))
     return sum(x.nbytes for x in jax.tree.leaves(ours))
 
 
-def _load_reference(root: str, rules: quire.PartitionRules) -> int:
+def _load_reference(root: str, rules: quire.surgery.PartitionRules) -> int:
     from safetensors.numpy import load_file
 
     theirs = {}
@@ -105,7 +105,7 @@ def _load_reference(root: str, rules: quire.PartitionRules) -> int:
 
 
 def bench_load(
-    root: str, mesh: jax.sharding.Mesh, rules: quire.PartitionRules, repeat: int
+    root: str, mesh: jax.sharding.Mesh, rules: quire.surgery.PartitionRules, repeat: int
 ) -> None:
     """Best of ``repeat`` alternating runs (the first of each pays thread / XLA start-up)."""
     payload = sum(os.path.getsize(os.path.join(root, f)) for f in os.listdir(root))
@@ -242,7 +242,7 @@ def main() -> None:
             devs.reshape(len(devs) // 2, 2) if len(devs) % 2 == 0 else devs.reshape(-1, 1),
             ("data", "model"),
         )
-        rules = quire.partition_rules(
+        rules = quire.surgery.partition_rules(
             [
                 (r"(q|k|v)_proj/weight", P("model", "data")),
                 (r"o_proj/weight", P("data", "model")),

@@ -613,7 +613,7 @@ def test_s3_url_without_the_plugin_says_what_to_install(monkeypatch: pytest.Monk
     monkeypatch.setattr(_registry, "entry_points", without_s3)
     _registry.clear_caches()
     try:
-        with pytest.raises(quire.PluginError, match=r"pip install quire-s3"):
+        with pytest.raises(quire.errors.PluginError, match=r"pip install quire-s3"):
             quire.load("s3://bucket/ckpt")
     finally:
         monkeypatch.undo()

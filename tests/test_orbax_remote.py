@@ -84,7 +84,7 @@ def _read_all(node: Any) -> Any:
         return {k: _read_all(v) for k, v in node.items()}
     if isinstance(node, list):
         return [_read_all(v) for v in node]
-    return node.read() if isinstance(node, quire.LazyArray) else node
+    return node.read() if isinstance(node, quire.sources.LazyArray) else node
 
 
 @pytest.mark.parametrize("layout", ["ocdbt", "plain"])

@@ -197,7 +197,7 @@ class Case:
     replica_reads: bool | None = None
     scalars: tuple[tuple[str, Any], ...] = ()  # inline leaves: (key, value)
     piece_bytes: int | None = None  # replica_piece_bytes (None: the default, 1 MiB)
-    reader: str = "load"  # "load": quire.load; "lazy": quire.load_and_transform (quire.open)
+    reader: str = "load"  # "load": quire.load; "lazy": quire.load with a transform (quire.open)
     versions: tuple[tuple[tuple[int, int], ...], ...] = ()
     deleted: tuple[int, ...] = ()
 
@@ -383,13 +383,13 @@ def array(leaf: Leaf) -> Any:
 
 def load(url: Any, case: Case) -> Any:
     """Load a case's checkpoint onto its target, through ``quire.load`` or through the lazy
-    sources (``quire.load_and_transform`` with the identity: ``quire.open`` + materialize)."""
+    sources (``quire.load`` with the identity transform: ``quire.open`` + materialize)."""
     import quire
 
     target = None if case.target == "none" else abstract(case)
     partial = case.target == "partial"
     if case.reader == "lazy":
-        return quire.load_and_transform(str(url), target, lambda tree: tree, partial=partial)
+        return quire.load(str(url), target, transform=lambda tree: tree, partial=partial)
     return quire.load(url, target, partial=partial)
 
 

@@ -146,7 +146,7 @@ def test_transform_and_lazy_reads_place_abstract_targets(tmp_path: Path) -> None
     _same(_state(mesh), out)
     assert out["w"].sharding.mesh.axis_types == (Explicit, Explicit)
     # A lazy operation (not the source array itself) is placed on the saved mesh too.
-    out = quire.load_and_transform(url, abstract, lambda t: {**t, "w": t["w"].T.T})
+    out = quire.load(url, abstract, transform=lambda t: {**t, "w": t["w"].T.T})
     _same(_state(mesh), out)
     src = quire.open(url)
     w = src.tree["w"].read(sharding=abstract["w"].sharding)

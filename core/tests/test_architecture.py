@@ -45,6 +45,8 @@ ORDER: list[tuple[str, frozenset[str]]] = [
                 "quire.surgery",
                 "quire.progress",
                 "quire.policies",
+                "quire.tiers",
+                "quire.reports",
             }
         ),
     ),

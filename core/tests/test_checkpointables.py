@@ -213,7 +213,7 @@ class Unwritable(LockedLoader):
 def test_a_unit_that_cannot_be_captured_fails_the_call(url: str, unit: Any, says: str) -> None:
     """Neither snapshotted nor written at the call: a typed error before the call returns,
     naming the URL and the unit; nothing is saved."""
-    with pytest.raises(quire.SnapshotError, match=says) as e:
+    with pytest.raises(quire.errors.SnapshotError, match=says) as e:
         quire.save_checkpointables_async(url, {"p": {"x": np.ones(2)}, "data": unit})
     assert url in str(e.value) and "'data'" in str(e.value)
     with pytest.raises(quire.CheckpointNotFoundError):
@@ -246,7 +246,7 @@ class CounterHandler:
 def test_a_handler_without_snapshot_is_written_at_the_call(tmp_path: Any) -> None:
     """A third-party handler with no snapshot step: its save runs at the call, its bytes
     are written later (the Counter holds a lock, so a deep copy is impossible)."""
-    quire.register_checkpointable_handler(CounterHandler())
+    quire.checkpointables.register_checkpointable_handler(CounterHandler())
     try:
         c = Counter()
         c.n = 7
@@ -256,4 +256,4 @@ def test_a_handler_without_snapshot_is_written_at_the_call(tmp_path: Any) -> Non
             ckpt.wait()
             assert ckpt.load_checkpointables(1, {"c": None})["c"] == 7
     finally:
-        quire.unregister_checkpointable_handler("test-counter")
+        quire.checkpointables.unregister_checkpointable_handler("test-counter")

@@ -193,9 +193,9 @@ def test_context_applies_in_quires_threads(tmp_path: Path) -> None:
     assert h.seen["loop"] is cfg and h.seen["pool"] is cfg and h.seen["load"] is cfg
     assert h.seen["budget"] == 12345
     # Outside the block the handler does not exist.
-    with pytest.raises(quire.PluginError, match="'recorder'"):
+    with pytest.raises(quire.errors.PluginError, match="'recorder'"):
         quire.load(url)
-    with pytest.raises(quire.UnsupportedLeafError):
+    with pytest.raises(quire.errors.UnsupportedLeafError):
         quire.save(str(tmp_path / "d"), {"r": leaf()})
 
 

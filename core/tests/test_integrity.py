@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 import quire
 from quire.errors import CorruptCheckpointError, QuireError
+from quire.metadata import LeafMetadata
 
 
 @pytest.fixture(autouse=True)
@@ -217,7 +218,7 @@ def test_every_array_opens_with_plain_zarr(tmp_path: Path, storage_name: str) ->
     saw_sharding_codec = False
     for key, want in expected.items():
         leaf = meta[key]
-        assert isinstance(leaf, quire.LeafMetadata), key
+        assert isinstance(leaf, LeafMetadata), key
         assert leaf.shape == want.shape and leaf.dtype == want.dtype, key
         arr = zarr.open_array(str(url / leaf.location), mode="r")
         assert arr.shape == want.shape, key
@@ -914,7 +915,7 @@ def test_weird_keys_round_trip_and_stay_inside(
     locs = [
         leaf.location
         for leaf in jax.tree_util.tree_leaves(
-            meta.tree, is_leaf=lambda x: isinstance(x, quire.LeafMetadata)
+            meta.tree, is_leaf=lambda x: isinstance(x, LeafMetadata)
         )
     ]
     assert len(locs) == len(_leaves(tree))

@@ -135,12 +135,12 @@ def test_target_less_load_merged_into_nnx_is_refused_where_quire_sees_it(tmp_pat
     assert set(raw["lin"]["kernel"]) == {"value"}  # the stored tree, as documented
     broken = Model(nnx.Rngs(1))
     nnx.update(broken, raw)
-    with pytest.raises(quire.UnsupportedLeafError) as ei:
+    with pytest.raises(quire.errors.UnsupportedLeafError) as ei:
         quire.save(str(tmp_path / "again"), nnx.state(broken))
     msg = str(ei.value)
     assert "'bn/bias'" in msg or "'lin/bias'" in msg
     assert "NNX Param" in msg and "nnx.state(nnx.eval_shape(make_model))" in msg
-    with pytest.raises(quire.UnsupportedLeafError, match="target-less"):
+    with pytest.raises(quire.errors.UnsupportedLeafError, match="target-less"):
         quire.load(url, nnx.state(broken))
     # The documented call for a target-less restore: save the pure dict.
     pure_url = str(tmp_path / "pure")
@@ -195,7 +195,7 @@ def test_optax_state_with_and_without_a_target(tmp_path: Path) -> None:
 def test_equinox_function_field_error_names_filter_and_combine(tmp_path: Path) -> None:
     model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
     url = str(tmp_path / "ckpt")
-    with pytest.raises(quire.UnsupportedLeafError) as ei:
+    with pytest.raises(quire.errors.UnsupportedLeafError) as ei:
         quire.save(url, model)
     msg = str(ei.value)
     assert "'activation'" in msg and "Equinox module MLP" in msg

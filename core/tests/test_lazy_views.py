@@ -1,4 +1,4 @@
-"""A lazy view of an array is a ``quire.LazyArray``: slices, ``.T``, casts, reshapes, stacks.
+"""A lazy view of an array is a ``quire.sources.LazyArray``: slices, ``.T``, casts, reshapes, stacks.
 
 Whatever node sits behind it, a lazy array answers shape, dtype, read, slicing and the lazy
 operations; ``.sources()`` lists only the arrays of sources it reads from.
@@ -40,8 +40,8 @@ class _Reader:
         return lambda: np.ascontiguousarray(self.a[region])
 
 
-def _leaf(name: str, a: np.ndarray) -> quire.LazyArray:
-    return quire.LazyArray(a.shape, a.dtype, (name,), _Reader(a), "memory://views")
+def _leaf(name: str, a: np.ndarray) -> quire.sources.LazyArray:
+    return quire.sources.LazyArray(a.shape, a.dtype, (name,), _Reader(a), "memory://views")
 
 
 # (name, build from the lazy leaves w and b, the same on numpy arrays)
@@ -75,7 +75,7 @@ IDS = [c[0] for c in CASES]
 @pytest.mark.parametrize(("name", "lazy", "eager"), CASES, ids=IDS)
 def test_every_lazy_value_is_a_lazy_array(name: str, lazy: Any, eager: Any) -> None:
     v = lazy(_leaf("w", W), _leaf("b", B))
-    assert isinstance(v, quire.LazyArray)
+    assert isinstance(v, quire.sources.LazyArray)
     assert isinstance(v, quire.sources.LazyArray) and isinstance(v, quire.surgery.LazyArray)
     assert isinstance(v, quire.sources.LazyValue) and isinstance(v, quire.surgery.LazyValue)
 
@@ -143,10 +143,10 @@ def test_views_of_an_opened_checkpoint_are_lazy_arrays(tmp_path: Path) -> None:
     quire.save(url, {"w": W, "step": 3})
     src = quire.open(url)
     w = src.tree["w"]
-    assert isinstance(w, quire.LazyArray) and w.key == "w"
+    assert isinstance(w, quire.sources.LazyArray) and w.key == "w"
     for v in (w[3:9], w.T, w.astype(np.float16), w.reshape(2, 20)):
-        assert isinstance(v, quire.LazyArray)
+        assert isinstance(v, quire.sources.LazyArray)
         assert v.sources() == [w]
     np.testing.assert_array_equal(w[3:9].T.read(), W[3:9].T)
-    out = quire.load_and_transform(url, None, lambda t: {"k": t["w"][1:4].T})
+    out = quire.load(url, None, transform=lambda t: {"k": t["w"][1:4].T})
     np.testing.assert_array_equal(out["k"], W[1:4].T)

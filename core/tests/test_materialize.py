@@ -48,7 +48,7 @@ def test_many_leaves_load_with_a_bounded_number_in_flight() -> None:
     _Reader.in_flight = _Reader.peak = _Reader.started = 0
     n = 200
     with quire.Context(max_concurrency=8):
-        out = quire.load_and_transform({"a": _Source(_tree(n))}, None, lambda a: a)
+        out = quire.load({"a": _Source(_tree(n))}, None, transform=lambda a: a)
     assert sorted(out) == sorted(f"w{i}" for i in range(n))
     for i in range(n):
         np.testing.assert_array_equal(out[f"w{i}"], np.full((4, 3), i, np.float32))
@@ -62,7 +62,7 @@ def test_first_failing_leaf_stops_the_others() -> None:
         quire.Context(max_concurrency=8),
         pytest.raises(quire.CorruptCheckpointError, match="leaf 5 is damaged"),
     ):
-        quire.load_and_transform(_Source(_tree(n, fail_at=5)), None, lambda t: t)
+        quire.load(_Source(_tree(n, fail_at=5)), None, transform=lambda t: t)
     assert _Reader.started < n // 2  # the rest were never started
     assert _Reader.in_flight == 0  # and none is left running
 
@@ -92,7 +92,7 @@ def test_sharded_local_load_reads_once_per_tensor_and_detects_truncation(tmp_pat
     save_file(t, str(f))
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
     P = jax.sharding.PartitionSpec
-    rules = quire.partition_rules([("w0", P("data", "model")), (".*", P())], mesh)
+    rules = quire.surgery.partition_rules([("w0", P("data", "model")), (".*", P())], mesh)
     src = quire.open(f)
     out = quire.load(src, shardings=rules)
     for k, v in t.items():

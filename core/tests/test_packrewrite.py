@@ -219,7 +219,7 @@ class BlobHandler:
 def test_a_pack_holding_a_leaf_that_is_not_a_zarr_array_is_kept(url: str) -> None:
     # The blob's pack is mostly dead after version 2, but quire cannot move a leaf it does
     # not know the objects of: the pack and its index are kept, the blob loads.
-    quire.register_leaf_handler(BlobHandler())
+    quire.handlers.register_leaf_handler(BlobHandler())
     try:
         partial.save(url, {"blob": Blob(b"tape" * 10), "w": np.ones(2000, np.float32)})
         first = set(stored(url))
@@ -229,7 +229,7 @@ def test_a_pack_holding_a_leaf_that_is_not_a_zarr_array_is_kept(url: str) -> Non
         got = quire.load(url)
         assert got["blob"].data == b"tape" * 10 and not got["w"].any()
     finally:
-        quire.unregister_leaf_handler("test-blob")
+        quire.handlers.unregister_leaf_handler("test-blob")
 
 
 # ----------------------------------------------------------------------------- crashes

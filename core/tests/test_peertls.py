@@ -1,4 +1,4 @@
-"""The peer link's certificates: a user's own PKI (``quire.PeerTLS``), its checks at
+"""The peer link's certificates: a user's own PKI (``quire.tiers.PeerTLS``), its checks at
 configuration, and the ``cryptography`` requirement of ``LocalTier(peers>0)``.
 
 With a CA of the test's making (``cryptography``), real servers on 127.0.0.1: processes of
@@ -45,7 +45,7 @@ def _pem(key: Any) -> bytes:
     )
 
 
-def make_pki(top: Path, n: int) -> list[quire.PeerTLS]:
+def make_pki(top: Path, n: int) -> list[quire.tiers.PeerTLS]:
     """A CA and ``n`` certificates it signed (one per "host"), as PEM files under ``top``."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -84,7 +84,7 @@ def make_pki(top: Path, n: int) -> list[quire.PeerTLS]:
         )
         (top / f"{i}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         (top / f"{i}.key").write_bytes(_pem(key))
-        out.append(quire.PeerTLS(top / f"{i}.pem", top / f"{i}.key", top / "ca.pem"))
+        out.append(quire.tiers.PeerTLS(top / f"{i}.pem", top / f"{i}.key", top / "ca.pem"))
     return out
 
 
@@ -141,17 +141,17 @@ def test_run_credentials_with_a_users_pki(tmp_path: Path) -> None:
 def test_bad_certificate_files_fail_when_configured(tmp_path: Path) -> None:
     a, b = make_pki(tmp_path / "pki", 2)
     with pytest.raises(FileNotFoundError, match=r"PeerTLS\(key='nope.key'\): no such file"):
-        quire.PeerTLS(a.cert, "nope.key", a.ca)
+        quire.tiers.PeerTLS(a.cert, "nope.key", a.ca)
     with pytest.raises(TypeError, match="must be a file path"):
-        quire.PeerTLS(a.cert, a.key, 3)  # type: ignore[arg-type]
+        quire.tiers.PeerTLS(a.cert, a.key, 3)  # type: ignore[arg-type]
     junk = tmp_path / "junk.pem"
     junk.write_text("not a certificate")
     with pytest.raises(ValueError, match="give a PEM certificate"):
-        quire.PeerTLS(junk, a.key, a.ca)
+        quire.tiers.PeerTLS(junk, a.key, a.ca)
     with pytest.raises(ValueError, match="give a PEM certificate"):
-        quire.PeerTLS(a.cert, b.key, a.ca)  # another certificate's key
+        quire.tiers.PeerTLS(a.cert, b.key, a.ca)  # another certificate's key
     with pytest.raises(ValueError, match="give a PEM certificate"):
-        quire.PeerTLS(a.cert, a.key, junk)
+        quire.tiers.PeerTLS(a.cert, a.key, junk)
     with pytest.raises(TypeError, match=r"peer_tls must be a quire\.PeerTLS"):
         quire.LocalTier(tmp_path / "local", peers=1, peer_tls=str(a.cert))  # type: ignore[arg-type]
 

@@ -124,12 +124,12 @@ class PerProcessJson:
 
 
 def test_inline_and_per_process_together_are_refused(tmp_path: Path) -> None:
-    quire.register_checkpointable_handler(PerProcessJson())
+    quire.checkpointables.register_checkpointable_handler(PerProcessJson())
     try:
-        with pytest.raises(quire.PluginError, match="both inline and per_process"):
+        with pytest.raises(quire.errors.PluginError, match="both inline and per_process"):
             quire.save_checkpointables(str(tmp_path / "c"), {"x": ("ipp", 1)})
     finally:
-        quire.unregister_checkpointable_handler(PerProcessJson.id)
+        quire.checkpointables.unregister_checkpointable_handler(PerProcessJson.id)
     assert not (tmp_path / "c").exists()
 
 

@@ -31,7 +31,7 @@ def _craft(url: str, handler: str, plugins: dict[str, str]) -> None:
 def test_unknown_distribution_in_the_record_is_quoted_never_advised(tmp_path: Path) -> None:
     url = str(tmp_path / "c")
     _craft(url, "acme-gone", {"quire.leaf_handlers:acme-gone": "evil-pkg"})
-    with pytest.raises(quire.PluginError) as info:
+    with pytest.raises(quire.errors.PluginError) as info:
         quire.load(url)
     msg = str(info.value)
     assert "'acme-gone'" in msg
@@ -43,7 +43,7 @@ def test_unknown_distribution_in_the_record_is_quoted_never_advised(tmp_path: Pa
 def test_first_party_distribution_in_the_record_is_advised(tmp_path: Path) -> None:
     url = str(tmp_path / "c")
     _craft(url, "orbax-array", {"quire.leaf_handlers:orbax-array": "quire-orbax"})
-    with pytest.raises(quire.PluginError, match=r"'orbax-array'.*pip install quire-orbax"):
+    with pytest.raises(quire.errors.PluginError, match=r"'orbax-array'.*pip install quire-orbax"):
         quire.load(url)
 
 
@@ -61,15 +61,15 @@ class _Broken:
 
 @pytest.fixture
 def broken(quire_fresh_registry: None) -> Iterator[None]:
-    quire.register_leaf_handler(_Broken)
+    quire.handlers.register_leaf_handler(_Broken)
     yield
-    quire.unregister_leaf_handler("acme-broken")
+    quire.handlers.unregister_leaf_handler("acme-broken")
 
 
 def test_a_handler_that_cannot_be_created_is_a_plugin_error(tmp_path: Path, broken: None) -> None:
     url = str(tmp_path / "c")
     _craft(url, "acme-broken", {})
-    with pytest.raises(quire.PluginError, match=r"'acme-broken'.*ImportError.*acme_framework"):
+    with pytest.raises(quire.errors.PluginError, match=r"'acme-broken'.*ImportError.*acme_framework"):
         quire.load(url)
 
 
@@ -105,9 +105,9 @@ class _Flaky:
 
 @pytest.fixture
 def flaky(quire_fresh_registry: None) -> Iterator[None]:
-    quire.register_leaf_handler(_Flaky())
+    quire.handlers.register_leaf_handler(_Flaky())
     yield
-    quire.unregister_leaf_handler("acme-flaky")
+    quire.handlers.unregister_leaf_handler("acme-flaky")
 
 
 def test_third_party_handler_failures_name_the_key_path(tmp_path: Path, flaky: None) -> None:
@@ -126,7 +126,7 @@ def test_multiprocess_error_is_a_quire_runtime_error() -> None:
     from quire import errors
     from quire._runtime import multihost as _multihost
 
-    assert errors.MultiProcessError is _multihost.MultiProcessError is quire.MultiProcessError
+    assert errors.MultiProcessError is _multihost.MultiProcessError is quire.errors.MultiProcessError
     assert issubclass(errors.MultiProcessError, errors.QuireError)
     assert issubclass(errors.MultiProcessError, RuntimeError)
 

@@ -148,7 +148,7 @@ def test_two_distributions_claiming_a_name(install: Callable[..., None], tmp_pat
     mod = HANDLER_MODULE.replace('id = "point"', 'id = "dup"')
     install("quire-dup-a", {"quire.leaf_handlers": {"dup": "dup_a:PointHandler"}}, {"dup_a": mod})
     install("quire-dup-b", {"quire.leaf_handlers": {"dup": "dup_b:PointHandler"}}, {"dup_b": mod})
-    with pytest.raises(quire.PluginError) as e:
+    with pytest.raises(quire.errors.PluginError) as e:
         leaf_handlers.get("dup")
     msg = str(e.value)
     assert "quire-dup-a" in msg and "quire-dup-b" in msg
@@ -166,7 +166,7 @@ def test_two_distributions_claiming_a_name(install: Callable[..., None], tmp_pat
         assert leaf_handlers.get("dup").__module__ == "dup_a"
     with (
         quire.Context(plugins={"quire.leaf_handlers:dup": "quire-dup-c"}),
-        pytest.raises(quire.PluginError, match="'quire-dup-c' is neither"),
+        pytest.raises(quire.errors.PluginError, match="'quire-dup-c' is neither"),
     ):
         leaf_handlers.get("dup")
     saved = quire._runtime.config.current()
@@ -206,10 +206,10 @@ def test_a_broken_plugin_never_breaks_quire(install: Callable[..., None], tmp_pa
     quire.save(url, {"x": np.ones(2)})
     np.testing.assert_array_equal(quire.load(url)["x"], np.ones(2))
     # Using it raises PluginError with the reason and the import error as cause.
-    with pytest.raises(quire.PluginError, match=r"quire-broken.*libfoo\.so") as e:
+    with pytest.raises(quire.errors.PluginError, match=r"quire-broken.*libfoo\.so") as e:
         quire.save("brk://bucket/x", {"x": 1})
     assert isinstance(e.value.__cause__, ImportError)
-    with pytest.raises(quire.PluginError, match="failed to import"):
+    with pytest.raises(quire.errors.PluginError, match="failed to import"):
         _selection.get("broken")
     out = _plugins_output()
     line = next(ln for ln in out.splitlines() if ln.split()[:1] == ["broken"])
@@ -258,12 +258,12 @@ def test_missing_leaf_handler_names_the_id_and_the_package(
     scanned.pop("torch", None)
     monkeypatch.setattr(leaf_handlers, "_eps", scanned)
     _selection.clear_instances()
-    with pytest.raises(quire.PluginError, match=r"'torch'.*install quire-torch \(pip install"):
+    with pytest.raises(quire.errors.PluginError, match=r"'torch'.*install quire-torch \(pip install"):
         quire.load(url)
     rec["units"]["pytree"]["tree"]["children"][0]["handler"] = "numpy"
     rec["checksum"] = record_checksum(rec)
     (tmp_path / "c" / "quire.json").write_text(json.dumps(rec))
-    with pytest.raises(quire.PluginError, match=r"'fancy-strings'.*install the package"):
+    with pytest.raises(quire.errors.PluginError, match=r"'fancy-strings'.*install the package"):
         quire.load(url)
 
 
@@ -275,9 +275,9 @@ def test_missing_codec_names_the_id(tmp_path: Path) -> None:
     rec["units"]["pytree"]["tree"]["children"][0]["codecs"][0]["name"] = "zippy"
     rec["checksum"] = record_checksum(rec)
     path.write_text(json.dumps(rec))
-    with pytest.raises(quire.PluginError, match=r"no quire\.codecs plugin named 'zippy'"):
+    with pytest.raises(quire.errors.PluginError, match=r"no quire\.codecs plugin named 'zippy'"):
         quire.load(url)
-    with pytest.raises(quire.PluginError, match="'zippy'"):
+    with pytest.raises(quire.errors.PluginError, match="'zippy'"):
         quire.save(
             str(tmp_path / "d"), {"x": np.ones(3)}, storage=quire.StorageOptions(codecs=["zippy"])
         )
@@ -287,9 +287,9 @@ def test_missing_backend_names_the_package(monkeypatch: pytest.MonkeyPatch) -> N
     backends = registries["quire.backends"]
     scanned = {k: v for k, v in backends._scan().items() if k not in ("s3", "gs")}
     monkeypatch.setattr(backends, "_eps", scanned)  # as if quire-s3/quire-gcs were absent
-    with pytest.raises(quire.PluginError, match=r"s3://.*install quire-s3 \(pip install quire-s3"):
+    with pytest.raises(quire.errors.PluginError, match=r"s3://.*install quire-s3 \(pip install quire-s3"):
         quire.load("s3://bucket/x")
-    with pytest.raises(quire.PluginError, match="install quire-gcs"):
+    with pytest.raises(quire.errors.PluginError, match="install quire-gcs"):
         quire.metadata("gs://bucket/x")
 
 
@@ -347,11 +347,11 @@ def registered() -> Iterator[Callable[[Any], Any]]:
 
     def reg(h: Any) -> Any:
         ids.append(h.id)
-        return quire.register_leaf_handler(h)
+        return quire.handlers.register_leaf_handler(h)
 
     yield reg
     for i in ids:
-        quire.unregister_leaf_handler(i)
+        quire.handlers.unregister_leaf_handler(i)
 
 
 def test_most_specific_type_wins(registered: Callable[[Any], Any]) -> None:
@@ -391,7 +391,7 @@ def test_builtins_keep_their_choice() -> None:
 
 
 def test_run_time_registration_round_trip(tmp_path: Path) -> None:
-    @quire.register_leaf_handler
+    @quire.handlers.register_leaf_handler
     class PointHandler:
         id = "rt-base"
         types = (Base,)
@@ -424,18 +424,18 @@ def test_run_time_registration_round_trip(tmp_path: Path) -> None:
         assert isinstance(quire.load(url)["b"], Base)
         assert "rt-base" in _plugins_output()
     finally:
-        quire.unregister_leaf_handler("rt-base")
-    with pytest.raises(quire.PluginError, match="'rt-base'"):
+        quire.handlers.unregister_leaf_handler("rt-base")
+    with pytest.raises(quire.errors.PluginError, match="'rt-base'"):
         quire.load(url)
-    with pytest.raises(quire.UnsupportedLeafError):
+    with pytest.raises(quire.errors.UnsupportedLeafError):
         quire.save(str(tmp_path / "d"), {"b": Base()})
 
 
 def test_registration_is_checked() -> None:
     with pytest.raises(TypeError, match="no str `id`"):
-        quire.register_leaf_handler(object())
+        quire.handlers.register_leaf_handler(object())
     with pytest.raises(TypeError, match="no `handles`"):
-        quire.register_checkpointable_handler(type("X", (), {"id": "x"}))
+        quire.checkpointables.register_checkpointable_handler(type("X", (), {"id": "x"}))
 
 
 # -- checkpointable handlers for types you do not own ---------------------------------------
@@ -466,14 +466,14 @@ class VocabHandler:
 
 def test_run_time_checkpointable_handler(tmp_path: Path) -> None:
     url = str(tmp_path / "c")
-    assert quire.register_checkpointable_handler(VocabHandler) is VocabHandler
+    assert quire.checkpointables.register_checkpointable_handler(VocabHandler) is VocabHandler
     try:
         quire.save_checkpointables(url, {"vocab": Vocab(["a", "b"]), "state": {"w": np.ones(2)}})
         assert quire.metadata(url).units["vocab"] == "vocab"
         assert quire.load_checkpointables(url, {"vocab": None})["vocab"].words == ["a", "b"]
     finally:
-        quire.unregister_checkpointable_handler("vocab")
-    with pytest.raises(quire.PluginError, match="'vocab'"):
+        quire.checkpointables.unregister_checkpointable_handler("vocab")
+    with pytest.raises(quire.errors.PluginError, match="'vocab'"):
         quire.load_checkpointables(url, {"vocab": None})
 
 
@@ -557,7 +557,7 @@ def test_missing_plugin_error_names_the_package_from_the_record(tmp_path: Any) -
         json.dump(doc, f)
     # The record is untrusted: its claim is quoted, not turned into install advice.
     with pytest.raises(
-        quire.PluginError, match="written with plugin distribution 'acme-gone-dist'"
+        quire.errors.PluginError, match="written with plugin distribution 'acme-gone-dist'"
     ) as e:
         quire.load(url)
     assert "pip install acme-gone-dist" not in str(e.value)

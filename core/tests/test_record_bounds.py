@@ -129,7 +129,7 @@ def test_a_tree_as_deep_as_the_bound_loads_and_a_deeper_one_is_refused(tmp_path:
     quire.save(url, _nested(bounds.MAX_DEPTH))
     _equal(quire.load(url), _nested(bounds.MAX_DEPTH))
     deeper = str(tmp_path / "deeper")
-    with pytest.raises(quire.UnsupportedLeafError, match=f"deeper than {bounds.MAX_DEPTH}"):
+    with pytest.raises(quire.errors.UnsupportedLeafError, match=f"deeper than {bounds.MAX_DEPTH}"):
         quire.save(deeper, _nested(bounds.MAX_DEPTH + 1))
     assert not os.path.exists(deeper)  # refused before anything was written
 
@@ -214,7 +214,7 @@ def test_a_prng_key_no_load_can_rebuild_is_refused(tmp_path: Path) -> None:
         random_bits=base.random_bits, fold_in=base.fold_in,
     )  # fmt: skip
     url = str(tmp_path / "key")
-    with pytest.raises(quire.UnsupportedLeafError, match="key_data") as ei:
+    with pytest.raises(quire.errors.UnsupportedLeafError, match="key_data") as ei:
         quire.save(url, {"k": jax.random.key(0, impl=impl)})
     assert url in str(ei.value) and "'k'" in str(ei.value)
     assert not os.path.exists(os.path.join(url, "quire.json"))
@@ -226,5 +226,5 @@ def test_an_integer_json_readers_refuse_is_refused(tmp_path: Path) -> None:
     url = str(tmp_path / "int")
     quire.save(url, {"n": 10**bounds.MAX_INT_DIGITS - 1})  # 4300 digits: readable
     assert quire.load(url)["n"] == 10**bounds.MAX_INT_DIGITS - 1
-    with pytest.raises(quire.UnsupportedLeafError, match="save it as a string"):
+    with pytest.raises(quire.errors.UnsupportedLeafError, match="save it as a string"):
         quire.save(str(tmp_path / "int2"), {"n": -(10**bounds.MAX_INT_DIGITS)})

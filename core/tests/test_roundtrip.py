@@ -16,6 +16,7 @@ import pytest
 import quire
 from quire import StorageOptions
 from quire.errors import UnsupportedLeafError
+from quire.metadata import LeafMetadata
 
 P = jax.sharding.PartitionSpec
 NS = jax.sharding.NamedSharding
@@ -374,7 +375,7 @@ def test_metadata_reads_only_the_record(url: str) -> None:
     assert (time_ok := abs((m.created.timestamp()) - time.time())) < 60, time_ok
     w = m.tree["w"]
     assert (
-        isinstance(w, quire.LeafMetadata)
+        isinstance(w, LeafMetadata)
         and w.shape == (2, 3)
         and w.dtype == np.float32
         and w.nbytes == 24
@@ -421,12 +422,12 @@ def test_unsupported_leaf_names_key_path(url: str) -> None:
     class Opaque:
         pass
 
-    with pytest.raises(quire.UnsupportedLeafError, match="model/layer/act") as ei:
+    with pytest.raises(quire.errors.UnsupportedLeafError, match="model/layer/act") as ei:
         quire.save(url, {"model": {"layer": {"act": Opaque()}}})
     assert isinstance(ei.value, TypeError)
-    with pytest.raises(quire.UnsupportedLeafError, match="str or int keys"):
+    with pytest.raises(quire.errors.UnsupportedLeafError, match="str or int keys"):
         quire.save(url, {1.5: np.ones(1)})
-    with pytest.raises(quire.UnsupportedLeafError, match="object"):
+    with pytest.raises(quire.errors.UnsupportedLeafError, match="object"):
         quire.save(url, {"o": np.array([object()], dtype=object)})
     with pytest.raises(quire.CheckpointNotFoundError):
         quire.load(url)  # nothing was committed

@@ -187,7 +187,7 @@ def test_transform_stacks_layers_onto_8_devices_with_rules(tmp_path: Path) -> No
         t[f"model.layers.{i}.q.weight"] = rng.standard_normal((24, 16)).astype(np.float32)
     d = _hf_dir(tmp_path / "hf", t, 2)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
-    rules = quire.partition_rules(
+    rules = quire.surgery.partition_rules(
         [(r"embed", P("data", None)), (r"layers/.*kernel", P(None, None, "model")), (".*", P())],
         mesh,
     )
@@ -220,16 +220,16 @@ def test_transform_stacks_layers_onto_8_devices_with_rules(tmp_path: Path) -> No
         "embed": jax.ShapeDtypeStruct((32, 16), ml_dtypes.bfloat16),
         "layers": {"q": {"kernel": jax.ShapeDtypeStruct((n_layers, 16, 24), np.float32)}},
     }
-    out2 = quire.load_and_transform(d, abstract, transform, shardings=rules)
+    out2 = quire.load(d, abstract, transform=transform, shardings=rules)
     assert out2["embed"].dtype == ml_dtypes.bfloat16
     bad = {**abstract, "extra": jax.ShapeDtypeStruct((1,), np.float32)}
     with pytest.raises(quire.TreeMismatchError, match="extra"):
-        quire.load_and_transform(d, bad, transform)
+        quire.load(d, bad, transform=transform)
 
 
 def test_partition_rule_errors() -> None:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
-    rules = quire.partition_rules([("w", P("data")), ("b", P(None, "model"))], mesh)
+    rules = quire.surgery.partition_rules([("w", P("data")), ("b", P(None, "model"))], mesh)
     assert rules.spec_for("x/w", (8, 3)) == P("data")
     assert rules.spec_for("anything", ()) == P()  # 0-d replicate
     with pytest.raises(quire.TreeMismatchError, match="no rule matches leaf 'x/c'"):
@@ -336,18 +336,18 @@ def test_quire_source_and_merging_two_checkpoints(
     def merge(pre: Any, ft: Any) -> Any:
         return {"body": pre["body"], "head": ft["head"], "step": ft["step"]}
 
-    out = quire.load_and_transform({"pre": a, "ft": b}, None, merge)
+    out = quire.load({"pre": a, "ft": b}, None, transform=merge)
     np.testing.assert_array_equal(out["head"], np.full((4, 2), 5.0))
     np.testing.assert_array_equal(out["body"]["w"], np.asarray(body))
     assert out["step"] == 9
-    seq = quire.load_and_transform([a, b], None, merge)
+    seq = quire.load([a, b], None, transform=merge)
     assert seq["step"] == 9
 
     def broken(pre: Any, ft: Any) -> Any:
         raise KeyError("oops")
 
     with pytest.raises(KeyError) as ei:
-        quire.load_and_transform([a, b], None, broken)
+        quire.load([a, b], None, transform=broken)
     notes = " ".join(getattr(ei.value, "__notes__", []))
     assert a in notes and b in notes
     # Checkpointer.load takes transform and shardings.

@@ -192,7 +192,7 @@ POISON = {"poison": 1}
 
 
 def _refused(fn: Any, *a: Any, **kw: Any) -> str:
-    with pytest.raises(quire.UnreadableRecordError) as ei:
+    with pytest.raises(quire.errors.UnreadableRecordError) as ei:
         fn(*a, **kw)
     msg = str(ei.value)
     assert "refusing to publish" in msg and "metadata/poison" in msg, msg
@@ -283,7 +283,7 @@ def test_a_refused_promotion_keeps_the_persistent_tier(
         c.wait()
         monkeypatch.setattr(module, name, arm_then)
         c.save(4, _tree(4), metadata=POISON)
-        with pytest.raises(quire.UnreadableRecordError):
+        with pytest.raises(quire.errors.UnreadableRecordError):
             c.wait()
         assert c.tiers_of(4) == ("local",) and c.tiers_of(2) == ("local", "persistent")
         assert not (tmp_path / "persistent" / "step_00000004" / "quire.json").exists()
@@ -303,7 +303,7 @@ def test_the_root_record_is_checked_by_its_readers_parser(tmp_path: Path) -> Non
             b, _root.ROOT_RECORD, data, str(tmp_path), lambda raw: _root.parse_root_record(raw, "")
         )
 
-    with pytest.raises(quire.UnreadableRecordError, match="has version 99"):
+    with pytest.raises(quire.errors.UnreadableRecordError, match="has version 99"):
         _io.submit(create(bad.encode())).result()
     assert not (tmp_path / _root.ROOT_RECORD).exists()
     good = _root.root_record_bytes("s{}", {})

@@ -200,7 +200,7 @@ try:
                 try:
                     c.latest_step()
                     emit(check="hang", error=None)
-                except quire.MultiProcessError as e:
+                except quire.errors.MultiProcessError as e:
                     emit(check="hang", error=str(e), seconds=time.monotonic() - t0)
     if cfg.get("reopen"):  # a second Checkpointer on the same roots, in the same job
         with checkpointer() as c:

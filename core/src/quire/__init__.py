@@ -1,13 +1,38 @@
-"""quire: atomic, verifiable checkpoints of JAX training state to any fsspec URL."""
+"""quire: atomic, verifiable checkpoints of JAX training state to any fsspec URL.
+
+The top level holds what most users call: save and load (blocking and async, one tree or
+several units), the Checkpointer with its local tier, the tools (``open``, ``copy``,
+``verify``, ``diff``, ``export``, ``zarr_store``), configuration and the errors one
+catches most.  Everything else lives in a public module named for its concern:
+``quire.errors`` (every error), ``quire.tiers``, ``quire.policies``, ``quire.partial``,
+``quire.sources``, ``quire.surgery``, ``quire.handlers``, ``quire.checkpointables``,
+``quire.backends``, ``quire.reports``, ``quire.metadata``, ``quire.progress``,
+``quire.testing``.
+"""
 
 from __future__ import annotations
 
-from quire import errors, partial, policies, progress, sources, surgery
+from typing import Any
+
+from quire import (
+    backends,
+    checkpointables,
+    errors,
+    handlers,
+    partial,
+    policies,
+    progress,
+    reports,
+    sources,
+    surgery,
+    tiers,
+)
 from quire._api import (
     AsyncResponse,
     load,
     load_async,
     load_checkpointables,
+    load_checkpointables_async,
     metadata,
     save,
     save_async,
@@ -17,97 +42,102 @@ from quire._api import (
 from quire._checkpointer.checkpointer import Checkpointer
 from quire._checkpointer.localtier import LocalTier
 from quire._format.dtypes import register_with_zarr as _register_with_zarr
-from quire._ops import CopyResult, VerifyProblem, VerifyReport, copy, verify
-from quire._peers.tls import PeerTLS
+from quire._ops import copy, verify
 from quire._runtime.config import Config, Context, configure
-from quire._runtime.registry import (
-    register_checkpointable_handler,
-    register_leaf_handler,
-    unregister_checkpointable_handler,
-    unregister_leaf_handler,
-)
 from quire._runtime.version import __version__
-from quire._sources.diff import DiffReport, diff
+from quire._sources.diff import diff
 from quire._sources.export import export
-from quire._sources.materialize import load_and_transform
-from quire._sources.partition import PartitionRules, partition_rules
 from quire._sources.zarrstore import zarr_store
-from quire.checkpointables import Checkpointable, CheckpointableHandler
 from quire.errors import (
-    CheckpointChangedError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    MultiProcessError,
-    PluginError,
     QuireError,
-    SnapshotError,
     TreeMismatchError,
-    UnreadableRecordError,
-    UnsupportedLeafError,
 )
-from quire.metadata import CheckpointMetadata, LeafMetadata
 from quire.options import StorageOptions
-from quire.sources import LazyArray, Source, open
+from quire.sources import open
 
 _register_with_zarr()
 
 __all__ = [
     "AsyncResponse",
-    "CheckpointChangedError",
     "CheckpointExistsError",
-    "CheckpointMetadata",
     "CheckpointNotFoundError",
-    "Checkpointable",
-    "CheckpointableHandler",
     "Checkpointer",
     "Config",
     "Context",
-    "CopyResult",
     "CorruptCheckpointError",
-    "DiffReport",
-    "LazyArray",
-    "LeafMetadata",
     "LocalTier",
-    "MultiProcessError",
-    "PartitionRules",
-    "PeerTLS",
-    "PluginError",
     "QuireError",
-    "SnapshotError",
-    "Source",
     "StorageOptions",
     "TreeMismatchError",
-    "UnreadableRecordError",
-    "UnsupportedLeafError",
-    "VerifyProblem",
-    "VerifyReport",
     "__version__",
+    "backends",
+    "checkpointables",
     "configure",
     "copy",
     "diff",
     "errors",
     "export",
+    "handlers",
     "load",
-    "load_and_transform",
     "load_async",
     "load_checkpointables",
+    "load_checkpointables_async",
     "metadata",
     "open",
     "partial",
-    "partition_rules",
     "policies",
     "progress",
-    "register_checkpointable_handler",
-    "register_leaf_handler",
+    "reports",
     "save",
     "save_async",
     "save_checkpointables",
     "save_checkpointables_async",
     "sources",
     "surgery",
-    "unregister_checkpointable_handler",
-    "unregister_leaf_handler",
+    "tiers",
     "verify",
     "zarr_store",
 ]
+
+#: Names that left the top level, and where each lives now (a clear error, not a bare
+#: AttributeError, for code written against the wider surface).
+_MOVED = {
+    "PeerTLS": "quire.tiers.PeerTLS",
+    "register_leaf_handler": "quire.handlers.register_leaf_handler",
+    "unregister_leaf_handler": "quire.handlers.unregister_leaf_handler",
+    "register_checkpointable_handler": "quire.checkpointables.register_checkpointable_handler",
+    "unregister_checkpointable_handler": (
+        "quire.checkpointables.unregister_checkpointable_handler"
+    ),
+    "Checkpointable": "quire.checkpointables.Checkpointable",
+    "CheckpointableHandler": "quire.checkpointables.CheckpointableHandler",
+    "CopyResult": "quire.reports.CopyResult",
+    "VerifyProblem": "quire.reports.VerifyProblem",
+    "VerifyReport": "quire.reports.VerifyReport",
+    "DiffReport": "quire.reports.DiffReport",
+    "CheckpointMetadata": "from quire.metadata import CheckpointMetadata",
+    "LeafMetadata": "from quire.metadata import LeafMetadata",
+    "LazyArray": "quire.sources.LazyArray",
+    "Source": "quire.sources.Source",
+    "PartitionRules": "quire.surgery.PartitionRules",
+    "partition_rules": "quire.surgery.partition_rules",
+    "load_and_transform": "quire.load(sources, abstract, transform=fn, shardings=...)",
+    "CheckpointChangedError": "quire.errors.CheckpointChangedError",
+    "MultiProcessError": "quire.errors.MultiProcessError",
+    "SnapshotError": "quire.errors.SnapshotError",
+    "UnreadableRecordError": "quire.errors.UnreadableRecordError",
+    "PluginError": "quire.errors.PluginError",
+    "UnsupportedLeafError": "quire.errors.UnsupportedLeafError",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        raise AttributeError(
+            f"module 'quire' has no attribute {name!r}: use {_MOVED[name]} (the top level "
+            "keeps what most users call; see docs/api.md)"
+        )
+    raise AttributeError(f"module 'quire' has no attribute {name!r}")

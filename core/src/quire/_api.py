@@ -15,7 +15,6 @@ from quire._runtime import ioloop as _io
 from quire._runtime import progress as _progress
 from quire._runtime.registry import sources
 from quire._runtime.responses import AsyncResponse, chain
-from quire._sources.base import Source
 from quire._sources.materialize import load_and_transform
 from quire._store.url import effective_options, normalize
 from quire._tiers import spread_save as _spreadsave
@@ -289,10 +288,38 @@ def load_checkpointables(
     PluginError
         A unit needs a handler that is not installed or fails to load.
     """
-    u = normalize(url)
-    return _io.submit(
-        _load.load_units(u, checkpointables, partial=partial, storage_options=storage_options)
+    return load_checkpointables_async(
+        url, checkpointables, partial=partial, storage_options=storage_options
     ).result()
+
+
+def load_checkpointables_async(
+    url: str | os.PathLike[str],
+    checkpointables: Mapping[str, Any] | None = None,
+    *,
+    partial: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> AsyncResponse[dict[str, Any]]:
+    """Start :func:`load_checkpointables` in the background.
+
+    Parameters
+    ----------
+    url, checkpointables, partial, storage_options
+        As for :func:`load_checkpointables`.
+
+    Returns
+    -------
+    AsyncResponse
+        ``.result()`` returns the units (name -> loaded value) and raises what
+        :func:`load_checkpointables` would.
+    """
+    u = normalize(url)
+    return AsyncResponse(
+        _io.submit(
+            _load.load_units(u, checkpointables, partial=partial, storage_options=storage_options)
+        ),
+        f"load {u}",
+    )
 
 
 def load_async(
@@ -355,13 +382,15 @@ def load(
 
     Parameters
     ----------
-    url : str, path or quire.Source
+    url : str, path, quire.sources.Source, or a sequence / dict of them
         A quire checkpoint, or any checkpoint an installed source reads (safetensors, an HF
-        directory, Orbax with quire-orbax): see :func:`quire.open`.
+        directory, Orbax with quire-orbax): see :func:`quire.open`.  Several sources (a
+        sequence, or a dict name -> URL) are opened lazily and handed to ``transform``:
+        positionally for a sequence, as keywords for a dict (``docs/surgery.md``).
     transform : callable, optional
-        Model surgery: gets the source's lazy tree and returns the tree to load (see
-        :func:`quire.load_and_transform`).
-    shardings : tree of shardings or quire.partition_rules(...), optional
+        Model surgery: gets each source's lazy tree and returns the tree to load; only what
+        it returns is read.  Identity when omitted.
+    shardings : tree of shardings or quire.surgery.partition_rules(...), optional
         Shardings for leaves whose abstract leaf carries none (or with no ``abstract``).
     abstract : pytree, optional
         The target: its structure is used for the result and its leaves say what each
@@ -384,7 +413,7 @@ def load(
     CorruptCheckpointError
         A chunk fails its checksum or the commit record is malformed.
     """
-    if transform is None and shardings is None and not isinstance(url, Source):
+    if transform is None and shardings is None and isinstance(url, str | os.PathLike):
         try:
             return load_async(
                 url, abstract, partial=partial, storage_options=storage_options, progress=progress

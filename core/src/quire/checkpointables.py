@@ -9,7 +9,7 @@ each named unit in one checkpoint, committed together.  A unit is one of
 * an object implementing :class:`Checkpointable` (it saves itself under its own
   sub-prefix), or
 * an object for which a :class:`CheckpointableHandler` is registered (entry-point group
-  ``quire.checkpointables``, or :func:`quire.register_checkpointable_handler`) — the way to
+  ``quire.checkpointables``, or :func:`quire.checkpointables.register_checkpointable_handler`) — the way to
   checkpoint types you do not own.
 
 ``quire.save(url, tree)`` is the single-unit case: the unit is named ``"pytree"``.
@@ -53,5 +53,16 @@ from __future__ import annotations
 
 from quire._handlers.json_unit import JsonHandler
 from quire._handlers.units import Checkpointable, CheckpointableHandler, UnitIO
+from quire._runtime.registry import (
+    register_checkpointable_handler,
+    unregister_checkpointable_handler,
+)
 
-__all__ = ["Checkpointable", "CheckpointableHandler", "JsonHandler", "UnitIO"]
+__all__ = [
+    "Checkpointable",
+    "CheckpointableHandler",
+    "JsonHandler",
+    "UnitIO",
+    "register_checkpointable_handler",
+    "unregister_checkpointable_handler",
+]

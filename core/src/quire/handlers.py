@@ -3,7 +3,7 @@
 A leaf handler saves and loads one kind of leaf (numpy arrays, jax arrays, strings...).
 It is found through the ``quire.leaf_handlers`` entry-point group (the name is the
 handler id recorded in ``quire.json``) or registered at run time with
-:func:`quire.register_leaf_handler`.
+:func:`quire.handlers.register_leaf_handler`.
 
 Call order for a save::
 
@@ -49,6 +49,7 @@ from quire._handlers.base import (
     StoredObject,
 )
 from quire._handlers.objects import check_objects, default_objects
+from quire._runtime.registry import register_leaf_handler, unregister_leaf_handler
 
 __all__ = [
     "ArrayHandler",
@@ -62,4 +63,6 @@ __all__ = [
     "StoredObject",
     "check_objects",
     "default_objects",
+    "register_leaf_handler",
+    "unregister_leaf_handler",
 ]

@@ -176,7 +176,7 @@ def test_a_whole_unit_of_one_position_is_refused_by_several_processes(
     back = quire.load_checkpointables(url, {"data": dataset_iter()})["data"]
     same_position(advance(dataset_iter(), 4), back)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(quire.MultiProcessError, match=r"one Grain iterator position.*2 processes"):
+    with pytest.raises(quire.errors.MultiProcessError, match=r"one Grain iterator position.*2 processes"):
         quire.load_checkpointables(url, {"data": dataset_iter()})
 
 
@@ -190,7 +190,7 @@ def test_other_units_do_not_import_grain_handlers_needlessly() -> None:
 
 def test_an_iterator_given_as_a_leaf_says_how_to_save_it(tmp_path: Path) -> None:
     it = iter(grain.MapDataset.range(10).to_iter_dataset())
-    with pytest.raises(quire.UnsupportedLeafError, match=r"save_checkpointables") as e:
+    with pytest.raises(quire.errors.UnsupportedLeafError, match=r"save_checkpointables") as e:
         quire.save(str(tmp_path / "c"), {"data": it})
     assert "'data'" in str(e.value) and "quire-grain" in str(e.value)
     assert not (tmp_path / "c" / "quire.json").exists()

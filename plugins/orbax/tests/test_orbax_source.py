@@ -168,9 +168,9 @@ def same(a: Any, b: Any, path: str = "") -> None:
 
 def read_all(tree: Any) -> Any:
     return jax.tree.map(
-        lambda x: x.read() if isinstance(x, quire.LazyArray) else x,
+        lambda x: x.read() if isinstance(x, quire.sources.LazyArray) else x,
         tree,
-        is_leaf=lambda x: isinstance(x, quire.LazyArray),
+        is_leaf=lambda x: isinstance(x, quire.sources.LazyArray),
     )
 
 
@@ -185,7 +185,7 @@ def test_opens_equal_to_orbax_restore(
     with quire.open(path) as src:
         assert isinstance(src, OrbaxSource) and src.format == "orbax"
         kernel = src.tree["params"]["dense"]["kernel"]
-        assert isinstance(kernel, quire.LazyArray)
+        assert isinstance(kernel, quire.sources.LazyArray)
         assert (kernel.shape, kernel.dtype, kernel.key) == (
             (8, 6),
             np.dtype(np.float32),
@@ -449,7 +449,7 @@ def test_load_with_partition_rules_and_transform(written: Any) -> None:
     path = written[("v1-ocdbt", 8)]
     expected = to_numpy(ocp1.load_pytree(path))
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
-    rules = quire.partition_rules([(r"kernel$", P("x", "y")), (r".*", P())], mesh)
+    rules = quire.surgery.partition_rules([(r"kernel$", P("x", "y")), (r".*", P())], mesh)
     got = quire.load(
         path,
         transform=lambda t: {"kernel": t["params"]["dense"]["kernel"][:, :4], "step": t["step"]},

@@ -257,7 +257,7 @@ def test_views_are_saved_by_value(tmp_path: Path) -> None:
     ],
 )
 def test_unsupported_tensors_are_refused_clearly(tmp_path: Path, make: Any, match: str) -> None:
-    with pytest.raises(quire.UnsupportedLeafError, match=match) as e:
+    with pytest.raises(quire.errors.UnsupportedLeafError, match=match) as e:
         quire.save(str(tmp_path / "c"), {"bad": make()})
     assert "bad" in str(e.value)
     assert not (tmp_path / "c" / "quire.json").exists()

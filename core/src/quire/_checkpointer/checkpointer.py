@@ -380,7 +380,7 @@ class Checkpointer:
     def metadata(self, step: int) -> CheckpointMetadata: ...
 
     def metadata(self, step: int | None = None) -> dict[str, Any] | CheckpointMetadata:
-        """A step's :class:`~quire.CheckpointMetadata`, or the run's metadata (a dict).
+        """A step's :class:`~quire.metadata.CheckpointMetadata`, or the run's metadata (a dict).
 
         ``step=None`` returns the ``metadata`` stored in ``checkpointer.json`` (or, before
         the first save, the one passed to the constructor).

@@ -49,7 +49,7 @@ class LocalTier:
         The interface each process serves its local tier on to its peers (read-only, over
         TLS 1.3 with mutual authentication); ``127.0.0.1`` by default: this machine only.
         Give the address other hosts reach this one at for multi-host runs.
-    peer_tls : quire.PeerTLS, optional
+    peer_tls : quire.tiers.PeerTLS, optional
         This process's certificate, key and CA from your own PKI for the peer link
         (default: an ephemeral key and self-signed certificate per process, made with the
         ``cryptography`` package of the ``quire[peers]`` extra and pinned through
@@ -63,7 +63,7 @@ class LocalTier:
     ------
     TypeError, ValueError
         An argument has the wrong type or value.
-    quire.PluginError
+    quire.errors.PluginError
         ``peers > 0`` without ``peer_tls`` and ``cryptography`` is not installed (install
         ``quire[peers]``).
     """
@@ -94,7 +94,7 @@ class LocalTier:
             )
         object.__setattr__(self, "url", normalize(self.url))
         if self.peer_tls is not None and not isinstance(self.peer_tls, PeerTLS):
-            raise TypeError(f"peer_tls must be a quire.PeerTLS, got {self.peer_tls!r}")
+            raise TypeError(f"peer_tls must be a quire.tiers.PeerTLS, got {self.peer_tls!r}")
         if self.peers and self.peer_tls is None:  # at configuration, not at the first copy
             require_cryptography(f"LocalTier({str(self.url)!r}, peers={self.peers})")
 

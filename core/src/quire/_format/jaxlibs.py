@@ -6,7 +6,7 @@ the library is already imported, so each check looks its class up in ``sys.modul
 * A Flax NNX ``Variable`` (``nnx.Param``, ``nnx.BatchStat``, ``nnx.RngKey``, an optimizer's
   ``OptState`` ...) is a pytree node with one child, its value, under the key ``value``.
   The walk records the Variable's class name on each leaf under it (the leaf record's
-  ``variable``, :attr:`quire.LeafMetadata.variable`).
+  ``variable``, :attr:`quire.metadata.LeafMetadata.variable`).
 * ``nnx.update(model, quire.load(url))`` with a target-less load sets each Variable's value
   to the ``{"value": array}`` dict that load returns for it, silently.  Such a Variable is
   refused wherever quire meets it (the next save of the model, or a load into its state),

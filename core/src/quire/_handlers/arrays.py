@@ -421,7 +421,7 @@ class ArrayHandler:
         return await self._read_array(e, ctx, e.target, kind)
 
     def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]:
-        """A :class:`quire.LeafMetadata` per record.
+        """A :class:`quire.metadata.LeafMetadata` per record.
 
         Parameters
         ----------

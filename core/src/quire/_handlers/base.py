@@ -314,7 +314,7 @@ class LeafHandler(Protocol):
         Returns
         -------
         list
-            One description per record (``quire.LeafMetadata`` for arrays).
+            One description per record (``quire.metadata.LeafMetadata`` for arrays).
 
         Raises
         ------

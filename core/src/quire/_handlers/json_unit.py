@@ -35,14 +35,47 @@ class JsonHandler:
     inline = True
 
     def handles(self, obj: Any) -> bool:
+        """Whether ``obj`` is a non-empty dict of plain JSON data.
+
+        Parameters
+        ----------
+        obj : Any
+            A unit's value.
+        """
         return type(obj) is dict and bool(obj) and is_json_config(obj)
 
     def snapshot(self, obj: Any) -> Any:
-        """A copy for an async save (plain JSON data always deep-copies)."""
+        """A copy for an async save (plain JSON data always deep-copies).
+
+        Parameters
+        ----------
+        obj : dict
+            The unit's value at the call.
+        """
         return copy.deepcopy(obj)
 
     def save(self, obj: Any, io: UnitIO) -> Any:
+        """The record is the config itself (inline in ``quire.json``; ``io`` is unused).
+
+        Parameters
+        ----------
+        obj : dict
+            The config.
+        io : UnitIO
+            The unit's byte access (not used: nothing is written beside the record).
+        """
         return obj
 
     def load(self, io: UnitIO, record: Any, target: Any) -> Any:
+        """The config, from its record.
+
+        Parameters
+        ----------
+        io : UnitIO
+            The unit's byte access (not used).
+        record : dict
+            What :meth:`save` returned.
+        target : Any
+            The unit's target (not used: a config comes back as saved).
+        """
         return record

@@ -51,14 +51,32 @@ class UnitIO:
         return _io.submit(coro).result()
 
     def write(self, name: str, data: bytes) -> None:
-        """Store ``data`` as ``name`` (with a crc32c appended and checked on read)."""
+        """Store ``data`` as ``name`` (with a crc32c appended and checked on read).
 
+        Parameters
+        ----------
+        name : str
+            The object's name under the unit's prefix (``/`` separates folders).
+        data : bytes
+            Its content.
+        """
         key = self._key(name)
         self._run(self.backend.put(key, [data, crc_bytes(data)]))
         self.written.append(name)
 
     def read(self, name: str) -> bytes:
-        """The bytes stored as ``name``; ``CorruptCheckpointError`` if they fail their crc."""
+        """The bytes stored as ``name``.
+
+        Parameters
+        ----------
+        name : str
+            As given to :meth:`write`.
+
+        Raises
+        ------
+        CorruptCheckpointError
+            The bytes fail their crc32c.
+        """
         raw = self._run(self.backend.get(self._key(name)))
         body, crc = raw[:-4], raw[-4:]
         if len(raw) < 4 or crc_bytes(body) != crc:
@@ -68,9 +86,25 @@ class UnitIO:
         return bytes(body)
 
     def write_json(self, name: str, value: Any) -> None:
+        """Store ``value`` as JSON (no NaN or infinity) under ``name``.
+
+        Parameters
+        ----------
+        name : str
+            As for :meth:`write`.
+        value : Any
+            JSON data.
+        """
         self.write(name, json.dumps(value, allow_nan=False).encode())
 
     def read_json(self, name: str) -> Any:
+        """The JSON value stored by :meth:`write_json`.
+
+        Parameters
+        ----------
+        name : str
+            As given to :meth:`write_json`.
+        """
         return json.loads(self.read(name))
 
 

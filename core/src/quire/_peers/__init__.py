@@ -7,7 +7,7 @@ in ``files`` and the messages in ``wire``.
 
 A room of its own, right above ``quire._runtime``, so that the declared order keeps this
 security boundary small: it knows nothing of checkpoints, and its only user inside quire is
-the local tier (``quire._tiers.peer_copies``, ``providers``; ``quire.PeerTLS`` is public).
+the local tier (``quire._tiers.peer_copies``, ``providers``; ``quire.tiers.PeerTLS`` is public).
 
 May import: ``quire._runtime`` and quire's contract modules.
 """

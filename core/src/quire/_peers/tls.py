@@ -50,7 +50,7 @@ _SAN = "urn:quire:peer:process:"  # + the process index, in an ephemeral certifi
 @dataclasses.dataclass(frozen=True)
 class PeerTLS:
     """Certificates of your own PKI for the peer link of a local tier
-    (``quire.LocalTier(peer_tls=quire.PeerTLS(...))``), instead of the ephemeral ones.
+    (``quire.LocalTier(peer_tls=quire.tiers.PeerTLS(...))``), instead of the ephemeral ones.
 
     Every process passes its own certificate and key and the CA that signed every process's
     certificate.  A process still publishes its certificate through the key-value store, and
@@ -111,7 +111,7 @@ def require_cryptography(what: str) -> None:
             f"{what}: the peer link makes a TLS certificate per process with the "
             f"'cryptography' package, which is not installed ({e}); install quire's peers "
             "extra (pip install 'quire[peers]'), or pass certificates of your own PKI: "
-            "LocalTier(peer_tls=quire.PeerTLS(cert, key, ca))",
+            "LocalTier(peer_tls=quire.tiers.PeerTLS(cert, key, ca))",
             name="quire[peers]",
         ) from e
 

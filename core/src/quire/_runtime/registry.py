@@ -4,7 +4,7 @@ A plugin that fails to import never breaks ``import quire``: the failure is reco
 (``quire plugins`` shows it) and raised as :class:`PluginError` only when that name is
 selected.  Two distributions claiming one name is an error naming both, unless the
 configuration picks one (``quire.configure(plugins={"quire.backends:s3": "dist"})``).
-Objects registered at run time (``quire.register_leaf_handler``...) take precedence over
+Objects registered at run time (``quire.handlers.register_leaf_handler``...) take precedence over
 entry points of the same name.
 """
 

@@ -114,10 +114,10 @@ def diff(
 
     Parameters
     ----------
-    a, b : str, path or quire.Source
+    a, b : str, path or quire.sources.Source
         What to compare: anything :func:`quire.open` opens (a quire checkpoint in either
         layout, a ``.safetensors`` file, an HF directory, an Orbax checkpoint with
-        quire-orbax installed) on any fsspec URL, or an already opened :class:`quire.Source`
+        quire-orbax installed) on any fsspec URL, or an already opened :class:`quire.sources.Source`
         (to give each side its own storage options or ``format=``). Sources passed in are
         not closed.
     values : bool, default False

@@ -250,7 +250,7 @@ def export(
 
     Parameters
     ----------
-    src : URL or quire.Source
+    src : URL or quire.sources.Source
     dst : URL
         A ``.safetensors`` object (one file), or a directory / prefix: ``model.safetensors``,
         or, beyond ``max_shard_bytes``, ``model-0000i-of-0000n.safetensors`` shards plus

@@ -248,7 +248,7 @@ LazyValue = LazyArray
 
 
 class SourceArray(LazyArray):
-    """One array of a :class:`quire.Source`, read by its :class:`RegionReader`; made by
+    """One array of a :class:`quire.sources.Source`, read by its :class:`RegionReader`; made by
     ``LazyArray(shape, dtype, key_path, reader, url)`` (see :class:`LazyArray`)."""
 
     def __init__(

@@ -1,4 +1,4 @@
-"""Materialise lazy trees: ``quire.load_and_transform`` and ``LazyValue.read``.
+"""Materialise lazy trees: ``quire.load(..., transform=...)`` and ``LazyValue.read``.
 
 Each leaf of the transformed tree is placed into its target (numpy array, or ``jax.Array``
 with a sharding); each device shard reads only its own region of the lazy inputs, regions
@@ -346,7 +346,7 @@ def load_and_transform(
     transform_fn : callable, optional
         Returns a tree whose leaves are LazyArrays (or slices), :mod:`quire.surgery` lazy
         operations, concrete arrays or values, or None.  Identity when omitted.
-    shardings : tree of shardings, :func:`quire.partition_rules`, or a Sharding
+    shardings : tree of shardings, :func:`quire.surgery.partition_rules`, or a Sharding
         For leaves whose abstract leaf carries no sharding.
     partial : bool
         Allow the transform's result to have leaves the abstract tree lacks (they are not read).

@@ -141,7 +141,7 @@ def partition_rules(rules: Sequence[tuple[str, Any]], mesh: Any) -> PartitionRul
     """Shardings by rule: ``[(regex, PartitionSpec), ...]`` matched (``re.search``) against each
     leaf's ``"/"``-joined key path, first match wins; 0-d leaves replicate.
 
-    Pass the result as ``shardings=`` to :func:`quire.load`, :func:`quire.load_and_transform`
+    Pass the result as ``shardings=`` to :func:`quire.load`
     or ``Checkpointer.load``.
 
     Parameters

@@ -84,7 +84,7 @@ class SourceSuite:
         assert cls.format == self.source_format
         assert cls.detect(url, {}) is True
         src = quire.open(url)
-        assert isinstance(src, quire.Source) and src.format == self.source_format
+        assert isinstance(src, quire.sources.Source) and src.format == self.source_format
         assert isinstance(src.metadata, dict)
         (tmp_path / "empty").mkdir()
         assert cls.detect(str(tmp_path / "empty"), {}) is False
@@ -96,7 +96,7 @@ class SourceSuite:
         src = quire.open(self.write(tmp_path / "ck", arrays))
         for path, want in arrays.items():
             leaf = _find(src.tree, path)
-            assert isinstance(leaf, quire.LazyArray), path
+            assert isinstance(leaf, quire.sources.LazyArray), path
             assert leaf.shape == want.shape and leaf.dtype == want.dtype, path
             np.testing.assert_array_equal(leaf.read(), want)
 

@@ -136,7 +136,7 @@ class OrbaxSource(Source):
 
     Open it with ``quire.open(path)`` (or ``format="orbax"``).  ``tree`` mirrors what orbax
     restores without a target: dicts, lists (orbax restores tuples as lists), a
-    :class:`quire.LazyArray` per ``jax.Array`` / ``np.ndarray`` leaf, Python scalars and
+    :class:`quire.sources.LazyArray` per ``jax.Array`` / ``np.ndarray`` leaf, Python scalars and
     strings as values, empty containers and None as saved.  A composite checkpoint (a
     ``CheckpointManager`` step with named items) is ``{item: tree}``; a single item named
     ``default`` (CheckpointManager) or ``state`` / ``pytree`` (v1 ``save_pytree``) is shown
