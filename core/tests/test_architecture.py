@@ -308,13 +308,46 @@ def test_the_mixin_check_finds_each_kind(tmp_path: Path) -> None:
     ]
 
 
-def test_no_module_over_500_lines() -> None:
-    long = {
-        str(p.relative_to(SRC)): n
-        for p in SRC.rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > 500
-    }
-    assert long == {}
+#: A module holds one responsibility, named for what it holds (STYLE.md habit 23); its size
+#: is a prompt to look for a second responsibility, never a reason to cut one in two.  The
+#: budget is a line count past which a module must be named here with the reason one
+#: responsibility needs the room, and the most it may grow to.
+BUDGET = 500
+OVER_BUDGET: dict[str, tuple[int, str]] = {}
+
+
+def over_budget(root: Path) -> list[str]:
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = str(path.relative_to(root))
+        n = len(path.read_text().splitlines())
+        cap, why = OVER_BUDGET.get(rel, (BUDGET, ""))
+        if n > cap:
+            what = f"its allowance of {cap} ({why})" if why else f"the budget of {BUDGET}"
+            out.append(
+                f"{rel}: {n} lines, over {what}: if it holds two responsibilities, move one "
+                "into a module named for it; if one needs the room, name it in OVER_BUDGET "
+                "with the reason"
+            )
+    return out
+
+
+def test_modules_keep_to_the_budget() -> None:
+    assert over_budget(SRC) == []
+
+
+def test_every_allowance_is_used_and_explained() -> None:
+    for rel, (cap, why) in OVER_BUDGET.items():
+        n = len((SRC / rel).read_text().splitlines())
+        assert BUDGET < n <= cap, f"{rel}: {n} lines; allowance {cap} (drop it when unneeded)"
+        assert len(why) > 20, f"{rel}: say why one responsibility needs {cap} lines"
+
+
+def test_the_budget_check_names_the_module(tmp_path: Path) -> None:
+    (tmp_path / "big.py").write_text("x = 1\n" * (BUDGET + 1))
+    (tmp_path / "small.py").write_text("x = 1\n")
+    found = over_budget(tmp_path)
+    assert len(found) == 1 and found[0].startswith(f"big.py: {BUDGET + 1} lines")
 
 
 #: The repository's Python files outside the package, also held to the alias rule (tests,
