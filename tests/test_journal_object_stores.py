@@ -1,5 +1,5 @@
-"""The partial-save journal on S3 (moto) and GCS (gcp-storage-emulator): the same
-model-based test as on memory and local disk, plus a racing second writer on S3, where
+"""The partial-save journal on S3 (moto) and GCS (fake-gcs-server): the same
+model-based test as on memory and local disk, plus a racing second writer on each, where
 the conditional create of journal records is enforced by the server."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
-from object_store_servers import GcsEmulator, MotoS3
+from object_store_servers import FakeGcs, MotoS3
 
 import quire
 from quire import partial
@@ -44,13 +45,17 @@ def test_journal_model_on_s3(moto: MotoS3) -> None:
     _run_machine(moto, "s3")
 
 
-def test_journal_model_on_gcs(gcs: GcsEmulator) -> None:
+def test_journal_model_on_gcs(gcs: FakeGcs) -> None:
     _run_machine(gcs, "gs")
 
 
-def test_concurrent_appends_on_s3_never_lose_a_version(moto: MotoS3) -> None:
-    url = moto.fresh_url()
-    opts = moto.options()
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_concurrent_appends_never_lose_a_version(
+    scheme: str, request: pytest.FixtureRequest
+) -> None:
+    server = request.getfixturevalue("moto" if scheme == "s3" else "gcs")
+    url = server.fresh_url()
+    opts = server.options()
     partial.save(url, {"init": np.zeros(1)}, storage_options=opts)
     errors: list[BaseException] = []
 
@@ -63,7 +68,7 @@ def test_concurrent_appends_on_s3_never_lose_a_version(moto: MotoS3) -> None:
             try:
                 # The engine directly, not quire.partial.save: that would queue the two
                 # writers one after the other; here they race for versions on the server.
-                with quire.Context(storage_options={"s3": opts}):
+                with quire.Context(storage_options={scheme: opts}):
                     prep = _saving.prepare_save(
                         {"pytree": {who: {f"k{i}": np.full(2, i)}}}, None, copy=True, url=url
                     )

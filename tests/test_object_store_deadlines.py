@@ -3,7 +3,7 @@
 Each attempt of a request - a connection from the pool, the body sent, the whole reply read -
 ends within ``request_timeout + bytes / request_min_rate`` seconds or is abandoned and
 retried; past ``retry_deadline`` the save fails with a typed error and the previous
-checkpoint stays whole.  Shown against real servers (moto, gcp-storage-emulator) behind
+checkpoint stays whole.  Shown against real servers (moto, fake-gcs-server) behind
 :class:`FaultProxy`, with the two failures no client timeout of botocore or aiohttp covers
 on its own:
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from object_store_servers import FaultProxy, GcsEmulator, MotoS3
+from object_store_servers import FakeGcs, FaultProxy, MotoS3
 
 import quire
 from quire.errors import ObjectStoreError
@@ -67,7 +67,7 @@ def target(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any, FaultProx
         proxy.stop()
 
 
-def _options(server: MotoS3 | GcsEmulator, proxy: FaultProxy, scheme: str) -> dict[str, Any]:
+def _options(server: MotoS3 | FakeGcs, proxy: FaultProxy, scheme: str) -> dict[str, Any]:
     extra = {k: v for k, v in BIG_PARTS.items() if k.startswith("multipart") == (scheme == "s3")}
     return dict(server.options(proxy.endpoint, **DEADLINES, **extra))
 
@@ -156,7 +156,7 @@ except quire.CheckpointNotFoundError:
 
 
 def test_a_missing_gs_checkpoint_fails_at_once_whoever_imported_gcsfs_first(
-    gcs: GcsEmulator,
+    gcs: FakeGcs,
 ) -> None:
     """The state one test left for the next: gcsfs picks fsspec's ``gs://`` class when it is
     first imported, from the environment at that moment.  quire's load of a missing

@@ -1,7 +1,7 @@
 """Object-store endpoints: unresolvable hosts fail fast, retries are logged at INFO, and
 credentials in an ``endpoint_url`` never reach a log (issue 13).
 
-Real servers (moto, gcp-storage-emulator) from ``conftest.py``; the unresolvable host is
+Real servers (moto, fake-gcs-server) from ``conftest.py``; the unresolvable host is
 under ``.invalid``, a top-level domain reserved never to resolve (RFC 2606).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from object_store_servers import S3_KEY, S3_SECRET, FaultProxy, GcsEmulator, MotoS3
+from object_store_servers import S3_KEY, S3_SECRET, FakeGcs, FaultProxy, MotoS3
 
 import quire
 from quire._store.url import open_backend
@@ -49,7 +49,7 @@ def test_unresolvable_endpoint_fails_fast_naming_it(scheme: str) -> None:
 
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_each_retry_is_logged_at_info_with_its_reason(
-    scheme: str, moto: MotoS3, gcs: GcsEmulator, caplog: pytest.LogCaptureFixture
+    scheme: str, moto: MotoS3, gcs: FakeGcs, caplog: pytest.LogCaptureFixture
 ) -> None:
     upstream = (moto.host, moto.port) if scheme == "s3" else ("127.0.0.1", gcs.port)
     proxy = FaultProxy(upstream, "s3" if scheme == "s3" else "gcs")

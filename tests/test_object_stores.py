@@ -1,13 +1,13 @@
-"""quire through ``s3://`` (moto's server) and ``gs://`` (gcp-storage-emulator) URLs.
+"""quire through ``s3://`` (moto's server) and ``gs://`` (fake-gcs-server) URLs.
 
 Every test talks HTTP to a real server, most of them through :class:`FaultProxy`, which
 injects faults on the wire: save / load / overwrite, two processes committing at once, a
 process killed at each step of the commit protocol, retried transient faults, permanent
 faults that fail at once, configuration the fsspec way, and ``quire cp`` between backends.
 
-gcp-storage-emulator ignores ``ifGenerationMatch``: the GCS tests check that the
-preconditions are *sent* (and that a 412 maps to the right error); that a server enforcing
-them makes exactly one of two writers commit is proven on S3 (moto) and on local disk.
+Both servers enforce the commit's preconditions (moto ``If-None-Match`` / ``If-Match``,
+fake-gcs-server ``ifGenerationMatch`` on the multipart uploads quire-gcs commits with):
+racing writers commit exactly one checkpoint on either.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import pytest
 from object_store_servers import (
     S3_KEY,
     S3_SECRET,
+    FakeGcs,
     FaultProxy,
-    GcsEmulator,
     MotoS3,
     env,
 )
@@ -93,7 +93,7 @@ def s3_store(moto: MotoS3) -> Iterator[Store]:
 
 
 @pytest.fixture(scope="module")
-def gcs_store(gcs: GcsEmulator) -> Iterator[Store]:
+def gcs_store(gcs: FakeGcs) -> Iterator[Store]:
     proxy = FaultProxy(("127.0.0.1", gcs.port), "gcs")
     yield Store(
         "gs",
@@ -321,48 +321,102 @@ def test_overwrite_is_a_compare_and_swap(store: Store) -> None:
     assert not [r for r in store.proxy.log if "copy" in r[1].lower() or "rewrite" in r[1]]
 
 
-def test_gcs_commit_sends_generation_preconditions(gcs_store: Store) -> None:
-    """gcp-storage-emulator ignores ifGenerationMatch, so prove it is sent, and that a
-    refused precondition (412, injected) maps to CheckpointExistsError."""
+def test_gcs_server_refuses_stale_commit_preconditions(gcs_store: Store, zygote: Zygote) -> None:
+    """fake-gcs-server refuses a commit's precondition as GCS does (a 412 of its own, not
+    one the proxy injects).  A save held at its commit while another writer commits gets
+    CheckpointExistsError and removes its data; an overwrite held at its compare-and-swap
+    while another overwrite lands is refused, reads the new generation and swaps again.
+    Each commit is one multipart upload carrying ``ifGenerationMatch``."""
     store = gcs_store
     store.proxy.clear()
-    url, opts = store.url(), store.options()
-    quire.save(url, build_tree(1), storage_options=opts)
-    (commit,) = store.proxy.requests(**store.commit_write)
-    assert "ifGenerationMatch=0" in commit[1]
+    url, opts, direct = store.url(), store.options(), store.options(direct=True)
 
-    url2 = store.url()
-    store.proxy.add("412", **store.commit_write)
-    with pytest.raises(quire.CheckpointExistsError):
-        quire.save(url2, build_tree(2), storage_options=opts)
-    assert run(store.backend(url2).list()) == []  # the loser removed its data
+    gate = store.proxy.add("hold", times=1, **store.commit_write)
+    saving = zygote.spawn(url, opts, 1)
+    store.proxy.wait_arrivals(gate, 1)
+    quire.save(url, build_tree(2), storage_options=direct)  # another writer commits first
+    store.proxy.release(gate)
+    assert saving.result() == "exists"
+    (create,) = store.proxy.requests(**store.commit_write)
+    assert "uploadType=multipart" in create[1] and "ifGenerationMatch=0" in create[1], create
+    assert create[2] == "hold"  # forwarded to the server, which refused it
+    assert_tree(quire.load(url, storage_options=direct), 2)
+    assert len(txids(store, url)) == 1  # the loser removed its data
+
+    store.proxy.clear()
+    before = run(store.backend(url).version("quire.json"))
+    gate = store.proxy.add("hold", times=1, **store.commit_write)
+    saving = zygote.spawn(url, opts, 3, overwrite=True)
+    store.proxy.wait_arrivals(gate, 1)
+    quire.save(url, build_tree(4), overwrite=True, storage_options=direct)
+    between = run(store.backend(url).version("quire.json"))
+    store.proxy.release(gate)
+    assert saving.result() == "committed"
+    swaps = [r[1] for r in store.proxy.requests(**store.commit_write)]
+    assert len(swaps) == 2 and all("uploadType=multipart" in t for t in swaps), swaps
+    assert f"ifGenerationMatch={before}" in swaps[0], swaps  # refused: the record changed
+    assert f"ifGenerationMatch={between}" in swaps[1], swaps
+    assert_tree(quire.load(url, storage_options=direct), 3)
+    assert len(txids(store, url)) == 1  # the record it replaced: its data went after the swap
     store.proxy.clear()
 
 
-@pytest.mark.parametrize("where", ["s3", "local"])
+@pytest.mark.parametrize("where", ["s3", "gs", "local"])
 def test_two_processes_race_for_one_url(
-    where: str, s3_store: Store, zygote: Zygote, tmp_path: Path
+    where: str, request: pytest.FixtureRequest, zygote: Zygote, tmp_path: Path
 ) -> None:
     """Both writers reach the commit together; exactly one commits, the other gets
     CheckpointExistsError, and what loads is entirely the winner's."""
-    if where == "s3":
-        store = s3_store
+    store: Store | None = None
+    if where == "local":
+        url, opts = str(tmp_path / "ckpt"), {}
+    else:
+        store = request.getfixturevalue(f"{where.replace('gs', 'gcs')}_store")
         store.proxy.clear()
         url, opts = store.url(), store.options()
         gate = store.proxy.add("hold", times=2, **store.commit_write)
-    else:
-        url, opts = str(tmp_path / "ckpt"), {}
     procs = [zygote.spawn(url, opts, seed) for seed in (1, 2)]
-    if where == "s3":
+    if store is not None:
         store.proxy.wait_arrivals(gate, 2, timeout=120)  # both are at the commit
         store.proxy.release(gate)
     results = [p.result() for p in procs]
     assert sorted(results) == ["committed", "exists"], results
     winner = (1, 2)[results.index("committed")]
     assert_tree(quire.load(url, storage_options=opts), winner)
-    if where == "s3":
+    if store is not None:
         assert len(txids(store, url)) == 1  # the loser's data is gone
         store.proxy.clear()
+
+
+RACE_WRITERS, RACE_ROUNDS = 6, 4
+
+
+def test_racing_writers_on_gcs_commit_exactly_one_each_round(
+    gcs_store: Store, zygote: Zygote
+) -> None:
+    """Issue 39: round after round, six processes save different trees to one fresh gs://
+    URL, held at the commit until all six are there and then let go together, so that
+    their six conditional uploads reach fake-gcs-server at once (it decides each under one
+    lock, as GCS does atomically).  In every round exactly one commits, the five others
+    get CheckpointExistsError and leave no data behind, and what loads is entirely the
+    winner's.  (Before quire-gcs sent its conditional uploads as multipart, all six
+    committed: the server ignored the precondition of a media upload.  S3's race is the
+    two-process test above: moto must be handed conditional PUTs one at a time.)"""
+    store = gcs_store
+    for round_ in range(RACE_ROUNDS):
+        store.proxy.clear()
+        url, opts = store.url(), store.options()
+        gate = store.proxy.add("hold", times=RACE_WRITERS, serial=False, **store.commit_write)
+        seeds = [10 * round_ + i for i in range(1, RACE_WRITERS + 1)]
+        procs = [zygote.spawn(url, opts, seed) for seed in seeds]
+        store.proxy.wait_arrivals(gate, RACE_WRITERS, timeout=120)
+        store.proxy.release(gate)
+        results = [p.result() for p in procs]
+        want = ["committed"] + ["exists"] * (RACE_WRITERS - 1)
+        assert sorted(results) == want, f"round {round_}: {results}"
+        assert_tree(quire.load(url, storage_options=opts), seeds[results.index("committed")])
+        assert len(txids(store, url)) == 1  # the losers' data is gone
+    store.proxy.clear()
 
 
 def test_uploads_are_concurrent_within_the_byte_budget_and_large_ones_split(store: Store) -> None:
@@ -460,9 +514,9 @@ def test_streamed_packs_survive_transient_faults(store: Store) -> None:
     """A 503, a reset before the server saw it and a lost reply, each on a streamed pack's
     parts (S3) / resumable chunks (GCS), and a lost reply of S3's CompleteMultipartUpload:
     each is retried or resumed from the offset the server confirms; the save commits and
-    loads exactly.  (GCS faults start at the second chunk: gcp-storage-emulator answers a
-    status query on an empty session with ``Range: bytes=0-0``, one byte it does not hold;
-    GCS itself sends no Range then.)"""
+    loads exactly.  (GCS: the proxy keeps fake-gcs-server's sessions to GCS's protocol,
+    :class:`object_store_servers.GcsSessions`; the first fault is on the first chunk, so
+    a status check finds an empty session.)"""
     MiB = 1 << 20
     rng = np.random.default_rng(11)
     tree = {f"a{i}": rng.standard_normal(1 << 19).astype(np.float32) for i in range(6)}
@@ -471,14 +525,12 @@ def test_streamed_packs_survive_transient_faults(store: Store) -> None:
         extra: dict[str, Any] = {"multipart_chunksize": 5 * MiB}
         part = {"method": "PUT", "path": r"packs(/|%2F)p00000-\d+\?.*partNumber="}
         p.add("reset-after", times=1, method="POST", path=r"packs(/|%2F)p00000-\d+\?uploadId=")
-        first = 0
     else:
         extra = {"resumable_chunksize": 1 * MiB}
         part = {"method": "PUT", "path": r"upload_id="}
-        first = 1
-    p.add("503", times=1, skip=first, **part)
-    p.add("reset", times=1, skip=first + 1, **part)
-    p.add("reset-after", times=1, skip=first + 2, **part)
+    p.add("503", times=1, **part)
+    p.add("reset", times=1, skip=1, **part)
+    p.add("reset-after", times=1, skip=2, **part)
     url, opts = store.url(), store.options(**extra)
     quire.save(url, tree, storage_options=opts)  # one pack of 12 MiB
     assert {r[2] for r in p.log if r[2] != "forward"} == {"503", "reset", "reset-after"}
@@ -566,7 +618,7 @@ def test_credentials_stay_out_of_records_logs_and_errors(
 
 
 # ----------------------------------------------------------------------------- configuration
-def test_configuration_the_fsspec_way(moto: MotoS3, gcs: GcsEmulator, tmp_path: Path) -> None:
+def test_configuration_the_fsspec_way(moto: MotoS3, gcs: FakeGcs, tmp_path: Path) -> None:
     import fsspec.config
 
     tree = build_tree(10)

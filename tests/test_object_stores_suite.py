@@ -1,4 +1,4 @@
-"""The backend conformance suite on real servers: S3 (moto) and GCS (gcp-storage-emulator).
+"""The backend conformance suite on real servers: S3 (moto) and GCS (fake-gcs-server).
 
 Each runs twice: straight to the server, and through a fault-injecting proxy that fails
 every few requests (503 SlowDown, 500, connection resets before and after the server saw
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from object_store_servers import FaultProxy, GcsEmulator, MotoS3
+from object_store_servers import FakeGcs, FaultProxy, MotoS3
 
 from quire.testing import BackendSuite
 
@@ -29,10 +29,6 @@ GCS_SMALL = {
     "read_part_size": 4 * MiB,
 }
 FAST_RETRY = {"retry_backoff": 0.01, "retry_max_backoff": 0.2, "retry_deadline": 30}
-GCS_NOTE = (
-    "gcp-storage-emulator accepts uploads with ifGenerationMatch whatever the generation; "
-    "conditional create and compare-and-swap are proven on S3 (moto) and the local backend"
-)
 
 
 def _flaky(proxy: FaultProxy) -> FaultProxy:
@@ -60,7 +56,7 @@ def flaky_s3(moto: MotoS3) -> Iterator[FaultProxy]:
 
 
 @pytest.fixture(scope="module")
-def flaky_gcs(gcs: GcsEmulator) -> Iterator[FaultProxy]:
+def flaky_gcs(gcs: FakeGcs) -> Iterator[FaultProxy]:
     proxy = _flaky(FaultProxy(("127.0.0.1", gcs.port), "gcs"))
     yield proxy
     _check_faults_fired(proxy)
@@ -93,27 +89,23 @@ class TestS3BackendThroughFaults(BackendSuite):
 
 class TestGCSBackend(BackendSuite):
     protocol = "gs"
-    preconditions_enforced = False
-    preconditions_note = GCS_NOTE
 
     @pytest.fixture
-    def backend_url(self, gcs: GcsEmulator) -> str:
+    def backend_url(self, gcs: FakeGcs) -> str:
         return gcs.fresh_url()
 
     @pytest.fixture
-    def storage_options(self, gcs: GcsEmulator) -> dict[str, Any]:
+    def storage_options(self, gcs: FakeGcs) -> dict[str, Any]:
         return gcs.options(**GCS_SMALL)
 
 
 class TestGCSBackendThroughFaults(BackendSuite):
     protocol = "gs"
-    preconditions_enforced = False
-    preconditions_note = GCS_NOTE
 
     @pytest.fixture
-    def backend_url(self, gcs: GcsEmulator) -> str:
+    def backend_url(self, gcs: FakeGcs) -> str:
         return gcs.fresh_url()
 
     @pytest.fixture
-    def storage_options(self, gcs: GcsEmulator, flaky_gcs: FaultProxy) -> dict[str, Any]:
+    def storage_options(self, gcs: FakeGcs, flaky_gcs: FaultProxy) -> dict[str, Any]:
         return gcs.options(flaky_gcs.endpoint, **GCS_SMALL, **FAST_RETRY)

@@ -1,5 +1,5 @@
 """quire-orbax on object stores: Orbax checkpoints written by orbax-checkpoint, uploaded to
-moto's S3 server (and the GCS emulator), opened with ``quire.open`` and converted with
+moto's S3 server (and fake-gcs-server), opened with ``quire.open`` and converted with
 ``quire cp``; JSON metadata through fsspec, arrays through tensorstore's s3 / gcs kvstores."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from object_store_servers import GCS_BUCKET, S3_BUCKET, S3_SECRET, GcsEmulator, MotoS3
+from object_store_servers import GCS_BUCKET, S3_BUCKET, S3_SECRET, FakeGcs, MotoS3
 
 import quire
 from quire._cli.main import main
@@ -137,7 +137,7 @@ def test_errors_name_the_url_and_never_the_secret(moto: MotoS3, written: dict[st
 
 
 def test_orbax_on_gcs_emulator(
-    gcs: GcsEmulator, written: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    gcs: FakeGcs, written: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import gcsfs
 

@@ -5,7 +5,7 @@ model and checks, after every step, that each committed checkpoint loads exactly
 saved value, that nothing else is a checkpoint, and that the data under each step is
 exactly what its ``quire.json`` references plus the garbage of crashed saves (which GC
 then removes without touching anything referenced).  The same machine runs on memory and
-local disk here, and on S3 (moto) and GCS (gcp-storage-emulator) in
+local disk here, and on S3 (moto) and GCS (fake-gcs-server) in
 ``tests/test_commit_object_stores.py``.
 """
 

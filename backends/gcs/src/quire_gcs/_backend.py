@@ -6,8 +6,10 @@ request is then made here, so that the commit uses GCS's own preconditions and e
 shares one retry policy:
 
 * ``put_if_absent`` uploads with ``ifGenerationMatch=0`` and ``replace_if_match`` with
-  ``ifGenerationMatch=<generation>`` (412 = :class:`PreconditionFailed`); nothing is ever
-  "renamed" by copy + delete;
+  ``ifGenerationMatch=<generation>`` (412 = :class:`PreconditionFailed`) as multipart uploads:
+  GCS applies an insert's preconditions to every ``uploadType`` alike (both are query
+  parameters of one method, cloud.google.com/storage/docs/json_api/v1/objects/insert), and
+  fake-gcs-server, the tests' server, to multipart ones only.  Never a copy + delete "rename";
 * ``put`` uploads objects of ``resumable_threshold`` bytes or more with a resumable upload,
   which continues from the offset the server confirms after a failure; format-v2 packs
   stream into a resumable upload of unknown size (``stream_writer``, ``quire_gcs._stream``);
@@ -25,6 +27,7 @@ import datetime
 import json
 import logging
 import os
+import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -34,13 +37,7 @@ import aiohttp
 import yarl
 
 from quire import errors
-from quire.backends import (
-    ObjectInfo,
-    ObjectStoreBackend,
-    byte_slice,
-    gather_all,
-    read_into,
-)
+from quire.backends import ObjectInfo, ObjectStoreBackend, byte_slice, gather_all, read_into
 
 __all__ = [
     "GCSBackend",
@@ -55,7 +52,6 @@ T = TypeVar("T")
 MiB = 1 << 20
 CHUNK_ALIGN = 256 * 1024  # resumable upload chunks are multiples of this
 DELETE_CONCURRENCY = 32
-_BOUNDARY = "quire-f2b1c0de"
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _TRANSIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 
@@ -114,6 +110,16 @@ def _message(body: bytes) -> str:
         return str(err.get("message", "")) if isinstance(err, dict) else str(err)
     except (ValueError, KeyError, TypeError):
         return body[:200].decode("utf-8", "replace").strip()
+
+
+def _multipart(name: str, data: bytes) -> tuple[bytes, str]:
+    """A multipart upload's body (the object's metadata, then its bytes) and Content-Type."""
+    b = f"quire-{uuid.uuid4().hex}"
+    while f"--{b}".encode() in data:  # a boundary must not occur in the parts: checked
+        b = f"quire-{uuid.uuid4().hex}"
+    meta = f"Content-Type: application/json; charset=UTF-8\r\n\r\n{json.dumps({'name': name})}"
+    head = f"--{b}\r\n{meta}\r\n--{b}\r\nContent-Type: application/octet-stream\r\n\r\n"
+    return head.encode() + data + f"\r\n--{b}--\r\n".encode(), f"multipart/related; boundary={b}"
 
 
 # ----------------------------------------------------------------------------- backend
@@ -316,20 +322,13 @@ class GCSBackend(ObjectStoreBackend):
 
     # -- writes ------------------------------------------------------------------
     async def _simple_upload(self, key: str, body: Any, cond: dict[str, Any]) -> str:
-        """One media upload request (no retry); the new generation."""
-        params = {"uploadType": "media", "name": self.key(key), **cond}
+        """One upload (no retry), multipart with a precondition ``cond``; the new generation."""
+        name = self.key(key)
+        params = {"uploadType": "media", "name": name, **cond}
         headers = {"Content-Type": "application/octet-stream"}
-        if not len(body):
-            # gcp-storage-emulator fails an empty media upload (it reads no body as None);
-            # the multipart form of the same request works there and on GCS.
-            meta = json.dumps({"name": self.key(key)})
-            body = (
-                f"--{_BOUNDARY}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n"
-                f"{meta}\r\n--{_BOUNDARY}\r\nContent-Type: application/octet-stream\r\n\r\n"
-                f"\r\n--{_BOUNDARY}--\r\n"
-            ).encode()
-            params = {"uploadType": "multipart", **cond}
-            headers = {"Content-Type": f"multipart/related; boundary={_BOUNDARY}"}
+        if cond:
+            body, headers["Content-Type"] = _multipart(name, bytes(body))
+            params["uploadType"] = "multipart"
         _, _, out = await self._http(
             "POST", self._upload_url(), params=params, headers=headers, data=body
         )
@@ -467,7 +466,7 @@ class GCSBackend(ObjectStoreBackend):
         return st.version if got == data else None
 
     async def _upload_if(self, key: str, data: bytes, generation: str, what: str) -> str:
-        # Commit records are small: one media upload, whatever resumable_threshold says.
+        # Commit records are small: one upload, whatever resumable_threshold says.
         def lost(e: BaseException) -> bool:
             return isinstance(e, HTTPStatusError) and e.status == 412
 

@@ -19,8 +19,8 @@ root URL per test::
 Everything goes through :func:`quire._store.url.open_backend`, so the suite also checks that the
 protocol resolves to the backend through the ``quire.backends`` entry points.
 
-Backends whose *test server* does not enforce preconditions (gcp-storage-emulator ignores
-``ifGenerationMatch``) set ``preconditions_enforced = False`` and say why in
+Backends whose *test server* does not enforce preconditions (an emulator more lenient than
+the store it stands for) set ``preconditions_enforced = False`` and say why in
 ``preconditions_note``: the tests that need a real conditional write are then skipped with
 that reason, in the open, and the behaviour must be proven against a server that enforces
 it.  Never override a suite test to make it pass.

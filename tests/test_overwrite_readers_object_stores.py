@@ -1,6 +1,6 @@
-"""Readers during an overwrite on S3 (moto's server), issue 13: a load racing an
-overwriting writer process loads a whole version or raises CheckpointChangedError,
-never CorruptCheckpointError."""
+"""Readers during an overwrite on S3 (moto) and GCS (fake-gcs-server), issues 13 and 39: a
+load racing an overwriting writer process loads a whole version or raises
+CheckpointChangedError, never CorruptCheckpointError."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 import numpy as np
-from object_store_servers import MotoS3
+import pytest
 
 import quire
 from quire.errors import CheckpointChangedError, CorruptCheckpointError
@@ -35,8 +35,12 @@ WRITER = textwrap.dedent(
 )
 
 
-def test_s3_reader_looping_against_an_overwriting_writer(moto: MotoS3) -> None:
-    url, opts = moto.fresh_url(), moto.options()
+@pytest.mark.parametrize("server", ["moto", "gcs"])
+def test_reader_looping_against_an_overwriting_writer(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    store = request.getfixturevalue(server)
+    url, opts = store.fresh_url(), store.options()
     quire.save(url, {f"w{k}": np.zeros(64, np.float32) for k in range(8)}, storage_options=opts)
     writer = subprocess.Popen(
         [sys.executable, "-c", WRITER, url, json.dumps(opts), "8"],
@@ -62,7 +66,7 @@ def test_s3_reader_looping_against_an_overwriting_writer(moto: MotoS3) -> None:
     finally:
         out, err = writer.communicate(timeout=120)
     saves = int(out.split("SAVES")[1]) if "SAVES" in out else 0
-    print(f"s3 reader-during-overwrite: {saves} overwrites, loads {counts}")
+    print(f"{url.split(':')[0]} reader-during-overwrite: {saves} overwrites, loads {counts}")
     assert writer.returncode == 0, err[-2000:]
     assert counts["corrupt"] == 0 and counts["torn"] == 0, (counts, errors[:3])
     assert counts["ok"] > 0 and saves > 1, (counts, saves)
