@@ -31,7 +31,7 @@ from peer_helpers import (
     tls_connect,
 )
 
-from quire._peers import link
+from quire._peers import files, link
 from quire._peers.tls import Credentials
 from quire._peers.wire import ANS, MAX_PATH_BYTES, REQ
 from quire._runtime.collective import ring_shift
@@ -392,3 +392,70 @@ def test_a_pool_keeps_connections_and_replaces_dropped_ones(tier: Path, creds: C
         with pytest.raises(ValueError, match="a pool of process 0 used for process 1"):
             other = link.Pinned(1, me.fingerprint, me.context)
             link.fetch(s.address, "empty", other, 5, 10, pool=pool)
+
+
+def test_links_inside_the_root_are_followed_by_the_walk_and_others_refused(
+    server: link.PeerServer, tier: Path, creds: Credentials
+) -> None:
+    """The server walks each path itself from the root (``LocalFiles``): relative and
+    absolute links that stay inside are followed, even through each other; a link whose
+    target climbs above the root (even to come back), one to another tree, a loop and a
+    chain of more than ``MAX_LINKS`` are refused."""
+    me = creds.peer(0)
+    (tier / "d" / "rel").symlink_to("tx/idx.json")  # relative, from d/
+    (tier / "d" / "up").symlink_to("..")  # d/up is the root
+    (tier / "d" / "tx" / "hop").symlink_to("../rel")  # a link to a link
+    (tier / "abs_dir").symlink_to(tier / "d" / "tx")  # absolute, inside
+    (tier / "out_and_back").symlink_to("../tier/empty")  # above the root, then back
+    (tier / "loop").symlink_to("loop")
+    (tier / "chain0").symlink_to("empty")
+    for i in range(1, files.MAX_LINKS + 1):
+        (tier / f"chain{i}").symlink_to(f"chain{i - 1}")
+    got = link.fetch_many(
+        server.address,
+        ["d/rel", "d/up/empty", "d/tx/hop", "abs_dir/idx.json", "d/up/d/up/abs_dir/hop"],
+        me,
+        10,
+        100,
+    )
+    assert got == [b'{"a": 1}', b"", b'{"a": 1}', b'{"a": 1}', b'{"a": 1}']
+    assert link.fetch(server.address, f"chain{files.MAX_LINKS - 1}", me, 10, 10) == b""
+    for path, reason in [
+        ("out_and_back", "leaves the served directory"),
+        ("d/up/escape_dir/secret.txt", "leaves the served directory"),
+        ("loop", f"more than {files.MAX_LINKS} symbolic links"),
+        (f"chain{files.MAX_LINKS}", f"more than {files.MAX_LINKS} symbolic links"),
+        ("empty/x", "no such file"),
+    ]:
+        with pytest.raises(PeerError, match=reason):
+            link.fetch(server.address, path, me, 10, 100)
+
+
+def test_a_root_given_through_a_link_serves_absolute_links_written_either_way(
+    tmp_path: Path, creds: Credentials
+) -> None:
+    real = make_tier(tmp_path / "real")
+    (tmp_path / "via").symlink_to(real)
+    given = tmp_path / "via"
+    (real / "by_given").symlink_to(given / "d" / "tx" / "idx.json")
+    (real / "by_real").symlink_to(real / "d" / "tx" / "idx.json")
+    with link.PeerServer(given, creds) as s:
+        assert s.root == str(real)
+        got = link.fetch_many(s.address, ["by_given", "by_real"], creds.peer(0), 10, 100)
+    assert got == [b'{"a": 1}', b'{"a": 1}']
+
+
+def test_the_server_closes_the_root_it_opened_and_only_that(
+    tier: Path, creds: Credentials
+) -> None:
+    with link.PeerServer(tier, creds) as s:
+        fd = s.files._fd  # type: ignore[attr-defined]
+        assert fd is not None and os.path.samestat(os.fstat(fd), os.stat(tier))
+    assert s.files._fd is None  # type: ignore[attr-defined]
+    mine = files.LocalFiles(tier)  # a Files handed to the server stays the caller's
+    with link.PeerServer(mine, creds):
+        pass
+    f, size = mine.open(["empty"])
+    f.close()
+    mine.close()
+    assert size == 0

@@ -18,10 +18,14 @@
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import logging
 import os
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -304,3 +308,56 @@ def test_the_key_file_of_an_ephemeral_identity_is_not_left_behind(tmp_path: Path
     before = set(os.listdir(tempfile.gettempdir()))
     Identity.ephemeral(3)
     assert not {n for n in set(os.listdir(tempfile.gettempdir())) - before if "quire-peer" in n}
+
+
+# ---------------------------------------------------------------------- a writer under the tier
+_SWAPPER = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+a, b = (os.fsencode(p) for p in sys.argv[1:3])
+print("swapping", flush=True)
+while True:  # renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE): an atomic swap
+    if libc.renameat2(-100, a, -100, b, 2) != 0:
+        sys.exit(f"renameat2: {os.strerror(ctypes.get_errno())}")
+"""
+
+
+def ask(sock: ssl.SSLSocket, path: bytes) -> tuple[bytes, bytes]:
+    """One request on an authenticated raw connection: (status, body or reason)."""
+    sock.sendall(REQ.pack(b"G", len(path), 1 << 20, 0, 0) + path)
+    status, n = ANS.unpack(read_exact(sock, ANS.size))
+    return status, read_exact(sock, n)
+
+
+@pytest.mark.skipif(
+    not hasattr(ctypes.CDLL(None), "renameat2"), reason="renameat2 is Linux's (glibc 2.28+)"
+)
+def test_a_directory_swapped_for_a_link_out_of_the_tier_never_serves_outside_bytes(
+    tier: Path,
+) -> None:
+    """A writer under the tier (another process) swaps a directory and a symlink leading
+    outside, atomically, in a loop, while a process of the run asks for a file under that
+    directory: every answer is the file inside or a refusal, never the file outside."""
+    inside, swap = tier / "d" / "race", tier / "d" / "swap"
+    inside.mkdir()
+    (inside / "f").write_bytes(b"inside.." * 64)
+    out = tier.parent / "outside" / "race"
+    out.mkdir()
+    (out / "f").write_bytes(b"OUTSIDE!" * 64)
+    swap.symlink_to(out)
+    answers: collections.Counter[bytes] = collections.Counter()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _SWAPPER, str(inside), str(swap)], stdout=subprocess.PIPE
+    )
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == b"swapping\n"
+        with link.PeerServer(tier, P0) as s, tls_connect(s.address, P1) as sock:
+            for _ in range(800):
+                status, body = ask(sock, b"d/race/f")
+                answers[body[:8] if status == b"O" else status] += 1
+        assert writer.poll() is None  # it swapped all along
+    finally:
+        writer.kill()
+        writer.wait()
+    assert answers[b"OUTSIDE!"] == 0, answers
+    assert answers[b"inside.."] > 0 and answers[b"R"] > 0, answers  # both states were seen

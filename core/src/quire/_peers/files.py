@@ -8,12 +8,21 @@ either; each then keeps the answer under its root and to regular files (anything
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Files", "FsspecFiles", "LocalFiles", "Refused"]
+__all__ = ["MAX_LINKS", "Files", "FsspecFiles", "LocalFiles", "Refused"]
+
+
+#: The most symbolic links one request's path may pass through (Linux's own bound).
+MAX_LINKS = 40
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO must not wait for a writer
+_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class Refused(Exception):
@@ -31,40 +40,119 @@ class Files:
 
     def open(self, parts: list[str]) -> tuple[Any, int]:
         """``(reader, size)`` of the file at ``parts`` (checked components) under the root;
-        the reader has ``seek``, ``readinto`` and ``close``.  Raises ``_Refused``."""
+        the reader has ``seek``, ``readinto`` and ``close``.  Raises :class:`Refused`."""
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what it holds (the server calls it when it closes)."""
 
 
 class LocalFiles(Files):
-    """A directory on disk (or tmpfs), resolved once; symlinks are followed only while they
-    stay inside it, and only regular files are opened (``O_NOFOLLOW``, non-blocking so a
-    FIFO never stalls the server)."""
+    """A directory on disk (or tmpfs), opened once (its descriptor kept until :meth:`close`).
+
+    A request's path is walked one component at a time from that descriptor, each opened
+    with ``O_NOFOLLOW`` relative to the directory opened before it, so the kernel never
+    follows a link for the server.  A symbolic link met on the way is read
+    (``readlink``) and followed by the walk itself, at most :data:`MAX_LINKS` of them:
+    a relative target from the directory holding the link, ``..`` back up the directories
+    walked (never above the root), an absolute one only when it names a path under the
+    root; any other link leads out of the root and is refused.  A directory swapped for a
+    link while a request walks through it is therefore met as the link, never followed
+    blindly.  Only regular files are opened (non-blocking, so a FIFO never stalls the
+    server).
+
+    ``openat2(RESOLVE_BENEATH)`` would do the same in one system call, but it refuses every
+    absolute link, and links to inside the root with their absolute path are served.
+    """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).resolve(strict=True)
         if not self.root.is_dir():
             raise NotADirectoryError(f"peer server root {self.root} is not a directory")
         self.label = str(self.root)
+        given = os.path.abspath(root)
+        self._prefixes = [
+            [c for c in p.split("/") if c not in ("", os.curdir)]
+            for p in dict.fromkeys([str(self.root), given])
+        ]
+        self._fd: int | None = os.open(self.root, _DIR)
+        self._lock = threading.Lock()  # a request's walk starts from its own copy of _fd
+
+    def close(self) -> None:
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     def open(self, parts: list[str]) -> tuple[Any, int]:
-        try:
-            full = self.root.joinpath(*parts).resolve(strict=True)
-        except (OSError, RuntimeError):
-            raise Refused("no such file") from None
-        if not full.is_relative_to(self.root):
-            raise Refused("path leaves the served directory (through a symlink)")
-        try:
-            # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: the
-            # resolved path has no link left unless one was swapped in since.
-            fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:
-            raise Refused(f"cannot open: {e.strerror}") from None
+        with self._lock:
+            if self._fd is None:
+                raise Refused("the server is closing")
+            root = os.dup(self._fd)
+        fd = self._walk(root, parts)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise Refused("not a regular file")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb", buffering=0), st.st_size
+
+    def _beneath(self, target: str) -> list[str]:
+        """The components of the absolute link target ``target`` below the root (named by
+        its resolved path, or by the path the server was given)."""
+        comps = [c for c in target.split("/") if c not in ("", os.curdir)]
+        for prefix in self._prefixes:
+            if comps[: len(prefix)] == prefix:
+                return comps[len(prefix) :]
+        raise Refused("path leaves the served directory (through a symlink)")
+
+    def _walk(self, root: int, parts: list[str]) -> int:
+        """A descriptor of what ``parts`` names under the directory ``root`` (a descriptor
+        the walk closes; its caller checks what the answer is)."""
+        dirs = [root]  # the directories walked, the root first
+        todo = list(reversed(parts))  # what is left, the next component last
+        links = 0
+        try:
+            while todo:
+                name = todo.pop()
+                if name in ("", os.curdir):
+                    continue
+                if name == os.pardir:  # only from a link's target: the walk's own parent
+                    if len(dirs) == 1:
+                        raise Refused("path leaves the served directory (through a symlink)")
+                    os.close(dirs.pop())
+                    continue
+                try:
+                    fd = os.open(name, _DIR if todo else _FILE, dir_fd=dirs[-1])
+                except OSError as e:
+                    try:
+                        target = os.readlink(name, dir_fd=dirs[-1])
+                    except OSError:
+                        raise _refusal(e) from None
+                    links += 1
+                    if links > MAX_LINKS:
+                        raise Refused(f"more than {MAX_LINKS} symbolic links") from None
+                    if os.path.isabs(target):
+                        for d in dirs[1:]:
+                            os.close(d)
+                        del dirs[1:]
+                        todo += reversed(self._beneath(target))
+                    else:
+                        todo += reversed(target.split("/"))
+                    continue
+                if not todo:
+                    return fd
+                dirs.append(fd)
+            return os.dup(dirs[-1])  # the path names a directory (the root, through links)
+        finally:
+            for d in dirs:
+                os.close(d)
+
+
+def _refusal(e: OSError) -> Refused:
+    if e.errno in (errno.ENOENT, errno.ENOTDIR):
+        return Refused("no such file")
+    return Refused(f"cannot open: {e.strerror}")
 
 
 class FsspecFiles(Files):

@@ -145,6 +145,7 @@ class PeerServer:
                 f"PeerServer: credentials must be tls.Credentials (link."
                 f"run_credentials), got {type(credentials).__name__}"
             )
+        self._own_files = not isinstance(root, Files)  # made here: closed here
         self.files = root if isinstance(root, Files) else LocalFiles(root)
         self.root = self.files.label
         self.credentials = credentials
@@ -171,7 +172,12 @@ class PeerServer:
             def handle(self) -> None:
                 owner._serve(self.request, self.client_address)
 
-        server = (_TCP6 if ":" in host else _TCP4)((host, port), Handler)
+        try:
+            server = (_TCP6 if ":" in host else _TCP4)((host, port), Handler)
+        except BaseException:
+            if self._own_files:
+                self.files.close()
+            raise
         server.owner = self
         self._server = server
         self.address: tuple[str, int] = tuple(server.server_address[:2])  # type: ignore[assignment]
@@ -197,6 +203,8 @@ class PeerServer:
             except OSError:
                 pass
         self._thread.join()
+        if self._own_files:
+            self.files.close()
 
     def __enter__(self) -> PeerServer:
         return self
