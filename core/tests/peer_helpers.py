@@ -1,5 +1,6 @@
 """What the peer-link tests share: the credentials of a run of ``n`` processes made in one
-process, a tier directory with hostile entries, raw TLS clients, fake peers and relays."""
+process, a tier directory with hostile entries, raw TLS clients, fake peers and relays, and
+a real key-value store (JAX's coordination service) in this process."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import ssl
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+
+import pytest
+from jax._src import distributed
+from jax._src.lib import _jax
 
 from quire._peers.tls import Credentials, Identity
 
@@ -147,3 +153,25 @@ def flip_at(spot: int, mask: int = 1) -> Callable[[bytes, int], bytes]:
         return data
 
     return flip
+
+
+def key_value_store(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """JAX's coordination service and a client of it, in this process, installed as the
+    client quire's multi-process code talks to (what ``jax.distributed.initialize`` sets)
+    until the generator is closed; yields the client, to publish what other processes
+    would.  Use it as a fixture's body: ``yield from key_value_store(monkeypatch)``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    where = f"127.0.0.1:{port}"
+    service = _jax.get_distributed_runtime_service(where, 1)
+    try:
+        client = _jax.get_distributed_runtime_client(where, 0, init_timeout=30)
+        client.connect()
+        try:
+            monkeypatch.setattr(distributed.global_state, "client", client)
+            yield client
+        finally:
+            client.shutdown()
+    finally:
+        service.shutdown()

@@ -18,15 +18,18 @@ import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from peer_helpers import (
     BIG,
     fake_peer,
     flip_at,
+    key_value_store,
     make_tier,
     read_exact,
     relay,
+    run_of,
     snapshot,
     tls_connect,
 )
@@ -34,7 +37,7 @@ from peer_helpers import (
 from quire._peers import files, link
 from quire._peers.tls import Credentials
 from quire._peers.wire import ANS, MAX_PATH_BYTES, REQ
-from quire._runtime.collective import ring_shift
+from quire._runtime.collective import exchange, kv_exchange, ring_shift
 from quire.errors import MultiProcessError, PeerError
 
 
@@ -445,9 +448,7 @@ def test_a_root_given_through_a_link_serves_absolute_links_written_either_way(
     assert got == [b'{"a": 1}', b'{"a": 1}']
 
 
-def test_the_server_closes_the_root_it_opened_and_only_that(
-    tier: Path, creds: Credentials
-) -> None:
+def test_the_server_closes_the_root_it_opened_and_only_that(tier: Path, creds: Credentials) -> None:
     with link.PeerServer(tier, creds) as s:
         fd = s.files._fd  # type: ignore[attr-defined]
         assert fd is not None and os.path.samestat(os.fstat(fd), os.stat(tier))
@@ -459,3 +460,92 @@ def test_the_server_closes_the_root_it_opened_and_only_that(
     f.close()
     mine.close()
     assert size == 0
+
+
+# ---------------------------------------------------------------------- published addresses
+@pytest.fixture
+def kv(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    yield from key_value_store(monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "not json",
+        "",
+        "null",
+        '["h"]',
+        '{"host": "127.0.0.1", "port": 80}',
+        '["h", "x"]',
+        '["127.0.0.1", "80"]',
+        '["127.0.0.1", 0]',
+        '["127.0.0.1", 65536]',
+        '["127.0.0.1", -1]',
+        '["127.0.0.1", true]',
+        '["127.0.0.1", 80.0]',
+        '["127.0.0.1", 80, 1]',
+        "[1, 80]",
+        '["", 80]',
+        '["example.com", 80]',  # a name would be resolved outside the call's deadline
+        '["127.0.0.1\\u0000", 80]',
+        f'["{"1" * 300}", 80]',
+        "[" * 5000 + "]" * 5000,
+    ],
+)
+def test_a_malformed_published_address_is_a_peer_error(kv: Any, value: str) -> None:
+    kv.key_value_set("addr/3", value)
+    with pytest.raises(PeerError, match="process 3 published a malformed peer address") as e:
+        link.lookup_address("addr", 3, 1.0)
+    assert "'addr'" in str(e.value) and "treat it as lost" in str(e.value)
+
+
+def test_published_addresses_round_trip(kv: Any) -> None:
+    link.publish_address("addr", ("127.0.0.1", 8080))  # as process 0
+    kv.key_value_set("addr/1", '["::1", 65535]')
+    assert link.lookup_address("addr", 0, 1.0) == ("127.0.0.1", 8080)
+    assert link.lookup_address("addr", 1, 1.0) == ("::1", 65535)
+    with pytest.raises(MultiProcessError, match=r"waited 0\.1s for process 2"):
+        link.lookup_address("addr", 2, 0.1)
+    with pytest.raises(ValueError, match="not an IP address"):
+        link.publish_address("addr2", ("localhost", 80))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "not a certificate",
+        "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+        "x" * (link.MAX_CERTIFICATE_CHARS + 1),
+    ],
+)
+def test_a_malformed_published_certificate_is_a_peer_error(
+    kv: Any, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setattr(link.jax, "process_count", lambda: 2)  # process 1: published below
+    kv.key_value_set("cert/1", value)
+    with pytest.raises(PeerError, match="process 1 published a malformed peer certificate"):
+        link.run_credentials("cert", 1.0)
+    # a well-formed one is pinned
+    _, certs = run_of(2)
+    kv.key_value_set("good/1", certs[1].decode())
+    assert link.run_credentials("good", 1.0).processes == [0, 1]
+
+
+@pytest.mark.parametrize("value", ["not base64!", "abc", "QUJD\u00e9"])
+def test_a_malformed_payload_of_a_key_value_exchange_is_a_multi_process_error(
+    kv: Any, value: str
+) -> None:
+    kv.key_value_set("x/1", value)  # process 1's payload
+    with pytest.raises(MultiProcessError, match="process 1 published a malformed payload"):
+        kv_exchange("x", [0, 1], b"mine", 1.0, "url", "agreeing")
+    kv.key_value_set("y/1", "QUJD")
+    assert kv_exchange("y", [0, 1], b"mine", 1.0, "url", "agreeing") == [b"mine", b"ABC"]
+
+
+@pytest.mark.parametrize("value", ["x", "-5", "1e3", "9" * 30, ""])
+def test_a_malformed_length_at_an_exchange_barrier_is_a_multi_process_error(
+    kv: Any, value: str
+) -> None:
+    kv.key_value_set("x/1", value)
+    with pytest.raises(MultiProcessError, match="process 1 published the malformed length"):
+        exchange("x", [0, 1], b"mine", 1.0, "url")

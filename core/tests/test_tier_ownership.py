@@ -21,8 +21,8 @@ from peer_helpers import run_of
 import quire
 from quire._store.url import open_backend
 from quire._tiers import ownership as tp
-from quire._tiers.restore_plan import PERSISTENT_SOURCE, decide, sources
-from quire.errors import CorruptCheckpointError
+from quire._tiers.restore_plan import PERSISTENT_SOURCE, decide, parse_view, sources
+from quire.errors import CorruptCheckpointError, MultiProcessError
 
 
 def run(coro: Any) -> Any:
@@ -111,7 +111,9 @@ def test_damaged_objects_are_refused(tmp_path: Path, step: Any, caplog: Any) -> 
 def test_malformed_payloads_are_refused(tmp_path: Path, step: Any) -> None:
     _, _, objects = step
     good = tp.encode(sorted(objects.items()))
-    for bad in (good[:-1], good + b"x", b"\xff" * 8 + good[8:], good[:4], b""):
+    deep = b"[" * 100_000
+    nested = len(deep).to_bytes(8, "little") + deep
+    for bad in (good[:-1], good + b"x", b"\xff" * 8 + good[8:], good[:4], b"", nested):
         with pytest.raises(CorruptCheckpointError, match="malformed payload"):
             tp.decode(bad, "x", "process 1", 0)
 
@@ -157,6 +159,41 @@ def test_decide_never_mixes_records() -> None:
     # everywhere): neither is whole on its own
     views = [view({7: ("a", need, [0])}, []), view({7: ("b", need, [1])}, [])]
     assert decide(views, None, 0) is None
+
+
+def test_a_malformed_marker_is_none_however_it_is_malformed(step: Any) -> None:
+    _, doc, objects = step
+    good = json.dumps({"owner": 0, "objects": {k: len(v) for k, v in objects.items()}})
+    assert tp.parse_marker(good.encode(), doc, 0) == {k: len(v) for k, v in objects.items()}
+    for bad in (b"[" * 100_000, b"\xff", b"[]", b'{"owner": 0}', b'{"owner": 0, "objects": 1}'):
+        assert tp.parse_marker(bad, doc, 0) is None
+
+
+def test_a_published_view_is_checked_before_anything_uses_it() -> None:
+    good = view({4: ("a" * 32, [0, 1], [1]), 10: ("b", [0], [])}, [3, 4])
+    assert parse_view(json.dumps(good).encode(), 1, 2) == good
+    bad: list[Any] = [
+        b"not json",
+        b"[" * 100_000,
+        b'{"steps": {}, "persistent": [], "steps": {}}',
+        json.dumps(None),
+        json.dumps({"steps": {}}),
+        json.dumps({"steps": [], "persistent": []}),
+        json.dumps({"steps": {}, "persistent": [1, "2"]}),
+        json.dumps({"steps": {}, "persistent": [-1]}),
+        json.dumps({"steps": {}, "persistent": [True]}),
+        json.dumps(view({4: ("a", [0, 2], [0])}, [])),  # process 2 of 2
+        json.dumps(view({4: ("a", [0], [-1])}, [])),
+        json.dumps(view({4: (7, [0], [0])}, [])),  # type: ignore[dict-item]
+        json.dumps(view({4: ("a" * 200, [0], [0])}, [])),
+        json.dumps({"steps": {"04": {"d": "a", "need": [], "held": []}}, "persistent": []}),
+        json.dumps({"steps": {"x": {"d": "a", "need": [], "held": []}}, "persistent": []}),
+        json.dumps({"steps": {"4": {"d": "a", "need": []}}, "persistent": []}),
+        json.dumps({"steps": {"4": []}, "persistent": []}),
+    ]
+    for raw in bad:
+        with pytest.raises(MultiProcessError, match="process 1 published a malformed view"):
+            parse_view(raw if isinstance(raw, bytes) else raw.encode(), 1, 2)
 
 
 # ----------------------------------------------------------------------------- over TCP

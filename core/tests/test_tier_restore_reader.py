@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from peer_helpers import run_of
+from peer_helpers import key_value_store, run_of
 
 from quire._peers import link
 from quire._store.url import mounted, open_backend
-from quire._tiers import restore_reader
+from quire._tiers import peer_copies, restore_reader
+from quire._tiers.restore_plan import record_digest
 from quire.errors import PeerError
 
 (CREDS,), _ = run_of(1)  # every server here is this one process
@@ -155,3 +158,87 @@ def test_mounted_only_inside_its_block(roots: dict[str, Any]) -> None:
             assert open_backend(url) is r
             assert open_backend(url + "x") is not r
         assert open_backend(url) is not r
+
+
+# ---------------------------------------------------------------------- published addresses
+class Published:
+    """``PeerCopies``' own address lookup (``_address``, ``fetch_record``) over a real
+    key-value store, where the other processes' addresses are published by the test."""
+
+    _address = peer_copies.PeerCopies._address
+    fetch_record = peer_copies.PeerCopies.fetch_record
+
+    def __init__(self, kv: Any, addresses: dict[int, str]) -> None:
+        self.name, self.timeout = "restore-test", 2.0
+        self._addresses: dict[int, tuple[str, int]] = {}
+        key = peer_copies._key(f"{self.name}/address")
+        for j, value in addresses.items():
+            kv.key_value_set(f"{key}/{j}", value)
+
+    def peer(self, j: int) -> link.Pinned:
+        return CREDS.peer(0)
+
+
+@pytest.fixture
+def kv(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    yield from key_value_store(monkeypatch)
+
+
+GARBAGE = ["not json", '["h"]', '{"host": "127.0.0.1", "port": 1}', '["h", "x"]']
+
+
+@pytest.mark.parametrize("garbage", GARBAGE)
+def test_a_holder_that_published_a_malformed_address_is_lost_and_the_next_one_read(
+    roots: dict[str, Any], kv: Any, garbage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="quire")
+    with link.PeerServer(roots["holder"], CREDS) as holder:
+        copies = Published(kv, {2: garbage, 1: json.dumps(list(holder.address))})
+        slots = {h: restore_reader.Holder(copies, h) for h in (1, 2)}  # type: ignore[arg-type]
+        r = restore_reader.RestoreReader(
+            str(roots["mine"]),
+            RAW,
+            DOC,
+            1,
+            {
+                1: [
+                    restore_reader.peer_provider(copies, h, "s", DOC, 1, slots[h])  # type: ignore[arg-type]
+                    for h in (2, 1)
+                ]
+            },
+        )
+        got = asyncio.run(r.get(PACK1, 1000, 1100))
+        r.close_peers()
+        # the commit record, too, from the next holder of it (process 3 published no
+        # address at all)
+        (roots["holder"] / "s" / "quire.json").write_bytes(RAW)
+        digest = record_digest(RAW)
+        backend = open_backend(str(roots["mine"]))
+        url = str(roots["mine"])
+        rec = asyncio.run(
+            restore_reader.agreed_record(copies, 0, backend, url, "s", digest, [2, 3, 1])  # type: ignore[arg-type]
+        )
+    assert got == roots["one"][PACK1][1000:1100]
+    assert r.stats() == {"process 1": (100, 1)}
+    assert rec == RAW
+    assert "process 2 published a malformed peer address" in caplog.text
+    assert "treated as lost, the next holder is asked" in caplog.text
+
+
+def test_with_every_holder_malformed_the_persistent_tier_is_read(
+    roots: dict[str, Any], kv: Any
+) -> None:
+    copies = Published(kv, {1: GARBAGE[0], 2: GARBAGE[3]})
+    pb = open_backend(str(roots["persistent"]))
+
+    async def record() -> bytes:
+        return RAW
+
+    sources = [
+        restore_reader.peer_provider(copies, h, "s", DOC, 1, asyncio.Semaphore(1))  # type: ignore[arg-type]
+        for h in (1, 2)
+    ]
+    sources.append(restore_reader.persistent_provider(pb, str(roots["persistent"]), DOC, 1, 0))
+    r = restore_reader.RestoreReader(str(roots["mine"]), RAW, DOC, 1, {1: sources}, record)
+    assert asyncio.run(r.get(PACK1, 5, 50)) == roots["one"][PACK1][5:50]
+    assert r.stats() == {f"the persistent tier {roots['persistent']}": (45, 1)}

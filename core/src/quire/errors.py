@@ -125,9 +125,11 @@ class PeerError(MultiProcessError):
     """Fetching bytes from another process's local tier over TLS failed: the peer refused
     the request (a path outside its tier, not a regular file, larger than asked for), its
     certificate is not the pinned one of the process meant (or it did not accept this
-    process's), the TLS connection failed its checks, the answer was short, or the peer did
-    not answer within the deadline.  The message names the peer's address, the path and
-    the fix; a caller treats that peer as lost and reads from another holder."""
+    process's), the TLS connection failed its checks, the answer was short, the peer did
+    not answer within the deadline, or what it published in the key-value store for the
+    link (its address, its certificate) is malformed.  The message names the peer's
+    address (or the process), the path and the fix; a caller treats that peer as lost and
+    reads from another holder."""
 
 
 class ObjectStoreError(QuireError, OSError):

@@ -23,10 +23,12 @@ opens files read-only and writes nothing.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
 import secrets
+import ssl
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,10 +38,10 @@ import jax
 from quire._peers.connections import Conversation, LocalWrite, Pool, converse
 from quire._peers.files import FsspecFiles
 from quire._peers.server import PeerServer
-from quire._peers.tls import Credentials, Identity, PeerTLS, Pinned
+from quire._peers.tls import Credentials, Identity, PeerTLS, Pinned, fingerprint
 from quire._peers.wire import MAX_PATH_BYTES
 from quire._runtime.multihost import _client, _first_line
-from quire.errors import MultiProcessError
+from quire.errors import MultiProcessError, PeerError
 
 log = logging.getLogger("quire")
 
@@ -81,6 +83,8 @@ def run_credentials(key: str, timeout: float, tls: PeerTLS | None = None) -> Cre
     ------
     MultiProcessError
         A process did not publish its certificate within ``timeout`` seconds.
+    PeerError
+        A process published something that does not load as a PEM certificate.
     PluginError
         No ``tls`` and no ``cryptography`` to make the ephemeral certificate.
     """
@@ -94,29 +98,85 @@ def run_credentials(key: str, timeout: float, tls: PeerTLS | None = None) -> Cre
     certs = {}
     for j in range(jax.process_count()):
         try:
-            certs[j] = str(c.blocking_key_value_get(f"{key}/{j}", _ms(deadline))).encode()
+            raw = c.blocking_key_value_get(f"{key}/{j}", _ms(deadline))
         except Exception as e:
             raise MultiProcessError(
                 f"process {me} waited {timeout:g}s for process {j} to publish its peer "
                 f"certificate under {key!r}; it did not (is it stalled or dead, or not using "
                 f"peer copies?): {_first_line(e)}"
             ) from e
+        certs[j] = _published_certificate(raw, j, key)
     return ident.trust(certs)
 
 
+#: The longest certificate (PEM, with its intermediate CAs) a process may publish.
+MAX_CERTIFICATE_CHARS = 1 << 16
+
+
+def _published_certificate(raw: object, index: int, key: str) -> bytes:
+    """What process ``index`` published under ``key``, once it loads as PEM certificates."""
+    try:
+        if not isinstance(raw, str) or len(raw) > MAX_CERTIFICATE_CHARS:
+            raise ValueError(f"not a string of at most {MAX_CERTIFICATE_CHARS} characters")
+        fingerprint(raw)  # ValueError unless its first certificate is PEM
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=raw)
+    except (ValueError, ssl.SSLError) as e:
+        raise PeerError(
+            f"process {index} published a malformed peer certificate under {key!r} "
+            f"({str(raw)[:60]!r}...: {e}); no peer link can be made with it (quire "
+            "publishes a PEM certificate: does another program write to the run's "
+            "coordination service?)"
+        ) from None
+    return raw.encode()
+
+
 def publish_address(key: str, address: tuple[str, int]) -> None:
-    """Publish this process's server address under ``key`` (read with :func:`lookup_address`)."""
+    """Publish this process's server address under ``key`` (read with :func:`lookup_address`).
+
+    Raises
+    ------
+    ValueError
+        ``address`` is not an IP address (a server's :attr:`PeerServer.address` is) and a
+        port.
+    """
     host, port = address
-    _client().key_value_set(f"{key}/{jax.process_index()}", json.dumps([host, int(port)]))
+    _client().key_value_set(f"{key}/{jax.process_index()}", _check_address([host, port]))
+
+
+#: The longest published address read (an IPv6 address and a port take under 60).
+MAX_ADDRESS_CHARS = 256
+
+
+def _check_address(value: object) -> str:
+    """``value`` as published (JSON ``[host, port]``) when it is an IP address and a port
+    (1 to 65535), nothing else; ValueError saying what is wrong otherwise."""
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError("not a list of a host and a port")
+    host, port = value
+    if type(port) is not int or not 0 < port < 65536:
+        raise ValueError(f"port {port!r} is not a whole number from 1 to 65535")
+    if not isinstance(host, str) or len(host) > 64:
+        raise ValueError(f"host {host!r} is not a string of at most 64 characters")
+    try:  # a name would be resolved outside the fetch's deadline: addresses only
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"host {host!r} is not an IP address") from None
+    return json.dumps([str(ip), port])
 
 
 def lookup_address(key: str, index: int, timeout: float) -> tuple[str, int]:
     """The address process ``index`` published under ``key``, waiting at most ``timeout`` s.
 
+    What the key-value store holds is checked as untrusted input: a JSON list of an IP
+    address and a port from 1 to 65535, nothing else.
+
     Raises
     ------
     MultiProcessError
         Process ``index`` published nothing within ``timeout``.
+    PeerError
+        What it published is not such an address (its caller treats that process as
+        lost, as for any failed fetch).
     """
     try:
         raw = _client().blocking_key_value_get(f"{key}/{index}", _ms(time.monotonic() + timeout))
@@ -126,8 +186,19 @@ def lookup_address(key: str, index: int, timeout: float) -> tuple[str, int]:
             f"publish its peer address under {key!r}; it did not (is it dead, or serving no "
             f"local tier?): {_first_line(e)}"
         ) from e
-    host, port = json.loads(raw)
-    return str(host), int(port)
+    try:
+        if not isinstance(raw, str) or len(raw) > MAX_ADDRESS_CHARS:
+            raise ValueError(f"not a string of at most {MAX_ADDRESS_CHARS} characters")
+        value = json.loads(raw)
+        _check_address(value)
+    except ValueError as e:  # JSONDecodeError among them
+        raise PeerError(
+            f"process {index} published a malformed peer address under {key!r} "
+            f"({str(raw)[:80]!r}: {e}); treat it as lost and read from another holder (quire "
+            "publishes [IP address, port]: does another program write to the run's "
+            "coordination service?)"
+        ) from None
+    return str(value[0]), int(value[1])
 
 
 # ====================================================================== the client

@@ -60,6 +60,10 @@ def _devices(group: Sequence[int]) -> list[Any]:
     return [first[p] for p in group]
 
 
+#: What a malformed value in the key-value store suggests.
+_FOREIGN = "does another program write to the run's coordination service?"
+
+
 def _lengths(
     c: Any,
     key: str,
@@ -73,7 +77,8 @@ def _lengths(
 
     Raises :class:`MultiProcessError` with ``missing(p)`` (plus JAX's reason) for the first
     process ``p`` whose length does not arrive within ``timeout`` seconds in all, or when a
-    process published other ``terms`` (the call's parameters every process must share).
+    process published other ``terms`` (the call's parameters every process must share) or
+    something that is not a length.
     """
     me = jax.process_index()
     c.key_value_set(f"{key}/{me}", f"{mine} {terms}".rstrip())
@@ -92,6 +97,11 @@ def _lengths(
             raise MultiProcessError(
                 f"{key!r}: process {p} called with {theirs or 'nothing'}, process {me} with "
                 f"{terms or 'nothing'}; every process must pass the same"
+            )
+        if not (length.isascii() and length.isdigit()) or len(length) > 20:
+            raise MultiProcessError(
+                f"{key!r}: process {p} published the malformed length {length[:40]!r}; quire "
+                f"publishes a byte count: {_FOREIGN}"
             )
         lengths[p] = int(length)
     return lengths
@@ -173,8 +183,8 @@ def kv_exchange(
     Raises
     ------
     MultiProcessError
-        A member published nothing within ``timeout`` (the message names it, ``url`` and
-        ``what`` the processes were doing).
+        A member published nothing within ``timeout``, or something that is not base64
+        (the message names it, ``url`` and ``what`` the processes were doing).
     """
     me = jax.process_index()
     c = _client()
@@ -193,7 +203,13 @@ def kv_exchange(
                 f"{url}: {what}: process {me} waited {timeout:g}s for process {p}; it did "
                 f"not take part (is it stalled or dead?): {_first_line(e)}"
             ) from e
-        out.append(base64.b64decode(str(got)))
+        try:
+            out.append(base64.b64decode(str(got), validate=True))
+        except ValueError as e:  # binascii.Error
+            raise MultiProcessError(
+                f"{url}: {what}: process {p} published a malformed payload under {key!r} "
+                f"({e}); quire publishes base64: {_FOREIGN}"
+            ) from None
     return out
 
 

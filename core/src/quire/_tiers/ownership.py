@@ -43,6 +43,7 @@ from quire._format.chunkindex import PACK_DIR, ChunkError, parse_index
 from quire._format.paths import is_safe_location
 from quire._format.record import process_dir
 from quire._format.tree import from_json
+from quire._format.untrusted import untrusted_json
 from quire._handlers.arrays import layout_from_record
 from quire._handlers.zarr_io import chunk_checker
 from quire._runtime.multihost import Coordinator
@@ -262,7 +263,7 @@ def parse_marker(raw: bytes, doc: Mapping[str, Any], owner: int) -> dict[str, in
     """The objects a marker for ``owner`` names with their sizes, or None (malformed, or
     naming an object outside the step's txid)."""
     try:
-        got = json.loads(raw)
+        got = untrusted_json(raw)
         objs = got["objects"]
         ok = got["owner"] == owner and isinstance(objs, dict)
         ok = ok and all(
@@ -359,7 +360,7 @@ def decode(payload: bytes | memoryview, url: str, sender: str, owner: int) -> di
         n = int.from_bytes(mv[:_HEADER], "little")
         if len(mv) < _HEADER or n > len(mv) - _HEADER:
             raise ValueError("truncated header")
-        entries = json.loads(bytes(mv[_HEADER : _HEADER + n]))
+        entries = untrusted_json(bytes(mv[_HEADER : _HEADER + n]))
         if not isinstance(entries, list):
             raise ValueError("header is not a list")
         out: dict[str, bytes] = {}

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import json
 import logging
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
+from quire._format.untrusted import untrusted_json
 from quire._peers import link
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.multihost import _client, _first_line
@@ -215,7 +215,7 @@ class PeerCopies:
                 link.fetch, addr, f"{rel}/{marker}", peer, self.timeout, _MAX_MARKER
             )
             try:
-                listed = {str(k): int(n) for k, n in json.loads(raw)["objects"].items()}
+                listed = {str(k): int(n) for k, n in untrusted_json(raw)["objects"].items()}
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ownership.refused(url, who, j, f"its marker is malformed ({e})") from e
             for k, n in listed.items():

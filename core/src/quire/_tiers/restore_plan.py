@@ -19,7 +19,8 @@ from typing import Any
 
 from quire._engine import commit as _commit
 from quire._format import record as _records
-from quire.errors import CorruptCheckpointError
+from quire._format.untrusted import untrusted_json
+from quire.errors import CorruptCheckpointError, MultiProcessError
 
 __all__ = [
     "PERSISTENT_SOURCE",
@@ -28,6 +29,7 @@ __all__ = [
     "decide",
     "holders",
     "need",
+    "parse_view",
     "record_digest",
     "self_contained",
     "sources",
@@ -44,6 +46,57 @@ class RestorePlan:
     step: int
     digest: str | None
     views: tuple[dict[str, Any], ...]
+
+
+def _owners(value: Any, count: int, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(j) is int and 0 <= j < count for j in value):
+        raise ValueError(f"{what} is not a list of process indexes below {count}")
+    return list(value)
+
+
+def _steps(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(s) is int and s >= 0 for s in value):
+        raise ValueError(f"{what} is not a list of step numbers")
+    return list(value)
+
+
+def parse_view(raw: bytes, process: int, count: int) -> dict[str, Any]:
+    """The view process ``process`` (of ``count``) published, checked: its shape, step
+    numbers, digests as strings, owners as process indexes; nothing else.
+
+    Raises
+    ------
+    MultiProcessError
+        It is not such a view (the message names the process and what is wrong).
+    """
+    try:
+        doc = untrusted_json(raw)
+        if not isinstance(doc, dict) or set(doc) != {"steps", "persistent"}:
+            raise ValueError("not an object of 'steps' and 'persistent'")
+        steps = doc["steps"]
+        if not isinstance(steps, dict):
+            raise ValueError("'steps' is not an object")
+        out: dict[str, Any] = {}
+        for s, info in steps.items():
+            if not (s.isascii() and s.isdigit()) or str(int(s)) != s:
+                raise ValueError(f"step {s[:40]!r} is not a step number")
+            if not isinstance(info, dict) or set(info) != {"d", "need", "held"}:
+                raise ValueError(f"step {s}: not an object of 'd', 'need' and 'held'")
+            if not isinstance(info["d"], str) or len(info["d"]) > 128:
+                raise ValueError(f"step {s}: its digest is not a short string")
+            out[s] = {
+                "d": info["d"],
+                "need": _owners(info["need"], count, f"step {s}: 'need'"),
+                "held": _owners(info["held"], count, f"step {s}: 'held'"),
+            }
+        persistent = _steps(doc["persistent"], "'persistent'")
+    except ValueError as e:
+        raise MultiProcessError(
+            f"process {process} published a malformed view of its local tier ({e}); quire "
+            "publishes JSON of its steps: does another program write to the run's "
+            "coordination service?"
+        ) from None
+    return {"steps": out, "persistent": persistent}
 
 
 def record_digest(raw: bytes) -> str:

@@ -359,7 +359,8 @@ async def agreed_record(
     has_rec: builtins.list[int],
 ) -> bytes:
     """The agreed record (digest ``want``) of step ``rel``: this root's, else a holder's
-    over TCP (the next holder when one fails or sends another record)."""
+    over TCP (the next holder when one fails, published no address or a malformed one, or
+    sends another record)."""
     if me in has_rec:
         return await read_record(backend, url)
     start = me % len(has_rec)
@@ -367,7 +368,7 @@ async def agreed_record(
     for h in has_rec[start:] + has_rec[:start]:
         try:
             got = await copies.fetch_record(h, rel)
-        except PeerError as e:
+        except MultiProcessError as e:  # a PeerError, or no address published in time
             log.warning("%s: the commit record from process %d: %s", url, h, e)
             errors.append(f"process {h}: {e}")
             continue

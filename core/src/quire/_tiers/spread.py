@@ -53,6 +53,7 @@ from quire._tiers.restore_plan import (
     agreed_doc,
     decide,
     holders,
+    parse_view,
     record_digest,
     self_contained,
     sources,
@@ -190,7 +191,14 @@ class Spread:
             str(step).encode(),
             self.url,
         )
-        steps = sorted({int(r) for r in rows})
+        try:
+            steps = sorted({int(r.decode("ascii")) for r in rows})
+        except (UnicodeDecodeError, ValueError):
+            raise MultiProcessError(
+                f"{self.url}: a process published a malformed step to restore ({rows!r:.200}); "
+                "quire publishes a step number: does another program write to the run's "
+                "coordination service?"
+            ) from None
         if len(steps) > 1:
             raise QuireError(
                 f"processes disagree on the step of {self.persistent.root} to restore (this "
@@ -252,7 +260,13 @@ class Spread:
             json.dumps(view).encode(),
             self.url,
         )
-        views = [json.loads(r) for r in rows]
+        views = []
+        for p, r in enumerate(rows):
+            try:
+                views.append(parse_view(r, p, self.count))
+            except MultiProcessError as e:  # as in every process that reads this row
+                log.warning("%s: %s; it is treated as holding nothing", self.url, e)
+                views.append({"steps": {}, "persistent": []})
         plan = decide(views, want, self.primary)
         self.plan = plan
         if plan is not None:
