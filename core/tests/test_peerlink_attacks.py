@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import logging
 import os
@@ -30,6 +31,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from peer_helpers import BIG, fake_peer, flip_at, make_tier, read_exact, relay, run_of, tls_connect
@@ -215,6 +217,156 @@ def test_slow_handshakes_hold_few_slots_briefly_and_a_fetch_still_succeeds(
     assert "too many handshakes from its address" in caplog.text  # (the rest held back)
 
 
+def silent(address: tuple[str, int], source: str, stop: threading.Event, opened: list[int]) -> None:
+    """Keep a connection from ``source`` open without a byte, re-opening it as soon as the
+    server drops it, until ``stop``; count each one opened in ``opened``."""
+    while not stop.is_set():
+        try:
+            sock = socket.create_connection(address, timeout=2, source_address=(source, 0))
+        except OSError:
+            continue
+        opened.append(1)
+        with sock:
+            sock.settimeout(0.1)
+            while not stop.is_set():
+                try:
+                    if sock.recv(1) == b"":
+                        break  # dropped: again
+                except TimeoutError:
+                    pass
+                except OSError:
+                    break
+
+
+@contextlib.contextmanager
+def flood(address: tuple[str, int], sources: list[str], each: int) -> Iterator[list[int]]:
+    """``each`` threads per address of ``sources`` keeping a silent connection open,
+    re-opened as soon as the server drops it (:func:`silent`); yields once every thread
+    has opened one, the list that counts them."""
+    stop = threading.Event()
+    opened: list[int] = []
+    threads = [
+        threading.Thread(target=silent, args=(address, src, stop, opened), daemon=True)
+        for src in sources
+        for _ in range(each)
+    ]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(opened) < len(threads) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        yield opened
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert len(opened) > len(threads)  # the server dropped some, and they came back
+
+
+def timed_fetches(server: link.PeerServer, n: int = 4) -> list[float]:
+    """Seconds each of ``n`` fetches by process 1 took (each checked), with the server's
+    handshake slots counted before each."""
+    took = []
+    for _ in range(n):
+        time.sleep(0.2)
+        full = server.handshakes
+        t0 = time.monotonic()
+        got = link.fetch(server.address, "d/tx/idx.json", P1.peer(0), 5, 100)
+        took.append(time.monotonic() - t0)
+        assert got == b'{"a": 1}' and full >= 8  # the slots the others may take, taken
+    return took
+
+
+@pytest.mark.parametrize(("addresses", "each"), [(2, 10), (32, 2)])
+def test_no_flood_of_silent_handshakes_keeps_a_process_of_the_run_out(
+    tier: Path, addresses: int, each: int
+) -> None:
+    """Silent connections from ``addresses`` source addresses outside the run (``each``
+    from each, re-opened as soon as they are dropped: more than every handshake slot) do
+    not keep the run's processes from a handshake: each fetch from a host of the run
+    succeeds within a second or two."""
+    sources = [f"127.0.{i // 250}.{2 + i % 250}" for i in range(addresses)]
+    with link.PeerServer(tier, P0) as s:
+        s.reserve_for(["127.0.0.1"])  # as the tier does: its processes' published hosts
+        with flood(s.address, sources, each):
+            took = timed_fetches(s)
+    assert max(took) < 2.0, took
+
+
+def test_an_address_outside_the_run_gets_its_share_against_a_few_others(tier: Path) -> None:
+    """With no host of the run known, the shared slots are shared fairly: two flooding
+    addresses cannot keep a third out."""
+    with link.PeerServer(tier, P0) as s, flood(s.address, ["127.0.0.2", "127.0.0.3"], 10):
+        took = timed_fetches(s)
+    assert max(took) < 2.0, took
+
+
+def test_a_host_of_the_run_that_floods_keeps_out_only_its_own(
+    tier: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A host is not authenticated by its address: connections from a host of the run
+    (another user of it) may take the run's slots, but not from the run's other hosts."""
+    caplog.set_level(logging.WARNING, logger="quire")
+    with link.PeerServer(tier, P0) as s:
+        s._warn = _Warnings(burst=1 << 30)  # every line: the cuts among them
+        s.reserve_for(["127.0.0.1", "127.0.0.2"])
+        with flood(s.address, ["127.0.0.2", "127.0.0.3"], 12):  # every slot taken
+            took = timed_fetches(s)
+    assert max(took) < 2.0, took
+    assert "to give its slot to one from 127.0.0.1: 127.0.0.2 held the most" in caplog.text
+
+
+def test_a_connection_without_a_client_hello_is_closed_at_the_hello_deadline(
+    tier: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="quire")
+    with link.PeerServer(tier, P0, hello_timeout=0.3) as s:
+        t = time.monotonic()
+        with socket.create_connection(s.address, timeout=5) as silent:
+            assert silent.recv(10) == b""
+        assert 0.25 < time.monotonic() - t < 2.5
+        with socket.create_connection(s.address, timeout=5) as slow:
+            slow.sendall(bytes([0x16, 3, 1, 2, 0]) + b"\0" * 100)  # 100 of 512 bytes
+            assert drain(slow) == b""  # (reset: its bytes were left unread)
+        assert s.handshakes == 0
+    assert caplog.text.count("no TLS ClientHello within 0.3s") == 2
+
+
+def test_a_client_hello_in_pieces_within_the_deadline_is_waited_for(tier: Path) -> None:
+    """The server waits for the whole first record, however it arrives (here the
+    ClientHello in three TCP segments over 0.4 s, a hello deadline of 1 s)."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = P1.client_context.wrap_bio(incoming, outgoing)
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    hello = outgoing.read()
+    with link.PeerServer(tier, P0, hello_timeout=1.0) as s:
+        sock = socket.create_connection(s.address, timeout=5)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for piece in (hello[:3], hello[3:40], hello[40:]):
+            sock.sendall(piece)
+            time.sleep(0.2)
+        while True:  # the rest of the handshake, then one request
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                sock.sendall(outgoing.read())
+                incoming.write(sock.recv(1 << 16))
+        path = b"d/tx/idx.json"
+        tls.write(REQ.pack(b"G", len(path), 100, 0, 0) + path)
+        sock.sendall(outgoing.read())
+        back = b""
+        while len(back) < ANS.size + 8:
+            try:
+                back += tls.read(1 << 16)
+            except ssl.SSLWantReadError:
+                incoming.write(sock.recv(1 << 16))
+        sock.close()
+    assert back == ANS.pack(b"O", 8) + b'{"a": 1}'
+
+
 def test_a_request_trickled_byte_by_byte_is_cut_at_its_deadline(tier: Path) -> None:
     with link.PeerServer(tier, P0, idle_timeout=5.0, request_timeout=0.5) as s:
         sock = tls_connect(s.address, P1)
@@ -265,6 +417,69 @@ def test_a_client_with_the_wrong_certificate_is_closed_unanswered(
     assert "closed a connection from 127.0.0.1:" in caplog.text
     assert "no TLS 1.3 handshake with a certificate of this run" in caplog.text
     assert link.fetch(server.address, "d/tx/idx.json", P1.peer(0), 5, 100) == b'{"a": 1}'
+
+
+def _no_certificate() -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    return ctx
+
+
+def _tls_1_2() -> ssl.SSLContext:
+    ctx = outsider(1, {0: CERTS[0]}).client_context
+    ctx.minimum_version = ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+@pytest.mark.parametrize(
+    ("client", "alert", "logged"),
+    [
+        (_no_certificate, "TLSV13_ALERT_CERTIFICATE_REQUIRED", "PEER_DID_NOT_RETURN_A_CERT"),
+        (lambda: outsider(7, {0: CERTS[0]}).client_context, "TLSV1_ALERT_UNKNOWN_CA", "self-signed"),
+        (_tls_1_2, "TLSV1_ALERT_PROTOCOL_VERSION", "UNSUPPORTED_PROTOCOL"),
+    ],
+)
+def test_a_refused_handshake_gets_the_tls_alert_that_names_why(
+    server: link.PeerServer,
+    caplog: pytest.LogCaptureFixture,
+    client: Any,
+    alert: str,
+    logged: str,
+) -> None:
+    """What ``docs/peers.md`` says a refused client learns: TLS's alert for its category,
+    no more; the server's warning says what failed, and that it failed at once."""
+    caplog.set_level(logging.WARNING, logger="quire")
+    with (
+        socket.create_connection(server.address, timeout=5) as raw,
+        pytest.raises(ssl.SSLError) as e,
+        client().wrap_socket(raw) as sock,
+    ):
+        sock.sendall(b"G")
+        sock.recv(1)
+    assert e.value.reason == alert
+    deadline = time.monotonic() + 10
+    while "closed a connection from" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "no TLS 1.3 handshake with a certificate of this run: it failed after 0." in caplog.text
+    assert logged in caplog.text and "within" not in caplog.text
+    assert server.requests == 0
+
+
+@pytest.mark.parametrize(
+    ("data", "back"),
+    [
+        (b"GET / HTTP/1.1\r\n\r\n", b""),
+        (b"\0" * 10, b""),
+        (b"", bytes([0x15, 3, 3, 0, 2, 2, 50])),  # the end of the stream: decode_error
+    ],
+)
+def test_bytes_that_are_not_tls_get_at_most_an_alert(
+    server: link.PeerServer, data: bytes, back: bytes
+) -> None:
+    with socket.create_connection(server.address, timeout=5) as raw:
+        raw.sendall(data)
+        raw.shutdown(socket.SHUT_WR)
+        assert drain(raw) == back
 
 
 def test_warnings_about_refused_connections_are_rate_limited(

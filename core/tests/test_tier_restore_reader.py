@@ -242,3 +242,25 @@ def test_with_every_holder_malformed_the_persistent_tier_is_read(
     r = restore_reader.RestoreReader(str(roots["mine"]), RAW, DOC, 1, {1: sources}, record)
     assert asyncio.run(r.get(PACK1, 5, 50)) == roots["one"][PACK1][5:50]
     assert r.stats() == {f"the persistent tier {roots['persistent']}": (45, 1)}
+
+
+def test_the_peer_server_keeps_handshake_slots_for_the_published_hosts(
+    tmp_path: Path, kv: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Opening the tier's peer copies, this process (0 of 3 here) reads the addresses the
+    others published; its server keeps the run's handshake slots for their hosts (a
+    malformed one is logged and left out)."""
+    caplog.set_level(logging.WARNING, logger="quire")
+    name = "slots-test"
+    key = peer_copies._key(f"{name}#1/address")
+    kv.key_value_set(f"{key}/1", '["127.0.0.7", 4242]')
+    kv.key_value_set(f"{key}/2", '["h", "x"]')
+    domains = peer_copies._key(f"{name}#1/domain")
+    for j in (1, 2):
+        kv.key_value_set(f"{domains}/{j}", f"host{j}")
+    copies = peer_copies.PeerCopies(str(tmp_path / "tier"), name, 0, 3, 1, "127.0.0.1", 5.0)
+    try:
+        assert copies.server._admission.run_hosts == {"127.0.0.1", "127.0.0.7"}
+        assert "no handshake slots kept for process 2" in caplog.text
+    finally:
+        copies.server.close()

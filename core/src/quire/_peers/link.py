@@ -8,8 +8,10 @@ peer's local tier by their path relative to it.
   and self-signed certificate, or the user's ``PeerTLS``), its certificate published through
   JAX's distributed key-value store, and every process's certificate read back and pinned.
 * ``PeerServer(root, credentials, host, port)``: serves read-only GETs of regular files under
-  ``root`` on the interface it is given, in threads of its own, to the run's processes.
-* ``publish_address`` / ``lookup_address``: a server's address through the key-value store.
+  ``root`` on the interface it is given, in threads of its own, to the run's processes
+  (``server.reserve_for(hosts)``: handshake slots for the run's hosts).
+* ``publish_address`` / ``lookup_address``: a server's address through the key-value store
+  (checked as untrusted input when read).
 * ``fetch`` / ``fetch_many`` / ``fetch_to`` (into a file): the client, one deadline per call,
   talking only to the process it names (``credentials.peer(j)``); ``fetch`` and
   ``fetch_many`` also read byte ranges ``[start, end)`` of files, and ``fetch_into`` reads

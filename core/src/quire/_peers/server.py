@@ -1,19 +1,22 @@
 """The server side of peer fetches: ``PeerServer`` serves regular files under one directory
 (a ``files.Files``), read-only, over TLS 1.3 to the run's processes (certificates in
-``tls``, messages in ``wire``): caps on connections, one deadline per handshake and
-per request, refusals logged at a bounded rate."""
+``tls``, messages in ``wire``, who takes a handshake slot in ``admission``): caps on
+connections, deadlines for the ClientHello, the handshake and each request, refusals
+logged at a bounded rate."""
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import socket
 import socketserver
+import ssl
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
+from quire._peers.admission import Admission, Shake
 from quire._peers.files import Files, FsspecFiles, LocalFiles, Refused
 from quire._peers.tls import Credentials
 from quire._peers.wire import ANS, BLOCK, MAX_PATH_BYTES, REQ, Closed, TLSStream
@@ -35,10 +38,15 @@ class _TCP4(socketserver.ThreadingTCPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         # the caps are checked here, in the accepting thread: no thread for a refused one
-        if self.owner._admit(client_address):
-            super().process_request(request, client_address)
-        else:
+        shake = self.owner._admit(request, client_address)
+        if shake is None:
             request.close()  # no answer, not even a TLS alert
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.owner._admission.release(shake)
+            raise
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         self.owner._warn("peer server: error serving %s", client_address, exc_info=True)
@@ -76,16 +84,18 @@ class _Warnings:
 class PeerServer:
     """Serves regular files under ``root`` to the run's processes over TLS 1.3 (read-only).
 
-    A client must complete a TLS 1.3 handshake with a certificate of the run
-    (``credentials``: the pinned certificates, or the user's CA and a certificate some
-    process published) within ``handshake_timeout``; otherwise the connection is closed
-    without an answer.
+    A client must send its ClientHello within ``hello_timeout`` and complete a TLS 1.3
+    handshake with a certificate of the run (``credentials``: the pinned certificates, or
+    the user's CA and a certificate some process published) within ``handshake_timeout``
+    (both from the accept); otherwise the connection is closed (a failed handshake gets
+    TLS's alert, e.g. ``unknown_ca``; nothing else is answered before it is done).
 
     Parameters
     ----------
     root : str, path or Files
-        The directory served (this process's local tier): a path (resolved once, at start:
-        :class:`LocalFiles`), or a :class:`Files` such as :class:`FsspecFiles`.
+        The directory served (this process's local tier): a path (opened once, at start:
+        :class:`LocalFiles`, closed with the server), or a :class:`Files` such as
+        :class:`FsspecFiles` (the caller's to close).
     credentials : Credentials
         This process's TLS identity and the run's certificates
         (``link.run_credentials``).
@@ -102,24 +112,35 @@ class PeerServer:
     request_timeout : float
         Seconds for one request, in all: reading it whole (from its first byte) and sending
         its answer, plus a second per MiB of the answer.
+    hello_timeout : float
+        Seconds from accepting a connection until its first TLS record (the ClientHello)
+        has arrived whole (at most ``handshake_timeout``).
     max_connections, max_per_address : int
         Connections served at once, in all and from one client address (default: 3/4 of
         ``max_connections``, so that no address holds every one).
-    max_handshakes, max_handshakes_per_address : int
-        Connections in their handshake (not yet authenticated) at once, in all (default a
-        quarter of ``max_connections``: the others stay for the run's processes) and from
-        one address (default half of ``max_handshakes``).
+    max_handshakes : int
+        Connections in their handshake (not yet authenticated) at once (default a quarter
+        of ``max_connections``: the others stay for the run's processes).
+    reserved_handshakes : int
+        Those of them only connections from the run's hosts take (:meth:`reserve_for`;
+        default half).
+    max_handshakes_per_address : int
+        The most of the others one address holds (default half of them).
 
-    A connection over a cap is closed at once, without an answer.  Each refusal is logged at
-    WARNING on the ``quire`` logger with the client's address (and, once authenticated, its
-    process), at most 10 lines at once and then one per 10 s, the lines held back counted:
-    a connection over a cap, a handshake that failed or took too long, a certificate that
-    is none of the run's, a request longer than :data:`MAX_PATH_BYTES` or of an unknown
-    kind (the connection is dropped after the refusal), an absolute path, a path with
-    ``..``, ``.``, empty or NUL components or backslashes, a path that leaves ``root``
-    once symlinks are resolved, anything but a regular file, a file longer than the
-    request's maximum; for a range request, a range that is reversed (``start > end``),
-    ends past the end of the file, or is longer than the request's maximum.
+    A connection over a cap is closed at once, without an answer; when the handshake slots
+    a connection may take are full, the address holding the most of them may lose its
+    oldest handshake to it (``quire._peers.admission``: the rule, and the invariant it
+    keeps).  Each refusal is logged at WARNING on the ``quire`` logger with the client's
+    address (and, once authenticated, its process), at most 10 lines at once and then one
+    per 10 s, the lines held back counted: a connection over a cap, a handshake cut for
+    another, no ClientHello in time, a handshake that failed (after how long, and why) or
+    took too long, a certificate that is none of the run's, a request longer than
+    :data:`MAX_PATH_BYTES` or of an unknown kind (the connection is dropped after the
+    refusal), an absolute path, a path with ``..``, ``.``, empty or NUL components or
+    backslashes, a path that leads out of ``root`` through a symlink, anything but a
+    regular file, a file longer than the request's maximum; for a range request, a range
+    that is reversed (``start > end``), ends past the end of the file, or is longer than
+    the request's maximum.
 
     :attr:`served` counts the file bytes answered (all connections), ``requests`` the files
     or ranges answered; each answer is logged at DEBUG.
@@ -135,9 +156,11 @@ class PeerServer:
         idle_timeout: float = 30.0,
         handshake_timeout: float = 10.0,
         request_timeout: float = 30.0,
+        hello_timeout: float = 2.0,
         max_connections: int = 64,
         max_per_address: int | None = None,
         max_handshakes: int | None = None,
+        reserved_handshakes: int | None = None,
         max_handshakes_per_address: int | None = None,
     ) -> None:
         if not isinstance(credentials, Credentials):
@@ -154,12 +177,16 @@ class PeerServer:
             handshake_timeout,
             request_timeout,
         )
-        self._max = max_connections
-        self._max_addr = max_per_address or max(1, 3 * max_connections // 4)
-        self._max_hs = max_handshakes or max(1, max_connections // 4)
-        self._max_hs_addr = max_handshakes_per_address or max(1, self._max_hs // 2)
-        self._conns: collections.Counter[str] = collections.Counter()  # by client address
-        self._handshakes: collections.Counter[str] = collections.Counter()
+        self._hello_s = min(hello_timeout, handshake_timeout)
+        handshakes = max_handshakes or max(1, max_connections // 4)
+        reserved = handshakes // 2 if reserved_handshakes is None else reserved_handshakes
+        self._admission = Admission(
+            max_connections,
+            max_per_address or max(1, 3 * max_connections // 4),
+            handshakes,
+            min(reserved, handshakes),
+            max_handshakes_per_address or max(1, (handshakes - reserved) // 2),
+        )
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -195,6 +222,7 @@ class PeerServer:
                 return
             self._closed = True
             conns = list(self._open)
+        self._admission.close()
         self._server.shutdown()
         self._server.server_close()
         for s in conns:
@@ -218,48 +246,46 @@ class PeerServer:
     @property
     def connections(self) -> int:
         """Connections open now (authenticated or in their handshake)."""
-        with self._lock:
-            return sum(self._conns.values())
+        return self._admission.connections
 
     @property
     def handshakes(self) -> int:
         """Connections in their handshake now."""
-        with self._lock:
-            return sum(self._handshakes.values())
+        return self._admission.handshakes
+
+    def reserve_for(self, hosts: Iterable[str]) -> None:
+        """Keep ``reserved_handshakes`` handshake slots for connections from ``hosts``: the
+        IP addresses the run's processes published for their servers (the tier calls it
+        once they are known).  Replaces the hosts given before."""
+        self._admission.reserve_for(hosts)
 
     # -------------------------------------------------------------- one connection
-    def _admit(self, peer: Any) -> bool:
-        """Count a new connection from ``peer`` in, or say why not (False)."""
-        addr = str(peer[0])
-        with self._lock:
-            if self._closed:
-                return False
-            full = (
-                "connections" if sum(self._conns.values()) >= self._max
-                else "connections from its address" if self._conns[addr] >= self._max_addr
-                else "handshakes" if sum(self._handshakes.values()) >= self._max_hs
-                else "handshakes from its address"
-                if self._handshakes[addr] >= self._max_hs_addr
-                else None
+    def _admit(self, sock: socket.socket, peer: Any) -> Shake | None:
+        """A handshake slot for a new connection from ``peer``, or None (logged)."""
+        shake, why = self._admission.admit(sock, str(peer[0]))
+        if shake is None:
+            self._warn(
+                "peer server %s: closed a connection from %s:%s unanswered: %s",
+                self.root, peer[0], peer[1], why,
             )  # fmt: skip
-            if full is None:
-                self._conns[addr] += 1
-                self._handshakes[addr] += 1
-                return True
-        self._warn(
-            "peer server %s: closed a connection from %s:%s unanswered: too many %s",
-            self.root, addr, peer[1], full,
-        )  # fmt: skip
-        return False
+        elif why:
+            self._warn("peer server %s: %s", self.root, why)
+        return shake
 
-    def _release(self, counter: collections.Counter[str], addr: str) -> None:
-        with self._lock:
-            counter[addr] -= 1
-            if counter[addr] <= 0:
-                del counter[addr]
+    def _handshake(self, sock: socket.socket, since: float) -> TLSStream:
+        """The TLS handshake of a connection accepted at ``since``: its ClientHello whole
+        within the hello deadline, the rest within the handshake deadline."""
+        _hello(sock, since + self._hello_s)
+        tls = TLSStream(sock, self.credentials.server_context, server_side=True)
+        tls.handshake(since + self._handshake_s)
+        return tls
 
     def _serve(self, sock: socket.socket, peer: Any) -> None:
-        addr, who = str(peer[0]), f"{peer[0]}:{peer[1]}"
+        who = f"{peer[0]}:{peer[1]}"
+        shake = self._admission.shake_of(sock)
+        if shake is None:  # cut before its thread started
+            sock.close()
+            return
         shaking = True
         try:
             with self._lock:
@@ -267,20 +293,29 @@ class PeerServer:
                     return
                 self._open.add(sock)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            tls = TLSStream(sock, self.credentials.server_context, server_side=True)
             try:
-                tls.handshake(time.monotonic() + self._handshake_s)
+                tls = self._handshake(sock, shake.since)
                 process = self.credentials.who(tls.getpeercert(binary_form=True))
-            except OSError as e:  # ssl.SSLError and TimeoutError among them
+            except _HelloTimeout:
                 self._warn(
-                    "peer server %s: closed a connection from %s unanswered: no TLS 1.3 "
-                    "handshake with a certificate of this run within %gs (%s)",
-                    self.root, who, self._handshake_s, e,
+                    "peer server %s: closed a connection from %s unanswered: no TLS "
+                    "ClientHello within %gs",
+                    self.root, who, self._hello_s,
                 )  # fmt: skip
                 return
+            except OSError as e:  # ssl.SSLError and TimeoutError among them
+                if not self._admission.shaken(shake):  # (a cut one was logged as such)
+                    self._warn(
+                        "peer server %s: closed a connection from %s: no TLS 1.3 handshake "
+                        "with a certificate of this run: %s",
+                        self.root, who, _failure(e, time.monotonic() - shake.since),
+                    )  # fmt: skip
+                return
             finally:
-                self._release(self._handshakes, addr)
+                cut = self._admission.shaken(shake)
                 shaking = False
+            if cut:
+                return
             if process is None:  # chained to the user's CA, but published by no process
                 self._warn(
                     "peer server %s: closed a connection from %s unanswered: its certificate "
@@ -295,11 +330,11 @@ class PeerServer:
             pass  # the client went away or ran out of time: nothing to answer
         finally:
             if shaking:
-                self._release(self._handshakes, addr)
+                self._admission.shaken(shake)
             with self._lock:
                 self._open.discard(sock)
             sock.close()
-            self._release(self._conns, addr)
+            self._admission.release(shake)
 
     def _request(self, tls: TLSStream, who: str) -> bool:
         """Serve one request; False when the connection is over."""
@@ -380,3 +415,49 @@ class PeerServer:
             tls.send_all(view[: at + n], deadline)
             left -= n
             at = 0
+
+
+class _HelloTimeout(TimeoutError):
+    """No ClientHello within the hello deadline."""
+
+
+_RECORD = 5  # a TLS record's header: type, version, length
+_HANDSHAKE = 0x16
+
+
+def _hello(sock: socket.socket, deadline: float) -> None:
+    """Wait until the connection's first TLS record (the ClientHello) has arrived whole,
+    without reading it (``MSG_PEEK``, with ``SO_RCVLOWAT`` its length: no busy loop).
+    Returns at once for bytes that are not a TLS handshake record, or the end of the
+    stream (the handshake then refuses them); :class:`_HelloTimeout` after ``deadline``."""
+    need = _RECORD
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _HelloTimeout("no ClientHello in time")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, need)
+            sock.settimeout(left)
+            try:
+                got = sock.recv(need, socket.MSG_PEEK)
+            except TimeoutError:
+                raise _HelloTimeout("no ClientHello in time") from None
+            if len(got) < need or got[0] != _HANDSHAKE:
+                return
+            total = _RECORD + int.from_bytes(got[3:5], "big")
+            if total <= need:
+                return
+            need = total
+    finally:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+
+
+def _failure(e: OSError, after: float) -> str:
+    """What a failed handshake's error says, and when it failed."""
+    if isinstance(e, TimeoutError):
+        return f"it did not finish within the handshake deadline ({after:.2g}s)"
+    if isinstance(e, ssl.SSLCertVerificationError):
+        why = f"{e.reason}: {e.verify_message}"
+    else:
+        why = str(getattr(e, "reason", None) or e)
+    return f"it failed after {after:.2g}s ({why})"

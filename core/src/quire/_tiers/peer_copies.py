@@ -76,6 +76,8 @@ class PeerCopies:
         link.publish_address(_key(f"{self.name}/address"), self.server.address)
         self._addresses: dict[int, tuple[str, int]] = {}
         self.domains = _domains(_key(f"{self.name}/domain"), me, count, domain, timeout)
+        # every process published its address before its domain: all are there now
+        self.server.reserve_for(self._hosts(count))
         self.placement = placement.place(self.domains, peers)  # owner -> its holders
         self.sources = placement.sources_of(self.placement, me)  # the owners held here
         shared = placement.shared_domains(self.domains, self.placement)
@@ -114,6 +116,17 @@ class PeerCopies:
     def peer(self, j: int) -> link.Pinned:
         """What to expect of process ``j`` (its pinned certificate)."""
         return self.credentials.peer(j)
+
+    def _hosts(self, count: int) -> list[str]:
+        """The hosts the run's processes serve on (where their connections come from), for
+        the handshake slots this process's server keeps for them."""
+        hosts = []
+        for j in range(count):
+            try:
+                hosts.append(self._address(j)[0])
+            except MultiProcessError as e:  # a PeerError among them: lost when asked
+                log.warning("%s: no handshake slots kept for process %d: %s", self.root, j, e)
+        return hosts
 
     def _address(self, j: int) -> tuple[str, int]:
         if j not in self._addresses:
