@@ -1,4 +1,4 @@
-"""The attacks of issue 30 against the peer link, each against a real ``PeerServer`` on
+"""The attacks of issues 30 and 36 against the peer link, each against a real ``PeerServer`` on
 127.0.0.1 and the real client (one process; the run's certificates made here).
 
 * Forgery / man in the middle: a server with a certificate the client did not pin (another
@@ -12,7 +12,14 @@
   each for at most the handshake deadline; a legitimate fetch succeeds meanwhile.  A request
   trickled byte by byte is cut at its total deadline.
 * A request header split over TLS records (and TCP segments) is read whole.
-* A client with a certificate that is not the run's is closed without an answer.
+* A client with a certificate that is not the run's gets TLS's alert for its category
+  (``unknown_ca``, ``certificate_required``, ``protocol_version``), nothing else; bytes
+  that are not TLS get at most an alert.
+* Floods of silent connections from 2 and from 32 addresses outside the run do not keep a
+  process of the run from a handshake slot; a silent connection is closed at the
+  ClientHello deadline.
+* A writer under the tier swapping a directory for a link out of it never gets the bytes
+  behind the link served.
 * Warnings about refused connections are rate-limited.
 """
 
@@ -401,14 +408,14 @@ def test_a_request_split_over_records_and_segments_is_read_whole(
 
 
 # ---------------------------------------------------------------------- a wrong certificate
-def test_a_client_with_the_wrong_certificate_is_closed_unanswered(
+def test_a_client_with_the_wrong_certificate_gets_an_alert_and_nothing_else(
     server: link.PeerServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="quire")
     stranger = outsider(7, {0: CERTS[0]})  # knows process 0's certificate; not the run's
     with pytest.raises(PeerError, match="did not accept this process's certificate") as e:
         link.fetch(server.address, "d/tx/idx.json", stranger.peer(0), 5, 100)
-    assert "'d/tx/idx.json'" in str(e.value)
+    assert "'d/tx/idx.json'" in str(e.value) and "TLSV1_ALERT_UNKNOWN_CA" in str(e.value)
     assert server.requests == 0 and server.served == 0
     # The server logs from its own thread, after the close the client saw: wait for it.
     deadline = time.monotonic() + 10
@@ -435,7 +442,11 @@ def _tls_1_2() -> ssl.SSLContext:
     ("client", "alert", "logged"),
     [
         (_no_certificate, "TLSV13_ALERT_CERTIFICATE_REQUIRED", "PEER_DID_NOT_RETURN_A_CERT"),
-        (lambda: outsider(7, {0: CERTS[0]}).client_context, "TLSV1_ALERT_UNKNOWN_CA", "self-signed"),
+        (
+            lambda: outsider(7, {0: CERTS[0]}).client_context,
+            "TLSV1_ALERT_UNKNOWN_CA",
+            "self-signed",
+        ),
         (_tls_1_2, "TLSV1_ALERT_PROTOCOL_VERSION", "UNSUPPORTED_PROTOCOL"),
     ],
 )
