@@ -33,7 +33,7 @@ import ipaddress
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 __all__ = ["GRACE", "Admission", "Shake", "canonical_host"]
 
@@ -81,6 +81,8 @@ class Admission:
         Those of them kept for the run's hosts.
     per_address : int
         The most shared slots one address holds.
+    clock : callable
+        Seconds, monotonic (``time.monotonic``).
     """
 
     def __init__(
@@ -90,7 +92,9 @@ class Admission:
         max_handshakes: int,
         reserved: int,
         per_address: int,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.clock = clock
         self.max, self.max_addr = max_connections, max_per_address
         self.sizes = {RUN: reserved, SHARED: max(0, max_handshakes - reserved)}
         self.per_address = per_address
@@ -126,7 +130,7 @@ class Admission:
         (``(None, reason)``).  A handshake cut to make room is shut down here; its reason
         is the second item (empty when none was cut)."""
         addr = canonical_host(host)
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             if self.closed:
                 return None, "the server is closing"

@@ -423,29 +423,34 @@ class _HelloTimeout(TimeoutError):
 
 _RECORD = 5  # a TLS record's header: type, version, length
 _HANDSHAKE = 0x16
+_MAX_RECORD = _RECORD + (1 << 14)  # TLS refuses a longer plaintext record itself
 
 
 def _hello(sock: socket.socket, deadline: float) -> None:
     """Wait until the connection's first TLS record (the ClientHello) has arrived whole,
     without reading it (``MSG_PEEK``, with ``SO_RCVLOWAT`` its length: no busy loop).
-    Returns at once for bytes that are not a TLS handshake record, or the end of the
-    stream (the handshake then refuses them); :class:`_HelloTimeout` after ``deadline``."""
+    Returns at once for bytes that are not a TLS handshake record, a record longer than
+    TLS allows, or the end of the stream (the handshake then refuses them);
+    :class:`_HelloTimeout` when the record is not whole at ``deadline`` (a ClientHello
+    already there is taken however late this thread looks)."""
     need = _RECORD
     try:
         while True:
             left = deadline - time.monotonic()
-            if left <= 0:
-                raise _HelloTimeout("no ClientHello in time")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, need)
-            sock.settimeout(left)
+            sock.settimeout(max(left, 0.0))  # 0: one last look, without waiting
             try:
                 got = sock.recv(need, socket.MSG_PEEK)
-            except TimeoutError:
+            except (TimeoutError, BlockingIOError):
                 raise _HelloTimeout("no ClientHello in time") from None
-            if len(got) < need or got[0] != _HANDSHAKE:
-                return
+            if not got or got[0] != _HANDSHAKE:
+                return  # the end of the stream, or not TLS: the handshake refuses it
+            if len(got) < need:
+                if left <= 0:
+                    raise _HelloTimeout("no ClientHello in time")
+                return  # a waiting peek returns short only at the end of the stream
             total = _RECORD + int.from_bytes(got[3:5], "big")
-            if total <= need:
+            if total <= need or total > _MAX_RECORD:
                 return
             need = total
     finally:
