@@ -152,7 +152,7 @@ def test_bad_certificate_files_fail_when_configured(tmp_path: Path) -> None:
         quire.tiers.PeerTLS(a.cert, b.key, a.ca)  # another certificate's key
     with pytest.raises(ValueError, match="give a PEM certificate"):
         quire.tiers.PeerTLS(a.cert, a.key, junk)
-    with pytest.raises(TypeError, match=r"peer_tls must be a quire\.PeerTLS"):
+    with pytest.raises(TypeError, match=r"peer_tls must be a quire\.tiers\.PeerTLS"):
         quire.LocalTier(tmp_path / "local", peers=1, peer_tls=str(a.cert))  # type: ignore[arg-type]
 
 
