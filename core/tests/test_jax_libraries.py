@@ -66,6 +66,11 @@ def test_nnx_state_round_trips_and_records_variable_types(
     assert tree["bn"]["mean"]["value"].variable == "BatchStat"
     assert tree["drop"]["rngs"]["key"]["value"].variable == "RngKey"
     assert tree["drop"]["rngs"]["count"]["value"].variable == "RngCount"
+    # The typed key, as ``quire info`` says (issue 35: the metadata said uint32).
+    key = tree["drop"]["rngs"]["key"]["value"]
+    assert key.handler == "prng_key" and key.shape == ()
+    assert key.dtype == model.drop.rngs.key.value.dtype and str(key.dtype) == "key<fry>"
+    assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.nbytes == 8
     assert main(["info", url]) == 0
     info = capsys.readouterr().out
     assert "kernel/" in info and "nnx.Param" in info and "nnx.RngKey, prng key" in info

@@ -18,9 +18,10 @@ class LeafMetadata:
     Attributes
     ----------
     shape : tuple of int
-        The array's shape.
+        The array's shape (typed PRNG keys: the keys' shape, without the key data's axis).
     dtype : numpy.dtype
-        The stored dtype.
+        The stored dtype; for typed PRNG keys (handler ``"prng_key"``, an NNX ``RngKey``'s
+        value) JAX's key dtype, e.g. ``key<fry>``, as ``jax.random.key(0).dtype``.
     nbytes : int
         ``prod(shape) * dtype.itemsize``.
     handler : str

@@ -3,6 +3,7 @@ the impl name), stored as :class:`~quire._handlers.arrays.ArrayHandler` stores a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -155,5 +156,21 @@ class PRNGKeyHandler(ArrayHandler):
         return key
 
     def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """As :meth:`ArrayHandler.metadata`, with the keys' shape and typed key dtype
+        (``key<fry>``: what ``jax.random.key(0).dtype`` is), not the key data's uint32."""
         out = super().metadata(records)
-        return [replace(m, shape=tuple(r.get("key_shape", m.shape))) for m, r in zip(out, records)]
+        return [
+            replace(m, shape=tuple(r.get("key_shape", m.shape)), dtype=_key_dtype(r.get("impl")))
+            for m, r in zip(out, records)
+        ]
+
+
+@functools.lru_cache(maxsize=16)
+def _key_dtype(impl: Any) -> Any:
+    """The typed key dtype of PRNG implementation ``impl`` (no array is made)."""
+    if impl not in prng_impls():
+        raise CorruptCheckpointError(
+            f"a PRNG key record names implementation {impl!r}, which this JAX does not have "
+            f"(it has {sorted(prng_impls())})"
+        )
+    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
