@@ -389,8 +389,24 @@ def load(url: Any, case: Case) -> Any:
     target = None if case.target == "none" else abstract(case)
     partial = case.target == "partial"
     if case.reader == "lazy":
-        return quire.load(str(url), target, transform=lambda tree: tree, partial=partial)
-    return quire.load(url, target, partial=partial)
+        return quire.load(
+            str(url), target, transform=lambda tree: tree, partial=partial, casting=casting(case)
+        )
+    return quire.load(url, target, partial=partial, casting=casting(case))
+
+
+def casting(case: Case) -> Any:
+    """The ``casting=`` of a case's load: ``"unsafe"`` for each leaf whose target asks for
+    another dtype than the stored one (``expected`` is numpy's unsafe cast: random bits
+    narrowed, floats to ints...), the default for the others (None: every leaf's)."""
+    cast = {lf.path for lf in case.leaves if lf.target is not None and was_load_cast(lf)}
+    if not cast:
+        return None
+    return lambda path, target: "unsafe" if tuple(map(str, path)) in cast else None
+
+
+def was_load_cast(leaf: Leaf) -> bool:
+    return leaf.loaded_dtype != leaf.stored_dtype
 
 
 def context(case: Case) -> Any:

@@ -52,6 +52,7 @@ from propcase import (
     abstract,
     array,
     build_tree,
+    casting,
     check_loaded,
     context,
     donate,
@@ -219,7 +220,7 @@ def test_checkpointer_with_a_local_tier(case: Case, base: Path) -> None:
 def _ckpt_load(ckpt: quire.Checkpointer, step: int, case: Case) -> Any:
     if case.target == "none":
         return ckpt.load(step)
-    return ckpt.load(step, abstract(case), partial=case.target == "partial")
+    return ckpt.load(step, abstract(case), partial=case.target == "partial", casting=casting(case))
 
 
 @examples(ci=20)

@@ -10,6 +10,7 @@ from quire._engine import load as _load
 from quire._engine import save as _saving
 from quire._engine.incremental import Incremental
 from quire._format import record as _records
+from quire._handlers.casting import check_spec
 from quire._handlers.units import as_mapping
 from quire._runtime import ioloop as _io
 from quire._runtime import progress as _progress
@@ -20,7 +21,7 @@ from quire._store.url import effective_options, normalize
 from quire._tiers import spread_save as _spreadsave
 from quire.errors import CheckpointNotFoundError
 from quire.metadata import CheckpointMetadata
-from quire.options import StorageSpec
+from quire.options import CastingSpec, StorageSpec
 
 
 class SaveOptions(TypedDict, total=False):
@@ -259,6 +260,7 @@ def load_checkpointables(
     *,
     partial: bool = False,
     storage_options: dict[str, Any] | None = None,
+    casting: CastingSpec = None,
 ) -> dict[str, Any]:
     """Load the named units (all of them when ``checkpointables`` is None).
 
@@ -273,6 +275,8 @@ def load_checkpointables(
         For pytree units, load only the keys present in the target.
     storage_options : dict, optional
         fsspec ``storage_options`` for the backend.
+    casting : str or callable, optional
+        For pytree units, the casts to the targets' dtypes allowed (see :func:`load`).
 
     Returns
     -------
@@ -285,11 +289,13 @@ def load_checkpointables(
         No committed checkpoint at ``url``.
     TreeMismatchError
         A unit asked for is not in the checkpoint, or a target does not match.
+    LossyCastError
+        A target asks for a cast that ``casting`` refuses (see :func:`load`).
     PluginError
         A unit needs a handler that is not installed or fails to load.
     """
     return load_checkpointables_async(
-        url, checkpointables, partial=partial, storage_options=storage_options
+        url, checkpointables, partial=partial, storage_options=storage_options, casting=casting
     ).result()
 
 
@@ -299,12 +305,13 @@ def load_checkpointables_async(
     *,
     partial: bool = False,
     storage_options: dict[str, Any] | None = None,
+    casting: CastingSpec = None,
 ) -> AsyncResponse[dict[str, Any]]:
     """Start :func:`load_checkpointables` in the background.
 
     Parameters
     ----------
-    url, checkpointables, partial, storage_options
+    url, checkpointables, partial, storage_options, casting
         As for :func:`load_checkpointables`.
 
     Returns
@@ -314,9 +321,12 @@ def load_checkpointables_async(
         :func:`load_checkpointables` would.
     """
     u = normalize(url)
+    check_spec(casting)
     return AsyncResponse(
         _io.submit(
-            _load.load_units(u, checkpointables, partial=partial, storage_options=storage_options)
+            _load.load_units(
+                u, checkpointables, partial=partial, storage_options=storage_options, casting=casting
+            )
         ),
         f"load {u}",
     )
@@ -329,6 +339,7 @@ def load_async(
     partial: bool = False,
     storage_options: dict[str, Any] | None = None,
     progress: Any = None,
+    casting: CastingSpec = None,
 ) -> AsyncResponse[Any]:
     """Start :func:`load` in the background.
 
@@ -342,6 +353,8 @@ def load_async(
         Load only the keys present in ``abstract``.
     storage_options : dict, optional
         fsspec ``storage_options`` for the backend.
+    casting : str or callable, optional
+        The casts to ``abstract``'s dtypes allowed, as for :func:`load`.
 
     Returns
     -------
@@ -349,6 +362,7 @@ def load_async(
         ``.result()`` returns the tree and raises what :func:`load` would.
     """
     u = normalize(url)
+    check_spec(casting)
     rep = _progress.make(progress, "load", u)
 
     async def run() -> Any:
@@ -360,7 +374,9 @@ def load_async(
                 rep.add_total(_describe.array_bytes(m.tree))
             except Exception:  # broad: a progress total only; the load reports what is wrong
                 pass
-        return await _load.load(u, abstract, partial=partial, storage_options=storage_options)
+        return await _load.load(
+            u, abstract, partial=partial, storage_options=storage_options, casting=casting
+        )
 
     return AsyncResponse(
         _io.submit(_progress.tracked(rep, run, close=rep is not progress)),
@@ -377,6 +393,7 @@ def load(
     progress: Any = None,
     transform: Callable[..., Any] | None = None,
     shardings: Any = None,
+    casting: CastingSpec = None,
 ) -> Any:
     """Load the checkpoint at ``url``.
 
@@ -396,12 +413,19 @@ def load(
         The target: its structure is used for the result and its leaves say what each
         leaf becomes — ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` a ``jax.Array``
         with that sharding, a numpy array a numpy array, a Python type or value that type;
-        a different dtype casts.  Without it, containers come back as dicts/lists/tuples
-        and arrays as they were saved.
+        a different dtype casts (see ``casting``).  Empty nodes (None, ``()``, ``{}``,
+        optax's ``EmptyState()``, any pytree node with no leaves) match each other.  Without
+        it, containers come back as dicts/lists/tuples and arrays as they were saved.
     partial : bool
         Load only the keys present in ``abstract`` (default: strict, every key must match).
     progress : bool or callable, optional
         As for :func:`save`: a bar (True), a callback, or a :class:`quire.progress.Progress`.
+    casting : str or callable, optional
+        The casts to ``abstract``'s dtypes allowed, in numpy's terms: ``"same_kind"`` (the
+        default: float32 -> bfloat16, float64 -> float32, int32 -> int64, and int64 -> int32
+        when every value fits), ``"no"``, ``"equiv"``, ``"safe"`` or ``"unsafe"`` (also
+        float -> int, complex -> real, numbers -> bool, integers that wrap).  A callable
+        ``(key_path, target_leaf) -> casting or None`` chooses per leaf (None: the default).
 
     Raises
     ------
@@ -410,13 +434,21 @@ def load(
     TreeMismatchError
         ``abstract`` lacks saved keys, names keys the checkpoint lacks, or has other shapes;
         the message lists every such key path.
+    LossyCastError
+        ``abstract`` asks for casts that lose information and ``casting`` does not allow
+        them; the message lists each leaf with both dtypes.
     CorruptCheckpointError
         A chunk fails its checksum or the commit record is malformed.
     """
     if transform is None and shardings is None and isinstance(url, str | os.PathLike):
         try:
             return load_async(
-                url, abstract, partial=partial, storage_options=storage_options, progress=progress
+                url,
+                abstract,
+                partial=partial,
+                storage_options=storage_options,
+                progress=progress,
+                casting=casting,
             ).result()
         except (CheckpointNotFoundError, NotADirectoryError):
             from quire._sources.opening import available
@@ -431,6 +463,7 @@ def load(
         shardings=shardings,
         partial=partial,
         storage_options=storage_options,
+        casting=casting,
     )
 
 

@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "EndpointUnreachableError",
+    "LossyCastError",
     "MultiProcessError",
     "ObjectStoreError",
     "ObjectStorePermissionError",
@@ -84,6 +85,24 @@ class TreeMismatchError(QuireError, ValueError):
         self.missing = list(missing or [])
         self.extra = list(extra or [])
         self.mismatched = list(mismatched or [])
+
+
+class LossyCastError(TreeMismatchError):
+    """The target asks for a dtype that the saved values do not fit without loss: a float
+    loaded as an int, a complex as a real, a number as a bool, or an integer narrowed past
+    the range of its values (``casting="same_kind"``, the default, refuses these).
+
+    A :class:`TreeMismatchError`: the target and the checkpoint disagree, as with a shape,
+    and the message lists each such leaf with both dtypes, the key path and the
+    ``casting=`` value that allows the cast.
+
+    Attributes
+    ----------
+    mismatched : list of str
+        One entry per refused leaf: its key path, both dtypes and why.
+    missing, extra : list of str
+        Empty (as for :class:`TreeMismatchError`).
+    """
 
 
 class UnsupportedLeafError(QuireError, TypeError):

@@ -1,4 +1,5 @@
-"""Per-leaf storage options."""
+"""Per-leaf options: how a leaf is stored (:class:`StorageOptions`), and which casts a load
+may make into its target (:data:`CastingSpec`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["StorageOptions", "StorageSpec"]
+__all__ = ["CastingSpec", "StorageOptions", "StorageSpec"]
 
 
 @dataclass(frozen=True)
@@ -40,3 +41,9 @@ class StorageOptions:
 
 
 StorageSpec = StorageOptions | Callable[[tuple[Any, ...], Any], StorageOptions | None] | None
+
+CastingSpec = str | Callable[[tuple[Any, ...], Any], str | None] | None
+"""The ``casting=`` of a load: numpy's ``"no"``, ``"equiv"``, ``"safe"``, ``"same_kind"`` (the
+default; it also refuses an integer narrowed past one of its values) or ``"unsafe"`` for every
+leaf, or a callable of ``(key_path, target_leaf)`` returning one of them, or None for the
+default, leaf by leaf."""

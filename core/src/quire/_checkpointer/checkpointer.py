@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import types
 
     from quire.metadata import CheckpointMetadata
+    from quire.options import CastingSpec
 
 __all__ = ["Checkpointer"]
 
@@ -297,6 +298,7 @@ class Checkpointer:
         partial: bool = False,
         transform: Any = None,
         shardings: Any = None,
+        casting: CastingSpec = None,
     ) -> Any:
         """Load ``step`` (default: the latest committed one), as ``quire.load`` does.
 
@@ -312,28 +314,24 @@ class Checkpointer:
         partial : bool
             Load only the keys in ``abstract``, ignoring the others (e.g. only the params
             of another run's checkpoint).
-        transform, shardings
-            Model surgery and shardings / partition rules, as for ``quire.load``.
+        transform, shardings, casting
+            Model surgery, shardings / partition rules and the casts to ``abstract``'s
+            dtypes allowed, as for ``quire.load``.
 
         Raises
         ------
         CheckpointNotFoundError
-            No such committed step (or none at all).
+            No such committed step (or none at all), or one of several named units (its
+            message names :meth:`load_checkpointables`; one pytree unit loads).
         TreeMismatchError
-            ``abstract`` does not match (see ``quire.load``).
+            ``abstract`` does not match, or asks for a lossy cast (see ``quire.load``).
         QuireError
             Processes disagree on the step to restore.
         """
+        kw: dict[str, Any] = {"partial": partial, "transform": transform, "shardings": shardings}
+        kw.update(casting=casting, storage_options=self._main.paths.options)
         return self._tier.load(
-            None if step is None else as_step(step),
-            lambda url: _api.load(
-                url,
-                abstract,
-                partial=partial,
-                storage_options=self._main.paths.options,
-                transform=transform,
-                shardings=shardings,
-            ),
+            None if step is None else as_step(step), lambda url: _api.load(url, abstract, **kw)
         )
 
     def load_checkpointables(
@@ -342,6 +340,7 @@ class Checkpointer:
         abstract: Mapping[str, Any] | None = None,
         *,
         partial: bool = False,
+        casting: CastingSpec = None,
     ) -> dict[str, Any]:
         """Load named units of ``step`` (default: latest); see ``quire.load_checkpointables``.
 
@@ -352,8 +351,9 @@ class Checkpointer:
         abstract : mapping of str to target, optional
             Unit name -> target, as for ``quire.load_checkpointables`` (None: every unit,
             as saved).
-        partial : bool
-            For pytree units, load only the keys present in the target.
+        partial, casting
+            For pytree units: load only the keys present in the target; the casts to the
+            targets' dtypes allowed (see :meth:`load`).
 
         Returns
         -------
@@ -365,10 +365,11 @@ class Checkpointer:
         CheckpointNotFoundError
             No committed step (or not that one).
         """
+        opts = self._main.paths.options
         return self._tier.load(  # type: ignore[no-any-return]
             None if step is None else as_step(step),
             lambda url: _api.load_checkpointables(
-                url, abstract, partial=partial, storage_options=self._main.paths.options
+                url, abstract, partial=partial, storage_options=opts, casting=casting
             ),
         )
 

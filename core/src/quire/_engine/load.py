@@ -11,16 +11,17 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import jax
-import numpy as np
 
 from quire._engine import commit as _commit
+from quire._engine.pairing import pair_with_target
 from quire._engine.shared_reads import plan_shared, prefetch_shared
 from quire._format import packedreader as _packedreader
 from quire._format.record import PYTREE
-from quire._format.tree import KeyPath, Node, from_json, keystr, walk
+from quire._format.tree import Node, from_json, keystr
 from quire._handlers import select as _selection
 from quire._handlers import unit_ops as _checkpointables
 from quire._handlers.base import LoadContext, LoadEntry
+from quire._handlers.casting import CastingSpec, stored_dtype
 from quire._handlers.meshes import Placer
 from quire._handlers.owned import verify_leaves, verify_units
 from quire._runtime import registry as _registry
@@ -60,94 +61,28 @@ async def read_for_data(
 
 
 # ----------------------------------------------------------------------------- loading
-def _is_abstract_leaf(x: Any) -> bool:
-    if x is None or isinstance(x, type):
-        return True
-    if isinstance(x, jax.ShapeDtypeStruct | jax.Array | np.ndarray | np.generic):
-        return True
-    if type(x) in (bool, int, float, complex, str, bytes):
-        return True
-    return _selection.for_value(x) is not None
-
-
-def _diff_message(subject: str, missing: list[str], extra: list[str], bad: list[str]) -> str:
-    lines = [f"{subject} does not match the target tree:"]
-    if missing:
-        lines.append(
-            f"  in the checkpoint, missing from the target ({len(missing)}): " + ", ".join(missing)
-        )
-    if extra:
-        lines.append(
-            f"  in the target, missing from the checkpoint ({len(extra)}): " + ", ".join(extra)
-        )
-    if bad:
-        lines.append(f"  mismatched ({len(bad)}): " + "; ".join(bad))
-    fix = "fix the abstract tree"
-    if missing and not extra and not bad:
-        fix = "pass partial=True to load only the keys in the target, or " + fix
-    lines.append(f"  To fix: {fix}.")
-    nnx = _nnx_hint(missing, extra)
-    if nnx:
-        lines.append(f"  {nnx}")
-    return "\n".join(lines)
-
-
-def _nnx_hint(missing: list[str], extra: list[str]) -> str | None:
-    """The likely cause when the two sides differ by Flax NNX's ``/value`` level."""
-    if {f"{p}/value" for p in extra} & set(missing):
-        return (
-            "The checkpoint holds Flax NNX Variables (key paths end in /value) and the target "
-            "a pure dict: load into nnx.state(nnx.eval_shape(make_model)) instead."
-        )
-    if {f"{p}/value" for p in missing} & set(extra):
-        return (
-            "The checkpoint holds a pure dict (nnx.to_pure_dict) and the target Flax NNX "
-            "Variables: load it into nnx.to_pure_dict(abstract_state), then "
-            "nnx.replace_by_pure_dict(abstract_state, loaded)."
-        )
-    return None
-
-
-def pair_with_target(
-    leaves: Mapping[KeyPath, Any],
-    abstract: Any,
-    *,
-    partial: bool,
-    check: Callable[[Node, Any], str | None],
-    subject: str,
-) -> tuple[Node, list[tuple[Node, Any, Any]]]:
-    """Pair each leaf of ``abstract`` with the value at its key path in ``leaves`` (a saved
-    tree's records, or a transform's values): ``(target root, [(target node, value, target)])``.
-
-    Strict: a key of ``leaves`` missing from the target (unless ``partial``), a key of the
-    target missing from ``leaves``, and every pair ``check`` objects to (it returns why) are
-    reported together in one :class:`~quire.errors.TreeMismatchError` about ``subject``.
-    """
-    root = walk(abstract, _is_abstract_leaf, what="abstract tree")
-    tleaves = list(root.leaves())
-    tpaths = {t.path for t in tleaves}
-    missing = [] if partial else [keystr(p) for p in leaves if p not in tpaths]
-    extra = [keystr(t.path) for t in tleaves if t.path not in leaves]
-    pairs = [(t, leaves[t.path], t.value) for t in tleaves if t.path in leaves]
-    bad = [f"{keystr(t.path)!r}: {why}" for t, v, _ in pairs if (why := check(t, v))]
-    if missing or extra or bad:
-        raise TreeMismatchError(
-            _diff_message(subject, missing, extra, bad),
-            missing=missing,
-            extra=extra,
-            mismatched=bad,
-        )
-    return root, pairs
-
-
 def pytree_unit(doc: dict[str, Any], url: str, name: str = PYTREE) -> dict[str, Any]:
-    """The JSON tree of pytree unit ``name``; a clear error when it is not there."""
-    unit = doc["units"].get(name)
+    """The JSON tree of pytree unit ``name``; a clear error when it is not there.
+
+    A checkpoint of named units (``quire.save_checkpointables``, ``Checkpointer.save(...,
+    units=...)``) has no unit ``"pytree"``: when it holds exactly one unit and that unit is a
+    pytree, that unit is the tree (nothing else would be left behind); with several, the
+    error names the call that loads them, with their names.
+    """
+    units = doc["units"]
+    unit = units.get(name)
+    if unit is None and name == PYTREE and len(units) == 1:
+        unit = next(iter(units.values()))
     if unit is None or unit.get("kind") != "pytree":
-        have = ", ".join(f"{k!r} ({v.get('kind')})" for k, v in doc["units"].items()) or "none"
+        have = ", ".join(f"{k!r} ({v.get('kind')})" for k, v in units.items()) or "none"
+        targets = ", ".join(
+            f"{k!r}: {'target' if v.get('kind') == 'pytree' else 'None'}" for k, v in units.items()
+        )
         raise CheckpointNotFoundError(
-            f"checkpoint {url} has no pytree unit {name!r} (units: {have}); "
-            "use quire.load_checkpointables(url) to load its units"
+            f"checkpoint {url} has no pytree unit {name!r}: it holds named units ({have}). "
+            f"Load them with quire.load_checkpointables(url, {{{targets}}}), or "
+            f"Checkpointer.load_checkpointables(step, {{...}}) for a Checkpointer's step "
+            "(a None target: the unit as saved)"
         )
     tree: dict[str, Any] = unit["tree"]
     return tree
@@ -161,6 +96,7 @@ async def load_doc(
     *,
     partial: bool,
     unit: str = PYTREE,
+    casting: CastingSpec = None,
 ) -> Any:
     return await load_tree(
         url,
@@ -169,6 +105,7 @@ async def load_doc(
         abstract,
         partial=partial,
         plugins=doc.get("plugins"),
+        casting=casting,
     )
 
 
@@ -180,15 +117,20 @@ async def load_tree(
     *,
     partial: bool,
     plugins: Mapping[str, str] | None = None,
+    casting: CastingSpec = None,
 ) -> Any:
     try:
-        return await _load_tree(url, tree_json, backend, abstract, partial=partial)
+        return await _load_tree(url, tree_json, backend, abstract, partial=partial, casting=casting)
     except PluginError as e:
         # Name the package that wrote the missing plugin's data, when the record says.
         hinted = _registry.record_hint(e, plugins)
         if hinted is e:
             raise
         raise hinted from e
+
+
+def _is_none(rec: Any) -> bool:
+    return bool(rec.get("handler") == "none")
 
 
 async def _load_tree(
@@ -198,16 +140,15 @@ async def _load_tree(
     abstract: Any,
     *,
     partial: bool,
+    casting: CastingSpec,
 ) -> Any:
     saved = from_json(tree_json)
     if abstract is None:
-        target_root = saved
-        pairs = [(leaf, leaf.value, None) for leaf in saved.leaves()]
+        pairs = [(leaf, leaf.value, None, "same_kind") for leaf in saved.leaves()]
     else:
         handler_cache: dict[str, Any] = {}
-        leaves = {leaf.path: leaf.value for leaf in saved.leaves()}
         # Targets on an abstract mesh (jax.eval_shape of a sharded state) made concrete.
-        placer = Placer(rec.get("sharding") for rec in leaves.values())
+        placer = Placer(leaf.value.get("sharding") for leaf in saved.leaves())
         placed: dict[int, Any] = {}
 
         def check(t: Node, rec: Any) -> str | None:
@@ -220,28 +161,38 @@ async def _load_tree(
             why = h.check(LoadEntry(t.path, rec, target))
             return why
 
-        target_root, pairs = pair_with_target(
-            leaves, abstract, partial=partial, check=check, subject=f"checkpoint {url}"
+        pairing = pair_with_target(
+            saved,
+            abstract,
+            partial=partial,
+            check=check,
+            subject=f"checkpoint {url}",
+            is_empty=_is_none,
+            casting=casting,
+            dtype_of=stored_dtype,
         )
-        pairs = [(n, rec, placed.get(id(n), target)) for n, rec, target in pairs]
+        pairs = [
+            (n, rec, placed.get(id(n), target), pairing.casting(n))
+            for n, rec, target in pairing.pairs
+        ]
     cfg = current()
     shared = cfg.replica_reads
     if shared is None:  # on where reading costs more than exchanging: object stores
         shared = url.split("://", 1)[0] not in ("file", "local", "memory") and "://" in url
     if shared and jax.process_count() > 1:
         # chunks several processes need: each read once, then exchanged
-        plan = plan_shared(((rec, target) for _, rec, target in pairs), url)
+        plan = plan_shared(((rec, target) for _, rec, target, _ in pairs), url)
         if plan and sum(it[3] for it in plan) >= cfg.replica_read_min_bytes:
             backend = await prefetch_shared(url, backend, plan)
     expect = getattr(backend, "expect", None)  # format v2: plan large pack reads
     if expect is not None and jax.process_count() == 1:
-        expect(rec.get("location") for _, rec, _ in pairs)
+        expect(rec.get("location") for _, rec, _, _ in pairs)
     ctx = LoadContext(url, backend, jax.process_index(), jax.process_count())
     ctx.limit = asyncio.Semaphore(max(1, current().max_concurrency))
     ctx.budget = ByteBudget(current().byte_budget)
     groups: dict[str, list[tuple[Node, LoadEntry]]] = collections.defaultdict(list)
-    for node, rec, target in pairs:
-        groups[rec["handler"]].append((node, LoadEntry(node.path, rec, target)))
+    for node, rec, target, how in pairs:
+        groups[rec["handler"]].append((node, LoadEntry(node.path, rec, target, casting=how)))
     values: dict[int, Any] = {}
 
     async def run(hid: str, items: list[tuple[Node, LoadEntry]]) -> None:
@@ -255,7 +206,7 @@ async def _load_tree(
     await gather_cancelling(*(run(h, items) for h, items in groups.items()))
     if abstract is None:
         return rebuild_saved(saved, values)
-    return target_root.rebuild(lambda n: values[id(n)])
+    return pairing.rebuild(values)
 
 
 def rebuild_saved(node: Node, values: dict[int, Any]) -> Any:
@@ -271,12 +222,17 @@ def rebuild_saved(node: Node, values: dict[int, Any]) -> Any:
 
 
 async def load(
-    url: str, abstract: Any, *, partial: bool, storage_options: dict[str, Any] | None = None
+    url: str,
+    abstract: Any,
+    *,
+    partial: bool,
+    storage_options: dict[str, Any] | None = None,
+    casting: CastingSpec = None,
 ) -> Any:
     backend = open_backend(url, storage_options)
 
     async def attempt(doc: dict[str, Any]) -> Any:
-        return await load_doc(url, doc, backend, abstract, partial=partial)
+        return await load_doc(url, doc, backend, abstract, partial=partial, casting=casting)
 
     with keeping_open(backend):
         return await _reloading(backend, url, attempt)
@@ -373,13 +329,16 @@ async def load_units(
     *,
     partial: bool = False,
     storage_options: dict[str, Any] | None = None,
+    casting: CastingSpec = None,
 ) -> dict[str, Any]:
     """Load the named units (all when ``targets`` is None); each target is an abstract tree
     for pytree units, or the object / None for other units."""
     backend = open_backend(url, storage_options)
     with keeping_open(backend):
         return await _reloading(
-            backend, url, lambda doc: _load_units(url, doc, backend, targets, partial=partial)
+            backend,
+            url,
+            lambda doc: _load_units(url, doc, backend, targets, partial=partial, casting=casting),
         )
 
 
@@ -390,6 +349,7 @@ async def _load_units(
     targets: Mapping[str, Any] | None,
     *,
     partial: bool,
+    casting: CastingSpec,
 ) -> dict[str, Any]:
     backend = packed_view(backend, url, doc)
     units = doc["units"]
@@ -408,7 +368,13 @@ async def _load_units(
         target = None if targets is None else targets[name]
         if unit["kind"] == "pytree":
             out[name] = await load_tree(
-                url, unit["tree"], backend, target, partial=partial, plugins=doc.get("plugins")
+                url,
+                unit["tree"],
+                backend,
+                target,
+                partial=partial,
+                plugins=doc.get("plugins"),
+                casting=casting,
             )
         else:
             try:

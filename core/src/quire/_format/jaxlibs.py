@@ -12,7 +12,9 @@ the library is already imported, so each check looks its class up in ``sys.modul
   refused wherever quire meets it (the next save of the model, or a load into its state),
   with the call that restores NNX state: :func:`nested_value_error`.
 * An Equinox ``Module`` holds functions (``eqx.nn.MLP``'s activation) among its arrays: the
-  error for such a leaf names ``eqx.filter`` / ``eqx.combine`` (:func:`equinox_hint`).
+  error for such a leaf names ``eqx.filter`` / ``eqx.combine`` (:func:`equinox_hint`); a
+  function elsewhere in a tree (``jax.nn.relu``, a lambda) names what leaves functions out
+  (:func:`function_hint`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["equinox_hint", "is_equinox_module", "nested_value_error", "nnx_variable_type"]
+__all__ = [
+    "equinox_hint",
+    "function_hint",
+    "is_equinox_module",
+    "is_function",
+    "nested_value_error",
+    "nnx_variable_type",
+]
 
 
 def _nnx_variable_class() -> Any:
@@ -76,4 +85,20 @@ def equinox_hint(module: str) -> str:
         "activation are not state): save params = eqx.filter(model, eqx.is_array), and "
         "restore with params, static = eqx.partition(new_model, eqx.is_array); "
         "model = eqx.combine(quire.load(url, params), static)"
+    )
+
+
+def is_function(x: object) -> bool:
+    """Whether ``x`` is a function or another callable that is no class (``jax.nn.relu``, a
+    lambda, a bound method, a ``functools.partial``): code, not state."""
+    return callable(x) and not isinstance(x, type)
+
+
+def function_hint() -> str:
+    """The fix for a function among a tree's leaves (outside an Equinox module)."""
+    return (
+        ": save only the arrays, e.g. eqx.filter(model, eqx.is_array) for an Equinox model, "
+        "nnx.state(model) for a Flax NNX one, the params and optimizer state of a training "
+        "state (flax's TrainState keeps apply_fn and tx as static fields, out of the tree); "
+        "a load's target leaves them out the same way"
     )

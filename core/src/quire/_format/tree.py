@@ -121,7 +121,14 @@ def walk(tree: Any, is_leaf: Callable[[Any], bool], *, what: str = "tree") -> No
             x, is_leaf=lambda c: c is not x
         )
         name = f"{type(x).__module__}.{type(x).__qualname__}"
-        if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # type: ignore[attr-defined]
+        opaque = treedef.num_nodes == 1 and treedef.num_leaves == 1  # type: ignore[attr-defined]
+        if opaque and jaxlibs.is_function(x):
+            raise UnsupportedLeafError(
+                f"{what}: leaf at {keystr(path)!r} is a function ({name}); functions are not "
+                "state, leave them out of the tree"
+                + (jaxlibs.equinox_hint(module) if module else jaxlibs.function_hint())
+            )
+        if opaque:
             raise UnsupportedLeafError(
                 f"{what}: leaf at {keystr(path)!r} has type {name}, which no installed leaf "
                 "handler saves; convert it to an array or scalar, register it as a JAX pytree "

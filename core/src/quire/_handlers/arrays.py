@@ -23,6 +23,7 @@ from quire._handlers.arrayplan import (
 )
 from quire._handlers.arraysnap import snapshot_plans
 from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
+from quire._handlers.casting import check_cast, check_values, target_dtype
 from quire._handlers.meshes import saved_sharding
 from quire._handlers.zarr_io import (
     ArrayLayout,
@@ -314,6 +315,19 @@ class ArrayHandler:
                 f"some of its types); load it as {layout.dtype} and cast it yourself (e.g. "
                 "through float32)"
             )
+        if out_dtype != layout.dtype:
+            check_cast(layout.dtype, out_dtype, e.casting, url=ctx.url, path=e.path)
+        if kind == "python" and target is not None:
+            # A Python number holds any int and a float64; the kind is what can be lost.
+            want = target_dtype(target)
+            if want is not None:
+                check_cast(layout.dtype, want, e.casting, url=ctx.url, path=e.path)
+
+        def cast(a: np.ndarray) -> np.ndarray:
+            """``a`` as the target's dtype (aligned for the device); narrowed ints checked."""
+            check_values(a, out_dtype, e.casting, url=ctx.url, path=e.path)
+            return for_device(a, out_dtype)
+
         shape = layout.shape
         if kind in ("numpy", "python"):
             self._check_memory(layout.nbytes, e, ctx)
@@ -322,6 +336,8 @@ class ArrayHandler:
                 ctx.backend, loc, layout, tuple(slice(0, n) for n in shape), buf, sem=ctx.limit
             )
             ctx.stats["bytes"] += buf.nbytes
+            if out_dtype != layout.dtype:
+                check_values(buf, out_dtype, e.casting, url=ctx.url, path=e.path)
             arr = buf if out_dtype == layout.dtype else buf.astype(out_dtype)
             if kind == "python":
                 t = target if isinstance(target, type) else type(target)
@@ -375,7 +391,7 @@ class ArrayHandler:
             async def place(key: tuple[tuple[int, int], ...], devs: list[Any]) -> None:
                 assert box is not None
                 part = whole[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(key, box))]
-                host = for_device(part, out_dtype)
+                host = cast(part)
                 for d in devs:
                     arrays[d] = await _device_put(host, d)
 
@@ -397,7 +413,7 @@ class ArrayHandler:
                 buf = aligned_empty(tuple(b - a for a, b in key), layout.dtype)
                 await read_region(ctx.backend, loc, layout, reg, buf, sem=ctx.limit)
                 ctx.stats["bytes"] += buf.nbytes
-                host = for_device(buf, out_dtype)
+                host = cast(buf)
                 for d in devs:
                     arrays[d] = await _device_put(host, d)
                 del buf, host

@@ -60,11 +60,17 @@ class LoadEntry:
         The JSON leaf record the handler's ``save`` returned.
     target : Any
         The abstract leaf, or None.
+    casting : str
+        Which casts to the target's dtype the load may make, in numpy's terms
+        (``"no"``, ``"equiv"``, ``"safe"``, ``"same_kind"``, ``"unsafe"``); the default
+        ``"same_kind"`` also refuses an integer narrowed past one of its values.  A handler
+        that casts refuses the others with :class:`~quire.errors.LossyCastError`.
     """
 
     path: KeyPath
     record: Mapping[str, Any]
     target: Any = None
+    casting: str = "same_kind"
 
 
 @dataclass

@@ -13,6 +13,7 @@ from quire._format.bounds import MAX_INT_DIGITS
 from quire._format.dtypes import dtype_from_name, dtype_name
 from quire._format.tree import keystr
 from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
+from quire._handlers.casting import check_cast, check_values, target_dtype, value_dtype
 from quire.errors import CorruptCheckpointError, UnsupportedLeafError
 
 _PY = {"bool": bool, "int": int, "float": float, "complex": complex}
@@ -72,7 +73,7 @@ class _Inline:
                     f"{ctx.url}: leaf {'/'.join(map(str, e.path))!r} has a malformed "
                     f"{self.id!r} record ({err!r}); the commit record is damaged"
                 ) from err
-            out.append(convert(v, e.target, e.path))
+            out.append(convert(v, e.target, e.path, e.casting, ctx.url))
         return out
 
     async def objects(
@@ -85,10 +86,18 @@ class _Inline:
         return [type(self.decode(r)) for r in records]
 
 
-def convert(value: Any, target: Any, path: tuple[Any, ...]) -> Any:
-    """An inline value as the abstract target asks: a type, or a value of that type."""
+def convert(
+    value: Any, target: Any, path: tuple[Any, ...], casting: str = "same_kind", url: str = ""
+) -> Any:
+    """An inline value as the abstract target asks: a type, or a value of that type; a cast
+    ``casting`` refuses raises :class:`~quire.errors.LossyCastError`."""
     if target is None or (isinstance(target, type(value)) and not isinstance(target, type)):
         return value
+    src, dst = value_dtype(value), target_dtype(target)
+    if src is not None and dst is not None:
+        check_cast(src, dst, casting, url=url, path=path)
+        if target not in _PY.values() and type(target) not in _PY.values():
+            check_values(value, dst, casting, url=url, path=path)  # a Python int is unbounded
     t = target if isinstance(target, type) else type(target)
     if isinstance(target, np.generic):
         return target.dtype.type(value)
@@ -226,6 +235,16 @@ class NoneHandler(_Inline):
 
     def decode(self, r: Mapping[str, Any]) -> Any:
         return None
+
+    def check(self, entry: LoadEntry) -> str | None:
+        """None matches a None target ("as saved") only: a target asking for a value (an
+        array, a number, a type) there has none in the checkpoint."""
+        t = entry.target
+        if t is None:
+            return None
+        shape = getattr(t, "shape", None)
+        asked = f"target shape {tuple(shape)}" if shape is not None else f"target {t!r}"
+        return f"saved None, {asked}"
 
     async def load(self, entries: Sequence[LoadEntry], ctx: LoadContext) -> list[Any]:
         return [None for _ in entries]

@@ -18,8 +18,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from quire._engine.load import pair_with_target
-from quire._format.tree import Node, keystr, walk
+from quire._engine.pairing import pair_with_target
+from quire._format.tree import KeyPath, Node, keystr, walk
+from quire._handlers import casting as _casting
 from quire._handlers.meshes import Placer, is_abstract
 from quire._runtime import ioloop as _io
 from quire._runtime.budget import ByteBudget
@@ -43,9 +44,25 @@ def _norm(idx: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
     return tuple(out)
 
 
+class _Cast:
+    """The cast of one leaf's regions to ``dtype`` under ``casting``; the leaf at ``path`` of
+    ``url`` (for messages)."""
+
+    def __init__(self, dtype: np.dtype[Any], casting: str, url: str, path: KeyPath) -> None:
+        self.dtype, self.casting, self.url, self.path = dtype, casting, url, path
+
+    def __call__(self, a: np.ndarray) -> np.ndarray:
+        """``a`` as the dtype; a narrowed integer's values checked first."""
+        if a.dtype == self.dtype:
+            return a
+        _casting.check_values(a, self.dtype, self.casting, url=self.url, path=self.path)
+        return a.astype(self.dtype)
+
+
 async def _read_cast(
-    v: LazyValue, region: Region, dtype: np.dtype[Any], budget: ByteBudget
+    v: LazyValue, region: Region, cast: _Cast, budget: ByteBudget
 ) -> tuple[np.ndarray, int]:
+    dtype = cast.dtype
     n = math.prod(r.stop - r.start for r in region) * v.dtype.itemsize
     need = (
         n if dtype == v.dtype else n + math.prod(r.stop - r.start for r in region) * dtype.itemsize
@@ -54,16 +71,15 @@ async def _read_cast(
     try:
         a = await v.read_region(region)
         if a.dtype != dtype:
-            a = await run_blocking(a.astype, dtype)
+            a = await run_blocking(cast, a)
     except BaseException:
         await budget.release(need)
         raise
     return a, need
 
 
-def _read_put(read: Callable[[], np.ndarray], dtype: np.dtype[Any], sharding: Any) -> Any:
-    a = read()
-    return jax.device_put(a if a.dtype == dtype else a.astype(dtype), sharding)
+def _read_put(read: Callable[[], np.ndarray], cast: _Cast, sharding: Any) -> Any:
+    return jax.device_put(cast(read()), sharding)
 
 
 def _plan(sharding: Any, shape: tuple[int, ...]) -> tuple[Any, list[Any], Region | None]:
@@ -105,10 +121,24 @@ _plan_cached = functools.lru_cache(maxsize=256)(_make_plan)
 
 
 async def materialize_leaf(
-    v: LazyValue, dtype: Any = None, sharding: Any = None, budget: ByteBudget | None = None
+    v: LazyValue,
+    dtype: Any = None,
+    sharding: Any = None,
+    budget: ByteBudget | None = None,
+    casting: str = "unsafe",
+    path: KeyPath | None = None,
 ) -> Any:
-    """Read ``v`` into a numpy array (``sharding`` None) or a ``jax.Array`` with ``sharding``."""
+    """Read ``v`` into a numpy array (``sharding`` None) or a ``jax.Array`` with ``sharding``.
+
+    ``casting`` limits the cast to ``dtype`` (:mod:`quire._handlers.casting`): ``"unsafe"``
+    for ``LazyArray.read(dtype=...)``, a cast asked for by name; a load passes the target
+    leaf's, and its key path ``path`` for messages.
+    """
     out_dtype = np.dtype(dtype) if dtype is not None else v.dtype
+    url = ", ".join(sorted({s.url for s in v.sources()})) or "a lazy value"
+    cast = _Cast(out_dtype, casting, url, getattr(v, "key_path", ()) if path is None else path)
+    if out_dtype != v.dtype:
+        _casting.check_cast(v.dtype, out_dtype, casting, url=url, path=cast.path)
     budget = budget or ByteBudget(current().byte_budget)
     shape = v.shape
     if is_abstract(sharding):  # LazyArray.read(sharding=...) of an eval_shape target
@@ -117,7 +147,7 @@ async def materialize_leaf(
             where = ", ".join(sorted({f"{s.url}:{s.key}" for s in v.sources()})) or "a value"
             raise TreeMismatchError(f"reading {where}: {why}", mismatched=[why])
     if sharding is None:
-        a, need = await _read_cast(v, full_region(shape), out_dtype, budget)
+        a, need = await _read_cast(v, full_region(shape), cast, budget)
         await budget.release(need)  # handed to the caller
         return a
     idx_map, regions, box = _plan(sharding, shape)
@@ -143,9 +173,9 @@ async def materialize_leaf(
         n = math.prod(shape) * v.dtype.itemsize
         need = n if out_dtype == v.dtype else n + math.prod(shape) * out_dtype.itemsize
         async with budget.hold(need):
-            return await run_blocking(_read_put, read, out_dtype, sharding)
+            return await run_blocking(_read_put, read, cast, sharding)
     if box is not None:
-        whole, need = await _read_cast(v, box, out_dtype, budget)
+        whole, need = await _read_cast(v, box, cast, budget)
         if whole_here:
             # Every shard is local: one device_put of the host array (JAX slices it per device).
             try:
@@ -164,7 +194,7 @@ async def materialize_leaf(
     else:
 
         async def one(reg: Region, devs: list[Any]) -> None:
-            host, need = await _read_cast(v, reg, out_dtype, budget)
+            host, need = await _read_cast(v, reg, cast, budget)
             try:
                 await put(host, devs)
             finally:
@@ -239,6 +269,10 @@ def _target_of(t: Any) -> tuple[Any, Any, str]:
     return getattr(t, "dtype", None), getattr(t, "sharding", None), "jax"
 
 
+def _is_none(v: Any) -> bool:
+    return v is None
+
+
 async def materialize_tree(
     value_tree: Any,
     abstract: Any,
@@ -246,18 +280,26 @@ async def materialize_tree(
     shardings: Any = None,
     partial: bool = False,
     what: str = "transform result",
+    subject: str | None = None,
+    transform: bool = True,
+    casting: _casting.CastingSpec = None,
 ) -> Any:
-    """Place each leaf of ``value_tree`` into ``abstract`` (or its own structure when None)."""
+    """Place each leaf of ``value_tree`` into ``abstract`` (or its own structure when None).
+
+    ``what`` names the values in messages ("transform result", "saved"), ``subject`` the
+    whole (default ``the {what}``); ``transform``: the values are a transform's result.
+    """
     vroot = walk(value_tree, _is_value_leaf, what=what)
-    vleaves = {n.path: n.value for n in vroot.leaves()}
     table = sharding_table(shardings)
     placed: dict[int, Any] = {}
+    castings: dict[int, str] = {}
     if abstract is None:
         troot = vroot
         pairs = [(n, n.value, None) for n in vroot.leaves()]
+        rebuild = troot.rebuild
     else:
         # Targets on an abstract mesh (jax.eval_shape of a sharded state) made concrete.
-        placer = Placer(saved_shardings(vleaves.values()))
+        placer = Placer(saved_shardings(n.value for n in vroot.leaves()))
 
         def check(t: Node, v: Any) -> str | None:
             target, why = placer.target(t.value)
@@ -265,8 +307,9 @@ async def materialize_tree(
                 return why
             placed[id(t)] = target
             want, got = getattr(t.value, "shape", None), getattr(v, "shape", None)
-            if v is None and want is not None:
-                return f"the transform gave None, target shape {want}"
+            if v is None and t.value is not None:
+                asked = f"target shape {tuple(want)}" if want is not None else f"target {t.value!r}"
+                return f"the {what} holds None here, the {asked}"
             if (
                 want is not None
                 and not isinstance(t.value, type)
@@ -276,15 +319,29 @@ async def materialize_tree(
                 return f"{what} shape {tuple(got)}, target shape {tuple(want)}"
             return None
 
-        troot, pairs = pair_with_target(
-            vleaves, abstract, partial=partial, check=check, subject=f"the {what}"
+        pairing = pair_with_target(
+            vroot,
+            abstract,
+            partial=partial,
+            check=check,
+            subject=subject or f"the {what}",
+            is_empty=_is_none,
+            casting=casting,
+            dtype_of=_casting.value_dtype,
+            transform=transform,
         )
-        pairs = [(n, v, placed.get(id(n), target)) for n, v, target in pairs]
+        pairs = [(n, v, placed.get(id(n), target)) for n, v, target in pairing.pairs]
+        castings = {id(n): pairing.casting(n) for n, _, _ in pairs}
+
+        def rebuild(value_of: Callable[[Node], Any]) -> Any:
+            return pairing.rebuild({id(n): value_of(n) for n, _, _ in pairs})
+
     budget = ByteBudget(current().byte_budget)
     results: dict[int, Any] = {}
 
     async def one(node: Node, v: Any, target: Any) -> None:
         dtype, sharding, kind = _target_of(target) if abstract is not None else (None, None, "")
+        how = castings.get(id(node), "unsafe")
         shape = getattr(v, "shape", None)
         if sharding is None and shape is not None and kind != "numpy":
             sharding = sharding_for(table, node.path, tuple(shape))
@@ -292,17 +349,17 @@ async def materialize_tree(
                 kind = "jax"
         try:
             if isinstance(v, LazyValue):
-                out = await materialize_leaf(v, dtype, sharding, budget)
+                out = await materialize_leaf(v, dtype, sharding, budget, how, node.path)
                 if kind == "python" and target is not None:
                     t = target if isinstance(target, type) else type(target)
                     out = t(np.asarray(out)[()])
             elif kind == "jax" and shape is not None:
-                host = np.asarray(v, dtype=dtype)
+                host = _concrete(v, dtype, how, node.path)
                 out = (
                     jax.device_put(host, sharding) if sharding is not None else jax.device_put(host)
                 )
             elif kind == "numpy" and v is not None:
-                out = np.asarray(v, dtype=dtype)
+                out = _concrete(v, dtype, how, node.path)
             elif kind == "python" and target is not None and v is not None:
                 t = target if isinstance(target, type) else type(target)
                 out = t(np.asarray(v)[()]) if shape is not None else t(v)
@@ -322,7 +379,17 @@ async def materialize_tree(
     # regions): gathering thousands of leaf coroutines at once made every budget release wake
     # all of them, and kept them alive long enough to trigger full garbage collections.
     await for_each(pairs, lambda p: one(*p), max(1, current().max_concurrency))
-    return troot.rebuild(lambda n: results[id(n)])
+    return rebuild(lambda n: results[id(n)])
+
+
+def _concrete(v: Any, dtype: Any, casting: str, path: KeyPath) -> np.ndarray:
+    """A concrete value of a transform's result as a numpy array of ``dtype`` (its own when
+    None), the values of a narrowed integer checked."""
+    host = np.asarray(v)
+    if dtype is None or host.dtype == dtype:
+        return host
+    _casting.check_values(host, np.dtype(dtype), casting, url="a concrete value", path=path)
+    return host.astype(dtype)
 
 
 def load_and_transform(
@@ -333,6 +400,7 @@ def load_and_transform(
     shardings: Any = None,
     partial: bool = False,
     storage_options: dict[str, Any] | None = None,
+    casting: _casting.CastingSpec = None,
 ) -> Any:
     """Open ``sources`` lazily, apply ``transform_fn`` and load the result into ``abstract``.
 
@@ -350,18 +418,37 @@ def load_and_transform(
         For leaves whose abstract leaf carries no sharding.
     partial : bool
         Allow the transform's result to have leaves the abstract tree lacks (they are not read).
+    casting : str or callable, optional
+        Which casts to the abstract leaves' dtypes are allowed, as for :func:`quire.load`
+        (default ``"same_kind"``); a lazy ``astype`` in the transform is a cast asked for.
 
     Raises
     ------
     TreeMismatchError
         The result does not match ``abstract`` (missing / extra / mis-shaped key paths).
+    LossyCastError
+        ``abstract`` asks for a cast that ``casting`` refuses (a float into an int, ...).
     Exception
         Whatever ``transform_fn`` raised, with a note naming the source URLs.
     """
+    _casting.check_spec(casting)
     shaped, opened = open_sources(sources, storage_options)
     fn = transform_fn or (lambda *a, **k: a[0] if a else k)
     result = call_transform(fn, shaped, opened)
-    what = "transform result of " + ", ".join(s.url for s in opened)
+    urls = ", ".join(s.url for s in opened)
+    if transform_fn is None:
+        what, subject = "saved", f"checkpoint {urls}"
+    else:
+        what, subject = "transform result", f"the transform result of {urls}"
     return _io.submit(
-        materialize_tree(result, abstract, shardings=shardings, partial=partial, what=what)
+        materialize_tree(
+            result,
+            abstract,
+            shardings=shardings,
+            partial=partial,
+            what=what,
+            subject=subject,
+            transform=transform_fn is not None,
+            casting=casting,
+        )
     ).result()

@@ -1,0 +1,242 @@
+"""Which casts a load makes without being asked: numpy's casting vocabulary, with ml_dtypes'
+types placed in numpy's kinds, and the value check of a narrowed integer.
+
+A load casts a leaf when its target asks for another dtype than the saved one.  ``casting``
+takes numpy's values (``numpy.can_cast``):
+
+* ``"no"`` / ``"equiv"``: no cast at all;
+* ``"safe"``: only casts that keep every value (``int32 -> int64``, ``float32 -> float64``);
+* ``"same_kind"`` (the default): safe casts, and casts within a kind or up the order
+  bool < unsigned int < signed int < float < complex (``float32 -> bfloat16``,
+  ``float64 -> float32``, ``int64 -> int32``); an integer narrowed this way must keep its
+  values, which is checked as it is read (numpy would wrap them);
+* ``"unsafe"``: any cast numpy makes (floats truncated to ints, complex to real).
+
+numpy's own ``can_cast(..., "same_kind")`` answers wrongly for ml_dtypes' types: they are
+registered with numpy kind ``V``, so it calls ``float32 -> int4`` and ``complex64 -> bfloat16``
+same-kind and ``bfloat16 -> float16`` not.  Here bfloat16 and the float8 types are floats and
+int2 / int4 (uint2 / uint4) signed (unsigned) ints, and ``same_kind`` follows the order above
+for every type, which is numpy's answer for numpy's own types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from quire._format.dtypes import ML_FLOAT_NAMES, ML_INT_NAMES, SUPPORTED
+from quire._format.tree import KeyPath, keystr
+from quire.errors import LossyCastError
+from quire.options import CastingSpec
+
+__all__ = [
+    "CASTINGS",
+    "DEFAULT",
+    "CastingSpec",
+    "can_cast",
+    "casting_for",
+    "check_cast",
+    "check_casting",
+    "check_spec",
+    "check_values",
+    "lossy",
+    "narrowed",
+    "python_dtype",
+    "refusal",
+    "stored_dtype",
+    "target_dtype",
+    "value_dtype",
+]
+
+CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
+DEFAULT = "same_kind"
+
+_ORDER = {"b": 0, "u": 1, "i": 2, "f": 3, "c": 4}
+_ML_KINDS = {name: "f" for name in ML_FLOAT_NAMES}
+_ML_KINDS.update({name: "u" if name.startswith("u") else "i" for name in ML_INT_NAMES})
+_PYTHON: dict[type, np.dtype[Any]] = {
+    bool: np.dtype(bool),
+    int: np.dtype(np.int64),
+    float: np.dtype(np.float64),
+    complex: np.dtype(np.complex128),
+}
+_PY_NAMES = {t.__name__: t for t in _PYTHON}
+
+
+def check_casting(casting: Any, what: str = "casting") -> None:
+    """Refuse a casting value that is not one of numpy's (``ValueError`` naming them)."""
+    if casting not in CASTINGS:
+        raise ValueError(f"{what} must be one of {', '.join(map(repr, CASTINGS))}, not {casting!r}")
+
+
+def check_spec(spec: Any) -> None:
+    """Refuse a ``casting=`` argument that is neither a casting, a callable nor None."""
+    if spec is not None and not callable(spec):
+        check_casting(spec)
+
+
+def casting_for(spec: CastingSpec, path: KeyPath, target: Any) -> str:
+    """The casting of the leaf at ``path``: ``spec`` itself, or what the callable ``spec``
+    returns for ``(key path, target leaf)`` (None: the default, ``"same_kind"``)."""
+    if spec is None:
+        return DEFAULT
+    if isinstance(spec, str):
+        return spec
+    got = spec(path, target)
+    if got is None:
+        return DEFAULT
+    check_casting(got, f"the casting callable's answer for {keystr(path)!r}")
+    return str(got)
+
+
+def kind(dtype: np.dtype[Any]) -> str | None:
+    """numpy's kind letter of ``dtype`` (``b u i f c``), ml_dtypes' types placed as numbers."""
+    if dtype.kind in _ORDER:
+        return dtype.kind
+    return _ML_KINDS.get(dtype.name)
+
+
+def can_cast(src: np.dtype[Any], dst: np.dtype[Any], casting: str) -> bool:
+    """Whether a load may cast ``src`` to ``dst`` under ``casting`` (values not looked at)."""
+    if src == dst or casting == "unsafe":
+        return True
+    if casting == "same_kind":
+        a, b = kind(src), kind(dst)
+        if a is not None and b is not None:
+            return _ORDER[a] <= _ORDER[b]
+    return bool(np.can_cast(src, dst, casting))  # type: ignore[arg-type]
+
+
+def lossy(src: np.dtype[Any], dst: np.dtype[Any], casting: str) -> bool:
+    """Whether ``casting`` refuses the cast of ``src`` to ``dst`` as one that loses
+    information (a cast numpy cannot make at all is not: its own error says so)."""
+    return not can_cast(src, dst, casting) and bool(np.can_cast(src, dst, "unsafe"))
+
+
+def python_dtype(t: type) -> np.dtype[Any] | None:
+    """The dtype a Python number type stands for in a cast (``int``: int64), else None."""
+    return _PYTHON.get(t)
+
+
+def target_dtype(target: Any) -> np.dtype[Any] | None:
+    """The numpy dtype a target leaf asks for; None for "as saved" (None, ``np.ndarray``,
+    ``jax.Array``) and for dtypes numpy has no name for (typed PRNG keys, torch's)."""
+    if target is None:
+        return None
+    if isinstance(target, type):
+        if issubclass(target, np.generic):
+            return np.dtype(target)
+        return python_dtype(target)
+    if type(target) in _PYTHON:
+        return python_dtype(type(target))
+    dtype = getattr(target, "dtype", None)
+    return dtype if isinstance(dtype, np.dtype) else None
+
+
+def value_dtype(value: Any) -> np.dtype[Any] | None:
+    """The dtype of a value a load places into its target (an array, a lazy array, a
+    number); None for what is not a number (None, strings, bytes)."""
+    if type(value) in _PYTHON:
+        return python_dtype(type(value))
+    dtype = getattr(value, "dtype", None)
+    return dtype if isinstance(dtype, np.dtype) else None
+
+
+def stored_dtype(record: Mapping[str, Any]) -> np.dtype[Any] | None:
+    """The dtype of the values a leaf record holds: an array's (any handler that records
+    one by name, as the numpy array handlers do), an inline number's; None for the rest
+    (typed PRNG keys: their target is checked by their handler)."""
+    if record.get("handler") == "prng_key":
+        return None
+    name = record.get("dtype")
+    if isinstance(name, str):
+        return SUPPORTED.get(name)
+    if record.get("handler") == "scalar":
+        return python_dtype(_PY_NAMES.get(str(record.get("type")), object))
+    return None
+
+
+def check_cast(
+    src: np.dtype[Any], dst: np.dtype[Any], casting: str, *, url: str, path: KeyPath
+) -> None:
+    """Refuse (:class:`~quire.errors.LossyCastError`) a cast of ``src`` to ``dst`` that
+    ``casting`` does not allow (the dtypes only; :func:`check_values` looks at values)."""
+    if not lossy(src, dst, casting):
+        return
+    why = refusal(src, dst, casting)
+    raise LossyCastError(
+        f"{url}: leaf {keystr(path)!r}: {why}. To fix: {allow_hint(src)}",
+        mismatched=[f"{keystr(path)!r}: {why}"],
+    )
+
+
+def _why(src: np.dtype[Any], dst: np.dtype[Any]) -> str:
+    a, b = kind(src), kind(dst)
+    names = {"b": "a bool", "u": "an unsigned int", "i": "an int", "f": "a float", "c": "a complex"}
+    if a is not None and b is not None and a != b:
+        return f"{names[a]} cast to {names[b]}"
+    return f"{src} does not fit {dst} exactly"
+
+
+def refusal(src: np.dtype[Any], dst: np.dtype[Any], casting: str) -> str:
+    """Why a leaf's cast is refused (for a ``mismatched`` entry)."""
+    return f"saved {src}, target {dst}: {_why(src, dst)} loses information (casting={casting!r})"
+
+
+def allow_hint(src: np.dtype[Any]) -> str:
+    """The fixes of a refused cast: the saved dtype as the target's, or a casting that allows it."""
+    return (
+        f"make the target's dtype {src} (and cast after loading), or allow the cast: "
+        "casting='unsafe' for every leaf, or a callable (key_path, target) -> 'unsafe' | None "
+        "for some of them (quire.load, quire.load_and_transform, Checkpointer.load)"
+    )
+
+
+def _range(dtype: np.dtype[Any]) -> tuple[int, int]:
+    info: Any = np.iinfo(dtype) if dtype.kind in "ui" else ml_dtypes.iinfo(dtype)
+    return int(info.min), int(info.max)
+
+
+def narrowed(src: np.dtype[Any] | None, dst: np.dtype[Any], casting: str) -> bool:
+    """Whether casting ``src`` (None: a Python int) to ``dst`` under ``casting`` must check
+    the values: ``"same_kind"`` narrowing an integer."""
+    if casting != "same_kind" or kind(dst) not in ("u", "i"):
+        return False
+    if src is None:
+        return True
+    return kind(src) in ("u", "i") and src != dst and not np.can_cast(src, dst, "safe")
+
+
+def check_values(a: Any, dst: np.dtype[Any], casting: str, *, url: str, path: KeyPath) -> None:
+    """Refuse (:class:`~quire.errors.LossyCastError`) the cast of ``a`` (an array, a numpy
+    scalar or a Python int) to ``dst`` when it narrows an integer past one of its values
+    under ``casting="same_kind"``."""
+    py = type(a) is int
+    src = None if py else np.asarray(a).dtype
+    if not narrowed(src, dst, casting):
+        return
+    if py:
+        lo = hi = int(a)
+    else:
+        arr = np.asarray(a)
+        if arr.size == 0:
+            return
+        if arr.dtype.kind not in "ui":
+            arr = arr.astype(np.int8)  # int2 / int4 / uint2 / uint4: each value fits an int8
+        lo, hi = int(arr.min()), int(arr.max())
+    bounds = _range(dst)
+    if bounds[0] <= lo and hi <= bounds[1]:
+        return
+    found = f"{lo}" if lo == hi else f"{lo} to {hi}"
+    why = (
+        f"saved {src or 'int'} values {found} do not fit the target's {dst} (range "
+        f"{bounds[0]} to {bounds[1]}); casting='same_kind' narrows an integer only when every "
+        "value fits"
+    )
+    raise LossyCastError(
+        f"{url}: leaf {keystr(path)!r}: {why}. To fix: {allow_hint(src or np.dtype(np.int64))}",
+        mismatched=[f"{keystr(path)!r}: {why}"],
+    )
