@@ -10,7 +10,6 @@ from quire._engine import load as _load
 from quire._engine import save as _saving
 from quire._engine.incremental import Incremental
 from quire._format import record as _records
-from quire._handlers.casting import check_spec
 from quire._handlers.units import as_mapping
 from quire._runtime import ioloop as _io
 from quire._runtime import progress as _progress
@@ -271,12 +270,11 @@ def load_checkpointables(
     checkpointables : mapping of str to target, optional
         Each value is the unit's target: an abstract tree for a pytree unit (None: as
         saved), the object to restore into for a Checkpointable unit.
-    partial : bool
-        For pytree units, load only the keys present in the target.
+    partial, casting
+        For pytree units: load only the keys present in the target; the casts to the
+        targets' dtypes allowed (see :func:`load`).
     storage_options : dict, optional
         fsspec ``storage_options`` for the backend.
-    casting : str or callable, optional
-        For pytree units, the casts to the targets' dtypes allowed (see :func:`load`).
 
     Returns
     -------
@@ -321,11 +319,14 @@ def load_checkpointables_async(
         :func:`load_checkpointables` would.
     """
     u = normalize(url)
-    check_spec(casting)
     return AsyncResponse(
         _io.submit(
             _load.load_units(
-                u, checkpointables, partial=partial, storage_options=storage_options, casting=casting
+                u,
+                checkpointables,
+                partial=partial,
+                storage_options=storage_options,
+                casting=casting,
             )
         ),
         f"load {u}",
@@ -362,7 +363,6 @@ def load_async(
         ``.result()`` returns the tree and raises what :func:`load` would.
     """
     u = normalize(url)
-    check_spec(casting)
     rep = _progress.make(progress, "load", u)
 
     async def run() -> Any:
@@ -422,10 +422,9 @@ def load(
         As for :func:`save`: a bar (True), a callback, or a :class:`quire.progress.Progress`.
     casting : str or callable, optional
         The casts to ``abstract``'s dtypes allowed, in numpy's terms: ``"same_kind"`` (the
-        default: float32 -> bfloat16, float64 -> float32, int32 -> int64, and int64 -> int32
-        when every value fits), ``"no"``, ``"equiv"``, ``"safe"`` or ``"unsafe"`` (also
-        float -> int, complex -> real, numbers -> bool, integers that wrap).  A callable
-        ``(key_path, target_leaf) -> casting or None`` chooses per leaf (None: the default).
+        default: float32 -> bfloat16 or int32 -> int64, and int64 -> int32 if every value
+        fits), ``"no"``, ``"equiv"``, ``"safe"`` or ``"unsafe"`` (float -> int, wrapping ints
+        ...); a callable ``(key_path, target_leaf) -> casting or None`` chooses per leaf.
 
     Raises
     ------
@@ -435,36 +434,22 @@ def load(
         ``abstract`` lacks saved keys, names keys the checkpoint lacks, or has other shapes;
         the message lists every such key path.
     LossyCastError
-        ``abstract`` asks for casts that lose information and ``casting`` does not allow
-        them; the message lists each leaf with both dtypes.
+        ``abstract`` asks for lossy casts ``casting`` refuses (listed with both dtypes).
     CorruptCheckpointError
         A chunk fails its checksum or the commit record is malformed.
     """
+    kw: dict[str, Any] = {"partial": partial, "storage_options": storage_options}
+    kw["casting"] = casting
     if transform is None and shardings is None and isinstance(url, str | os.PathLike):
         try:
-            return load_async(
-                url,
-                abstract,
-                partial=partial,
-                storage_options=storage_options,
-                progress=progress,
-                casting=casting,
-            ).result()
+            return load_async(url, abstract, progress=progress, **kw).result()
         except (CheckpointNotFoundError, NotADirectoryError):
             from quire._sources.opening import available
 
             if available() == ["quire"] or not _other_source(url, storage_options):
                 raise
 
-    return load_and_transform(
-        url,
-        abstract,
-        transform,
-        shardings=shardings,
-        partial=partial,
-        storage_options=storage_options,
-        casting=casting,
-    )
+    return load_and_transform(url, abstract, transform, shardings=shardings, **kw)
 
 
 def _other_source(url: Any, storage_options: dict[str, Any] | None) -> bool:

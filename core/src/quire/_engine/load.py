@@ -21,7 +21,7 @@ from quire._format.tree import Node, from_json, keystr
 from quire._handlers import select as _selection
 from quire._handlers import unit_ops as _checkpointables
 from quire._handlers.base import LoadContext, LoadEntry
-from quire._handlers.casting import CastingSpec, stored_dtype
+from quire._handlers.casting import CastingSpec, check_spec, stored_dtype
 from quire._handlers.meshes import Placer
 from quire._handlers.owned import verify_leaves, verify_units
 from quire._runtime import registry as _registry
@@ -229,6 +229,7 @@ async def load(
     storage_options: dict[str, Any] | None = None,
     casting: CastingSpec = None,
 ) -> Any:
+    check_spec(casting)
     backend = open_backend(url, storage_options)
 
     async def attempt(doc: dict[str, Any]) -> Any:
@@ -333,6 +334,7 @@ async def load_units(
 ) -> dict[str, Any]:
     """Load the named units (all when ``targets`` is None); each target is an abstract tree
     for pytree units, or the object / None for other units."""
+    check_spec(casting)
     backend = open_backend(url, storage_options)
     with keeping_open(backend):
         return await _reloading(
