@@ -132,12 +132,15 @@ def pair_with_target(
     leaves = {n.path: n.value for n in saved.leaves()}
     tleaves = list(root.leaves())
     tpaths = {t.path for t in tleaves}
-    ours = _Shape.of(saved, is_empty)
-    theirs = _Shape.of(root, lambda v: v is None)
+    shapes: dict[str, _Shape] = {}  # each side's, made when a None has no leaf to pair with
 
-    def covered(path: KeyPath, other: _Shape, hollow: bool) -> bool:
-        """A None at ``path`` on one side has its match on the ``other``: a node there
-        (``hollow``: one with no data), or an empty node above it."""
+    def covered(path: KeyPath, side: str, hollow: bool) -> bool:
+        """A None at ``path`` on one side has its match on the other (``side``): a node
+        there (``hollow``: one with no data), or an empty node above it."""
+        if side not in shapes:
+            both = {"saved": (saved, is_empty), "target": (root, lambda v: v is None)}
+            shapes[side] = _Shape.of(*both[side])
+        other = shapes[side]
         here = path in other.hollow if hollow else path in other.paths
         return here or other.under_empty(path)
 
@@ -146,7 +149,7 @@ def pair_with_target(
         for p, v in leaves.items()
         if not partial
         and p not in tpaths
-        and not (is_empty(v) and covered(p, theirs, hollow=False))
+        and not (is_empty(v) and covered(p, "target", hollow=False))
     ]
     extra: list[str] = []
     pairs: list[tuple[Node, Any, Any]] = []
@@ -154,7 +157,7 @@ def pair_with_target(
     for n in tleaves:
         if n.path in leaves:
             pairs.append((n, leaves[n.path], n.value))
-        elif n.value is None and covered(n.path, ours, hollow=True):
+        elif n.value is None and covered(n.path, "saved", hollow=True):
             empty.append(n)
         else:
             extra.append(keystr(n.path))
