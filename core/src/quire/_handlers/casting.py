@@ -9,7 +9,8 @@ takes numpy's values (``numpy.can_cast``):
 * ``"same_kind"`` (the default): safe casts, and casts within a kind or up the order
   bool < unsigned int < signed int < float < complex (``float32 -> bfloat16``,
   ``float64 -> float32``, ``int64 -> int32``); an integer narrowed this way must keep its
-  values, which is checked as it is read (numpy would wrap them);
+  values, which is checked region by region as they are read (numpy would wrap them), so
+  with several processes the processes that read a value that does not fit raise;
 * ``"unsafe"``: any cast numpy makes (floats truncated to ints, complex to real).
 
 numpy's own ``can_cast(..., "same_kind")`` answers wrongly for ml_dtypes' types: they are
