@@ -50,13 +50,13 @@ def plugin_sources() -> list[Path]:
 
 def test_the_scanner_sees_every_form_of_private_import() -> None:
     src = (
-        "import quire._runtime.ioloop\nfrom quire._store.objstore import RetryPolicy\nfrom quire import _config\n"
+        "import quire._runtime.ioloop\nfrom quire._store.retries import RetryPolicy\nfrom quire import _config\n"
         "from quire.handlers import LoadEntry\nimport importlib\n"
         "importlib.import_module('quire._handlers.arrays')\nimport quire\n"
     )
     assert [n for _, n in private_imports(src)] == [
         "quire._runtime.ioloop",
-        "quire._store.objstore",
+        "quire._store.retries",
         "quire._config",
         "quire._handlers.arrays",
     ]

@@ -27,6 +27,7 @@ and the buffer helpers :func:`byte_slice`, :func:`read_into`, :func:`gather_all`
 from __future__ import annotations
 
 from quire._runtime.budget import ByteBudget
+from quire._runtime.tasks import gather_all
 from quire._store.base import (
     QUIRE_STORAGE_OPTIONS,
     Backend,
@@ -34,17 +35,9 @@ from quire._store.base import (
     Capabilities,
     PreconditionFailed,
 )
-from quire._store.objbackend import ObjectStoreBackend
-from quire._store.objstore import (
-    ObjectInfo,
-    PartBuffers,
-    RetriesExhausted,
-    RetryPolicy,
-    byte_slice,
-    gather_all,
-    read_into,
-    retrying,
-)
+from quire._store.buffers import PartBuffers, byte_slice, read_into
+from quire._store.object_backend import ObjectInfo, ObjectStoreBackend
+from quire._store.retries import RetriesExhausted, RetryPolicy, retrying
 
 __all__ = [
     "QUIRE_STORAGE_OPTIONS",

@@ -5,7 +5,8 @@ millions of chunks makes millions of tasks) and lets the others run on after one
 (a failed load kept reading chunk files for seconds after it raised).  :func:`for_each`
 runs at most ``limit`` workers that pull items from an iterator, and cancels the others
 when one fails; :func:`gather_cancelling` is ``gather`` that cancels its siblings on the
-first error.  :func:`settled` waits for another operation to end without taking on its
+first error, :func:`gather_all` the same for a sequence of coroutines (public through
+``quire.backends``).  :func:`settled` waits for another operation to end without taking on its
 outcome.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -50,6 +51,23 @@ async def gather_cancelling(*aws: Awaitable[T]) -> list[T]:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+async def gather_all(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run ``coros`` concurrently; on the first failure cancel the rest and raise it.
+
+    Parameters
+    ----------
+    coros : sequence of coroutine
+        The work to run.
+    """
+    tasks: list[asyncio.Task[T]] = []
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(c) for c in coros]
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None
+    return [t.result() for t in tasks]
 
 
 async def settled(fut: concurrent.futures.Future[Any]) -> None:

@@ -14,28 +14,46 @@ import errno
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
-from quire._store import objstore
+from quire._store import listing
 from quire._store.base import Backend, Buffer, Capabilities, PreconditionFailed
-from quire._store.objclients import ClientCache, bounded
-from quire._store.objerrors import ErrorMapping
-from quire._store.objstore import (
+from quire._store.buffers import flat_views, read_spans
+from quire._store.clients import AttemptTimeout, ClientCache, bounded
+from quire._store.endpoints import (
     NO_SUCH_NAME,
     RESOLVE_DEADLINE,
-    AttemptTimeout,
-    ObjectInfo,
-    RetriesExhausted,
-    RetryPolicy,
     name_resolution_error,
-    retrying,
+    strip_endpoint_credentials,
 )
-from quire._store.objwrites import UploadHelpers
+from quire._store.request_errors import ErrorMapping
+from quire._store.retries import RetriesExhausted, RetryPolicy, retrying
+from quire._store.uploads import UploadHelpers
 
 T = TypeVar("T")
 MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What :meth:`quire.backends.ObjectStoreBackend.stat` says about an object.
+
+    Attributes
+    ----------
+    size : int
+        Its size in bytes.
+    version : str
+        The token :meth:`Backend.version` returns (ETag, generation).
+    modified : float or None
+        Last modification, POSIX seconds (None when the store does not say).
+    """
+
+    size: int
+    version: str
+    modified: float | None = None
 
 
 class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
@@ -111,9 +129,9 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         super().__init__(url, storage_options)
-        self.bucket, self.root = objstore.split_bucket_url(url)
+        self.bucket, self.root = listing.split_bucket_url(url)
         opts = dict(self.storage_options)
-        found = objstore.strip_endpoint_credentials(opts, f"{self.scheme}://{self.bucket}")
+        found = strip_endpoint_credentials(opts, f"{self.scheme}://{self.bucket}")
         self.storage_options = dict(opts)  # as callers see it: no credentials in URLs
         self.retry = RetryPolicy.pop_from(opts)
         self.upload_budget = int(opts.pop("upload_budget", current().byte_budget))
@@ -380,7 +398,7 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
         return await self.run("read", key, lambda _n: self.read_range(key, s, end), nbytes=n)
 
     async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int = 0) -> int:
-        views = objstore.views(buffers)
+        views = flat_views(buffers)
         if not sum(v.nbytes for v in views):
             await self.size(key)
             return 0
@@ -393,7 +411,7 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
                 nbytes=length,
             )
 
-        return await objstore.read_spans(span, views, offset, self.read_part_size)
+        return await read_spans(span, views, offset, self.read_part_size)
 
     # -- listings ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -440,12 +458,12 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
         async def names(p: str, limit: int | None) -> builtins.list[str]:
             return (await self.listing(p, limit))[0]
 
-        return await objstore.list_under(names, self.root, prefix)
+        return await listing.list_under(names, self.root, prefix)
 
     async def list_dir(self, prefix: str = "") -> tuple[builtins.list[str], builtins.list[str]]:
-        under = objstore.dir_prefix(self.root, prefix)
+        under = listing.dir_prefix(self.root, prefix)
         names, dirs = await self.listing(under, delimiter="/")
-        return objstore.dir_entries(under, names, dirs)
+        return listing.dir_entries(under, names, dirs)
 
     # -- writes --------------------------------------------------------------------------
     @abc.abstractmethod
@@ -472,7 +490,7 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
         """
 
     async def put(self, key: str, data: Sequence[Buffer]) -> None:
-        views = objstore.views(data)
+        views = flat_views(data)
         total = sum(v.nbytes for v in views)
         if total >= self.large_threshold:
             await self.put_large(key, views, total)

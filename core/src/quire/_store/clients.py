@@ -3,7 +3,8 @@
 * :class:`ClientCache`: one client (file system, connection pool) per option set on quire's
   event loop, closed at exit; a private one on any other loop; each with its request slots;
 * :func:`bounded`: one attempt of a request, in a slot and under its deadline (a request
-  made inside another's attempt shares that one's slot).
+  made inside another's attempt shares that one's slot); :class:`AttemptTimeout` when it
+  does not end in time.
 """
 
 from __future__ import annotations
@@ -16,9 +17,23 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from quire._runtime import ioloop as _io
-from quire._store.objstore import AttemptTimeout
 
 T = TypeVar("T")
+
+
+class AttemptTimeout(TimeoutError):
+    """One attempt of a request did not end within its deadline (it was abandoned).
+
+    Parameters
+    ----------
+    limit : float
+        The attempt's deadline, in seconds.
+    """
+
+    def __init__(self, limit: float) -> None:
+        super().__init__(f"no complete reply within {limit:.1f}s (request_timeout)")
+        self.limit = limit
+
 
 # Set inside an attempt of ObjectStoreBackend.run (a nested request takes no slot).
 _in_attempt: contextvars.ContextVar[bool] = contextvars.ContextVar(

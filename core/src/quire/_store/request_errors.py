@@ -1,7 +1,7 @@
 """The error side of :class:`quire.backends.ObjectStoreBackend`: naming keys in messages,
 keeping credentials out of them, and turning a failed request into a ``quire.errors`` type.
 
-A mixin of :class:`~quire._store.objbackend.ObjectStoreBackend` (published through it); the
+A mixin of :class:`~quire._store.object_backend.ObjectStoreBackend` (published through it); the
 hooks a backend overrides (:meth:`is_transient`, :meth:`describe`, :meth:`map_error`,
 :meth:`endpoint`) are documented there.
 """
@@ -13,7 +13,8 @@ import socket
 from typing import ClassVar
 from urllib.parse import urlsplit
 
-from quire._store.objstore import RetriesExhausted, RetryPolicy, name_resolution_error
+from quire._store.endpoints import name_resolution_error
+from quire._store.retries import RetriesExhausted, RetryPolicy
 from quire.errors import (
     BucketNotFoundError,
     EndpointUnreachableError,

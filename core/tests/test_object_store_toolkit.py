@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from quire._store.objstore import name_resolution_error, strip_userinfo
+from quire._store.endpoints import name_resolution_error, strip_userinfo
 from quire.backends import (
     Capabilities,
     ObjectInfo,

@@ -1,7 +1,7 @@
 """Upload helpers of :class:`quire.backends.ObjectStoreBackend`: multipart-style part
 uploads held in the byte budget, and the retried conditional write a commit makes.
 
-A mixin of :class:`~quire._store.objbackend.ObjectStoreBackend` (published through it).
+A mixin of :class:`~quire._store.object_backend.ObjectStoreBackend` (published through it).
 """
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from quire._store import objstore
+from quire._runtime.tasks import gather_all
 from quire._store.base import PreconditionFailed
+from quire._store.buffers import byte_slice
 
 if TYPE_CHECKING:
     from quire._runtime.budget import ByteBudget
@@ -63,10 +64,10 @@ class UploadHelpers:
 
         async def one(number: int, a: int, b: int) -> T:
             async with budget.hold(b - a):
-                return await send(number, objstore.byte_slice(views, a, b))
+                return await send(number, byte_slice(views, a, b))
 
         starts = range(0, total, part_size)
-        return await objstore.gather_all(
+        return await gather_all(
             [one(i + 1, a, min(a + part_size, total)) for i, a in enumerate(starts)]
         )
 
