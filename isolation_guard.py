@@ -58,26 +58,10 @@ def _quire_loop_tasks() -> list[str]:
 
 
 def _checked_out_connections() -> list[str]:
-    out = []
-    for modname, clsname in (("quire_s3", "S3Backend"), ("quire_gcs", "GCSBackend")):
-        mod = sys.modules.get(modname)
-        if mod is None:
-            continue
-        for token, (_loop, client, _slots) in list(
-            getattr(mod, clsname)._client_cache._shared.items()
-        ):
-            sessions = []
-            s3 = getattr(client, "_s3", None)
-            if s3 is not None:
-                hs = getattr(getattr(s3, "_endpoint", None), "http_session", None)
-                sessions += list(getattr(hs, "_sessions", {}).values())
-            if getattr(client, "_session", None) is not None:
-                sessions.append(client._session)
-            for s in sessions:
-                n = len(getattr(s.connector, "_acquired", ()) or ()) if s.connector else 0
-                if n:
-                    out.append(f"{clsname} client {token[:60]}...: {n} connection(s) checked out")
-    return out
+    # Asked through the public hook: each object-store backend class says how many of its
+    # shared clients' pooled connections are checked out.
+    backends = sys.modules.get("quire.backends")
+    return [] if backends is None else backends.ObjectStoreBackend.checked_out_connections()
 
 
 def _fingerprint() -> dict[str, Any]:

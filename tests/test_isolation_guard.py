@@ -27,6 +27,32 @@ def test_changes_fsspec_config():
 def test_restores_what_it_changes(monkeypatch):
     monkeypatch.setenv("QUIRE_ISOLATION_PROBE_2", "restored")
 
+def test_leaves_a_pooled_connection_checked_out():
+    from quire._runtime import ioloop
+    from quire.backends import ObjectStoreBackend
+
+    class Pool:  # a client whose one connection a reply nobody read still holds
+        busy = 1
+
+    class LeakyBackend(ObjectStoreBackend):
+        new_client = classmethod(lambda cls, options: Pool())
+        connections_in_use = staticmethod(lambda client: client.busy)
+        async def close_client(client): ...
+        async def stat(self, key): ...
+        async def read_range(self, key, start, end): ...
+        async def read_range_into(self, key, start, views, length): ...
+        async def list_page(self, prefix, token, limit, delimiter): ...
+        async def put_small(self, key, views, total): ...
+        async def put_large(self, key, views, total): ...
+        async def put_if_absent(self, key, data): ...
+        async def replace_if_match(self, key, data, version): ...
+        async def delete(self, keys): ...
+
+    async def use(b):
+        return b.client  # the shared client, on quire's loop
+
+    ioloop.submit(use(LeakyBackend("leaky://bucket/p"))).result(timeout=30)
+
 def test_leaves_work_on_quires_loop():
     import asyncio
     from quire._runtime import ioloop
@@ -45,9 +71,10 @@ def test_the_guard_names_each_leak_and_spares_clean_tests(tmp_path: Path) -> Non
     )  # fmt: skip
     text = out.stdout + out.stderr
     assert out.returncode == 1, text
-    assert "4 errors" in text and "5 passed" in text, text
+    assert "5 errors" in text and "6 passed" in text, text
     assert "os.environ['QUIRE_ISOLATION_PROBE']: None -> 'left behind'" in text, text
     assert "logger 'quire' level 0 -> 10" in text, text
     assert "fsspec.config.conf" in text, text
     assert "still running on quire's event loop" in text and "sleep" in text, text
+    assert "LeakyBackend client" in text and "1 connection(s) checked out" in text, text
     assert "test_restores_what_it_changes" not in text.split("short test summary")[-1], text

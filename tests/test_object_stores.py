@@ -41,6 +41,7 @@ from object_store_worker import assert_tree, build_tree
 import quire
 from quire._runtime import ioloop as _io
 from quire._store.url import open_backend
+from quire.backends import ObjectStoreBackend
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="subprocess + SIGKILL")
 
@@ -430,7 +431,7 @@ def test_uploads_are_concurrent_within_the_byte_budget_and_large_ones_split(stor
 
     async def put_small() -> int:
         await asyncio.gather(*(b.put(f"o{i}", [blob[:MiB].data]) for i in range(8)))
-        return int(b._budget.peak)  # type: ignore[attr-defined]
+        return int(b.budget.peak)  # type: ignore[attr-defined]
 
     assert MiB < run(put_small()) <= 3 * MiB  # several uploads at once, never past the budget
     run(b.put("large", [blob.data]))
@@ -441,6 +442,35 @@ def test_uploads_are_concurrent_within_the_byte_budget_and_large_ones_split(stor
     else:
         chunks = store.proxy.requests("PUT", r"upload_id=")
         assert len(chunks) == 4  # 16 MiB in 4 MiB resumable chunks
+
+
+def test_a_reply_left_unread_shows_as_a_checked_out_connection(store: Store) -> None:
+    """The isolation guard's question, asked through the public hook: a reply nobody reads
+    to its end holds its pooled connection, ``ObjectStoreBackend.checked_out_connections``
+    names that backend's client, and once the reply is released it names nothing."""
+    url = store.url()
+    b = store.backend(url)
+    run(b.put("big", [bytes(8 << 20)]))  # more than a socket buffer: the reply cannot end
+
+    async def unread() -> Any:
+        # One request made on the plugin's own client, its reply body not read.
+        if store.name == "s3":
+            client = await b.client.set_session()
+            return (await client.get_object(Bucket=b.bucket, Key=b.key("big")))["Body"]
+        session = await b.client._set_session()
+        return await session.get(b._object_url("big", media=True) + "?alt=media")
+
+    async def release(reply: Any) -> None:
+        reply.close()
+
+    reply = run(unread())
+    try:
+        found = ObjectStoreBackend.checked_out_connections()
+        mine = [x for x in found if x.startswith(f"{type(b).__name__} client ")]
+        assert len(mine) == 1 and mine[0].endswith(": 1 connection(s) checked out"), found
+    finally:
+        run(release(reply))
+    assert ObjectStoreBackend.checked_out_connections() == []
 
 
 # ----------------------------------------------------------------------------- crashes

@@ -36,7 +36,8 @@ from quire._store.base import (
     PreconditionFailed,
 )
 from quire._store.buffers import PartBuffers, byte_slice, read_into
-from quire._store.object_backend import ObjectInfo, ObjectStoreBackend
+from quire._store.object_backend import ObjectStoreBackend
+from quire._store.object_hooks import ObjectInfo
 from quire._store.retries import RetriesExhausted, RetryPolicy, retrying
 
 __all__ = [

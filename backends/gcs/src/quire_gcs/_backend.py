@@ -183,6 +183,11 @@ class GCSBackend(ObjectStoreBackend):
             with contextlib.suppress(Exception):
                 await session.close()
 
+    @staticmethod
+    def connections_in_use(client: Any) -> int:
+        connector = getattr(getattr(client, "_session", None), "connector", None)
+        return len(getattr(connector, "_acquired", ()) or ())
+
     def _object_url(self, key: str, media: bool = False) -> str:
         name = quote(self.key(key), safe="")
         if media:
@@ -225,8 +230,8 @@ class GCSBackend(ObjectStoreBackend):
 
     # -- errors ------------------------------------------------------------------
     def endpoint(self) -> str | None:
-        fs = self._fs
-        return str(fs._location) if fs is not None else self._options.get("endpoint_url")
+        fs = self.existing_client
+        return str(fs._location) if fs is not None else self.client_options.get("endpoint_url")
 
     def is_transient(self, e: BaseException) -> bool:
         return _is_transient(e)

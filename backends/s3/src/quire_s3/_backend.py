@@ -208,6 +208,15 @@ class S3Backend(ObjectStoreBackend):
             with contextlib.suppress(Exception):
                 await creator.__aexit__(None, None, None)
 
+    @staticmethod
+    def connections_in_use(client: Any) -> int:
+        # s3fs's aiobotocore client keeps its aiohttp sessions in its endpoint's session.
+        hs = getattr(getattr(getattr(client, "_s3", None), "_endpoint", None), "http_session", None)
+        sessions = list(getattr(hs, "_sessions", {}).values())
+        return sum(
+            len(getattr(s.connector, "_acquired", ()) or ()) for s in sessions if s.connector
+        )
+
     async def _client(self) -> Any:
         return await self.client.set_session()  # (re)creates the client when needed
 
@@ -217,7 +226,7 @@ class S3Backend(ObjectStoreBackend):
         if key is not None:
             kw["Key"] = self.key(key)
         fn = getattr(client, method)
-        return await fn(**self._fs._get_s3_method_kwargs(fn, **kw))
+        return await fn(**self.client._get_s3_method_kwargs(fn, **kw))
 
     async def _call(self, op: str, method: str, key: str | None, **kw: Any) -> Any:
         body = kw.get("Body")
@@ -234,9 +243,9 @@ class S3Backend(ObjectStoreBackend):
 
     # -- errors ------------------------------------------------------------------
     def endpoint(self) -> str | None:
-        client = getattr(self._fs, "_s3", None)
+        client = getattr(self.existing_client, "_s3", None)
         url = getattr(getattr(client, "meta", None), "endpoint_url", None)
-        return url or self._options.get("endpoint_url") or "https://s3.amazonaws.com"
+        return url or self.client_options.get("endpoint_url") or "https://s3.amazonaws.com"
 
     def is_transient(self, e: BaseException) -> bool:
         return _is_transient(e)

@@ -2,6 +2,8 @@
 
 * :class:`ClientCache`: one client (file system, connection pool) per option set on quire's
   event loop, closed at exit; a private one on any other loop; each with its request slots;
+* :class:`BackendClient`: the part of an ``ObjectStoreBackend`` that holds its client,
+  request slots and upload budget on the event loop it runs on;
 * :func:`bounded`: one attempt of a request, in a slot and under its deadline (a request
   made inside another's attempt shares that one's slot); :class:`AttemptTimeout` when it
   does not end in time.
@@ -17,6 +19,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from quire._runtime import ioloop as _io
+from quire._runtime.budget import ByteBudget
 
 T = TypeVar("T")
 
@@ -122,6 +125,17 @@ class ClientCache:
         if private:
             await self._close(client)
 
+    def in_use(self, count: Callable[[Any], int]) -> list[tuple[str, int]]:
+        """``(token, count(client))`` of each shared client for which ``count`` is not 0.
+
+        Parameters
+        ----------
+        count : callable
+            ``count(client)``: the client's pooled connections checked out now.
+        """
+        found = [(token, count(client)) for token, (_, client, _) in list(self._shared.items())]
+        return [(token, n) for token, n in found if n]
+
     def close_shared(self) -> None:
         for loop, client, _slots in list(self._shared.values()):
             if loop.is_running() and not loop.is_closed():
@@ -129,3 +143,75 @@ class ClientCache:
                 with contextlib.suppress(Exception):  # broad: at exit, closing is best effort
                     fut.result(timeout=2)
         self._shared.clear()
+
+
+class BackendClient:
+    """One backend's client on the event loop it runs on: the client of its option set
+    (shared on quire's loop, private elsewhere) with that client's request slots, and the
+    backend's own upload budget; taken anew when the loop changes.
+
+    Parameters
+    ----------
+    cache : ClientCache
+        The clients of the backend's class.
+    options, token : dict, str
+        The client's options and their identity.
+    slots : int
+        Requests one client may have in flight.
+    budget : int
+        Bytes the backend's uploads may hold at once.
+    """
+
+    def __init__(
+        self, cache: ClientCache, options: dict[str, Any], token: str, slots: int, budget: int
+    ) -> None:
+        self._cache = cache
+        self._options = options
+        self._token = token
+        self._max_slots = slots
+        self._budget_bytes = budget
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client: Any = None
+        self._slots: asyncio.Semaphore | None = None
+        self._private = False
+        self._budget: ByteBudget | None = None
+
+    def _bind(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._client, self._slots, self._private = self._cache.get(
+                self._options, self._token, self._max_slots
+            )
+            self._loop = loop
+            self._budget = ByteBudget(self._budget_bytes)
+
+    @property
+    def client(self) -> Any:
+        """The client on the running loop (taken on first use)."""
+        self._bind()
+        return self._client
+
+    @property
+    def slots(self) -> asyncio.Semaphore:
+        """The client's request slots on the running loop."""
+        self._bind()
+        assert self._slots is not None
+        return self._slots
+
+    @property
+    def budget(self) -> ByteBudget:
+        """The upload budget on the running loop."""
+        self._bind()
+        assert self._budget is not None
+        return self._budget
+
+    @property
+    def existing(self) -> Any:
+        """The client taken on the loop last used, or None (takes none)."""
+        return self._client
+
+    async def close(self) -> None:
+        """Release the client (a private one is closed; a shared one stays for others)."""
+        if self._client is not None:
+            await self._cache.release(self._client, self._private)
+        self._client = self._loop = None

@@ -4,12 +4,12 @@ failures told apart from transient ones.
 * :func:`strip_userinfo` / :func:`strip_endpoint_credentials`: ``user:password@`` out of
   an ``endpoint_url`` (credentials in a URL end up in logs);
 * :func:`name_resolution_error`: the DNS failure behind a client library's error, however
-  deep it is wrapped; :data:`NO_SUCH_NAME` and :data:`RESOLVE_DEADLINE` say which are
-  retried, and how long.
+  deep it is wrapped; :func:`resolution_retryable` says which are retried, and how long.
 """
 
 from __future__ import annotations
 
+import errno
 import socket
 import warnings
 from typing import Any
@@ -97,3 +97,20 @@ def name_resolution_error(e: BaseException) -> socket.gaierror | None:
         if isinstance(kwargs, dict):
             todo.append(kwargs.get("error"))
     return None
+
+
+def resolution_retryable(dns: socket.gaierror, elapsed: float) -> bool:
+    """Whether a request that failed to resolve its host may be tried again ``elapsed``
+    seconds after its first attempt: a name that does not exist stays so; "try again"
+    (no DNS server reachable) is retried, but only for :data:`RESOLVE_DEADLINE` seconds.
+
+    Parameters
+    ----------
+    dns : socket.gaierror
+        The failure (see :func:`name_resolution_error`).
+    elapsed : float
+        Seconds since the request's first attempt.
+    """
+    return dns.errno not in NO_SUCH_NAME and (
+        dns.errno == getattr(socket, "EAI_AGAIN", errno.EAGAIN) and elapsed < RESOLVE_DEADLINE
+    )

@@ -2,61 +2,39 @@
 
 Published as :class:`quire.backends.ObjectStoreBackend`; quire-s3 and quire-gcs are built
 on it, and so can a third-party backend for another store.  A subclass makes single,
-un-retried requests; this base adds the rest (see the class docstring for the hooks).
+un-retried requests; this base adds the rest (see the class docstring for the hooks and
+their call order).  It is composed of parts it holds, each owning its state: its client on
+the running loop (``clients.BackendClient``), its error messages (``request_errors``) and
+its uploads (``uploads``).
 """
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import builtins
-import errno
-import logging
-import socket
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._store import listing
-from quire._store.base import Backend, Buffer, Capabilities, PreconditionFailed
+from quire._store.base import Buffer, PreconditionFailed
 from quire._store.buffers import flat_views, read_spans
-from quire._store.clients import AttemptTimeout, ClientCache, bounded
+from quire._store.clients import AttemptTimeout, BackendClient, ClientCache, bounded
 from quire._store.endpoints import (
-    NO_SUCH_NAME,
-    RESOLVE_DEADLINE,
     name_resolution_error,
+    resolution_retryable,
     strip_endpoint_credentials,
 )
-from quire._store.request_errors import ErrorMapping
+from quire._store.object_hooks import MiB, ObjectInfo, ObjectStoreHooks
+from quire._store.request_errors import ErrorTypes, RequestErrors
 from quire._store.retries import RetriesExhausted, RetryPolicy, retrying
-from quire._store.uploads import UploadHelpers
+from quire._store.uploads import Uploads
 
 T = TypeVar("T")
-MiB = 1 << 20
 
 
-@dataclass(frozen=True)
-class ObjectInfo:
-    """What :meth:`quire.backends.ObjectStoreBackend.stat` says about an object.
-
-    Attributes
-    ----------
-    size : int
-        Its size in bytes.
-    version : str
-        The token :meth:`Backend.version` returns (ETag, generation).
-    modified : float or None
-        Last modification, POSIX seconds (None when the store does not say).
-    """
-
-    size: int
-    version: str
-    modified: float | None = None
-
-
-class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
+class ObjectStoreBackend(ObjectStoreHooks):
     """Base class for backends over an object store: one bucket, keys under a prefix.
 
     It gives every request one retry policy with a deadline (``retry_*`` storage
@@ -91,35 +69,49 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
 
     * :meth:`close_client` (and :meth:`new_client`, unless ``fsspec_class`` names the
       fsspec file system to build): make and close a client from the options
-      :meth:`configure` returned;
+      :meth:`configure` returned (:attr:`client_options`);
     * :meth:`stat`: an object's size, version and age, or None (retried);
     * :meth:`read_range` / :meth:`read_range_into`: one ranged read;
     * :meth:`list_page`: one page of a listing of names under a name prefix;
     * :meth:`put_small` / :meth:`put_large`: uploads below / from ``large_threshold``;
     * :meth:`is_transient`, :meth:`describe`, :meth:`map_error`: error classification;
-    * :meth:`endpoint`: the endpoint named in errors.
+    * :meth:`endpoint`: the endpoint named in errors;
+    * :meth:`connections_in_use`: a client's checked-out connections (for test suites).
 
     Subclasses set ``scheme``, the error classes (``error``, ``permission_error``,
     ``bucket_error``, ``endpoint_error``, each a subclass of the ``quire.errors``
-    type of the same role), ``secret_options`` and ``log``.
+    type of the same role), ``secret_options`` and ``log``; ``max_requests`` and
+    ``large_threshold`` may be set in :meth:`configure`.
+
+    Call order (what this base calls on the hooks, and when)::
+
+        __init__          secret_values(options) ; configure(options) -> client_options
+        first request     new_client(client_options)   # once per option set, on quire's loop
+        every request     run(op, key, attempt): attempt(n) in a request slot, under
+                          request_deadline(nbytes); on failure is_transient(e)? retry
+                          with backoff : map_error(e, op, key, missing); describe(e) in
+                          logs and messages, endpoint() when the host does not resolve
+        size, exists,     stat(key)
+          version, modified
+        get, get_into     read_range / read_range_into, one per read_part_size span
+        list, list_dir    list_page(prefix, token, ...) until the last page
+        put               put_small (its bytes held in the budget), or from
+                          large_threshold put_large -> upload_parts(send): each part
+                          held in the budget while in flight
+        put_if_absent,    (the subclass's) conditional_put(op, key, data, write, lost):
+          replace_if_match    write(data) with the store's precondition  <-- COMMIT;
+                          a lost precondition asks holds(key, data) whether an earlier
+                          attempt of this write made it
+        close             close_client(client) for a private client; shared ones at exit
+
+    Attributes
+    ----------
+    bucket, root : str
+        The bucket, and the object-name prefix of the checkpoint root in it.
+    client_options : dict
+        What :meth:`configure` returned: the options the client is made from.
     """
 
-    scheme: ClassVar[str] = "objstore"
-    #: What every object store gives (a subclass adds the conditional writes and streaming
-    #: it implements, e.g. ``dataclasses.replace(ObjectStoreBackend.capabilities, ...)``).
-    capabilities: ClassVar[Capabilities] = Capabilities(durable=True, readinto=True)
-    log: ClassVar[logging.Logger] = logging.getLogger("quire.objstore")
-    #: Option names (top level or in ``client_kwargs``) whose string values are secrets.
-    secret_options: ClassVar[tuple[str, ...]] = ("key", "secret", "token", "password")
-    #: Values of those options that are modes, not secrets (e.g. ``token="anon"``).
-    not_secret: ClassVar[frozenset[str]] = frozenset()
-    #: ``module.Class`` of the fsspec file system :meth:`new_client` builds.
-    fsspec_class: ClassVar[str] = ""
-    #: Uploads of at least this many bytes go through :meth:`put_large`.
-    large_threshold: int = 64 * MiB
-    #: Requests one client may have in flight (keep it at most its connection pool's size:
-    #: a request waits for a slot before its deadline starts).
-    max_requests: int = 64
     _client_cache: ClassVar[ClientCache]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -140,110 +132,126 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
         self.request_min_rate = float(opts.pop("request_min_rate", MiB))
         if not (self.request_timeout > 0 and self.request_min_rate > 0):
             raise ValueError(f"{url}: request_timeout and request_min_rate must be positive")
-        self._secret_values = self.secret_values(opts) + found
-        self._options = self.configure(opts)
-        self._token = repr(sorted(self._options.items(), key=lambda kv: kv[0]))
-        self._fs: Any = None
-        self._slots: asyncio.Semaphore | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._private = False
-        self._budget: ByteBudget | None = None
-
-    # -- hooks: configuration and clients -----------------------------------------------
-    def configure(self, options: dict[str, Any]) -> dict[str, Any]:
-        """Read (pop) this backend's own storage options; return the client's options.
-
-        Parameters
-        ----------
-        options : dict
-            The storage options left after the base class took its own keys.
-
-        Returns
-        -------
-        dict
-            Options handed to :meth:`new_client` (and identifying the shared client).
-        """
-        return options
-
-    def secret_values(self, options: dict[str, Any]) -> builtins.list[str]:
-        """Strings in ``options`` that must never appear in messages or logs.
-
-        Parameters
-        ----------
-        options : dict
-            The storage options (after :meth:`configure`).
-        """
-        ck = options.get("client_kwargs") or {}
-        found = [options.get(k) for k in self.secret_options]
-        found += [ck.get(k) for k in self.secret_options] if isinstance(ck, dict) else []
-        return [s for s in found if isinstance(s, str) and len(s) >= 4 and s not in self.not_secret]
-
-    @classmethod
-    def new_client(cls, options: dict[str, Any]) -> Any:
-        """A new client for ``options`` on the running loop.
-
-        The default builds the fsspec ``AsyncFileSystem`` named by ``fsspec_class``
-        (``"s3fs.S3FileSystem"``), asynchronous, on the running loop, outside fsspec's
-        instance cache; its settings (credentials, endpoint, fsspec config files) are
-        then what requests use.
-
-        Parameters
-        ----------
-        options : dict
-            The storage options (after :meth:`configure`).
-        """
-        import importlib
-
-        module, _, name = cls.fsspec_class.rpartition(".")
-        fs_class = getattr(importlib.import_module(module), name)
-        return fs_class(
-            asynchronous=True, loop=asyncio.get_running_loop(), skip_instance_cache=True, **options
+        secrets = self.secret_values(opts) + found
+        self.client_options = self.configure(opts)
+        token = repr(sorted(self.client_options.items(), key=lambda kv: kv[0]))
+        # The parts, each owning its state.
+        self._clients = BackendClient(
+            self._client_cache, self.client_options, token, self.max_requests, self.upload_budget
         )
+        types = ErrorTypes(
+            self.error, self.permission_error, self.bucket_error, self.endpoint_error
+        )
+        self._errors = RequestErrors(self, types, self.bucket, secrets, self.retry.deadline)
+        self._uploads = Uploads(lambda: self._clients.budget, self.run, self.holds, self.where)
 
-    @staticmethod
-    @abc.abstractmethod
-    async def close_client(client: Any) -> None:
-        """Close a client made by :meth:`new_client`.
-
-        Parameters
-        ----------
-        client : Any
-            The client to close.
+    # -- clients ------------------------------------------------------------------------
+    @classmethod
+    def checked_out_connections(cls) -> builtins.list[str]:
+        """One line per shared client of this class and its subclasses that has
+        connections checked out (:meth:`connections_in_use`).  Between operations there
+        should be none: a reply never released keeps its connection for good.  Test
+        suites check it after each test.
         """
+        out = []
+        todo: builtins.list[type[ObjectStoreBackend]] = [cls]
+        while todo:
+            klass = todo.pop()
+            todo += klass.__subclasses__()
+            cache = vars(klass).get("_client_cache")
+            for token, n in cache.in_use(klass.connections_in_use) if cache else ():
+                out.append(
+                    f"{klass.__name__} client {token[:60]}...: {n} connection(s) checked out"
+                )
+        return out
 
     @property
     def client(self) -> Any:
         """This backend's client on the running event loop (made on first use)."""
-        self._bind()
-        return self._fs
+        return self._clients.client
+
+    @property
+    def existing_client(self) -> Any:
+        """The client made on the event loop this backend last ran on, or None before its
+        first request (makes none: for messages, such as :meth:`endpoint`'s)."""
+        return self._clients.existing
 
     @property
     def budget(self) -> ByteBudget:
         """The byte budget uploads hold on the running event loop."""
-        self._bind()
-        assert self._budget is not None
-        return self._budget
-
-    def _bind(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:
-            self._fs, self._slots, self._private = self._client_cache.get(
-                self._options, self._token, self.max_requests
-            )
-            self._loop = loop
-            self._budget = ByteBudget(self.upload_budget)
-
-    def _request_slots(self) -> asyncio.Semaphore:
-        self._bind()
-        assert self._slots is not None
-        return self._slots
+        return self._clients.budget
 
     async def close(self) -> None:
-        if self._fs is not None:
-            await self._client_cache.release(self._fs, self._private)
-        self._fs = self._loop = None
+        await self._clients.close()
 
-    # -- retries -------------------------------------------------------------------------
+    # -- names and errors ---------------------------------------------------------------
+    def key(self, key: str) -> str:
+        """The object name of ``key`` (relative to the checkpoint root) in the bucket.
+
+        Parameters
+        ----------
+        key : str
+            An object key, relative to the checkpoint root.
+        """
+        return f"{self.root}/{key}" if self.root else key
+
+    def where(self, key: str | None) -> str:
+        """``scheme://bucket/object`` of ``key`` (the bucket alone for None), for messages.
+
+        Parameters
+        ----------
+        key : str or None
+            The object key concerned (None: the bucket).
+        """
+        return f"{self.scheme}://{self.bucket}" + (f"/{self.key(key)}" if key is not None else "")
+
+    def redact(self, text: str) -> str:
+        """``text`` with every credential this backend was given replaced by ``***``.
+
+        Parameters
+        ----------
+        text : str
+            A message or log line.
+        """
+        return self._errors.redact(text)
+
+    def denied(self, e: BaseException, op: str, key: str | None, fix: str) -> Exception:
+        """The ``permission_error`` for a refused request (for :meth:`map_error`).
+
+        Parameters
+        ----------
+        e : BaseException
+            The failure a request raised.
+        op : str
+            What was attempted (``"get"``, ``"put"``...), for the message.
+        key : str or None
+            The object key concerned (None: the bucket).
+        fix : str
+            Where the credentials come from, for the message.
+        """
+        return self._errors.denied(e, op, key, fix)
+
+    def no_bucket(self, op: str, key: str | None) -> Exception:
+        """The ``bucket_error`` for a bucket that does not exist (for :meth:`map_error`).
+
+        Parameters
+        ----------
+        op, key
+            As for :meth:`denied`.
+        """
+        return self._errors.no_bucket(op, key)
+
+    def failed(self, e: BaseException, op: str, key: str | None) -> Exception:
+        """The ``error`` for any other permanent failure (for :meth:`map_error`).
+
+        Parameters
+        ----------
+        e, op, key
+            As for :meth:`denied`.
+        """
+        return self._errors.failed(e, op, key)
+
+    # -- requests ------------------------------------------------------------------------
     def request_deadline(self, nbytes: int = 0) -> float:
         """Seconds one attempt of a request moving ``nbytes`` may take, all of it (pooled
         connection, body sent, whole reply read): ``request_timeout + nbytes /
@@ -299,14 +307,10 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
         def transient(e: BaseException) -> bool:
             dns = name_resolution_error(e)
             if dns is not None:
-                # A name that does not exist stays so; "try again" is retried briefly.
-                return dns.errno not in NO_SUCH_NAME and (
-                    dns.errno == getattr(socket, "EAI_AGAIN", errno.EAGAIN)
-                    and loop.time() - start < RESOLVE_DEADLINE
-                )
+                return resolution_retryable(dns, loop.time() - start)
             return isinstance(e, AttemptTimeout) or self.is_transient(e)
 
-        limit, slots = self.request_deadline(nbytes), self._request_slots()
+        limit, slots = self.request_deadline(nbytes), self._clients.slots
 
         def attempt_in_time(n: int) -> Awaitable[T]:
             return bounded(attempt, n, limit, slots)
@@ -326,23 +330,12 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
         except PreconditionFailed:
             raise
         except Exception as e:
-            err = self._fail(e, op, key, missing)
+            err = self._errors.final(e, op, key, missing)
             if err is e:
                 raise
             raise err from (e.last if isinstance(e, RetriesExhausted) else e)
 
     # -- reads ---------------------------------------------------------------------------
-    @abc.abstractmethod
-    async def stat(self, key: str) -> ObjectInfo | None:
-        """``key``'s :class:`ObjectInfo`, or None when it does not exist (retried through
-        :meth:`run`).
-
-        Parameters
-        ----------
-        key : str
-            An object key, relative to the checkpoint root.
-        """
-
     async def _info(self, key: str) -> ObjectInfo:
         info = await self.stat(key)
         if info is None:
@@ -361,33 +354,6 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
 
     async def modified(self, key: str) -> float | None:
         return (await self._info(key)).modified
-
-    @abc.abstractmethod
-    async def read_range(self, key: str, start: int, end: int | None) -> bytes:
-        """One request for bytes ``[start, end)`` of ``key`` (to its end for None).
-
-        A range past the end of the object gives ``b""``; a missing object raises what
-        :meth:`map_error` turns into ``FileNotFoundError``.
-
-        Parameters
-        ----------
-        key, start, end : str, int, int or None
-            The object key and the byte range ``[start, end)`` (None: to the object's end).
-        """
-
-    @abc.abstractmethod
-    async def read_range_into(
-        self, key: str, start: int, views: builtins.list[memoryview], length: int
-    ) -> int:
-        """One request for ``length`` bytes of ``key`` from ``start``, streamed into
-        ``views`` (see :func:`quire.backends.read_into`); the byte count.
-
-        Parameters
-        ----------
-        key, start, views, length : str, int, list of memoryview, int
-            The object key, the first byte, writable buffers (filled in order) and how
-            many bytes to read.
-        """
 
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         s = start or 0
@@ -414,22 +380,6 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
         return await read_spans(span, views, offset, self.read_part_size)
 
     # -- listings ------------------------------------------------------------------------
-    @abc.abstractmethod
-    async def list_page(
-        self, prefix: str, token: str | None, limit: int | None, delimiter: str | None
-    ) -> tuple[builtins.list[str], builtins.list[str], str | None]:
-        """One page of a listing (retried through :meth:`run`): object names starting
-        with ``prefix``, common prefixes (with a ``delimiter``) and the next page's token
-        (None on the last page).  ``token`` is None for the first page; ``limit``, when
-        given, caps the page size.
-
-        Parameters
-        ----------
-        prefix, token, limit, delimiter : str, Any, int or None, str or None
-            The object-name prefix, the previous page's continuation token (None: the
-            first page), the most names to ask for, and a separator to group names by.
-        """
-
     async def listing(
         self, prefix: str, limit: int | None = None, delimiter: str | None = None
     ) -> tuple[builtins.list[str], builtins.list[str]]:
@@ -466,29 +416,6 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
         return listing.dir_entries(under, names, dirs)
 
     # -- writes --------------------------------------------------------------------------
-    @abc.abstractmethod
-    async def put_small(self, key: str, views: builtins.list[memoryview], total: int) -> None:
-        """Upload an object below ``large_threshold`` (retrying through :meth:`run`);
-        the bytes are already held in the budget.
-
-        Parameters
-        ----------
-        key, views, total : str, list of memoryview, int
-            The object key, its bytes in order, and their total size.
-        """
-
-    @abc.abstractmethod
-    async def put_large(self, key: str, views: builtins.list[memoryview], total: int) -> None:
-        """Upload an object of ``large_threshold`` bytes or more in parts (multipart,
-        resumable), each part held in :attr:`budget` while in flight (see
-        :meth:`upload_parts`).
-
-        Parameters
-        ----------
-        key, views, total : str, list of memoryview, int
-            The object key, its bytes in order, and their total size.
-        """
-
     async def put(self, key: str, data: Sequence[Buffer]) -> None:
         views = flat_views(data)
         total = sum(v.nbytes for v in views)
@@ -497,3 +424,65 @@ class ObjectStoreBackend(ErrorMapping, UploadHelpers, Backend):
             return
         async with self.budget.hold(total):
             await self.put_small(key, views, total)
+
+    async def upload_parts(
+        self,
+        views: builtins.list[memoryview],
+        total: int,
+        part_size: int,
+        send: Callable[[int, builtins.list[memoryview]], Awaitable[T]],
+    ) -> builtins.list[T]:
+        """Send ``views`` as concurrent parts of ``part_size`` bytes, each held in the
+        budget while in flight: ``send(number, part_views)`` for numbers 1, 2, ...
+
+        Parameters
+        ----------
+        views, total, part_size : list of memoryview, int, int
+            The object's bytes in order, their total size, and bytes per part (the last
+            may be shorter).
+        send : callable
+            ``await send(number, part_views)`` uploads one part (numbered from 1) and
+            returns its receipt.
+
+        Returns
+        -------
+        list
+            What each ``send`` returned, in part order.  On the first failure the other
+            parts are cancelled and that failure is raised.
+        """
+        return await self._uploads.parts(views, total, part_size, send)
+
+    async def conditional_put(
+        self,
+        op: str,
+        key: str,
+        data: bytes,
+        write: Callable[[bytes], Awaitable[str]],
+        lost: Callable[[BaseException], bool],
+        what: str,
+        missing: str = "object",
+    ) -> str:
+        """A retried conditional write (the commit); the new version.
+
+        Parameters
+        ----------
+        op, key : str
+            The operation's name and the key written.
+        data : bytes
+            The object's bytes.
+        write : callable
+            ``write(data)`` makes one conditional request and returns the new version.
+        lost : callable
+            ``lost(e)``: whether ``e`` says the precondition failed.
+        what : str
+            The message of :class:`PreconditionFailed` after ``where(key)``
+            (``"exists"``, ``"changed or vanished ..."``).
+        missing : str
+            What a "not found" reply means (see :meth:`map_error`).
+
+        Raises
+        ------
+        PreconditionFailed
+            The precondition failed and ``key`` does not hold ``data``.
+        """
+        return await self._uploads.conditional(op, key, data, write, lost, what, missing)

@@ -1,175 +1,132 @@
-"""The error side of :class:`quire.backends.ObjectStoreBackend`: naming keys in messages,
-keeping credentials out of them, and turning a failed request into a ``quire.errors`` type.
+"""The error side of :class:`quire.backends.ObjectStoreBackend`: a failed request turned into
+a ``quire.errors`` type whose message names the object, with every credential the backend was
+given replaced by ``***``.
 
-A mixin of :class:`~quire._store.object_backend.ObjectStoreBackend` (published through it); the
-hooks a backend overrides (:meth:`is_transient`, :meth:`describe`, :meth:`map_error`,
-:meth:`endpoint`) are documented there.
+:class:`RequestErrors` is the backend's part that does it; it asks the backend only for the
+hooks of :class:`ErrorHooks` (documented on ``ObjectStoreBackend``, which a backend
+overrides).
 """
 
 from __future__ import annotations
 
-import asyncio
 import socket
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from quire._store.endpoints import name_resolution_error
-from quire._store.retries import RetriesExhausted, RetryPolicy
-from quire.errors import (
-    BucketNotFoundError,
-    EndpointUnreachableError,
-    ObjectStoreError,
-    ObjectStorePermissionError,
-)
+from quire._store.retries import RetriesExhausted
+from quire.errors import ObjectStoreError
 
 
-class ErrorMapping:
-    """Messages and error types of an object-store backend (see ``ObjectStoreBackend``)."""
+@dataclass(frozen=True)
+class ErrorTypes:
+    """The ``quire.errors`` subclasses one backend raises, by role.
 
-    scheme: ClassVar[str]
-    error: ClassVar[type[ObjectStoreError]] = ObjectStoreError
-    permission_error: ClassVar[type[ObjectStoreError]] = ObjectStorePermissionError
-    bucket_error: ClassVar[type[ObjectStoreError]] = BucketNotFoundError
-    endpoint_error: ClassVar[type[ObjectStoreError]] = EndpointUnreachableError
-    bucket: str
-    root: str
-    retry: RetryPolicy
-    _secret_values: list[str]
+    Attributes
+    ----------
+    error, permission, bucket, endpoint : type
+        Any permanent failure; a refused request; a bucket that does not exist; an
+        endpoint whose host name does not resolve.
+    """
 
-    # -- hooks: errors --------------------------------------------------------------------
-    def key(self, key: str) -> str:
-        """The object name of ``key`` (relative to the checkpoint root) in the bucket.
+    error: type[ObjectStoreError]
+    permission: type[ObjectStoreError]
+    bucket: type[ObjectStoreError]
+    endpoint: type[ObjectStoreError]
 
-        Parameters
-        ----------
-        key : str
-            An object key, relative to the checkpoint root.
-        """
-        return f"{self.root}/{key}" if self.root else key
 
-    def where(self, key: str | None) -> str:
-        """``scheme://bucket/object`` of ``key`` (the bucket alone for None), for messages.
+class ErrorHooks(Protocol):
+    """What :class:`RequestErrors` asks of its backend (``ObjectStoreBackend``'s hooks)."""
 
-        Parameters
-        ----------
-        key : str or None
-            The object key concerned (None: the bucket).
-        """
-        return f"{self.scheme}://{self.bucket}" + (f"/{self.key(key)}" if key is not None else "")
+    def where(self, key: str | None) -> str: ...
+    def endpoint(self) -> str | None: ...
+    def describe(self, e: BaseException) -> str: ...
+    def map_error(
+        self, e: Exception, op: str, key: str | None, missing: str
+    ) -> Exception | None: ...
 
-    def endpoint(self) -> str | None:
-        """The endpoint URL requests go to, for messages (None when unknown)."""
-        return None
+
+class RequestErrors:
+    """Messages and error types of one backend's failed requests.
+
+    Parameters
+    ----------
+    hooks : ErrorHooks
+        The backend: where a key is, its endpoint, a failure in one line, its own mapping.
+    types : ErrorTypes
+        The error types it raises.
+    bucket : str
+        Its bucket, for messages.
+    secrets : list of str
+        Strings that must never appear in a message or log line.
+    retry_deadline : float
+        The retry deadline, for the message of transient failures that outlasted it.
+    """
+
+    def __init__(
+        self,
+        hooks: ErrorHooks,
+        types: ErrorTypes,
+        bucket: str,
+        secrets: list[str],
+        retry_deadline: float,
+    ) -> None:
+        self._hooks = hooks
+        self._types = types
+        self._bucket = bucket
+        self._secrets = list(secrets)
+        self._retry_deadline = retry_deadline
 
     def redact(self, text: str) -> str:
-        """``text`` with every credential this backend was given replaced by ``***``.
-
-        Parameters
-        ----------
-        text : str
-            A message or log line.
-        """
-        for s in self._secret_values:
+        """``text`` with every secret replaced by ``***``."""
+        for s in self._secrets:
             text = text.replace(s, "***")
         return text
 
-    def is_transient(self, e: BaseException) -> bool:
-        """Whether a failed request may succeed when repeated (5xx, throttling, resets).
-
-        Parameters
-        ----------
-        e : BaseException
-            The failure a request raised.
-        """
-        return isinstance(e, asyncio.TimeoutError | ConnectionError)
-
-    def describe(self, e: BaseException) -> str:
-        """A one-line account of a failed request (redacted by the caller).
-
-        Parameters
-        ----------
-        e : BaseException
-            The failure a request raised.
-        """
-        return f"{type(e).__name__}: {e}"
-
-    def map_error(self, e: Exception, op: str, key: str | None, missing: str) -> Exception | None:
-        """The error to raise for a permanent failure ``e``, or None to keep ``e``.
-
-        Parameters
-        ----------
-        e : Exception
-            What the request raised (not transient, or not retried).
-        op : str
-            The operation, for the message.
-        key : str or None
-            The key it was about (None for bucket-wide calls).
-        missing : str
-            What a "not found" reply means here: ``"object"`` or ``"bucket"``.
-        """
-        return None
+    def _said(self, e: BaseException) -> str:
+        return self.redact(self._hooks.describe(e))
 
     def denied(self, e: BaseException, op: str, key: str | None, fix: str) -> Exception:
-        """The ``permission_error`` for a refused request; ``fix`` says where credentials
-        come from.
-
-        Parameters
-        ----------
-        e : BaseException
-            The failure a request raised.
-        op : str
-            What was attempted (``"get"``, ``"put"``...), for the message.
-        key : str or None
-            The object key concerned (None: the bucket).
-        fix : str
-            Where the credentials come from, for the message.
-        """
-        return self.permission_error(
-            f"{self.where(key)}: {op} denied: {self.redact(self.describe(e))}. {fix}"
+        """The permission error for a refused request; ``fix`` says where credentials
+        come from."""
+        return self._types.permission(
+            f"{self._hooks.where(key)}: {op} denied: {self._said(e)}. {fix}"
         )
 
     def no_bucket(self, op: str, key: str | None) -> Exception:
-        """The ``bucket_error`` for a bucket that does not exist.
-
-        Parameters
-        ----------
-        op, key
-            As for :meth:`denied`.
-        """
-        return self.bucket_error(
-            f"{self.where(key)}: {op}: bucket {self.bucket!r} does not exist (endpoint "
-            f"{self.endpoint()}); create it or fix the URL"
+        """The error for a bucket that does not exist."""
+        return self._types.bucket(
+            f"{self._hooks.where(key)}: {op}: bucket {self._bucket!r} does not exist (endpoint "
+            f"{self._hooks.endpoint()}); create it or fix the URL"
         )
 
     def failed(self, e: BaseException, op: str, key: str | None) -> Exception:
-        """The ``error`` for any other permanent failure.
+        """The error for any other permanent failure."""
+        return self._types.error(f"{self._hooks.where(key)}: {op} failed: {self._said(e)}")
 
-        Parameters
-        ----------
-        e, op, key
-            As for :meth:`denied`.
-        """
-        return self.error(f"{self.where(key)}: {op} failed: {self.redact(self.describe(e))}")
-
-    def _fail(self, e: Exception, op: str, key: str | None, missing: str) -> Exception:
-        where = self.where(key)
+    def final(self, e: Exception, op: str, key: str | None, missing: str) -> Exception:
+        """What a request that failed for good raises: for transient failures past the
+        deadline and unresolvable hosts, this backend's error; else what the backend's
+        ``map_error`` says, or ``e`` itself."""
+        where = self._hooks.where(key)
         if isinstance(e, RetriesExhausted):
-            return self.error(
+            return self._types.error(
                 f"{where}: {op} kept failing with transient errors; gave up after "
                 f"{e.attempts} attempts in {e.elapsed:.1f}s (storage_options "
-                f"retry_deadline={self.retry.deadline:g}); last: {self.redact(self.describe(e.last))}"
+                f"retry_deadline={self._retry_deadline:g}); last: {self._said(e.last)}"
             )
         dns = name_resolution_error(e)
         if dns is not None:
             return self._unresolved(dns, op, key)
-        mapped = self.map_error(e, op, key, missing)
+        mapped = self._hooks.map_error(e, op, key, missing)
         return e if mapped is None else mapped
 
     def _unresolved(self, dns: socket.gaierror, op: str, key: str | None) -> Exception:
-        endpoint = self.endpoint()
+        endpoint = self._hooks.endpoint()
         host = urlsplit(endpoint).hostname if endpoint else None
-        return self.endpoint_error(
-            f"{self.where(key)}: {op}: cannot resolve host {host or '?'!r} of endpoint "
+        return self._types.endpoint(
+            f"{self._hooks.where(key)}: {op}: cannot resolve host {host or '?'!r} of endpoint "
             f"{endpoint or '?'} ({dns.strerror or dns}); check the network and "
             "storage_options endpoint_url"
         )

@@ -1,66 +1,74 @@
-"""Upload helpers of :class:`quire.backends.ObjectStoreBackend`: multipart-style part
-uploads held in the byte budget, and the retried conditional write a commit makes.
+"""Uploads of :class:`quire.backends.ObjectStoreBackend`: multipart-style part uploads held in
+the byte budget, and the retried conditional write a commit makes.
 
-A mixin of :class:`~quire._store.object_backend.ObjectStoreBackend` (published through it).
+:class:`Uploads` is the backend's part that does them, given the budget, the backend's retried
+request (``run``), its ``holds`` check and its messages' ``where``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
+from quire._runtime.budget import ByteBudget
 from quire._runtime.tasks import gather_all
 from quire._store.base import PreconditionFailed
 from quire._store.buffers import byte_slice
 
-if TYPE_CHECKING:
-    from quire._runtime.budget import ByteBudget
-
 T = TypeVar("T")
 
 
-class UploadHelpers:
-    """Part uploads and conditional writes (see ``ObjectStoreBackend``)."""
+class Run(Protocol):
+    """A request with retries: ``ObjectStoreBackend.run``."""
 
-    if TYPE_CHECKING:
+    def __call__(
+        self,
+        op: str,
+        key: str | None,
+        attempt: Callable[[int], Awaitable[T]],
+        missing: str = "object",
+        nbytes: int = 0,
+    ) -> Awaitable[T]: ...
 
-        @property
-        def budget(self) -> ByteBudget: ...
 
-        async def get(
-            self, key: str, start: int | None = None, end: int | None = None
-        ) -> bytes: ...
-        async def version(self, key: str) -> str | None: ...
-        def where(self, key: str | None) -> str: ...
-        async def run(self, op: str, key: str | None, attempt: Callable[[int], Awaitable[T]],
-                      missing: str = "object", nbytes: int = 0) -> T: ...  # fmt: skip
+class Uploads:
+    """Part uploads and conditional writes of one backend.
 
-    async def upload_parts(
+    Parameters
+    ----------
+    budget : callable
+        ``budget()``: the byte budget uploads hold, on the running loop.
+    run : Run
+        The backend's request with retries.
+    holds : callable
+        ``await holds(key, data)``: the version of ``key`` if it holds exactly ``data``.
+    where : callable
+        ``where(key)``: ``scheme://bucket/object``, for messages.
+    """
+
+    def __init__(
+        self,
+        budget: Callable[[], ByteBudget],
+        run: Run,
+        holds: Callable[[str, bytes], Awaitable[str | None]],
+        where: Callable[[str | None], str],
+    ) -> None:
+        self._budget = budget
+        self._run = run
+        self._holds = holds
+        self._where = where
+
+    async def parts(
         self,
         views: list[memoryview],
         total: int,
         part_size: int,
         send: Callable[[int, list[memoryview]], Awaitable[T]],
     ) -> list[T]:
-        """Send ``views`` as concurrent parts of ``part_size`` bytes, each held in the
-        budget while in flight: ``send(number, part_views)`` for numbers 1, 2, ...
-
-        Parameters
-        ----------
-        views, total, part_size : list of memoryview, int, int
-            The object's bytes in order, their total size, and bytes per part (the last
-            may be shorter).
-        send : callable
-            ``await send(number, part_views)`` uploads one part (numbered from 1) and
-            returns its receipt.
-
-        Returns
-        -------
-        list
-            What each ``send`` returned, in part order.  On the first failure the other
-            parts are cancelled and that failure is raised.
-        """
-        budget = self.budget
+        """``send(number, part_views)`` for parts 1, 2, ... of ``views``, concurrently, each
+        held in the budget while in flight; the receipts in part order (the first failure
+        cancels the others and is raised)."""
+        budget = self._budget()
 
         async def one(number: int, a: int, b: int) -> T:
             async with budget.hold(b - a):
@@ -71,25 +79,7 @@ class UploadHelpers:
             [one(i + 1, a, min(a + part_size, total)) for i, a in enumerate(starts)]
         )
 
-    async def holds(self, key: str, data: bytes) -> str | None:
-        """The version of ``key`` if it holds exactly ``data``, else None.
-
-        Used after a conditional write lost: an earlier attempt of the same write (whose
-        reply was lost) may have made it.  The default compares :meth:`get` with
-        ``data`` and reads :meth:`version`; override it where one request gives both.
-
-        Parameters
-        ----------
-        key, data : str, bytes
-            The object key and the bytes the caller wrote.
-        """
-        try:
-            got = await self.get(key)
-        except FileNotFoundError:
-            return None
-        return await self.version(key) if got == data else None
-
-    async def conditional_put(
+    async def conditional(
         self,
         op: str,
         key: str,
@@ -99,27 +89,8 @@ class UploadHelpers:
         what: str,
         missing: str = "object",
     ) -> str:
-        """A retried conditional write (the commit); the new version.
-
-        Parameters
-        ----------
-        op, key : str
-            The operation's name and the key written.
-        data : bytes
-            The object's bytes.
-        write : callable
-            ``write(data)`` makes one conditional request and returns the new version.
-        lost : callable
-            ``lost(e)``: whether ``e`` says the precondition failed.
-        what : str
-            The message of :class:`PreconditionFailed` after ``where(key)``
-            (``"exists"``, ``"changed or vanished ..."``).
-
-        Raises
-        ------
-        PreconditionFailed
-            The precondition failed and ``key`` does not hold ``data``.
-        """
+        """``write(data)`` with retries; a lost precondition is success when ``key`` holds
+        exactly ``data`` (an earlier attempt wrote it), else :class:`PreconditionFailed`."""
         body = bytes(data)
 
         async def attempt(_n: int) -> str:
@@ -130,9 +101,9 @@ class UploadHelpers:
                     raise
             # An earlier attempt - ours, or one the HTTP client repeated on its own after
             # a lost reply - may have written it: then the key holds exactly our bytes.
-            mine = await self.holds(key, body)
+            mine = await self._holds(key, body)
             if mine is not None:
                 return mine
-            raise PreconditionFailed(f"{self.where(key)} {what}")
+            raise PreconditionFailed(f"{self._where(key)} {what}")
 
-        return await self.run(op, key, attempt, missing, nbytes=len(body))
+        return await self._run(op, key, attempt, missing, nbytes=len(body))
