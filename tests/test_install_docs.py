@@ -48,6 +48,32 @@ def test_install_docs_cover_every_distribution() -> None:
         assert f"pip install -e ./{folder}" in text or "docs/install.md" in text, readme
 
 
+def test_the_first_party_table_matches_every_plugin_member() -> None:
+    """quire._runtime.install.FIRST_PARTY_PLUGINS, the one table the install hints read, has
+    a row per plugin member with that member's folder and exactly the quire entry points its
+    pyproject.toml declares; every name it provides gets that distribution in the hint of
+    a missing plugin."""
+    from quire._runtime.install import FIRST_PARTY_PLUGINS
+    from quire._runtime.registry import registries
+
+    declared = {}
+    for pyproject in [
+        *REPO.glob("backends/*/pyproject.toml"),
+        *REPO.glob("plugins/*/pyproject.toml"),
+    ]:
+        project = tomllib.loads(pyproject.read_text())["project"]
+        groups = project.get("entry-points", {})
+        points = sorted(
+            f"{g}:{n}" for g, names in groups.items() if g.startswith("quire.") for n in names
+        )
+        declared[project["name"]] = (str(pyproject.parent.relative_to(REPO)), points)
+    assert {p.distribution: (p.folder, sorted(p.provides)) for p in FIRST_PARTY_PLUGINS} == declared
+    for p in FIRST_PARTY_PLUGINS:
+        for point in p.provides:
+            group, name = point.split(":")
+            assert f"install {p.distribution} (" in str(registries[group]._missing(name, "")), point
+
+
 def test_torch_cpu_build_is_documented_and_the_test_setup_keeps_it() -> None:
     cpu = "--index-url https://download.pytorch.org/whl/cpu"
     assert cpu in (REPO / "docs" / "install.md").read_text()

@@ -1,7 +1,7 @@
 """How quire runs, below everything that knows a checkpoint: the background event loop and I/O
 pool (``ioloop``), async responses (``responses``), the byte budget (``budget``),
 configuration and contexts (``config``), the plugin registries (``registry``, with install hints
-from ``install``), the interpreter-exit hook (``exithook``), progress reporting (``progress``),
+from ``install``, the one table of first-party plugins), the interpreter-exit hook (``exithook``), progress reporting (``progress``),
 bounded fan-out (``tasks``), host buffers ``jax.device_put`` adopts (``hostbuf``), the multi-process
 coordinator (``multihost``), byte exchange between processes behind a barrier with a deadline
 (``collective``: an all-gather, and ``ring_shift`` for peer copies) and the library version

@@ -20,12 +20,11 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from quire._runtime.config import GROUPS, current
-from quire._runtime.install import install_hint
+from quire._runtime.install import FIRST_PARTY_PLUGINS, install_hint, provider
 from quire.errors import PluginError
 
 __all__ = [
     "GROUPS",
-    "INSTALL_HINTS",
     "PluginInfo",
     "Registry",
     "clear_caches",
@@ -36,21 +35,6 @@ __all__ = [
     "unregister_leaf_handler",
 ]
 
-
-# Where to get first-party plugins that are not installed.
-INSTALL_HINTS = {
-    ("quire.backends", "s3"): "quire-s3",
-    ("quire.backends", "s3a"): "quire-s3",
-    ("quire.backends", "gs"): "quire-gcs",
-    ("quire.backends", "gcs"): "quire-gcs",
-    ("quire.leaf_handlers", "torch"): "quire-torch",
-    ("quire.sources", "orbax"): "quire-orbax",
-    ("quire.checkpointables", "grain"): "quire-grain",
-}
-# Distributions quire itself vouches for in an install hint.  A record's ``plugins`` map
-# is untrusted input: a name outside this set (and not installed here providing that very
-# plugin) is quoted as the record's claim, never suggested as ``pip install X``.
-FIRST_PARTY = ("quire-s3", "quire-gcs", "quire-torch", "quire-orbax", "quire-grain")
 
 # Bumped on every change of any registry; selection caches (_handlers) key on it.
 _generation = itertools.count(1)
@@ -187,7 +171,7 @@ class Registry:
         )
 
     def _missing(self, name: str, where: str) -> PluginError:
-        hint = INSTALL_HINTS.get((self.group, name))
+        hint = provider(self.group, name)
         if hint:
             fix = f"install {hint} ({install_hint(hint)})"
         else:
@@ -309,7 +293,10 @@ def record_hint(err: PluginError, plugins: object) -> PluginError:
     claimed = plugins.get(f"{err.group}:{err.name}")
     if not isinstance(claimed, str) or not claimed:
         return err
-    known = {canonical(d) for d in FIRST_PARTY}
+    # Distributions quire itself vouches for in an install hint: a record's ``plugins`` map is
+    # untrusted input, so a name outside them (and not installed here providing that very
+    # plugin) is quoted as the record's claim, never suggested as ``pip install X``.
+    known = {canonical(p.distribution) for p in FIRST_PARTY_PLUGINS}
     reg = registries.get(err.group)
     if reg is not None:
         known |= {canonical(_dist(ep)[0]) for ep in reg.entry_points(err.name)}

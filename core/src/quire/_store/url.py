@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from quire._runtime.config import current
-from quire._runtime.install import install_hint
-from quire._runtime.registry import INSTALL_HINTS, backends
+from quire._runtime.install import install_hint, provider
+from quire._runtime.registry import backends
 from quire._store.base import Backend
 from quire._store.fsspec_generic import FsspecBackend
 from quire._store.local import local_path
@@ -73,7 +73,7 @@ def open_backend(url: str, storage_options: dict[str, Any] | None = None) -> Bac
     if proto in backends.names():
         cls = backends.get(proto, url=url)
         return cls(url, opts)  # type: ignore[no-any-return]
-    hint = INSTALL_HINTS.get(("quire.backends", proto))
+    hint = provider("quire.backends", proto)
     if hint:
         raise PluginError(
             f"no quire backend for {proto}:// URLs ({url}); install {hint} ({install_hint(hint)})"
