@@ -1,5 +1,7 @@
-"""The public object-store toolkit's pure parts: credentials out of endpoint URLs, and DNS
-failures found however deep a client library wraps them."""
+"""The public object-store toolkit, ``quire.backends.ObjectStoreBackend`` and its helpers:
+credentials out of endpoint URLs, DNS failures found however deep a client library wraps
+them, and a backend built on the toolkit over an in-process store (retries, logs, the byte
+budget, conditional writes, checked-out connections), as a third party would write one."""
 
 from __future__ import annotations
 
