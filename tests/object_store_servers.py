@@ -14,6 +14,12 @@
 moto starts in ~1 s and each test module gets its own; fake-gcs-server starts in ~0.05 s and
 the session shares one (``conftest.py``).  ``ci/object_store_servers.py`` starts the same
 servers for trying quire by hand.
+
+:data:`STORES` registers each object store the tests run quire against, one
+:class:`StoreUnderTest` row each: the server that stands for it, its fixture, and what its
+requests look like on the wire.  ``conftest.py`` makes a fixture of each row's server, and the
+tests that run on every object store parametrize over :data:`SCHEMES`: a new backend's tests
+are its server class and one row.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +59,9 @@ def free_port() -> int:
 # ----------------------------------------------------------------------------- servers
 class MotoS3:
     """moto's S3 server on 127.0.0.1 with one bucket."""
+
+    #: The storage options besides ``endpoint_url`` that reach it.
+    credentials: dict[str, Any] = {"key": S3_KEY, "secret": S3_SECRET}
 
     def __init__(self) -> None:
         from moto.server import ThreadedMotoServer
@@ -76,12 +85,7 @@ class MotoS3:
         )
 
     def options(self, endpoint: str | None = None, **extra: Any) -> dict[str, Any]:
-        return {
-            "endpoint_url": endpoint or self.endpoint,
-            "key": S3_KEY,
-            "secret": S3_SECRET,
-            **extra,
-        }
+        return {"endpoint_url": endpoint or self.endpoint, **self.credentials, **extra}
 
     def fresh_url(self) -> str:
         return f"s3://{S3_BUCKET}/{uuid.uuid4().hex[:12]}"
@@ -99,6 +103,10 @@ class FakeGcs:
     ``<data>/<bucket>/<name>``.  The server ends with :meth:`stop`, or when the
     process that started it does (a killed test run leaves no server behind).
     """
+
+    host = "127.0.0.1"
+    #: The storage options besides ``endpoint_url`` that reach it.
+    credentials: dict[str, Any] = {"token": "anon", "project": "quire"}
 
     def __init__(self, bucket: str = GCS_BUCKET, port: int = 0, data: Path | None = None) -> None:
         self.bucket = bucket
@@ -144,12 +152,7 @@ class FakeGcs:
         return False
 
     def options(self, endpoint: str | None = None, **extra: Any) -> dict[str, Any]:
-        return {
-            "endpoint_url": endpoint or self.endpoint,
-            "token": "anon",
-            "project": "quire",
-            **extra,
-        }
+        return {"endpoint_url": endpoint or self.endpoint, **self.credentials, **extra}
 
     def fresh_url(self) -> str:
         return f"gs://{self.bucket}/{uuid.uuid4().hex[:12]}"
@@ -726,3 +729,135 @@ def env(**values: str | None) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# ----------------------------------------------------------------------------- stores under test
+Pattern = dict[str, str]  # FaultProxy rule / request filter keywords: method, path (a regex)
+
+
+@dataclass(frozen=True)
+class StoreUnderTest:
+    """One object store the tests run quire against: a row of :data:`STORES`.
+
+    Attributes
+    ----------
+    scheme, label : str
+        Its URL scheme (``"s3"``), and its name in test class names (``"S3"``).
+    server : type
+        The server's class: ``server()`` starts one, with ``host``, ``port``, ``endpoint``,
+        ``options(endpoint=None, **extra)`` (storage options for it, or for a proxy in front
+        at ``endpoint``), ``fresh_url()`` and ``stop()``; ``server.credentials`` are the
+        storage options besides ``endpoint_url`` that reach it.
+    fixture, scope : str
+        The fixture of its server (``conftest.py`` makes it) and that fixture's pytest scope.
+    flavor : str
+        The :class:`FaultProxy` dialect in front of it (its error bodies; ``"gcs"`` also
+        keeps resumable sessions to GCS's protocol).
+    commit_write, data_write, deletes, chunk_read, data_read : dict
+        Request patterns: the write of ``quire.json``; writes under ``d/<txid>/``; deletes of
+        superseded data; reads of array chunks (v1 objects or v2 packs); reads of an object's
+        bytes (not its metadata).
+    part_session, part_upload, part_complete : dict
+        The requests of an upload in parts (multipart, resumable): the one that starts it,
+        one part, and the one that completes it (empty when the last part does).
+    part_options : tuple of str
+        The storage options setting the part size and the size from which an object is
+        uploaded in parts (see :meth:`parts`).
+    min_part : int
+        The store's smallest part (but the last).
+    client_timeouts : dict
+        Storage options giving its client 1 s read and connect timeouts.
+    bad_credentials : tuple
+        The :class:`FaultProxy` action (and error code) of its answer to unknown credentials.
+    unread_reply : callable
+        ``await unread_reply(backend, key)``: a reply to a read of ``key`` made on the
+        backend's own client and left unread (it holds a pooled connection); ``close()``
+        releases it.
+    """
+
+    scheme: str
+    label: str
+    server: type
+    fixture: str
+    scope: str
+    flavor: str
+    commit_write: Pattern
+    data_write: Pattern
+    deletes: Pattern
+    chunk_read: Pattern
+    data_read: Pattern
+    part_session: Pattern
+    part_upload: Pattern
+    part_complete: Pattern
+    part_options: tuple[str, str]
+    min_part: int
+    client_timeouts: dict[str, Any]
+    bad_credentials: tuple[str, str | None]
+    unread_reply: Callable[[Any, str], Awaitable[Any]]
+
+    def parts(self, size: int, threshold: int | None = None) -> dict[str, int]:
+        """Storage options uploading objects of ``threshold`` bytes or more (the backend's
+        default when None) in parts of ``size``."""
+        size_option, threshold_option = self.part_options
+        return {size_option: size, **({threshold_option: threshold} if threshold else {})}
+
+
+async def _unread_s3(backend: Any, key: str) -> Any:
+    client = await backend.client.set_session()
+    return (await client.get_object(Bucket=backend.bucket, Key=backend.key(key)))["Body"]
+
+
+async def _unread_gcs(backend: Any, key: str) -> Any:
+    session = await backend.client._set_session()
+    return await session.get(backend._object_url(key, media=True) + "?alt=media")
+
+
+MiB = 1 << 20
+
+#: The object stores under test, by scheme.
+STORES = {
+    "s3": StoreUnderTest(
+        scheme="s3",
+        label="S3",
+        server=MotoS3,
+        fixture="moto",
+        scope="module",
+        flavor="s3",
+        commit_write={"method": "PUT", "path": r"/quire\.json(\?|$)"},
+        data_write={"method": "PUT", "path": r"/d/[0-9a-f]+/"},
+        deletes={"method": "POST", "path": r"\?delete"},
+        chunk_read={"method": "GET", "path": r"/d/[0-9a-f]+/(.*/c/|.*packs/p\d+-\d+)"},
+        data_read={"method": "GET"},
+        part_session={"method": "POST", "path": r"\?uploads"},
+        part_upload={"method": "PUT", "path": r"\?.*partNumber="},
+        part_complete={"method": "POST", "path": r"\?uploadId="},
+        part_options=("multipart_chunksize", "multipart_threshold"),
+        min_part=5 * MiB,
+        client_timeouts={"config_kwargs": {"read_timeout": 1, "connect_timeout": 1}},
+        bad_credentials=("403", "InvalidAccessKeyId"),
+        unread_reply=_unread_s3,
+    ),
+    "gs": StoreUnderTest(
+        scheme="gs",
+        label="GCS",
+        server=FakeGcs,
+        fixture="gcs",
+        scope="session",
+        flavor="gcs",
+        commit_write={"method": "POST", "path": r"name=[^&]*quire\.json"},
+        data_write={"method": "POST", "path": r"name=[^&]*%2Fd%2F"},
+        deletes={"method": "DELETE", "path": r"/o/"},
+        chunk_read={"method": "GET", "path": r"/download/.*(%2Fc%2F|packs%2Fp\d+-\d+)"},
+        data_read={"method": "GET", "path": r"alt=media"},
+        part_session={"method": "POST", "path": r"uploadType=resumable"},
+        part_upload={"method": "PUT", "path": r"upload_id="},
+        part_complete={},
+        part_options=("resumable_chunksize", "resumable_threshold"),
+        min_part=256 * 1024,
+        client_timeouts={"read_timeout": 1, "connect_timeout": 1},
+        bad_credentials=("401", None),
+        unread_reply=_unread_gcs,
+    ),
+}
+#: Their schemes, to parametrize over.
+SCHEMES = list(STORES)

@@ -13,8 +13,9 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
-from object_store_servers import FakeGcs, MotoS3
+from object_store_servers import SCHEMES, STORES
 
 import quire
 
@@ -41,9 +42,6 @@ def _run_machine(server: Any, protocol: str) -> None:
         test().runTest()
 
 
-def test_commit_model_on_s3(moto: MotoS3) -> None:
-    _run_machine(moto, "s3")
-
-
-def test_commit_model_on_gcs(gcs: FakeGcs) -> None:
-    _run_machine(gcs, "gs")
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_commit_model(scheme: str, request: pytest.FixtureRequest) -> None:
+    _run_machine(request.getfixturevalue(STORES[scheme].fixture), scheme)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
-from object_store_servers import FakeGcs, MotoS3
+from object_store_servers import SCHEMES, STORES, MotoS3
 
 import quire
 from quire import partial
@@ -41,19 +41,16 @@ def _run_machine(server: Any, protocol: str) -> None:
         test().runTest()
 
 
-def test_journal_model_on_s3(moto: MotoS3) -> None:
-    _run_machine(moto, "s3")
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_journal_model(scheme: str, request: pytest.FixtureRequest) -> None:
+    _run_machine(request.getfixturevalue(STORES[scheme].fixture), scheme)
 
 
-def test_journal_model_on_gcs(gcs: FakeGcs) -> None:
-    _run_machine(gcs, "gs")
-
-
-@pytest.mark.parametrize("scheme", ["s3", "gs"])
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_concurrent_appends_never_lose_a_version(
     scheme: str, request: pytest.FixtureRequest
 ) -> None:
-    server = request.getfixturevalue("moto" if scheme == "s3" else "gcs")
+    server = request.getfixturevalue(STORES[scheme].fixture)
     url = server.fresh_url()
     opts = server.options()
     partial.save(url, {"init": np.zeros(1)}, storage_options=opts)

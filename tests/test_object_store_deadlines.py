@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from object_store_servers import FakeGcs, FaultProxy, MotoS3
+from object_store_servers import SCHEMES, STORES, FakeGcs, FaultProxy, StoreUnderTest
 
 import quire
 from quire.errors import ObjectStoreError
@@ -39,7 +39,7 @@ pytestmark = [
 MiB = 1 << 20
 # Parts / resumable chunks of 32 MiB: more than the loopback socket buffers and the proxy's
 # read buffer hold together, so a stalled reader really blocks the sender.
-BIG_PARTS = {"multipart_chunksize": 32 * MiB, "resumable_chunksize": 32 * MiB}
+BIG_PART = 32 * MiB
 DEADLINES = {
     "request_timeout": 1.5,
     "request_min_rate": 256 * MiB,  # 32 MiB of body: 0.125 s more
@@ -50,26 +50,20 @@ DEADLINES = {
 BOUND = 30.0  # seconds a failing save may take here (2-4 attempts of ~1.6 s, loaded CI)
 
 
-@pytest.fixture(params=["s3", "gs"])
-def target(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any, FaultProxy, str, str]]:
-    """(scheme, server, proxy, data-write pattern, commit-write pattern)."""
-    if request.param == "s3":
-        server: Any = request.getfixturevalue("moto")
-        proxy = FaultProxy((server.host, server.port), "s3")
-        data, commit = r"/d/[0-9a-f]+/", r"/quire\.json(\?|$)"
-    else:
-        server = request.getfixturevalue("gcs")
-        proxy = FaultProxy(("127.0.0.1", server.port), "gcs")
-        data, commit = r"name=[^&]*%2Fd%2F", r"name=[^&]*quire\.json"
+@pytest.fixture(params=SCHEMES)
+def target(request: pytest.FixtureRequest) -> Iterator[tuple[StoreUnderTest, Any, FaultProxy]]:
+    """(the store under test, its server, a fault proxy in front)."""
+    store = STORES[request.param]
+    server: Any = request.getfixturevalue(store.fixture)
+    proxy = FaultProxy((server.host, server.port), store.flavor)
     try:
-        yield request.param, server, proxy, data, commit
+        yield store, server, proxy
     finally:
         proxy.stop()
 
 
-def _options(server: MotoS3 | FakeGcs, proxy: FaultProxy, scheme: str) -> dict[str, Any]:
-    extra = {k: v for k, v in BIG_PARTS.items() if k.startswith("multipart") == (scheme == "s3")}
-    return dict(server.options(proxy.endpoint, **DEADLINES, **extra))
+def _options(store: StoreUnderTest, server: Any, proxy: FaultProxy) -> dict[str, Any]:
+    return dict(server.options(proxy.endpoint, **DEADLINES, **store.parts(BIG_PART)))
 
 
 def _tree(seed: int, mib: int = 1) -> dict[str, Any]:
@@ -93,16 +87,15 @@ def _failed_in_time(url: str, tree: Any, opts: dict[str, Any]) -> ObjectStoreErr
 
 
 def test_a_server_that_says_nothing_fails_the_commit_in_time(
-    target: tuple[str, Any, FaultProxy, str, str],
+    target: tuple[StoreUnderTest, Any, FaultProxy],
 ) -> None:
-    scheme, server, proxy, _data, commit = target
-    method = "PUT" if scheme == "s3" else "POST"
-    opts = _options(server, proxy, scheme)
+    store, server, proxy = target
+    opts = _options(store, server, proxy)
     url = server.fresh_url()
     first = _tree(1)
     quire.save(url, first, storage_options=opts)
     # Every write of the commit record: taken, never answered (for an hour).
-    rule = proxy.add("stall", times=-1, delay=3600, method=method, path=commit)
+    rule = proxy.add("stall", times=-1, delay=3600, **store.commit_write)
     error = _failed_in_time(url, _tree(2), opts)
     assert rule.hits >= 2, "the stalled attempt was not retried"
     assert url.split("://", 1)[1].split("/", 1)[0] in str(error)  # names the bucket / URL
@@ -111,19 +104,17 @@ def test_a_server_that_says_nothing_fails_the_commit_in_time(
 
 
 def test_a_server_that_stops_reading_mid_body_fails_the_upload_in_time(
-    target: tuple[str, Any, FaultProxy, str, str],
+    target: tuple[StoreUnderTest, Any, FaultProxy],
 ) -> None:
-    scheme, server, proxy, data, _commit = target
-    method = "PUT" if scheme == "s3" else None  # GCS: the resumable session's PUTs, POSTs
-    opts = _options(server, proxy, scheme)
+    store, server, proxy = target
+    opts = _options(store, server, proxy)
     url = server.fresh_url()
     first = _tree(1)
     quire.save(url, first, storage_options=opts)
     # A 48 MiB array streams into a pack whose 32 MiB parts each stall after 1 MiB.
     stalls = proxy.add(
-        "stop-reading", times=-1, delay=3600, body_bytes=MiB, method=method,
-        path=data if scheme == "s3" else r"upload_id=",
-    )  # fmt: skip
+        "stop-reading", times=-1, delay=3600, body_bytes=MiB, **store.part_upload
+    )  # the parts (S3) / resumable chunks (GCS) of the pack
     _failed_in_time(url, _tree(2, mib=48), opts)
     assert stalls.hits >= 2, "the stalled upload was not retried"
     proxy.clear()

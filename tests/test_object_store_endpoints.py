@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from object_store_servers import S3_KEY, S3_SECRET, FakeGcs, FaultProxy, MotoS3
+from object_store_servers import S3_KEY, SCHEMES, STORES, FaultProxy, MotoS3
 
 import quire
 from quire._store.url import open_backend
@@ -27,12 +27,10 @@ TREE = {"w": np.arange(64, dtype=np.float32), "step": 3}
 
 
 def _options(scheme: str, endpoint: str) -> dict[str, Any]:
-    if scheme == "s3":
-        return {"endpoint_url": endpoint, "key": S3_KEY, "secret": S3_SECRET}
-    return {"endpoint_url": endpoint, "token": "anon", "project": "quire"}
+    return {"endpoint_url": endpoint, **STORES[scheme].server.credentials}
 
 
-@pytest.mark.parametrize("scheme", ["s3", "gs"])
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_unresolvable_endpoint_fails_fast_naming_it(scheme: str) -> None:
     # The default retry_deadline (120 s) applies: only the error's kind makes it fast.
     url = f"{scheme}://quire-test/ckpt"
@@ -47,15 +45,15 @@ def test_unresolvable_endpoint_fails_fast_naming_it(scheme: str) -> None:
         quire.load(url, storage_options=_options(scheme, NOWHERE))
 
 
-@pytest.mark.parametrize("scheme", ["s3", "gs"])
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_each_retry_is_logged_at_info_with_its_reason(
-    scheme: str, moto: MotoS3, gcs: FakeGcs, caplog: pytest.LogCaptureFixture
+    scheme: str, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
 ) -> None:
-    upstream = (moto.host, moto.port) if scheme == "s3" else ("127.0.0.1", gcs.port)
-    proxy = FaultProxy(upstream, "s3" if scheme == "s3" else "gcs")
+    store = STORES[scheme]
+    server: Any = request.getfixturevalue(store.fixture)
+    proxy = FaultProxy((server.host, server.port), store.flavor)
     try:
-        proxy.add("503", times=2, method="PUT" if scheme == "s3" else "POST", path=r"/d/|%2Fd%2F")
-        server = moto if scheme == "s3" else gcs
+        proxy.add("503", times=2, **store.data_write)
         opts = {**server.options(proxy.endpoint), "retry_backoff": 0.01}
         caplog.set_level(logging.INFO, logger="quire")
         url = server.fresh_url()

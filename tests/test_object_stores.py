@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,12 @@ import pytest
 from object_store_servers import (
     S3_KEY,
     S3_SECRET,
+    SCHEMES,
+    STORES,
     FakeGcs,
     FaultProxy,
     MotoS3,
+    StoreUnderTest,
     env,
 )
 from object_store_worker import assert_tree, build_tree
@@ -51,16 +54,16 @@ FAST_RETRY = {"retry_backoff": 0.01, "retry_max_backoff": 0.2, "retry_deadline":
 
 @dataclass
 class Store:
-    """One object store under test: its server, a fault proxy in front, request patterns."""
+    """One object store under test (a row of ``object_store_servers.STORES``): its server and
+    a fault proxy in front."""
 
-    name: str
+    kind: StoreUnderTest
     server: Any
     proxy: FaultProxy
-    commit_write: dict[str, str]  # the write of quire.json
-    data_write: dict[str, str]  # writes under d/<txid>/
-    deletes: dict[str, str]  # deletes of superseded data
-    chunk_read: dict[str, str]  # reads of array chunks (v1 objects or v2 packs)
-    timeout_option: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.kind.scheme
 
     def url(self) -> str:
         return str(self.server.fresh_url())
@@ -78,43 +81,38 @@ def run(coro: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def s3_store(moto: MotoS3) -> Iterator[Store]:
-    proxy = FaultProxy((moto.host, moto.port), "s3")
-    yield Store(
-        "s3",
-        moto,
-        proxy,
-        commit_write={"method": "PUT", "path": r"/quire\.json(\?|$)"},
-        data_write={"method": "PUT", "path": r"/d/[0-9a-f]+/"},
-        deletes={"method": "POST", "path": r"\?delete"},
-        chunk_read={"method": "GET", "path": r"/d/[0-9a-f]+/(.*/c/|.*packs/p\d+-\d+)"},
-        timeout_option={"config_kwargs": {"read_timeout": 1, "connect_timeout": 1}},
-    )
-    proxy.stop()
+def proxied() -> Iterator[dict[str, Store]]:
+    """The module's stores, by scheme, each with its proxy (made on first use)."""
+    made: dict[str, Store] = {}
+    yield made
+    for s in made.values():
+        s.proxy.stop()
 
 
-@pytest.fixture(scope="module")
-def gcs_store(gcs: FakeGcs) -> Iterator[Store]:
-    proxy = FaultProxy(("127.0.0.1", gcs.port), "gcs")
-    yield Store(
-        "gs",
-        gcs,
-        proxy,
-        commit_write={"method": "POST", "path": r"name=[^&]*quire\.json"},
-        data_write={"method": "POST", "path": r"name=[^&]*%2Fd%2F"},
-        deletes={"method": "DELETE", "path": r"/o/"},
-        chunk_read={"method": "GET", "path": r"/download/.*(%2Fc%2F|packs%2Fp\d+-\d+)"},
-        timeout_option={"read_timeout": 1, "connect_timeout": 1},
-    )
-    proxy.stop()
+def _store(request: pytest.FixtureRequest, made: dict[str, Store], scheme: str) -> Store:
+    if scheme not in made:
+        kind = STORES[scheme]
+        server = request.getfixturevalue(kind.fixture)
+        made[scheme] = Store(kind, server, FaultProxy((server.host, server.port), kind.flavor))
+    made[scheme].proxy.clear()
+    return made[scheme]
 
 
-@pytest.fixture(params=["s3", "gs"])
-def store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    s: Store = request.getfixturevalue("s3_store" if request.param == "s3" else "gcs_store")
-    s.proxy.clear()
+@pytest.fixture(params=SCHEMES)
+def store(request: pytest.FixtureRequest, proxied: dict[str, Store]) -> Iterator[Store]:
+    s = _store(request, proxied, request.param)
     yield s
     s.proxy.clear()
+
+
+@pytest.fixture
+def s3_store(request: pytest.FixtureRequest, proxied: dict[str, Store]) -> Store:
+    return _store(request, proxied, "s3")
+
+
+@pytest.fixture
+def gcs_store(request: pytest.FixtureRequest, proxied: dict[str, Store]) -> Store:
+    return _store(request, proxied, "gs")
 
 
 class Child:
@@ -232,12 +230,9 @@ def test_packs_stream_in_multipart_parts_and_roll_over(store: Store) -> None:
     sizes = [run(store.backend(url).size(k)) for k in packs]
     assert all(n <= 24 << 20 for n in sizes) and sum(sizes) == 20 * ((1 << 21) + 4), sizes
     pieces = sum(-(-n // (16 << 20)) for n in sizes)  # 16 MiB parts / chunks per pack
-    if store.name == "s3":
-        sessions = store.proxy.requests("POST", r"packs(/|%2F)p00000-\d+\?uploads")
-        uploads = store.proxy.requests("PUT", r"packs(/|%2F)p00000-\d+\?.*partNumber=")
-    else:
-        sessions = store.proxy.requests("POST", r"uploadType=resumable.*packs%2Fp00000-")
-        uploads = store.proxy.requests("PUT", r"upload_id=")
+    # Only the packs are large enough to upload in parts.
+    sessions = store.proxy.requests(**store.kind.part_session)
+    uploads = store.proxy.requests(**store.kind.part_upload)
     assert len(sessions) == 2 and len(uploads) == pieces, (sessions, uploads)
     got = quire.load(url, storage_options=opts)
     assert all(np.array_equal(got[k], v) for k, v in tree.items())
@@ -260,7 +255,7 @@ def test_small_pack_is_one_request_and_a_load_reads_packs_in_windows(store: Stor
     store.proxy.clear()
     got = quire.load(url, storage_options=opts)
     assert all(np.array_equal(got[k], v) for k, v in tree.items())
-    reads = store.proxy.requests(**store.chunk_read)
+    reads = store.proxy.requests(**store.kind.chunk_read)
     assert 1 <= len(reads) <= 2, reads
 
 
@@ -295,8 +290,8 @@ def test_roundtrip_sharded_jax_and_ranged_shard_reads(store: Store) -> None:
     part = quire.load(url, target, partial=True, storage_options=opts)
     np.testing.assert_array_equal(np.asarray(part["table"]), table)
     reads = [
-        r for r in store.proxy.requests("GET", r"table")
-        if "zarr.json" not in r[1] and (store.name == "s3" or "alt=media" in r[1])
+        r for r in store.proxy.requests(**store.kind.data_read)
+        if "table" in r[1] and "zarr.json" not in r[1]
     ]  # fmt: skip
     assert reads and all(r[3].startswith("bytes=") for r in reads), reads
     spans = [r[6:].split("-") for r in {r[3] for r in reads}]  # (an HTTP client may repeat one)
@@ -313,7 +308,7 @@ def test_overwrite_is_a_compare_and_swap(store: Store) -> None:
     store.proxy.clear()
     quire.save(url, build_tree(2), overwrite=True, storage_options=opts)
     assert_tree(quire.load(url, storage_options=opts), 2)
-    writes = store.proxy.requests(**store.commit_write)
+    writes = store.proxy.requests(**store.kind.commit_write)
     assert len(writes) == 1
     if store.name == "gs":
         assert f"ifGenerationMatch={old}" in writes[0][1]
@@ -332,13 +327,13 @@ def test_gcs_server_refuses_stale_commit_preconditions(gcs_store: Store, zygote:
     store.proxy.clear()
     url, opts, direct = store.url(), store.options(), store.options(direct=True)
 
-    gate = store.proxy.add("hold", times=1, **store.commit_write)
+    gate = store.proxy.add("hold", times=1, **store.kind.commit_write)
     saving = zygote.spawn(url, opts, 1)
     store.proxy.wait_arrivals(gate, 1)
     quire.save(url, build_tree(2), storage_options=direct)  # another writer commits first
     store.proxy.release(gate)
     assert saving.result() == "exists"
-    (create,) = store.proxy.requests(**store.commit_write)
+    (create,) = store.proxy.requests(**store.kind.commit_write)
     assert "uploadType=multipart" in create[1] and "ifGenerationMatch=0" in create[1], create
     assert create[2] == "hold"  # forwarded to the server, which refused it
     assert_tree(quire.load(url, storage_options=direct), 2)
@@ -346,14 +341,14 @@ def test_gcs_server_refuses_stale_commit_preconditions(gcs_store: Store, zygote:
 
     store.proxy.clear()
     before = run(store.backend(url).version("quire.json"))
-    gate = store.proxy.add("hold", times=1, **store.commit_write)
+    gate = store.proxy.add("hold", times=1, **store.kind.commit_write)
     saving = zygote.spawn(url, opts, 3, overwrite=True)
     store.proxy.wait_arrivals(gate, 1)
     quire.save(url, build_tree(4), overwrite=True, storage_options=direct)
     between = run(store.backend(url).version("quire.json"))
     store.proxy.release(gate)
     assert saving.result() == "committed"
-    swaps = [r[1] for r in store.proxy.requests(**store.commit_write)]
+    swaps = [r[1] for r in store.proxy.requests(**store.kind.commit_write)]
     assert len(swaps) == 2 and all("uploadType=multipart" in t for t in swaps), swaps
     assert f"ifGenerationMatch={before}" in swaps[0], swaps  # refused: the record changed
     assert f"ifGenerationMatch={between}" in swaps[1], swaps
@@ -362,9 +357,13 @@ def test_gcs_server_refuses_stale_commit_preconditions(gcs_store: Store, zygote:
     store.proxy.clear()
 
 
-@pytest.mark.parametrize("where", ["s3", "gs", "local"])
+@pytest.mark.parametrize("where", [*SCHEMES, "local"])
 def test_two_processes_race_for_one_url(
-    where: str, request: pytest.FixtureRequest, zygote: Zygote, tmp_path: Path
+    where: str,
+    request: pytest.FixtureRequest,
+    proxied: dict[str, Store],
+    zygote: Zygote,
+    tmp_path: Path,
 ) -> None:
     """Both writers reach the commit together; exactly one commits, the other gets
     CheckpointExistsError, and what loads is entirely the winner's."""
@@ -372,10 +371,9 @@ def test_two_processes_race_for_one_url(
     if where == "local":
         url, opts = str(tmp_path / "ckpt"), {}
     else:
-        store = request.getfixturevalue(f"{where.replace('gs', 'gcs')}_store")
-        store.proxy.clear()
+        store = _store(request, proxied, where)
         url, opts = store.url(), store.options()
-        gate = store.proxy.add("hold", times=2, **store.commit_write)
+        gate = store.proxy.add("hold", times=2, **store.kind.commit_write)
     procs = [zygote.spawn(url, opts, seed) for seed in (1, 2)]
     if store is not None:
         store.proxy.wait_arrivals(gate, 2, timeout=120)  # both are at the commit
@@ -407,7 +405,7 @@ def test_racing_writers_on_gcs_commit_exactly_one_each_round(
     for round_ in range(RACE_ROUNDS):
         store.proxy.clear()
         url, opts = store.url(), store.options()
-        gate = store.proxy.add("hold", times=RACE_WRITERS, serial=False, **store.commit_write)
+        gate = store.proxy.add("hold", times=RACE_WRITERS, serial=False, **store.kind.commit_write)
         seeds = [10 * round_ + i for i in range(1, RACE_WRITERS + 1)]
         procs = [zygote.spawn(url, opts, seed) for seed in seeds]
         store.proxy.wait_arrivals(gate, RACE_WRITERS, timeout=120)
@@ -422,9 +420,7 @@ def test_racing_writers_on_gcs_commit_exactly_one_each_round(
 
 def test_uploads_are_concurrent_within_the_byte_budget_and_large_ones_split(store: Store) -> None:
     MiB = 1 << 20
-    big = {"multipart_threshold": 6 * MiB, "multipart_chunksize": 5 * MiB}
-    if store.name == "gs":
-        big = {"resumable_threshold": 6 * MiB, "resumable_chunksize": 4 * MiB}
+    big = store.kind.parts(max(store.kind.min_part, 4 * MiB), threshold=6 * MiB)
     url = store.url()
     b = open_backend(url, store.options(upload_budget=3 * MiB, **big))
     blob = np.random.default_rng(0).integers(0, 255, 16 * MiB, dtype=np.uint8)
@@ -436,12 +432,8 @@ def test_uploads_are_concurrent_within_the_byte_budget_and_large_ones_split(stor
     assert MiB < run(put_small()) <= 3 * MiB  # several uploads at once, never past the budget
     run(b.put("large", [blob.data]))
     assert run(b.get("large")) == blob.tobytes()
-    if store.name == "s3":
-        parts = store.proxy.requests("PUT", r"/large\?.*partNumber=")
-        assert len(parts) == 4  # 16 MiB in 5 MiB parts
-    else:
-        chunks = store.proxy.requests("PUT", r"upload_id=")
-        assert len(chunks) == 4  # 16 MiB in 4 MiB resumable chunks
+    parts = store.proxy.requests(**store.kind.part_upload)  # only "large" is uploaded in parts
+    assert len(parts) == 4, parts  # 16 MiB in parts of 4 MiB (S3: 5 MiB, its least)
 
 
 def test_a_reply_left_unread_shows_as_a_checked_out_connection(store: Store) -> None:
@@ -452,18 +444,10 @@ def test_a_reply_left_unread_shows_as_a_checked_out_connection(store: Store) -> 
     b = store.backend(url)
     run(b.put("big", [bytes(8 << 20)]))  # more than a socket buffer: the reply cannot end
 
-    async def unread() -> Any:
-        # One request made on the plugin's own client, its reply body not read.
-        if store.name == "s3":
-            client = await b.client.set_session()
-            return (await client.get_object(Bucket=b.bucket, Key=b.key("big")))["Body"]
-        session = await b.client._set_session()
-        return await session.get(b._object_url("big", media=True) + "?alt=media")
-
     async def release(reply: Any) -> None:
         reply.close()
 
-    reply = run(unread())
+    reply = run(store.kind.unread_reply(b, "big"))
     try:
         found = ObjectStoreBackend.checked_out_connections()
         mine = [x for x in found if x.startswith(f"{type(b).__name__} client ")]
@@ -494,7 +478,7 @@ def kill_at(
 def test_crash_during_data_upload_leaves_no_checkpoint(store: Store, zygote: Zygote) -> None:
     url = store.url()
     # format v2: the pack is uploaded, the process dies writing its chunk index
-    kill_at(zygote, store, url, store.data_write, seed=1, overwrite=False, skip=1)
+    kill_at(zygote, store, url, store.kind.data_write, seed=1, overwrite=False, skip=1)
     with pytest.raises(quire.CheckpointNotFoundError):
         quire.load(url, storage_options=store.options())
     quire.save(url, build_tree(3), storage_options=store.options())  # over the debris
@@ -504,7 +488,7 @@ def test_crash_during_data_upload_leaves_no_checkpoint(store: Store, zygote: Zyg
 def test_crash_before_commit_keeps_the_old_checkpoint(store: Store, zygote: Zygote) -> None:
     url, opts = store.url(), store.options()
     quire.save(url, build_tree(1), storage_options=opts)
-    kill_at(zygote, store, url, store.commit_write, seed=2, overwrite=True)
+    kill_at(zygote, store, url, store.kind.commit_write, seed=2, overwrite=True)
     assert_tree(quire.load(url, storage_options=opts), 1)
     assert len(txids(store, url)) == 2  # the new data was written, never committed
     quire.save(url, build_tree(3), overwrite=True, storage_options=opts)
@@ -514,7 +498,7 @@ def test_crash_before_commit_keeps_the_old_checkpoint(store: Store, zygote: Zygo
 def test_crash_after_commit_has_the_new_checkpoint(store: Store, zygote: Zygote) -> None:
     url, opts = store.url(), store.options()
     quire.save(url, build_tree(1), storage_options=opts)
-    kill_at(zygote, store, url, store.deletes, seed=2, overwrite=True)
+    kill_at(zygote, store, url, store.kind.deletes, seed=2, overwrite=True)
     assert_tree(quire.load(url, storage_options=opts), 2)
     assert len(txids(store, url)) == 2  # the old data is garbage now, for quire gc
 
@@ -522,13 +506,13 @@ def test_crash_after_commit_has_the_new_checkpoint(store: Store, zygote: Zygote)
 # ----------------------------------------------------------------------------- faults
 def test_transient_faults_are_retried(store: Store) -> None:
     p = store.proxy
-    p.add("503", times=2, **store.data_write)
-    p.add("500", times=1, **store.data_write)
-    p.add("reset", times=1, **store.data_write)
-    p.add("reset-after", times=1, **store.data_write)
-    p.add("reset-after", times=1, **store.commit_write)  # committed, reply lost
-    p.add("503", times=2, **store.chunk_read)
-    p.add("reset", times=1, **store.chunk_read)
+    p.add("503", times=2, **store.kind.data_write)
+    p.add("500", times=1, **store.kind.data_write)
+    p.add("reset", times=1, **store.kind.data_write)
+    p.add("reset-after", times=1, **store.kind.data_write)
+    p.add("reset-after", times=1, **store.kind.commit_write)  # committed, reply lost
+    p.add("503", times=2, **store.kind.chunk_read)
+    p.add("reset", times=1, **store.kind.chunk_read)
     url, opts = store.url(), store.options()
     quire.save(url, build_tree(4), storage_options=opts)
     assert_tree(quire.load(url, storage_options=opts), 4)
@@ -537,7 +521,7 @@ def test_transient_faults_are_retried(store: Store) -> None:
     for method, target, _, rng in injected:  # each was followed by a successful retry
         assert (method, target, "forward", rng) in p.log, target
     # The lost commit reply was recognised as this writer's commit: one record, whole.
-    assert len(p.requests(**store.commit_write)) == 2
+    assert len(p.requests(**store.kind.commit_write)) == 2
 
 
 def test_streamed_packs_survive_transient_faults(store: Store) -> None:
@@ -551,13 +535,10 @@ def test_streamed_packs_survive_transient_faults(store: Store) -> None:
     rng = np.random.default_rng(11)
     tree = {f"a{i}": rng.standard_normal(1 << 19).astype(np.float32) for i in range(6)}
     p = store.proxy
-    if store.name == "s3":
-        extra: dict[str, Any] = {"multipart_chunksize": 5 * MiB}
-        part = {"method": "PUT", "path": r"packs(/|%2F)p00000-\d+\?.*partNumber="}
-        p.add("reset-after", times=1, method="POST", path=r"packs(/|%2F)p00000-\d+\?uploadId=")
-    else:
-        extra = {"resumable_chunksize": 1 * MiB}
-        part = {"method": "PUT", "path": r"upload_id="}
+    extra = store.kind.parts(max(store.kind.min_part, MiB))  # S3: 5 MiB parts, GCS: 1 MiB
+    part = store.kind.part_upload
+    if store.kind.part_complete:  # S3's CompleteMultipartUpload
+        p.add("reset-after", times=1, **store.kind.part_complete)
     p.add("503", times=1, **part)
     p.add("reset", times=1, skip=1, **part)
     p.add("reset-after", times=1, skip=2, **part)
@@ -570,9 +551,9 @@ def test_streamed_packs_survive_transient_faults(store: Store) -> None:
 
 def test_read_timeout_is_retried(store: Store) -> None:
     url = store.url()
-    opts = store.options(**store.timeout_option)
+    opts = store.options(**store.kind.client_timeouts)
     quire.save(url, build_tree(5), storage_options=opts)
-    store.proxy.add("stall", delay=3, times=1, **store.chunk_read)
+    store.proxy.add("stall", delay=3, times=1, **store.kind.chunk_read)
     t0 = time.monotonic()
     assert_tree(quire.load(url, storage_options=opts), 5)
     assert time.monotonic() - t0 >= 1  # it waited out the stalled request, then retried
@@ -580,14 +561,14 @@ def test_read_timeout_is_retried(store: Store) -> None:
 
 
 def test_transient_faults_past_the_deadline_fail_and_commit_nothing(store: Store) -> None:
-    store.proxy.add("503", times=-1, **store.data_write)
+    store.proxy.add("503", times=-1, **store.kind.data_write)
     url = store.url()
     opts = store.options(retry_deadline=1.0)
     t0 = time.monotonic()
     with pytest.raises(quire.QuireError, match=r"kept failing.*gave up after \d+ attempts"):
         quire.save(url, build_tree(6), storage_options=opts)
     assert time.monotonic() - t0 < 15
-    assert not store.proxy.requests(**store.commit_write)  # never reached the commit
+    assert not store.proxy.requests(**store.kind.commit_write)  # never reached the commit
     with pytest.raises(quire.CheckpointNotFoundError):
         quire.load(url, storage_options=store.options())
 
@@ -597,11 +578,12 @@ def test_permanent_faults_fail_at_once(
     store: Store, fault: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     if fault == "access-denied":
-        store.proxy.add("403", times=-1, **store.data_write)
-    elif store.name == "s3":  # S3 says 403 InvalidAccessKeyId; GCS says 401
-        store.proxy.add("403", code="InvalidAccessKeyId", times=-1, **store.data_write)
-    else:
-        store.proxy.add("401", times=-1, **store.data_write)
+        store.proxy.add("403", times=-1, **store.kind.data_write)
+    else:  # S3 says 403 InvalidAccessKeyId; GCS says 401
+        status, code = store.kind.bad_credentials
+        store.proxy.add(
+            status, **({"code": code} if code else {}), times=-1, **store.kind.data_write
+        )
     url, opts = store.url(), store.options()
     caplog.set_level(logging.DEBUG, logger="quire")
     t0 = time.monotonic()
@@ -611,9 +593,9 @@ def test_permanent_faults_fail_at_once(
     message = str(info.value)
     assert "denied" in message and "credentials" in message, message
     # Not retried: each object was tried once.
-    targets = [r[1] for r in store.proxy.requests(**store.data_write)]
+    targets = [r[1] for r in store.proxy.requests(**store.kind.data_write)]
     assert len(targets) == len(set(targets))
-    assert not store.proxy.requests(**store.commit_write)
+    assert not store.proxy.requests(**store.kind.commit_write)
     for text in (message, caplog.text):
         assert S3_SECRET not in text
     with pytest.raises(quire.CheckpointNotFoundError):
@@ -637,7 +619,7 @@ def test_credentials_stay_out_of_records_logs_and_errors(
     store.proxy.clear()
     caplog.set_level(logging.DEBUG, logger="quire")
     url, opts = store.url(), store.options()
-    store.proxy.add("503", times=3, **store.data_write)
+    store.proxy.add("503", times=3, **store.kind.data_write)
     quire.save(url, build_tree(9), storage_options=opts)
     record = run(store.backend(url).get("quire.json"))
     assert S3_SECRET.encode() not in record and S3_KEY.encode() not in record

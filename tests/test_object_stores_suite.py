@@ -1,8 +1,11 @@
-"""The backend conformance suite on real servers: S3 (moto) and GCS (fake-gcs-server).
+"""The backend conformance suite on real servers, for every object store under test
+(``object_store_servers.STORES``: S3 on moto, GCS on fake-gcs-server).
 
 Each runs twice: straight to the server, and through a fault-injecting proxy that fails
 every few requests (503 SlowDown, 500, connection resets before and after the server saw
-the request) - the backend's retries must make every test pass unchanged.
+the request) - the backend's retries must make every test pass unchanged.  The classes
+(``TestS3Backend``, ``TestS3BackendThroughFaults``, ``TestGCSBackend``, ...) are made from
+the rows.
 """
 
 from __future__ import annotations
@@ -11,24 +14,20 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from object_store_servers import FakeGcs, FaultProxy, MotoS3
+from object_store_servers import STORES, FaultProxy, StoreUnderTest
 
 from quire.testing import BackendSuite
 
 MiB = 1 << 20
-# Small thresholds, so that the suite's large object takes the multipart / resumable path
-# and the split-range read path.
-S3_SMALL = {
-    "multipart_threshold": 5 * MiB,
-    "multipart_chunksize": 5 * MiB,
-    "read_part_size": 4 * MiB,
-}
-GCS_SMALL = {
-    "resumable_threshold": 1 * MiB,
-    "resumable_chunksize": 256 * 1024,
-    "read_part_size": 4 * MiB,
-}
 FAST_RETRY = {"retry_backoff": 0.01, "retry_max_backoff": 0.2, "retry_deadline": 30}
+
+
+def _small(store: StoreUnderTest) -> dict[str, Any]:
+    """Small thresholds, so that the suite's large object takes the multipart / resumable
+    path and the split-range read path (S3: 5 MiB parts from 5 MiB; GCS: 256 KiB from
+    1 MiB)."""
+    parts = store.parts(store.min_part, threshold=max(store.min_part, MiB))
+    return {**parts, "read_part_size": 4 * MiB}
 
 
 def _flaky(proxy: FaultProxy) -> FaultProxy:
@@ -47,65 +46,43 @@ def _check_faults_fired(proxy: FaultProxy) -> None:
         assert set(actions) >= {"503", "500", "reset", "reset-after"}, set(actions)
 
 
-@pytest.fixture(scope="module")
-def flaky_s3(moto: MotoS3) -> Iterator[FaultProxy]:
-    proxy = _flaky(FaultProxy((moto.host, moto.port), "s3"))
-    yield proxy
-    _check_faults_fired(proxy)
-    proxy.stop()
+def _suite(store: StoreUnderTest, through_faults: bool) -> type[BackendSuite]:
+    """The suite on ``store``'s server, straight to it or through a flaky proxy."""
+
+    class Suite(BackendSuite):
+        protocol = store.scheme
+
+        @pytest.fixture
+        def server(self, request: pytest.FixtureRequest) -> Any:
+            return request.getfixturevalue(store.fixture)
+
+        @pytest.fixture
+        def backend_url(self, server: Any) -> str:
+            return str(server.fresh_url())
+
+        @pytest.fixture
+        def storage_options(self, server: Any, request: pytest.FixtureRequest) -> dict[str, Any]:
+            if not through_faults:
+                return dict(server.options(**_small(store)))
+            proxy = request.getfixturevalue("flaky_proxy")
+            return dict(server.options(proxy.endpoint, **_small(store), **FAST_RETRY))
+
+        @pytest.fixture(scope="class")
+        @classmethod
+        def flaky_proxy(cls, request: pytest.FixtureRequest) -> Iterator[FaultProxy]:
+            server = request.getfixturevalue(store.fixture)
+            proxy = _flaky(FaultProxy((server.host, server.port), store.flavor))
+            yield proxy
+            _check_faults_fired(proxy)
+            proxy.stop()
+
+    Suite.__name__ = Suite.__qualname__ = f"Test{store.label}Backend" + (
+        "ThroughFaults" if through_faults else ""
+    )
+    return Suite
 
 
-@pytest.fixture(scope="module")
-def flaky_gcs(gcs: FakeGcs) -> Iterator[FaultProxy]:
-    proxy = _flaky(FaultProxy(("127.0.0.1", gcs.port), "gcs"))
-    yield proxy
-    _check_faults_fired(proxy)
-    proxy.stop()
-
-
-class TestS3Backend(BackendSuite):
-    protocol = "s3"
-
-    @pytest.fixture
-    def backend_url(self, moto: MotoS3) -> str:
-        return moto.fresh_url()
-
-    @pytest.fixture
-    def storage_options(self, moto: MotoS3) -> dict[str, Any]:
-        return moto.options(**S3_SMALL)
-
-
-class TestS3BackendThroughFaults(BackendSuite):
-    protocol = "s3"
-
-    @pytest.fixture
-    def backend_url(self, moto: MotoS3) -> str:
-        return moto.fresh_url()
-
-    @pytest.fixture
-    def storage_options(self, moto: MotoS3, flaky_s3: FaultProxy) -> dict[str, Any]:
-        return moto.options(flaky_s3.endpoint, **S3_SMALL, **FAST_RETRY)
-
-
-class TestGCSBackend(BackendSuite):
-    protocol = "gs"
-
-    @pytest.fixture
-    def backend_url(self, gcs: FakeGcs) -> str:
-        return gcs.fresh_url()
-
-    @pytest.fixture
-    def storage_options(self, gcs: FakeGcs) -> dict[str, Any]:
-        return gcs.options(**GCS_SMALL)
-
-
-class TestGCSBackendThroughFaults(BackendSuite):
-    protocol = "gs"
-
-    @pytest.fixture
-    def backend_url(self, gcs: FakeGcs) -> str:
-        return gcs.fresh_url()
-
-    @pytest.fixture
-    def storage_options(self, gcs: FakeGcs, flaky_gcs: FaultProxy) -> dict[str, Any]:
-        return gcs.options(flaky_gcs.endpoint, **GCS_SMALL, **FAST_RETRY)
+for _store in STORES.values():
+    for _through_faults in (False, True):
+        _class = _suite(_store, _through_faults)
+        globals()[_class.__name__] = _class

@@ -12,6 +12,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from object_store_servers import SCHEMES, STORES
 
 import quire
 from quire.errors import CheckpointChangedError, CorruptCheckpointError
@@ -35,11 +36,11 @@ WRITER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("server", ["moto", "gcs"])
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_reader_looping_against_an_overwriting_writer(
-    server: str, request: pytest.FixtureRequest
+    scheme: str, request: pytest.FixtureRequest
 ) -> None:
-    store = request.getfixturevalue(server)
+    store = request.getfixturevalue(STORES[scheme].fixture)
     url, opts = store.fresh_url(), store.options()
     quire.save(url, {f"w{k}": np.zeros(64, np.float32) for k in range(8)}, storage_options=opts)
     writer = subprocess.Popen(
