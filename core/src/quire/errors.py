@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointChangedError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CodecError",
     "CorruptCheckpointError",
     "EndpointUnreachableError",
     "LossyCastError",
@@ -107,6 +108,14 @@ class LossyCastError(TreeMismatchError):
 
 class UnsupportedLeafError(QuireError, TypeError):
     """A leaf of the tree has a type no installed leaf handler can save."""
+
+
+class CodecError(QuireError, ValueError):
+    """A codec chain quire will not write: a codec with no place in a zarr v3 chain (an
+    array-to-bytes codec other than ``bytes``, ``sharding_indexed``), one that decodes to
+    Python objects (``numcodecs.pickle`` and the like), a configuration its codec refuses,
+    or a lossy codec on a leaf that must stay exact (a PRNG key).  Raised before anything
+    is written.  A record that names such a codec is a :class:`CorruptCheckpointError`."""
 
 
 class SnapshotError(QuireError, TypeError):

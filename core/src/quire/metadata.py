@@ -29,7 +29,7 @@ class LeafMetadata:
     chunk_shape : tuple of int
         The zarr chunk (one per saved device shard).
     codecs : tuple of str
-        The bytes-to-bytes codecs, in order.
+        The bytes-to-bytes codecs, in order (after ``bytes``; quire's ``crc32c`` aside).
     checksum : bool
         Whether every chunk carries a crc32c.
     sharding : dict, optional
@@ -38,9 +38,15 @@ class LeafMetadata:
         The array's directory under the checkpoint root.
     codec_chain : tuple of dict
         The whole codec chain as the array's ``zarr.json`` holds it (``{"name",
-        "configuration"}`` objects): ``bytes``, the ``codecs``, then ``crc32c`` when
-        checksummed; or one ``sharding_indexed`` holding that chain (its ``"codecs"``) when the
+        "configuration"}`` objects): the ``filters``, ``bytes``, the ``codecs``, then
+        ``crc32c`` when checksummed; or one ``sharding_indexed`` holding that chain (its ``"codecs"``) when the
         array has inner chunks.  Empty where the leaf's handler does not say.
+    filters : tuple of str
+        The array-to-array codecs, in order (before ``bytes``).
+    lossy : tuple of str
+        The codecs of the chain that may not restore the array bit for bit (a
+        quantizer, ``numcodecs.bitround``, an ``astype`` to a narrower type...): what a
+        load gives back is then close to what was saved, not equal.  Empty when exact.
     variable : str, optional
         The class of the Flax NNX ``Variable`` that held the leaf (``"Param"``,
         ``"BatchStat"``, ``"RngKey"``, ``"OptState"``, ...), where it was one.
@@ -57,6 +63,8 @@ class LeafMetadata:
     location: str | None = None
     codec_chain: tuple[dict[str, Any], ...] = ()
     variable: str | None = None
+    filters: tuple[str, ...] = ()
+    lossy: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

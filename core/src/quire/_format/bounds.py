@@ -96,6 +96,16 @@ MAX_COMPONENT = 200
 #: it).  ``quire._format.tree.walk`` clips a longer ``module.qualname`` to this.
 MAX_TYPE_NAME = 1000
 
+#: Codecs in one leaf's chain (array-to-array, ``bytes``, bytes-to-bytes): every chunk of
+#: the leaf goes through each of them, so a forged chain of millions would make every read
+#: crawl.  ``quire._handlers.chain.place`` refuses a longer chain (``CodecError``) before
+#: anything is written; real chains hold a handful.
+MAX_CODECS = 32
+
+#: Characters of a codec's name in a record (registered names are short identifiers,
+#: ``numcodecs.fixedscaleoffset`` is among the longest); the writer refuses a longer one.
+MAX_CODEC_NAME = 200
+
 #: Characters of the ISO-8601 timestamps quire writes (``datetime.isoformat``: 32).
 MAX_TIMESTAMP = 64
 

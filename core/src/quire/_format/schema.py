@@ -47,6 +47,7 @@ from quire._format.bounds import (
     max_chunks,
     prng_impls,
 )
+from quire._format.codecrecord import check as check_codecs
 from quire._format.dtypes import SUPPORTED
 from quire._format.paths import is_safe_location
 from quire._format.schema_values import (
@@ -244,12 +245,7 @@ def _array_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
         inner = _shape(rec["inner_shape"], where + "/inner_shape", 1)
         if len(inner) != len(chunk) or any(c % i for i, c in zip(inner, chunk)):
             raise Invalid(where + "/inner_shape", f"{inner} does not divide {chunk}")
-    codecs = _list(rec.get("codecs", []), where + "/codecs")
-    for i, c in enumerate(codecs):
-        w = f"{where}/codecs[{i}]"
-        _str(_req(_dict(c, w), "name", w), w + "/name", None)
-        if "configuration" in c:
-            _dict(c["configuration"], w + "/configuration")
+    check_codecs(rec.get("codecs", []), rec.get("lossy", []), where)
     if type(rec.get("checksum", True)) is not bool:
         raise Invalid(where + "/checksum", "is not a bool")
     if "source_dtype" in rec and rec["source_dtype"] not in SUPPORTED:

@@ -13,12 +13,12 @@ import numpy as np
 from quire._format.bounds import MAX_CLAIMED_BYTES
 from quire._format.dtypes import dtype_from_name, dtype_name
 from quire._format.tree import keystr
-from quire._handlers import codecs as _codecs
+from quire._handlers import chain as _chain
 from quire._handlers.meshes import sharding_json
 from quire._handlers.replicas import Writers, piece_source
 from quire._handlers.zarr_layout import ArrayLayout, inner_chunks_for
 from quire._runtime.config import current
-from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
+from quire.errors import CodecError, CorruptCheckpointError, QuireError, UnsupportedLeafError
 
 
 def _norm_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -159,21 +159,36 @@ def _plan(
 
 
 def _layout(plan: ArrayPlan, storage: Any, url: str) -> ArrayLayout:
-    comps = tuple(_codecs.resolve(c, url=url) for c in (storage.codecs or ()))
-    comps = tuple(c for c in comps if type(c).__name__ != "Crc32cCodec")
+    chain = _chain.place(storage.codecs or (), url=url)
     inner = None
     if storage.chunk_bytes is not None:
         inner = inner_chunks_for(plan.chunk_shape, plan.dtype.itemsize, int(storage.chunk_bytes))
-    layout = ArrayLayout(plan.shape, plan.dtype, plan.chunk_shape, inner, comps, storage.checksum)
-    if comps:
+    layout = ArrayLayout(
+        plan.shape,
+        plan.dtype,
+        plan.chunk_shape,
+        inner,
+        chain.compressors,
+        storage.checksum,
+        chain.filters,
+    )
+    if chain.filters or chain.compressors:
         spec = layout._spec(inner or plan.chunk_shape)
-        comps = tuple(c.evolve_from_array_spec(spec) for c in comps)
-        layout = replace(layout, compressors=comps)
+        layout = replace(
+            layout,
+            filters=_chain.evolved(chain.filters, spec),
+            compressors=_chain.evolved(chain.compressors, spec),
+        )
+        layout.specs(inner or plan.chunk_shape)  # every step keeps to dtypes quire stores
     return layout
 
 
-def layout_from_record(rec: Mapping[str, Any], url: str | None = None) -> ArrayLayout:
-    """The layout a record describes; ``CorruptCheckpointError`` if it is malformed."""
+def layout_from_record(
+    rec: Mapping[str, Any], url: str | None = None, key: str | None = None
+) -> ArrayLayout:
+    """The layout a record describes; ``CorruptCheckpointError`` if it is malformed (naming
+    the leaf ``key``, when given)."""
+    where = f"leaf {key!r}" if key else "array record"
     try:
         shape = tuple(int(x) for x in rec["shape"])
         chunk = tuple(int(x) for x in rec["chunk_shape"])
@@ -199,14 +214,24 @@ def layout_from_record(rec: Mapping[str, Any], url: str | None = None) -> ArrayL
             isinstance(c, dict) and isinstance(c.get("name"), str) for c in codecs
         ):
             raise TypeError(f"codecs must be a list of {{'name': ...}} objects, got {codecs!r}")
-        comps = tuple(_codecs.resolve(c, url=url) for c in codecs)
+        chain = _chain.from_record(codecs, url=url, where=where)
         checksum = rec.get("checksum", True)
         if not isinstance(checksum, bool):
             raise TypeError("checksum must be a bool")
+        layout = ArrayLayout(
+            shape, dtype, chunk, inner_t, chain.compressors, checksum, chain.filters
+        )
+        if chain.filters and nbytes:
+            layout.specs(inner_t or chunk)
+    except CodecError as e:
+        raise CorruptCheckpointError(
+            f"{url}: {where}: {e}; the record names a codec chain quire does not read"
+        ) from e
     except QuireError:
         raise
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(
-            f"{url}: malformed array record ({e!r}); the commit record is damaged"
+            f"{url}: malformed array record{' of ' + where if key else ''} ({e!r}); the "
+            "commit record is damaged"
         ) from e
-    return ArrayLayout(shape, dtype, chunk, inner_t, comps, checksum)
+    return layout

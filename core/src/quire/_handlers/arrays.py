@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from quire._format.codecrecord import split
 from quire._format.dtypes import dtype_from_name, dtype_name
 from quire._format.tree import keystr
 from quire._handlers.arrayplan import (
@@ -38,7 +39,7 @@ from quire._runtime.config import current
 from quire._runtime.hostbuf import aligned_empty, for_device, is_aligned
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.tasks import gather_cancelling
-from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
+from quire.errors import CodecError, CorruptCheckpointError, QuireError, UnsupportedLeafError
 from quire.metadata import LeafMetadata
 
 
@@ -98,11 +99,14 @@ class ArrayHandler:
     override :meth:`to_array` (the array-like to store for a value) and
     :meth:`extra_record` (JSON fields added to the leaf record).  A handler that
     converts its leaves itself can instead hold a :class:`NumpyArrayHandler` and call
-    its methods on numpy arrays (as quire-torch does).
+    its methods on numpy arrays (as quire-torch does).  A handler whose leaves must come
+    back bit for bit whatever the user's codecs (PRNG keys) sets ``exact = True``: a
+    lossy codec on one of its leaves is a :class:`~quire.errors.CodecError`.
     """
 
     id = "array"
     priority = 0
+    exact = False
 
     # -- save -----------------------------------------------------------------------
     def handles_abstract(self, abstract: Any) -> bool:
@@ -180,6 +184,13 @@ class ArrayHandler:
                 else _plan(self.to_array(e.value), e.storage, e.path, e.writers)
             )
             layout = _layout(plan, e.storage, ctx.url)
+            lossy = layout.lossy()
+            if lossy and self.exact:
+                raise CodecError(
+                    f"{ctx.url}: leaf {keystr(e.path)!r}: codec {lossy[0]!r} may lose "
+                    f"information, and a {self.id} leaf must come back bit for bit; give "
+                    "StorageOptions for its other leaves only (a callable of (path, leaf))"
+                )
             jobs = []
             if ctx.is_primary:
                 import json
@@ -199,7 +210,7 @@ class ArrayHandler:
             async def write(coords: tuple[int, ...], produce: Callable[[], np.ndarray]) -> None:
                 # Host memory this chunk allocates: the cast/copy, then each encoded copy.
                 need = (chunk_nbytes if plan.allocates else 0) + (
-                    2 * chunk_nbytes if layout.compressors else 0
+                    2 * chunk_nbytes if not layout.fast else 0
                 )
                 async with sem, budget.hold(need):
                     data = produce()
@@ -216,10 +227,12 @@ class ArrayHandler:
                 "dtype": dtype_name(plan.dtype),
                 "location": e.location,
                 "chunk_shape": list(layout.chunk_shape),
-                "codecs": [c.to_dict() for c in layout.compressors],
+                "codecs": layout.record_codecs(),
                 "checksum": layout.checksum,
                 "nbytes": layout.nbytes,
             }
+            if lossy:
+                rec["lossy"] = list(lossy)
             if layout.inner_shape is not None:
                 rec["inner_shape"] = list(layout.inner_shape)
             if plan.sharding is not None:
@@ -253,7 +266,9 @@ class ArrayHandler:
             As for :meth:`load`.
         """
         return [
-            array_objects(layout_from_record(e.record, ctx.url), e.record["location"])
+            array_objects(
+                layout_from_record(e.record, ctx.url, keystr(e.path)), e.record["location"]
+            )
             for e in entries
         ]
 
@@ -302,7 +317,7 @@ class ArrayHandler:
         return await gather_cancelling(*(one(e) for e in entries))
 
     async def _read_array(self, e: LoadEntry, ctx: LoadContext, target: Any, kind: str) -> Any:
-        layout = layout_from_record(e.record, ctx.url)
+        layout = layout_from_record(e.record, ctx.url, keystr(e.path))
         loc = e.record["location"]
         tdtype = getattr(target, "dtype", None) if kind != "python" else None
         if isinstance(target, type):
@@ -457,7 +472,9 @@ class ArrayHandler:
                     nbytes=math.prod(shape) * dt.itemsize,
                     handler=r["handler"],
                     chunk_shape=tuple(r.get("chunk_shape", shape)),
-                    codecs=tuple(c.get("name", "?") for c in r.get("codecs", [])),
+                    codecs=tuple(c.get("name", "?") for c in split(r.get("codecs", []))[1]),
+                    filters=tuple(c.get("name", "?") for c in split(r.get("codecs", []))[0]),
+                    lossy=tuple(r.get("lossy", ())),
                     checksum=checksum,
                     sharding=r.get("sharding"),
                     location=r.get("location"),

@@ -62,6 +62,7 @@ class PRNGKeyHandler(ArrayHandler):
 
     id = "prng_key"
     priority = 10
+    exact = True  # a key's bits are its meaning
 
     def handles(self, value: Any) -> bool:
         return isinstance(value, jax.Array) and jax.dtypes.issubdtype(

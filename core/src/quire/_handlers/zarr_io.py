@@ -2,9 +2,10 @@
 
 quire writes zarr v3 arrays itself (metadata + chunk objects), so that each process
 writes exactly the chunks it owns, straight from device-shard memory, with no
-read-modify-write.  The bytes are plain zarr v3: ``bytes`` (little endian), optional
-bytes-to-bytes compressors (zarr's own codec objects), then ``crc32c``; or the whole
-chain inside ``sharding_indexed`` when a device shard is split into inner chunks.
+read-modify-write.  The bytes are plain zarr v3: optional array-to-array codecs, ``bytes``
+(little endian), optional bytes-to-bytes codecs (zarr's own codec objects, numcodecs' through
+zarr), then ``crc32c``; or the whole chain inside ``sharding_indexed`` when a device shard is
+split into inner chunks (:mod:`quire._handlers.chain`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -133,6 +135,14 @@ async def _read_chunk_region(
         raise
 
 
+def inner_layout(layout: ArrayLayout) -> ArrayLayout:
+    """The layout of one zarr shard of ``layout`` cut into its inner chunks."""
+    assert layout.inner_shape is not None
+    return replace(
+        layout, shape=layout.chunk_shape, chunk_shape=layout.inner_shape, inner_shape=None
+    )
+
+
 def _index_bytes(layout: ArrayLayout) -> int:
     """Size of a zarr shard's index (at its end): 16 bytes per inner chunk, + crc32c."""
     return math.prod(layout.inner_grid) * 16 + (4 if layout.checksum else 0)
@@ -173,9 +183,7 @@ def chunk_checker(layout: ArrayLayout) -> Callable[[bytes], None]:
         return check_chunk
 
     inner = layout.inner_shape
-    sub = ArrayLayout(
-        layout.chunk_shape, layout.dtype, inner, None, layout.compressors, layout.checksum
-    )
+    sub = inner_layout(layout)
     ilen = _index_bytes(layout)
 
     def check(data: bytes) -> None:
@@ -244,9 +252,7 @@ async def _read_sharded(
         raise ChunkError(f"truncated shard: {size} bytes")
     index = _shard_index(layout, await backend.get(key, size - ilen, size)).reshape((*ng, 2))
     local = tuple(slice(r.start - o, r.stop - o) for r, o in zip(ov, corigin))  # chunk coordinates
-    sub = ArrayLayout(
-        layout.chunk_shape, layout.dtype, inner, None, layout.compressors, layout.checksum
-    )
+    sub = inner_layout(layout)
 
     async def one(ic: tuple[int, ...]) -> None:
         off, nb = _inner_span(index[ic], ic, size - ilen)

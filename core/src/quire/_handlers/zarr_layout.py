@@ -11,8 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from quire._format.codecrecord import BYTES_JSON, split
 from quire._format.crc import ChunkError, bytes_view, crc_bytes
 from quire._format.dtypes import dtype_name
+from quire._handlers import chain as _chain
 from quire._store.base import Buffer
 
 MAX_OPEN_CHUNKS = 64  # concurrent chunk reads/writes per array operation
@@ -39,20 +41,21 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def codec_chain(
-    compressors: Sequence[Mapping[str, Any]], checksum: bool, inner_shape: Sequence[int] | None
+    codecs: Sequence[Mapping[str, Any]], checksum: bool, inner_shape: Sequence[int] | None
 ) -> list[dict[str, Any]]:
-    """The codec chain of an array's ``zarr.json``: ``bytes`` (little endian), the compressors,
-    ``crc32c`` when checksummed; all that inside ``sharding_indexed`` when there are inner
-    chunks.  A leaf record holds the three arguments (``codecs``, ``checksum``,
-    ``inner_shape``), so the chain is known from ``quire.json`` alone.
+    """The codec chain of an array's ``zarr.json``: the array-to-array codecs, ``bytes``
+    (little endian), the bytes-to-bytes codecs, ``crc32c`` when checksummed; all that
+    inside ``sharding_indexed`` when there are inner chunks.  A leaf record holds the
+    three arguments (``codecs``, as :mod:`quire._format.codecrecord` lists them,
+    ``checksum``, ``inner_shape``), so the chain is known from ``quire.json`` alone.
     """
-    chain: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
-    chain += [dict(c) for c in compressors]
+    filters, compressors = split([dict(c) for c in codecs])
+    chain: list[dict[str, Any]] = [*filters, dict(BYTES_JSON), *compressors]
     if checksum:
         chain.append({"name": "crc32c"})
     if inner_shape is None:
         return chain
-    index = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    index = [dict(BYTES_JSON)]
     if checksum:
         index.append({"name": "crc32c"})
     return [
@@ -76,8 +79,9 @@ class ArrayLayout:
     dtype: np.dtype[Any]
     chunk_shape: tuple[int, ...]
     inner_shape: tuple[int, ...] | None = None
-    compressors: tuple[Any, ...] = ()  # zarr BytesBytesCodec instances
+    compressors: tuple[Any, ...] = ()  # zarr BytesBytesCodec instances, after ``bytes``
     checksum: bool = True
+    filters: tuple[Any, ...] = ()  # zarr ArrayArrayCodec instances, before ``bytes``
 
     # -- geometry ------------------------------------------------------------------
     @property
@@ -116,15 +120,30 @@ class ArrayLayout:
     @property
     def fast(self) -> bool:
         """Raw bytes (+ crc): chunks can be read straight into their destination."""
-        return not self.compressors
+        return not self.compressors and not self.filters
 
     def encoded_size(self, shape: tuple[int, ...]) -> int:
         return math.prod(shape) * self.dtype.itemsize + (4 if self.checksum else 0)
 
     # -- metadata ------------------------------------------------------------------
+    def record_codecs(self) -> list[dict[str, Any]]:
+        """The leaf record's ``codecs`` (:mod:`quire._format.codecrecord`)."""
+        return _chain.Chain(self.filters, self.compressors).record()
+
     def codecs_json(self) -> list[dict[str, Any]]:
-        comps = [c.to_dict() for c in self.compressors]
-        return codec_chain(comps, self.checksum, self.inner_shape)
+        return codec_chain(self.record_codecs(), self.checksum, self.inner_shape)
+
+    def specs(self, shape: tuple[int, ...]) -> list[Any]:
+        """The spec of a chunk of ``shape`` before each array-to-array codec, then (last)
+        the one ``bytes`` encodes and the bytes-to-bytes codecs get."""
+        return _chain.check_specs(self.filters, self._spec(shape))
+
+    def lossy(self) -> tuple[str, ...]:
+        """Names of the codecs that may not restore this array bit for bit."""
+        if not self.filters and not self.compressors:
+            return ()
+        specs = self.specs(self.inner_shape or self.chunk_shape)
+        return _chain.lossy(_chain.Chain(self.filters, self.compressors), specs)
 
     def zarr_json(self, attributes: dict[str, Any] | None = None) -> dict[str, Any]:
         return {
@@ -158,17 +177,21 @@ class ArrayLayout:
 
     def _encode_one(self, arr: np.ndarray) -> list[Buffer]:
         """Encode one (inner) chunk of exactly its chunk shape; returns buffers."""
+        spec = None
+        if self.filters:
+            specs = self.specs(arr.shape)
+            arr, spec = _chain.apply_filters(self.filters, arr, specs), specs[-1]
         arr = np.ascontiguousarray(_le(arr))
         raw = bytes_view(arr)
         if not self.compressors:
             return [raw, crc_bytes(raw)] if self.checksum else [raw]
         from zarr.core.buffer.cpu import Buffer as ZBuffer
 
-        spec = self._spec(arr.shape)
-        buf = ZBuffer.from_bytes(raw.tobytes())
+        spec = spec or self._spec(arr.shape)
+        buf = ZBuffer.from_array_like(np.frombuffer(raw, np.uint8))
         for c in self.compressors:
-            buf = c._encode_sync(buf, spec)
-        data = buf.to_bytes()
+            buf = _chain.encode(c, buf, spec)
+        data = bytes_view(buf.as_numpy_array())
         return [data, crc_bytes(data)] if self.checksum else [data]
 
     def encode_chunk(self, arr: np.ndarray) -> list[Buffer]:
@@ -201,21 +224,34 @@ class ArrayLayout:
             if crc_bytes(body) != stored:
                 raise ChunkError("crc32c checksum mismatch")
             mv = body
+        try:
+            specs = self.specs(shape) if self.filters else None
+        except Exception as e:  # the record was checked: only a codec's own failure
+            raise ChunkError(f"cannot decode: {e}") from e
+        dtype, bshape = self.dtype, shape
+        if specs is not None:
+            dtype, bshape = specs[-1].dtype.to_native_dtype(), tuple(specs[-1].shape)
         if self.compressors:
             from zarr.core.buffer.cpu import Buffer as ZBuffer
 
-            spec = self._spec(shape)
-            buf = ZBuffer.from_bytes(mv.tobytes())
+            spec = specs[-1] if specs is not None else self._spec(shape)
+            buf = ZBuffer.from_array_like(np.frombuffer(mv, np.uint8))
             try:
                 for c in reversed(self.compressors):
-                    buf = c._decode_sync(buf, spec)
+                    buf = _chain.decode(c, buf, spec)
             except Exception as e:
                 raise ChunkError(f"cannot decode: {e}") from e
-            mv = memoryview(buf.to_bytes())
-        want = math.prod(shape) * self.dtype.itemsize
+            mv = bytes_view(buf.as_numpy_array())
+        want = math.prod(bshape) * dtype.itemsize
         if mv.nbytes != want:
             raise ChunkError(f"size {mv.nbytes} bytes, expected {want}")
-        return np.frombuffer(mv, dtype=self.dtype.newbyteorder("<")).reshape(shape)
+        arr = np.frombuffer(mv, dtype=dtype.newbyteorder("<")).reshape(bshape)
+        if specs is None:
+            return arr
+        try:
+            return _chain.undo_filters(self.filters, arr, specs)
+        except Exception as e:
+            raise ChunkError(f"cannot decode: {e}") from e
 
 
 def pad_to(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
