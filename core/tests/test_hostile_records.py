@@ -20,8 +20,9 @@ from hypothesis import HealthCheck, given, settings
 
 import quire
 import quire.partial
+from quire._format.bounds import MAX_CODECS
 from quire._format.record import record_checksum
-from quire.errors import CorruptCheckpointError, QuireError
+from quire.errors import CorruptCheckpointError, PluginError, QuireError
 
 
 def _tree() -> dict[str, Any]:
@@ -87,6 +88,17 @@ def _top(field: str, value: Any) -> Callable[[dict[str, Any]], None]:
         doc[field] = value
 
     return f
+
+
+BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
+BITROUND = {"name": "numcodecs.bitround", "configuration": {"keepbits": 3}}
+
+
+def _astype(encode: str, decode: str) -> dict[str, Any]:
+    return {
+        "name": "numcodecs.astype",
+        "configuration": {"encode_dtype": encode, "decode_dtype": decode},
+    }
 
 
 # (mutation, the key path the error must name)
@@ -157,6 +169,57 @@ HOSTILE: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "prng shape wrong": (_set("k", "key_shape", [3]), "k/shape"),
     "metadata not an object": (_top("metadata", []), "metadata"),
     "process_count a string": (_top("process_count", "1"), "process_count"),
+    # The codec chain (docs/format.md): checked before any codec is built from it.
+    "codec numcodecs.pickle": (_set("a", "codecs", [{"name": "numcodecs.pickle"}]), "a/codecs[0]"),
+    "codec pickle": (_set("a", "codecs", [{"name": "pickle"}]), "a/codecs[0]/name"),
+    "codec vlen-utf8": (_set("a", "codecs", [{"name": "vlen-utf8"}]), "a/codecs[0]/name"),
+    "codec json2": (_set("a", "codecs", [{"name": "numcodecs.json2"}]), "a/codecs[0]/name"),
+    "codec categorize": (
+        _set("a", "codecs", [{"name": "numcodecs.categorize", "configuration": {}}, BYTES]),
+        "a/codecs[0]/name",
+    ),
+    "codec chain too long": (
+        _set("a", "codecs", [{"name": "zstd"}] * (MAX_CODECS + 1)),
+        "a/codecs",
+    ),
+    "codec name too long": (_set("a", "codecs", [{"name": "z" * 5000}]), "a/codecs[0]/name"),
+    "codec without name": (_set("a", "codecs", [{"configuration": {}}]), "a/codecs[0]/name"),
+    "codec configuration a list": (
+        _set("a", "codecs", [{"name": "zstd", "configuration": [3]}]),
+        "a/codecs[0]/configuration",
+    ),
+    "codec sharding listed": (
+        _set("a", "codecs", [{"name": "sharding_indexed", "configuration": {}}]),
+        "a/codecs[0]/name",
+    ),
+    "bytes big endian": (
+        _set("a", "codecs", [BITROUND, {"name": "bytes", "configuration": {"endian": "big"}}]),
+        "a/codecs[1]/configuration",
+    ),
+    "bytes twice": (_set("a", "codecs", [BITROUND, BYTES, BYTES]), "a/codecs[2]"),
+    "bytes first": (_set("a", "codecs", [BYTES, {"name": "zstd"}]), "a/codecs[0]"),
+    "astype to object": (
+        _set("a", "codecs", [_astype("float32", "|O"), BYTES]),
+        "a/codecs[0]/configuration/decode_dtype",
+    ),
+    "astype to a huge string": (
+        _set("a", "codecs", [_astype("U100000000", "float32"), BYTES]),
+        "a/codecs[0]/configuration/encode_dtype",
+    ),
+    "delta as a subarray": (
+        _set("a", "codecs", [{"name": "numcodecs.delta", "configuration": {"dtype": "(9999,)f4"}}]),
+        "a/codecs[0]/configuration/dtype",
+    ),
+    "codec configuration of 10**5 entries": (
+        _set(
+            "a",
+            "codecs",
+            [{"name": "transpose", "configuration": {"order": list(range(10**5))}}, BYTES],
+        ),
+        "a/codecs[0]/configuration",
+    ),
+    "lossy not a list": (_set("a", "lossy", "numcodecs.bitround"), "a/lossy"),
+    "lossy names no codec of the chain": (_set("a", "lossy", ["numcodecs.bitround"]), "a/lossy[0]"),
 }
 
 
@@ -226,6 +289,88 @@ def test_record_without_checksum_is_corrupt_unless_opted_out(
         _write(url, doc, sign=False)
 
 
+# --------------------------------------------------------------- codec configurations
+# Chains that pass the record's checks and go wrong only when their codecs are built or run:
+# every read refuses them with a typed error that names the URL and the leaf, in bounded time.
+CODED = [BITROUND, BYTES, {"name": "numcodecs.zstd", "configuration": {"level": 1}}]
+HOSTILE_CHAINS: dict[str, list[Any]] = {
+    "array-to-array codec where bytes-to-bytes go": [BITROUND],
+    "bytes-to-bytes codec where array-to-array go": [{"name": "zstd"}, BYTES],
+    "numcodecs id smuggled in": [
+        BITROUND,
+        BYTES,
+        {"name": "numcodecs.zstd", "configuration": {"id": "pickle"}},
+    ],
+    "transpose order not a permutation": [
+        {"name": "transpose", "configuration": {"order": [0, 0, 0]}},
+        BYTES,
+    ],
+    "transpose order of 2000 axes": [
+        {"name": "transpose", "configuration": {"order": list(range(2000))}},
+        BYTES,
+    ],
+    "unknown configuration key": [
+        BITROUND,
+        BYTES,
+        {"name": "numcodecs.lz4", "configuration": {"x": 1}},
+    ],
+    "level not a number": [
+        BITROUND,
+        BYTES,
+        {"name": "zstd", "configuration": {"level": "x"}},
+    ],
+    "decode to another dtype": [_astype("float64", "int32"), BYTES],
+    "keepbits huge": [{"name": "numcodecs.bitround", "configuration": {"keepbits": 10**18}}, BYTES],
+    "blosc block of 2**62 bytes": [
+        BITROUND,
+        BYTES,
+        {"name": "numcodecs.blosc", "configuration": {"blocksize": 2**62}},
+    ],
+    "quantize to 10**18 digits": [
+        {"name": "numcodecs.quantize", "configuration": {"digits": 10**18, "dtype": "float32"}},
+        BYTES,
+    ],
+    "codec no registry knows": [BITROUND, BYTES, {"name": "numcodecs.nope"}],
+}
+
+
+@pytest.fixture(scope="module")
+def coded(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
+    url = str(tmp_path_factory.mktemp("coded") / "ckpt")
+    x = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
+    quire.save(
+        url, {"a": x, "s": 3}, storage=quire.StorageOptions(codecs=[BITROUND, "numcodecs.zstd"])
+    )
+    assert _leaf(_read(url), "a")["codecs"][:2] == CODED[:2]
+    return url, _read(url)
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_CHAINS))
+def test_hostile_codec_configuration_is_refused_in_bounded_time(
+    coded: tuple[str, dict[str, Any]], name: str
+) -> None:
+    url, doc = coded
+    bad = copy.deepcopy(doc)
+    _leaf(bad, "a")["codecs"] = HOSTILE_CHAINS[name]
+    _leaf(bad, "a").pop("lossy", None)
+    _write(url, bad)
+    try:
+        for call, fn in [
+            ("load", lambda: quire.load(url)),
+            ("partial.load", lambda: quire.partial.load(url)),
+            ("verify", lambda: quire.verify(url).raise_if_damaged()),
+        ]:
+            t0 = time.monotonic()
+            with pytest.raises((CorruptCheckpointError, PluginError)) as ei:
+                fn()
+            msg = str(ei.value)
+            assert url in msg and ("'a'" in msg or "/a" in msg), (call, msg)
+            assert time.monotonic() - t0 < 10, (call, "took seconds")
+    finally:
+        _write(url, doc, sign=False)
+    assert quire.load(url)["s"] == 3
+
+
 # ------------------------------------------------------------------------------- fuzz
 def _positions(node: Any, out: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
     if isinstance(node, dict):
@@ -282,7 +427,14 @@ def _mutate(doc: dict[str, Any], op: str, pick: int, value: Any, n: int) -> None
 def fuzz_target(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any], Any]:
     url = str(tmp_path_factory.mktemp("fuzz") / "ckpt")
     tree = _tree()
-    quire.save(url, tree, storage=quire.StorageOptions(chunk_bytes=8))
+
+    def storage(path: Any, leaf: Any) -> quire.StorageOptions:
+        # "a" carries a chain of every kind, so the fuzzer mutates codec configurations too.
+        codecs = [BITROUND, "numcodecs.zstd"] if tuple(path) == ("a",) else None
+        return quire.StorageOptions(chunk_bytes=8, codecs=codecs)
+
+    quire.save(url, tree, storage=storage)
+    assert _leaf(_read(url), "a")["codecs"][0] == BITROUND
     return url, _read(url), tree
 
 

@@ -54,8 +54,8 @@ def _layout(v: Any) -> list[str]:
     shape, chunk = tuple(v.shape), tuple(v.chunk_shape or v.shape)
     grid = [-(-s // max(1, c)) for s, c in zip(shape, chunk)]
     extras.append(f"chunks={list(chunk)} grid={grid}" if chunk != shape else "1 chunk")
-    if v.codec_chain:  # the chain as stored: bytes first, crc32c last, sharding around it
-        extras.append(f"codecs=[{chain_text(v.codec_chain)}]")
+    if v.codec_chain:  # the chain as stored, each codec with its configuration, lossy marked
+        extras.append(f"codecs=[{chain_text(v.codec_chain, v.lossy)}]")
     elif v.codecs:  # a handler that names only its compressors
         extras.append(f"codecs={'+'.join(v.codecs)}")
     if not v.checksum:

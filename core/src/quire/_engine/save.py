@@ -37,6 +37,7 @@ from quire._format.pack import PackWriter, gather_entries
 from quire._format.paths import assign_locations, escape_component
 from quire._format.record import PYTREE, process_dir
 from quire._format.tree import KeyPath, Node, from_json, keystr, to_json, walk
+from quire._handlers import codecs as _codecs
 from quire._handlers import select as _selection
 from quire._handlers import unit_ops as _checkpointables
 from quire._handlers.arrays import ArrayHandler
@@ -467,7 +468,10 @@ def plugin_sources(units: Mapping[str, dict[str, Any]]) -> dict[str, str]:
     out = {}
     for group, name in sorted(wanted):
         try:
-            dist = _registry.registries[group].distribution(name)
+            if group == "quire.codecs":  # a quire.codecs plugin, or a codec zarr knows
+                dist = _codecs.distribution(name)
+            else:
+                dist = _registry.registries[group].distribution(name)
         except Exception:
             dist = None
         if dist and dist.lower() != "quire" and is_distribution_name(dist):

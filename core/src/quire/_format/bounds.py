@@ -102,6 +102,11 @@ MAX_TYPE_NAME = 1000
 #: anything is written; real chains hold a handful.
 MAX_CODECS = 32
 
+#: Characters of one codec's configuration, as JSON: a codec is built from it, and some
+#: codecs do work in proportion to it at every chunk (``transpose``'s order).  Real ones are
+#: a few numbers and names; ``quire._handlers.chain.place`` refuses a larger one.
+MAX_CODEC_CONFIG = 1 << 16
+
 #: Characters of a codec's name in a record (registered names are short identifiers,
 #: ``numcodecs.fixedscaleoffset`` is among the longest); the writer refuses a longer one.
 MAX_CODEC_NAME = 200

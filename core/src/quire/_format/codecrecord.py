@@ -11,11 +11,12 @@ that do not restore their input bit for bit.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 
-from quire._format.bounds import MAX_CODEC_NAME, MAX_CODECS
+from quire._format.bounds import MAX_CODEC_CONFIG, MAX_CODEC_NAME, MAX_CODECS
 from quire._format.dtypes import SUPPORTED
 from quire._format.schema_values import Invalid, _dict, _list, _short, _str
 
@@ -74,6 +75,11 @@ def config_dtype(value: Any) -> np.dtype[Any] | None:
     return native if any(native == s for s in SUPPORTED.values()) else None
 
 
+def config_size(config: Any) -> int:
+    """Characters of a codec configuration as JSON (what :data:`MAX_CODEC_CONFIG` bounds)."""
+    return len(json.dumps(config, separators=(",", ":")))
+
+
 def split(codecs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """A record's codec list cut at ``bytes``: (array-to-array, bytes-to-bytes) entries."""
     names = [c.get("name") for c in codecs]
@@ -99,6 +105,8 @@ def check(codecs: Any, lossy: Any, where: str) -> None:
         if name in PLACED_BY_QUIRE:
             raise Invalid(w + "/name", f"{name!r} is written by quire itself, never listed")
         config = _dict(c.get("configuration", {}), w + "/configuration")
+        if config_size(config) > MAX_CODEC_CONFIG:
+            raise Invalid(w + "/configuration", f"over {MAX_CODEC_CONFIG} characters of JSON")
         for key in DTYPE_KEYS:
             v = config.get(key)
             if v is not None and config_dtype(v) is None:

@@ -4,6 +4,7 @@ count (arrays, chunks, bytes).  ``quire diff`` works on sources instead (:mod:`q
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,16 +35,35 @@ def keystr(path: tuple[str, ...]) -> str:
     return out or "<root>"
 
 
-def chain_text(chain: Sequence[Mapping[str, Any]]) -> str:
-    """A codec chain (:attr:`LeafMetadata.codec_chain`) as ``quire info`` shows it: names in
-    order, ``bytes, zstd, crc32c``; a sharding codec with its inner chain in parentheses,
-    ``sharding_indexed(bytes, crc32c)``."""
+def chain_text(chain: Sequence[Mapping[str, Any]], lossy: Sequence[str] = ()) -> str:
+    """A codec chain (:attr:`LeafMetadata.codec_chain`) as ``quire info`` shows it: each codec
+    in order with its configuration, ``bytes{endian=little}, zstd{level=3, checksum=false},
+    crc32c``; a sharding codec with its inner chain in parentheses,
+    ``sharding_indexed{chunk_shape=[8], ...}(bytes{endian=little}, crc32c)``; a codec named
+    in ``lossy`` (:attr:`LeafMetadata.lossy`) marked ``(lossy)``."""
     out = []
     for c in chain:
-        inner = (c.get("configuration") or {}).get("codecs")
         name = str(c.get("name", "?"))
-        out.append(f"{name}({chain_text(inner)})" if isinstance(inner, list) else name)
+        config = c.get("configuration")
+        config = dict(config) if isinstance(config, Mapping) else {}
+        inner = config.pop("codecs", None) if name == "sharding_indexed" else None
+        text = name
+        if config:
+            text += "{" + ", ".join(f"{k}={_config_value(v)}" for k, v in config.items()) + "}"
+        if isinstance(inner, list):
+            text += f"({chain_text(inner, lossy)})"
+        if name in lossy:
+            text += " (lossy)"
+        out.append(text)
     return ", ".join(out)
+
+
+def _config_value(v: Any) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and v and all(isinstance(x, Mapping) and "name" in x for x in v):
+        return f"[{chain_text(v)}]"  # a list of codecs (the sharding codec's index_codecs)
+    return json.dumps(v)
 
 
 def array_bytes(tree: Any) -> int:

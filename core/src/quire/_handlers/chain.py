@@ -22,11 +22,18 @@ from typing import Any, TypeVar
 import ml_dtypes
 import numpy as np
 
-from quire._format.bounds import MAX_CLAIMED_BYTES, MAX_CODEC_NAME, MAX_CODECS
-from quire._format.codecrecord import BYTES, BYTES_JSON, PLACED_BY_QUIRE, config_dtype, split
+from quire._format.bounds import MAX_CLAIMED_BYTES, MAX_CODEC_CONFIG, MAX_CODEC_NAME, MAX_CODECS
+from quire._format.codecrecord import (
+    BYTES,
+    BYTES_JSON,
+    PLACED_BY_QUIRE,
+    config_dtype,
+    config_size,
+    split,
+)
 from quire._format.dtypes import dtype_name
-from quire._handlers.codecs import check_built, placed_error, resolve
-from quire.errors import CodecError, CorruptCheckpointError
+from quire._handlers.codecs import brief, check_built, placed_error, resolve
+from quire.errors import CodecError, CorruptCheckpointError, PluginError
 
 T = TypeVar("T")
 
@@ -97,6 +104,10 @@ def place(specs: Iterable[Any], *, url: str | None = None) -> Chain:
         name = name_of(codec)
         if len(name) > MAX_CODEC_NAME:
             raise CodecError(f"codec name {name[:80]!r}... is over {MAX_CODEC_NAME} characters")
+        if config_size(codec.to_dict().get("configuration") or {}) > MAX_CODEC_CONFIG:
+            raise CodecError(
+                f"codec {name!r}: its configuration is over {MAX_CODEC_CONFIG} characters of JSON"
+            )
         kind = kind_of(codec)
         if kind == ARRAY_TO_ARRAY:
             filters.append(codec)
@@ -140,6 +151,8 @@ def from_record(entries: Sequence[dict[str, Any]], *, url: str | None, where: st
             raise CorruptCheckpointError(
                 f"{url}: {where}: {e}; the record names a codec quire does not read"
             ) from e
+        except PluginError as e:
+            raise PluginError(f"{where}: {e}", group=e.group, name=e.name) from e
         kind = kind_of(codec)
         if kind != want:
             raise CorruptCheckpointError(
@@ -169,7 +182,9 @@ def check_specs(filters: Sequence[Any], spec: Any) -> list[Any]:
             native = spec.dtype.to_native_dtype()
             dtype_name(native)
         except Exception as e:
-            raise CodecError(f"codec {name!r} cannot encode {specs[-1].dtype} chunks: {e}") from e
+            raise CodecError(
+                f"codec {name!r} cannot encode {specs[-1].dtype} chunks: {brief(e)}"
+            ) from e
         if math.prod(spec.shape) * native.itemsize > MAX_CLAIMED_BYTES:
             raise CodecError(f"codec {name!r} makes chunks of shape {spec.shape}")
         specs.append(spec)
@@ -260,7 +275,7 @@ def evolved(codecs: Sequence[Any], spec: Any) -> tuple[Any, ...]:
         try:
             out = tuple(c.evolve_from_array_spec(spec) for c in codecs)
         except Exception as e:
-            raise CodecError(f"codecs {[name_of(c) for c in codecs]}: {e}") from e
+            raise CodecError(f"codecs {[name_of(c) for c in codecs]}: {brief(e)}") from e
     return tuple(check_built(c) for c in out)
 
 

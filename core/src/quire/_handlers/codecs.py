@@ -102,9 +102,9 @@ def _resolve(spec: Any, *, url: str | None = None) -> Any:
         if not isinstance(config, dict):
             raise CodecError(f"codec {name!r}: configuration {config!r} is not a dict")
     elif hasattr(spec, "to_dict"):
-        return refuse_objects(spec, repr(spec))
+        return refuse_objects(spec, _clip(spec))
     else:
-        raise CodecError(f"cannot use {spec!r} as a codec: give an id, a dict or a zarr codec")
+        raise CodecError(f"cannot use {_clip(spec)} as a codec: give an id, a dict or a zarr codec")
     if is_object_codec(name):
         raise _object_error(name)
     if name in PLACED_BY_QUIRE:
@@ -116,7 +116,9 @@ def _resolve(spec: Any, *, url: str | None = None) -> Any:
         except ImportError as e:  # the plugin loaded, the library it wraps did not
             raise _registry.creation_error(name, "codec", e) from e
         except (TypeError, ValueError) as e:
-            raise CodecError(f"codec {name!r} refuses configuration {config!r}: {e}") from e
+            raise CodecError(
+                f"codec {name!r} refuses configuration {_clip(config)}: {brief(e)}"
+            ) from e
         if not hasattr(codec, "to_dict"):
             raise CodecError(
                 f"quire.codecs plugin {name!r} made {codec!r}, not a zarr v3 codec; "
@@ -151,7 +153,9 @@ def _from_zarr(name: str, config: dict[str, Any], url: str | None) -> Any:
         try:
             codec = cls.from_dict({"name": name, "configuration": config})
         except (TypeError, ValueError, KeyError) as e:
-            raise CodecError(f"codec {name!r} refuses configuration {config!r}: {e}") from e
+            raise CodecError(
+                f"codec {name!r} refuses configuration {_clip(config)}: {brief(e)}"
+            ) from e
     if isinstance(codec, _NumcodecsCodec):
         _check_numcodec(name, dict(codec.codec_config), complete=False)
     return codec
@@ -178,7 +182,7 @@ def _check_numcodec(name: str, config: dict[str, Any], *, complete: bool) -> Non
     except (TypeError, ValueError, KeyError) as e:
         if not complete:
             return
-        raise CodecError(f"codec {name!r} refuses configuration {config!r}: {e}") from e
+        raise CodecError(f"codec {name!r} refuses configuration {_clip(config)}: {brief(e)}") from e
     _refuse_numcodec(inner, name)
 
 
@@ -191,6 +195,17 @@ def check_built(codec: Any) -> Any:
     if isinstance(codec, _NumcodecsCodec):
         _check_numcodec(codec.codec_name, dict(codec.codec_config), complete=True)
     return codec
+
+
+def brief(error: BaseException, limit: int = 300) -> str:
+    """A codec's error message, clipped: a codec may quote a whole configuration in it."""
+    text = str(error)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _clip(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _object_classes() -> tuple[type, ...]:

@@ -15,6 +15,7 @@ from quire._format.codecrecord import BYTES_JSON, split
 from quire._format.crc import ChunkError, bytes_view, crc_bytes
 from quire._format.dtypes import dtype_name
 from quire._handlers import chain as _chain
+from quire._handlers.codecs import brief
 from quire._store.base import Buffer
 
 MAX_OPEN_CHUNKS = 64  # concurrent chunk reads/writes per array operation
@@ -227,7 +228,7 @@ class ArrayLayout:
         try:
             specs = self.specs(shape) if self.filters else None
         except Exception as e:  # the record was checked: only a codec's own failure
-            raise ChunkError(f"cannot decode: {e}") from e
+            raise ChunkError(f"cannot decode: {brief(e)}") from e
         dtype, bshape = self.dtype, shape
         if specs is not None:
             dtype, bshape = specs[-1].dtype.to_native_dtype(), tuple(specs[-1].shape)
@@ -240,7 +241,7 @@ class ArrayLayout:
                 for c in reversed(self.compressors):
                     buf = _chain.decode(c, buf, spec)
             except Exception as e:
-                raise ChunkError(f"cannot decode: {e}") from e
+                raise ChunkError(f"cannot decode: {brief(e)}") from e
             mv = bytes_view(buf.as_numpy_array())
         want = math.prod(bshape) * dtype.itemsize
         if mv.nbytes != want:
@@ -251,7 +252,7 @@ class ArrayLayout:
         try:
             return _chain.undo_filters(self.filters, arr, specs)
         except Exception as e:
-            raise ChunkError(f"cannot decode: {e}") from e
+            raise ChunkError(f"cannot decode: {brief(e)}") from e
 
 
 def pad_to(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
