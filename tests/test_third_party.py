@@ -1,7 +1,8 @@
 """A third party's view: a separately built and installed plugin distribution
-(tests/fake_plugin: an acme:// backend, a codec, a leaf handler for its own class and a
-checkpointable handler for random.Random) is found through its entry points alone, saves
-and loads, shows in `quire plugins`, and passes quire.testing's suites."""
+(tests/fake_plugin: an acme:// backend, a bytes-to-bytes and a lossy array-to-array codec, a
+leaf handler for its own class and a checkpointable handler for random.Random) is found through
+its entry points alone, saves and loads, shows in `quire plugins`, and passes quire.testing's
+suites."""
 
 from __future__ import annotations
 
@@ -126,9 +127,37 @@ def test_quire_plugins_lists_the_distribution() -> None:
     with contextlib.redirect_stdout(buf):
         assert main(["plugins"]) == 0
     rows = [line.split() for line in buf.getvalue().splitlines()]
-    for name in ("acme", "acme-xor", "acme-money", "acme-random"):
+    for name in ("acme", "acme-xor", "acme-round", "acme-money", "acme-random"):
         row = next(r for r in rows if r and r[0] == name)
         assert row[1:4] == [DIST, "1.2.3", "ok"], row
+
+
+def test_array_to_array_plugin_codec_takes_its_place(tmp_path: Path) -> None:
+    """The lossy acme-round codec goes before ``bytes`` whatever the order given, is
+    recorded lossy (and shown so by ``quire info``), and plain zarr reads what quire loads."""
+    import zarr
+
+    from quire._cli.main import main
+
+    url = str(tmp_path / "c")
+    w = np.linspace(-3, 3, 600, dtype=np.float32).reshape(20, 30)
+    codecs = ["acme-xor", {"name": "acme-round", "configuration": {"decimals": 1}}]
+    quire.save(url, {"w": w}, storage=quire.StorageOptions(codecs=codecs), layout="chunks")
+    got = quire.load(url)["w"]
+    np.testing.assert_allclose(got, w, atol=0.051)
+    assert not np.array_equal(got, w)
+    leaf = quire.metadata(url).tree["w"]
+    assert [c["name"] for c in leaf.codec_chain] == ["acme-round", "bytes", "acme-xor", "crc32c"]
+    assert leaf.lossy == ("acme-round",)
+    assert quire.metadata(url).record["plugins"]["quire.codecs:acme-round"] == DIST
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["info", url]) == 0
+    assert (
+        "acme-round{decimals=1} (lossy), bytes{endian=little}, acme-xor{key=90}" in out.getvalue()
+    )
+    z = zarr.open_array(f"{url}/{leaf.location}", mode="r")
+    np.testing.assert_array_equal(z[...], got)
 
 
 def test_codec_is_known_to_plain_zarr(tmp_path: Path) -> None:
@@ -163,6 +192,16 @@ class TestAcmeBackend(BackendSuite):
 class TestAcmeXorCodec(CodecSuite):
     codec_id = "acme-xor"
     configurations = [{}, {"key": 7}]
+
+
+class TestAcmeRoundCodec(CodecSuite):
+    """An array-to-array codec, lossy, found through its entry point alone."""
+
+    codec_id = "acme-round"
+    kind = "array_to_array"
+    configurations = [{}, {"decimals": 3}]
+    tolerance = {"atol": 0.01}
+    dtypes = ("float16", "float32", "float64")
 
 
 class TestMoneyHandler(LeafHandlerSuite):

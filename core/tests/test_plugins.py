@@ -561,3 +561,57 @@ def test_missing_plugin_error_names_the_package_from_the_record(tmp_path: Any) -
     ) as e:
         quire.load(url)
     assert "pip install acme-gone-dist" not in str(e.value)
+
+
+ZARR_ONLY_MODULE = """
+    from dataclasses import dataclass
+
+    import numpy as np
+    from zarr.abc.codec import BytesBytesCodec
+
+    @dataclass(frozen=True)
+    class Invert(BytesBytesCodec):
+        is_fixed_size = True
+
+        @classmethod
+        def from_dict(cls, data):
+            return cls()
+
+        def to_dict(self):
+            return {"name": "zonly-invert"}
+
+        async def _encode_single(self, buf, spec):
+            return type(buf).from_bytes((~buf.as_numpy_array()).tobytes())
+
+        async def _decode_single(self, buf, spec):
+            return type(buf).from_bytes((~buf.as_numpy_array()).tobytes())
+
+        def compute_encoded_size(self, n, spec):
+            return n
+"""
+
+
+def test_a_codec_only_zarr_knows_is_named_with_its_distribution(
+    install: Callable[..., None], tmp_path: Path
+) -> None:
+    """A codec a third party registers with zarr (group ``zarr.codecs``), not with quire, is
+    found by name, and the record names its distribution for a reader that lacks it."""
+    from zarr.registry import register_codec
+
+    install(
+        "zarr-only-codec",
+        {"zarr.codecs": {"zonly-invert": "zonly_mod:Invert"}},
+        {"zonly_mod": ZARR_ONLY_MODULE},
+    )
+    import zonly_mod  # zarr read its entry points at import, before this install
+
+    register_codec("zonly-invert", zonly_mod.Invert)
+    url = str(tmp_path / "c")
+    x = np.arange(100, dtype=np.int16)
+    quire.save(url, {"x": x}, storage=quire.StorageOptions(codecs=["zonly-invert"]))
+    np.testing.assert_array_equal(quire.load(url)["x"], x)
+    record = quire.metadata(url).record
+    assert record["plugins"] == {"quire.codecs:zonly-invert": "zarr-only-codec"}
+    assert [c["name"] for c in record["units"]["pytree"]["tree"]["children"][0]["codecs"]] == [
+        "zonly-invert"
+    ]

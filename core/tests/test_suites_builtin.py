@@ -36,6 +36,25 @@ class TestCrc32c(CodecSuite):
     codec_id = "crc32c"
 
 
+# numcodecs' codecs, by the names zarr's registry gives them (no quire.codecs plugin).
+class TestNumcodecsLz4(CodecSuite):
+    codec_id = "numcodecs.lz4"
+    configurations = [{}, {"acceleration": 8}]
+
+
+class TestNumcodecsZstd(CodecSuite):
+    codec_id = "numcodecs.zstd"
+    configurations = [{"level": 1}, {"level": 5, "checksum": True}]
+
+
+class TestNumcodecsBitround(CodecSuite):
+    codec_id = "numcodecs.bitround"
+    kind = "array_to_array"
+    configurations = [{"keepbits": 5}, {"keepbits": 9}]
+    tolerance = {"rtol": 2.0**-5}
+    dtypes = ("float16", "float32", "float64")
+
+
 # -- leaf handlers --------------------------------------------------------------------
 
 

@@ -3,6 +3,8 @@
 * ``AcmeBackend`` — ``acme://bucket/prefix`` URLs, stored in the process's memory in
   namespaces chosen by the ``service`` storage option (a stand-in for a storage service).
 * ``xor_codec`` / ``XorCodec`` — a zarr v3 bytes-to-bytes codec (XOR with a key byte).
+* ``round_codec`` / ``RoundCodec`` — a zarr v3 array-to-array codec, lossy: floats rounded to
+  a number of decimals (it declares ``lossy = True``, so ``quire info`` marks it).
 * ``MoneyHandler`` — a leaf handler for the ``Money`` class, stored inline in quire.json.
 * ``TapeHandler`` — a leaf handler for the ``Tape`` class, stored as one data object per
   leaf with a crc32 trailer; it tells ``quire verify`` and ``quire cp`` how to check it.
@@ -20,11 +22,12 @@ import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
-from zarr.abc.codec import BytesBytesCodec
+from zarr.abc.codec import ArrayArrayCodec, BytesBytesCodec
 from zarr.core.buffer import Buffer as ZarrBuffer
+from zarr.core.buffer import NDBuffer
 
 from quire.backends import Backend, Buffer, Capabilities, PreconditionFailed
 from quire.handlers import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
@@ -34,9 +37,11 @@ __all__ = [
     "Money",
     "MoneyHandler",
     "RandomHandler",
+    "RoundCodec",
     "Tape",
     "TapeHandler",
     "XorCodec",
+    "round_codec",
     "xor_codec",
 ]
 
@@ -159,6 +164,53 @@ def xor_codec(key: int = 0x5A, **_: Any) -> XorCodec:
 
     register_codec("acme-xor", XorCodec)  # zarr read its entry points before we were installed
     return XorCodec(key=key)
+
+
+@dataclass(frozen=True)
+class RoundCodec(ArrayArrayCodec):
+    """Round floating-point chunks to ``decimals`` decimal places (computed in float64).
+
+    Lossy: a load gives back each value within ``0.5 * 10**-decimals`` (plus the rounding
+    of the result to the array's own dtype), not the value saved.  It implements only
+    zarr's async methods; quire runs them on its worker threads.
+    """
+
+    is_fixed_size = True
+    lossy: ClassVar[bool] = True  # quire records it and `quire info` marks it
+    decimals: int = 2
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RoundCodec:
+        return cls(**dict(data.get("configuration") or {}))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": "acme-round", "configuration": {"decimals": self.decimals}}
+
+    def validate(self, *, shape: Any, dtype: Any, chunk_grid: Any) -> None:
+        native = np.dtype(dtype.to_native_dtype())
+        if native.kind != "f":
+            raise TypeError(f"acme-round rounds float16/32/64 arrays, not {native}")
+
+    async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: Any) -> NDBuffer:
+        a = chunk_array.as_numpy_array()
+        rounded = np.round(a.astype(np.float64), self.decimals).astype(a.dtype)
+        return type(chunk_array).from_numpy_array(rounded)
+
+    async def _decode_single(self, chunk_array: NDBuffer, chunk_spec: Any) -> NDBuffer:
+        return chunk_array  # the rounded values are the values
+
+    def compute_encoded_size(self, input_byte_length: int, chunk_spec: Any) -> int:
+        return input_byte_length
+
+
+def round_codec(decimals: int = 2, **_: Any) -> RoundCodec:
+    """The ``acme-round`` codec factory (quire.codecs entry point)."""
+    if not isinstance(decimals, int) or not 0 <= decimals <= 15:
+        raise ValueError(f"acme-round: decimals must be an int from 0 to 15, got {decimals!r}")
+    from zarr.registry import register_codec
+
+    register_codec("acme-round", RoundCodec)  # as xor_codec does
+    return RoundCodec(decimals=decimals)
 
 
 # -- leaf handler -------------------------------------------------------------------------
