@@ -21,6 +21,7 @@ sys.path.insert(0, HERE)
 from make_golden import (  # noqa: E402
     GoldenPerProcess,
     GoldenPosition,
+    codecs_expected,
     expected,
     incremental_expected,
     jaxlibs_expected,
@@ -236,3 +237,51 @@ def test_golden_units(monkeypatch: pytest.MonkeyPatch) -> None:
     assert quire.load_checkpointables(path, {"whole": GoldenPosition(0)})["whole"].pos == 21
     with pytest.raises(quire.TreeMismatchError, match="unit 'it'"):
         quire.load_checkpointables(path, {"it": GoldenPerProcess(0)})
+
+
+@pytest.mark.parametrize("name", ["plain", "chunks"])
+def test_golden_codec_chains(name: str) -> None:
+    """Array -> array codecs in a chain (issue 37), formats v2 and v1: the record lists
+    ``bytes`` after them and names the lossy one; quire, plain zarr and (v1, standard codecs)
+    tensorstore read the values; the lossy leaf is what numcodecs' own bit-round makes."""
+    import numcodecs
+    import zarr
+
+    path = os.path.join(HERE, "codecs", name)
+    assert os.path.isfile(os.path.join(path, "quire.json")), f"golden checkpoint {path} is missing"
+    want = codecs_expected()
+    rounded = numcodecs.BitRound(keepbits=10)
+    exact = {
+        "w": rounded.decode(rounded.encode(want["w"][0].copy())),
+        "i": want["i"][0],
+        "t": want["t"][0],
+    }
+    got = quire.load(path)
+    assert sorted(got) == sorted(exact)
+    for k, v in exact.items():
+        assert got[k].dtype == v.dtype and np.array_equal(got[k], v), k
+    meta = quire.metadata(path)
+    assert meta.tree["w"].lossy == ("numcodecs.bitround",) and meta.tree["i"].lossy == ()
+    assert [c["name"] for c in meta.tree["i"].codec_chain] == [
+        "numcodecs.delta",
+        "bytes",
+        "numcodecs.lz4",
+        "crc32c",
+    ]
+    from quire._cli.main import main
+
+    assert main(["verify", path]) == 0
+    store = quire.zarr_store(path)
+    for k, v in exact.items():
+        loc = meta.tree[k].location
+        np.testing.assert_array_equal(zarr.open_array(store, path=loc, mode="r")[...], v)
+    if name == "chunks":
+        import tensorstore as ts
+
+        spec = {
+            "driver": "zarr3",
+            "kvstore": {"driver": "file", "path": f"{path}/{meta.tree['t'].location}"},
+        }
+        np.testing.assert_array_equal(
+            ts.open(spec, open=True, read=True).result().read().result(), exact["t"]
+        )

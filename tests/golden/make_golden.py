@@ -7,6 +7,7 @@
     .venv/bin/python tests/golden/make_golden.py --incremental    # an incremental root
     .venv/bin/python tests/golden/make_golden.py --jaxlibs        # axis types, NNX Variables
     .venv/bin/python tests/golden/make_golden.py --units          # every kind of unit
+    .venv/bin/python tests/golden/make_golden.py --codecs         # codec chains of issue 37
 
 ``v2`` holds chunk indexes of format 2 (a CRC-32 for every key), written before the crc32c
 trailer binding; ``v2-index3`` the same checkpoints (and the rewritten journal) with format-3
@@ -219,7 +220,47 @@ def units() -> None:
     print("wrote", out)
 
 
+BITROUND = {"name": "numcodecs.bitround", "configuration": {"keepbits": 10}}
+DELTA = {"name": "numcodecs.delta", "configuration": {"dtype": "int32"}}
+TRANSPOSE = {"name": "transpose", "configuration": {"order": [1, 0]}}
+
+
+def codecs_expected() -> dict[str, tuple[np.ndarray, list[Any], int | None]]:
+    """The golden ``codecs`` checkpoint's leaves: (value saved, codecs, chunk_bytes)."""
+    rng = np.random.default_rng(37)
+    return {
+        "w": (rng.standard_normal((16, 12)).astype(np.float32), [BITROUND, "numcodecs.zstd"], None),
+        "i": (np.cumsum(rng.integers(0, 9, 300)).astype(np.int32), [DELTA, "numcodecs.lz4"], None),
+        "t": ((np.arange(96, dtype=np.float32) / 7).reshape(8, 12), ["zstd", TRANSPOSE], 96),
+    }
+
+
+def codecs() -> None:
+    """``codecs``: format v2 (``plain``) and v1 (``chunks``) arrays whose chains hold array ->
+    array codecs (issue 37): a lossy ``numcodecs.bitround`` before ``numcodecs.zstd``,
+    ``numcodecs.delta`` before ``numcodecs.lz4``, ``transpose`` with ``zstd`` in inner chunks;
+    records list ``bytes`` after the array -> array codecs and name the lossy ones."""
+    import quire
+
+    out = os.path.join(HERE, "codecs")
+    if os.path.exists(out) and "--force" not in sys.argv:
+        sys.exit(f"{out} exists; pass --force to rewrite it")
+    shutil.rmtree(out, ignore_errors=True)
+    want = codecs_expected()
+
+    def storage(path: Any, leaf: Any) -> Any:
+        _, chain, chunk_bytes = want[str(path[0])]
+        return quire.StorageOptions(codecs=chain, chunk_bytes=chunk_bytes)
+
+    tree = {k: v for k, (v, _, _) in want.items()}
+    for name, layout in (("plain", "packed"), ("chunks", "chunks")):
+        quire.save(os.path.join(out, name), tree, storage=storage, layout=layout)
+    print("wrote", out)
+
+
 def main() -> None:
+    if "--codecs" in sys.argv:
+        return codecs()
     if "--units" in sys.argv:
         return units()
     if "--v2-rewritten" in sys.argv:

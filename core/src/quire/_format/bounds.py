@@ -8,8 +8,8 @@ either out of every writer's reach by construction (the reason is stated next to
 from here and refuses up front, with a typed error, before any data is written.  Both
 sides read the same constant; none is copied.
 
-Lists and strings whose size the user chooses (dict keys, mesh axis names, codec chains,
-txids, handler ids, inline strings) have no bound of their own: a record is read whole
+Other lists and strings whose size the user chooses (dict keys, mesh axis names, txids,
+handler ids, inline strings) have no bound of their own: a record is read whole
 before it is checked, so a long one costs the loader nothing more than its size.
 """
 

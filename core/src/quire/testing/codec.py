@@ -101,7 +101,13 @@ class CodecSuite(UrlFixture):
         return [_codecs.resolve(self.spec(c)) for c in self.configurations]
 
     def spec(self, configuration: Mapping[str, Any]) -> dict[str, Any]:
-        """The ``{"name", "configuration"}`` spec of one configuration."""
+        """The ``{"name", "configuration"}`` spec of one configuration.
+
+        Parameters
+        ----------
+        configuration : dict
+            One of :attr:`configurations`.
+        """
         return {"name": self.codec_id, "configuration": dict(configuration)}
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -113,7 +119,16 @@ class CodecSuite(UrlFixture):
         }
 
     def assert_restored(self, got: np.ndarray, want: np.ndarray, what: str) -> None:
-        """``got`` is ``want`` bit for bit, or within :attr:`tolerance` for a lossy codec."""
+        """Assert that ``got`` is ``want`` bit for bit, or within :attr:`tolerance` for a
+        lossy codec.
+
+        Parameters
+        ----------
+        got, want : numpy.ndarray
+            What a load gave, and what was saved.
+        what : str
+            Names the case in the failure message.
+        """
         assert got.dtype == want.dtype and got.shape == want.shape, what
         if self.tolerance is None:
             np.testing.assert_array_equal(got, want, err_msg=what)
