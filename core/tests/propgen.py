@@ -34,7 +34,8 @@ from propcase import (
 ODD = (0, 1, 2, 3, 5, 7, 11, 13, 17, 31)
 AXIS_NAMES = ("data", "model", "x", "y", "z")
 MAX_ELEMENTS = 1 << 14  # per leaf: generated cases stay fast on a loaded 2-core machine
-CODECS = ("zstd", "gzip", "blosc")
+# Bytes-to-bytes codecs: quire's own, and numcodecs' through zarr's registry (issue 37).
+CODECS = ("zstd", "gzip", "blosc", "numcodecs.lz4", "numcodecs.shuffle")
 KEYS = ("w", "b", "kernel", "a.b", "..", "x y", "ü", "layer/0", "0")
 
 
@@ -166,17 +167,23 @@ def castable(a: str, b: str) -> bool:
 
 @st.composite
 def storages(draw: Any, name: str, shape: tuple[int, ...], for_jax: bool) -> Storage | None:
-    """Storage options for a leaf: none, or a cast, codecs, inner chunking, no checksum."""
+    """Storage options for a leaf: none, or a cast, codecs (bytes-to-bytes, and an array-to-array
+    ``transpose`` of a drawn axis order), inner chunking, no checksum."""
     if draw(st.integers(0, 2)) == 0:
         return None
     casts = _casts(name, for_jax=for_jax)
     cast = draw(st.sampled_from(casts)) if casts and draw(st.booleans()) else None
     codecs = tuple(draw(st.lists(st.sampled_from(CODECS), max_size=2, unique=True)))
+    # A shuffle regroups the bytes of each element: after a compressor it has no elements.
+    codecs = tuple(sorted(codecs, key=lambda c: c != "numcodecs.shuffle"))
+    order = None
+    if len(shape) >= 2 and draw(st.booleans()):
+        order = tuple(draw(st.permutations(range(len(shape)))))
     nbytes = math.prod(shape) * dtype(cast or name).itemsize
     chunk = None
     if nbytes and draw(st.booleans()):
         chunk = draw(st.integers(max(1, nbytes // 64), max(1, nbytes)))
-    return Storage(cast, codecs, chunk, draw(st.booleans()))
+    return Storage(cast, codecs, chunk, draw(st.booleans()), order)
 
 
 @st.composite

@@ -306,7 +306,10 @@ def _run(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """Run an async codec method to completion from synchronous code."""
     try:
         asyncio.get_running_loop()
+        running = True
     except RuntimeError:
+        running = False
+    if not running:  # (outside the except: a codec's error must not chain to that one)
         loop = getattr(_local, "loop", None)
         if loop is None:
             loop = _local.loop = _new_loop()
