@@ -188,7 +188,7 @@ class ArrayLayout:
             return [raw, crc_bytes(raw)] if self.checksum else [raw]
         from zarr.core.buffer.cpu import Buffer as ZBuffer
 
-        spec = spec or self._spec(arr.shape)
+        spec = self._spec(arr.shape) if spec is None else spec
         buf = ZBuffer.from_array_like(np.frombuffer(raw, np.uint8))
         for c in self.compressors:
             buf = _chain.encode(c, buf, spec)
