@@ -185,6 +185,33 @@ def test_unknown_codec_names_what_to_install(tmp_path: Path) -> None:
         )
 
 
+def test_a_numcodecs_codec_whose_library_is_missing_names_the_extra(tmp_path: Path) -> None:
+    """zarr knows ``numcodecs.pcodec`` by name; numcodecs builds it only with ``pcodec``
+    installed: saving and loading say which extra to install."""
+    import importlib.util
+
+    from quire._format.record import record_checksum
+
+    def save() -> None:
+        storage = quire.StorageOptions(codecs=["numcodecs.pcodec"])
+        quire.save(tmp_path / "s", {"w": np.ones(4)}, storage=storage)
+
+    if importlib.util.find_spec("pcodec") is not None:  # installed: an array-to-bytes codec
+        with pytest.raises(CodecError, match="array-to-bytes"):
+            save()
+        return
+    with pytest.raises(PluginError, match=r"pip install 'numcodecs\[pcodec\]'"):
+        save()
+    url = tmp_path / "c"
+    quire.save(url, {"w": np.arange(8.0)}, storage=quire.StorageOptions(codecs=["numcodecs.lz4"]))
+    doc = json.loads((url / "quire.json").read_text())
+    doc["units"]["pytree"]["tree"]["children"][0]["codecs"] = [{"name": "numcodecs.pcodec"}]
+    doc["checksum"] = record_checksum(doc)
+    (url / "quire.json").write_text(json.dumps(doc))
+    with pytest.raises(PluginError, match=r"'w'.*numcodecs\[pcodec\]"):
+        quire.load(url)
+
+
 def test_default_codecs_from_the_context(tmp_path: Path) -> None:
     x = np.arange(60, dtype=np.int64).reshape(6, 10)
     with quire.Context(
