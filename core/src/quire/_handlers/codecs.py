@@ -14,6 +14,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from quire._format.codecrecord import OBJECT_CODEC_IDS, PLACED_BY_QUIRE, is_object_codec
+from quire._runtime import registry as _registries
 from quire._runtime.registry import canonical
 from quire._runtime.registry import codecs as _registry
 from quire.errors import CodecError, PluginError
@@ -58,9 +59,11 @@ def crc32c(**_: Any) -> Any:
 
 
 # zarr codecs are immutable, so one object per distinct spec is shared; a record may name
-# any number of distinct specs, so the cache is emptied when it grows past this.
+# any number of distinct specs, so the cache is emptied when it grows past this, and when a
+# registry changes (a plugin installed or registered at run time).
 _CACHE_SIZE = 512
 _resolved: dict[str, Any] = {}
+_generation = 0
 
 
 def resolve(spec: Any, *, url: str | None = None) -> Any:
@@ -74,12 +77,16 @@ def resolve(spec: Any, *, url: str | None = None) -> Any:
     CodecError
         The codec decodes to Python objects, or its configuration is refused.
     """
+    global _generation
     if isinstance(spec, str | dict):
         try:
             key = json.dumps(spec, sort_keys=True)
         except (TypeError, ValueError):
             key = None
         if key is not None:
+            if _generation != _registries.generation:
+                _resolved.clear()
+                _generation = _registries.generation
             hit = _resolved.get(key)
             if hit is None:
                 hit = _resolve(spec, url=url)
@@ -98,9 +105,9 @@ def _resolve(spec: Any, *, url: str | None = None) -> Any:
     elif isinstance(spec, dict):
         name, config = spec.get("name"), spec.get("configuration") or {}
         if not isinstance(name, str):
-            raise CodecError(f"codec spec {spec!r} has no 'name'")
+            raise CodecError(f"codec spec {_clip(spec)} has no 'name'")
         if not isinstance(config, dict):
-            raise CodecError(f"codec {name!r}: configuration {config!r} is not a dict")
+            raise CodecError(f"codec {name[:200]!r}: configuration {_clip(config)} is not a dict")
     elif hasattr(spec, "to_dict"):
         return refuse_objects(spec, _clip(spec))
     else:
