@@ -183,6 +183,21 @@ def _layout(plan: ArrayPlan, storage: Any, url: str) -> ArrayLayout:
     return layout
 
 
+def lossy_codecs(
+    layout: ArrayLayout, url: str, path: tuple[Any, ...], exact: str | None
+) -> tuple[str, ...]:
+    """The codecs of ``layout`` that may lose information; :class:`CodecError` if any does on
+    a leaf of a handler whose leaves must come back bit for bit (``exact``: its id)."""
+    lossy = layout.lossy()
+    if lossy and exact is not None:
+        raise CodecError(
+            f"{url}: leaf {keystr(path)!r}: codec {lossy[0]!r} may lose information, and a "
+            f"{exact} leaf must come back bit for bit; give StorageOptions for its other "
+            "leaves only (a callable of (path, leaf))"
+        )
+    return lossy
+
+
 def layout_from_record(
     rec: Mapping[str, Any], url: str | None = None, key: str | None = None
 ) -> ArrayLayout:

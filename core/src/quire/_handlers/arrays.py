@@ -21,6 +21,7 @@ from quire._handlers.arrayplan import (
     _norm_index,
     _plan,
     layout_from_record,
+    lossy_codecs,
 )
 from quire._handlers.arraysnap import snapshot_plans
 from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
@@ -39,7 +40,7 @@ from quire._runtime.config import current
 from quire._runtime.hostbuf import aligned_empty, for_device, is_aligned
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.tasks import gather_cancelling
-from quire.errors import CodecError, CorruptCheckpointError, QuireError, UnsupportedLeafError
+from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
 from quire.metadata import LeafMetadata
 
 
@@ -184,13 +185,7 @@ class ArrayHandler:
                 else _plan(self.to_array(e.value), e.storage, e.path, e.writers)
             )
             layout = _layout(plan, e.storage, ctx.url)
-            lossy = layout.lossy()
-            if lossy and self.exact:
-                raise CodecError(
-                    f"{ctx.url}: leaf {keystr(e.path)!r}: codec {lossy[0]!r} may lose "
-                    f"information, and a {self.id} leaf must come back bit for bit; give "
-                    "StorageOptions for its other leaves only (a callable of (path, leaf))"
-                )
+            lossy = lossy_codecs(layout, ctx.url, e.path, self.id if self.exact else None)
             jobs = []
             if ctx.is_primary:
                 import json
