@@ -104,9 +104,10 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, Any, Any]]
     events: list[tuple[str, Any, Any]] = []
     real = _commit._refuse_unreadable
 
-    def checked(check: Any, data: bytes, url: str, key: str) -> None:
-        real(check, data, url, key)
+    def checked(check: Any, data: bytes, url: str, key: str) -> Any:
+        got = real(check, data, url, key)
         events.append(("check", key, data))
+        return got
 
     def wrap(name: str) -> None:
         orig = getattr(LocalBackend, name)

@@ -15,6 +15,7 @@ __all__ = [
     "CodecError",
     "CorruptCheckpointError",
     "EndpointUnreachableError",
+    "IncompleteCheckpointError",
     "LossyCastError",
     "MultiProcessError",
     "ObjectStoreError",
@@ -56,6 +57,52 @@ class UnreadableRecordError(CorruptCheckpointError):
     the plugin that wrote the named leaf: the message names the URL, the key path of the
     value the check refused and why; please report it.
     """
+
+
+class IncompleteCheckpointError(UnreadableRecordError):
+    """quire was about to publish a record (``quire.json``, a partial-save journal version)
+    one of whose arrays misses an object a load needs - a chunk (or zarr shard), or its
+    ``zarr.json`` - that no chunk index of the record holds and no object stores; it did
+    not publish it.
+
+    Raised before the commit point, as :class:`UnreadableRecordError` is: the previous
+    checkpoint (or journal version) is untouched and loads as before.  A writer lost the
+    chunk: a defect of quire or of the plugin that wrote the leaf (please report it);
+    saving again writes every chunk anew.
+
+    Parameters
+    ----------
+    message : str
+        The URL, the leaf's key path, the chunk and the fix.
+    url : str, optional
+        Where the record was to be published.
+    path : str, optional
+        The key path of the first leaf found incomplete (``keystr`` form).
+    key : str, optional
+        The missing object's zarr key (``d/<txid>/<location>/c/<i>/<j>``, or
+        ``.../zarr.json``), relative to ``url``.
+    chunk : tuple of int, optional
+        Its index in the array's chunk grid (None for a ``zarr.json``).
+    missing : int
+        How many objects are missing in all (every leaf).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str | None = None,
+        path: str | None = None,
+        key: str | None = None,
+        chunk: tuple[int, ...] | None = None,
+        missing: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.url = url
+        self.path = path
+        self.key = key
+        self.chunk = chunk
+        self.missing = missing
 
 
 class CheckpointChangedError(QuireError, RuntimeError):

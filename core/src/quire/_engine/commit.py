@@ -10,6 +10,7 @@ written here and nowhere else.  Call order of a save (``quire.save``), a copy
       |  primary, once every process succeeded and agrees on the records:
       +- publish(backend, url, record, txids, overwrite=...)
            check_record(record)                   # the check every load runs on it
+           completeness.check(record's arrays)    # every chunk in an index, or stored
            put_if_absent("quire.json")            # <-- COMMIT POINT (new checkpoint)
            replace_if_match("quire.json", v)      # <-- COMMIT POINT (overwrite)
            coord.decide("ok")                     # every process hears "committed"
@@ -19,7 +20,9 @@ Write only what you can read (DESIGN.md, commit protocol step 5): before a recor
 published, :func:`publish` runs :func:`check_record` on its bytes - the one function
 :func:`read` runs on every ``quire.json`` - and :func:`create` runs the reader its caller
 names (the journal's, the root record's); a record that fails is never published
-(``UnreadableRecordError``), and the previous one stays as it was.
+(``UnreadableRecordError``), and the previous one stays as it was.  Nor is a record one of
+whose arrays misses a chunk (``quire._engine.completeness``, run by :func:`publish` and, for
+a journal version, by :func:`create`): ``IncompleteCheckpointError``, a subclass.
 
 A crash before the commit point leaves only unreferenced data under a fresh txid (GC
 removes it); a crash after it leaves the new checkpoint whole, and at worst superseded
@@ -36,6 +39,7 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from quire._engine import completeness as _completeness
 from quire._format import record as _records
 from quire._format.paths import is_safe_location
 from quire._format.root import root_hint
@@ -151,17 +155,25 @@ def check_record(raw: bytes, where: str) -> dict[str, Any]:
     return doc
 
 
-def _refuse_unreadable(check: Callable[[bytes], object], data: bytes, url: str, key: str) -> None:
-    """Run a record's reader on ``data`` before it is published; ``UnreadableRecordError``
-    (nothing published) when that reader refuses it."""
+def _refuse_unreadable(check: Callable[[bytes], T], data: bytes, url: str, key: str) -> T:
+    """Run a record's reader on ``data`` before it is published and return what it read;
+    ``UnreadableRecordError`` (nothing published) when that reader refuses it."""
     try:
-        check(data)
+        return check(data)
     except CorruptCheckpointError as e:
         raise UnreadableRecordError(
             f"{url}: refusing to publish {key}: quire's own load would refuse it ({e}). "
             "Nothing was committed; what was there before is unchanged. This is a defect "
             "of quire or of the plugin that wrote the leaf named: please report it"
         ) from e
+
+
+async def _refuse_incomplete(backend: Backend, url: str, key: str, doc: Any) -> None:
+    """Refuse to publish ``doc`` (a parsed record) when one of its arrays misses a chunk
+    that no chunk index it names holds and no object stores (``quire._engine.completeness``);
+    ``IncompleteCheckpointError``, an ``UnreadableRecordError``, nothing published."""
+    trees, indexes = _completeness.record_parts(doc)
+    await _completeness.check(backend, url, key, trees, indexes)
 
 
 async def ensure_absent(backend: Backend, url: str, fix: str) -> None:
@@ -185,15 +197,25 @@ def _warn_unless(backend: Backend, url: str, capability: str, what: str) -> None
 
 
 async def create(
-    backend: Backend, key: str, data: bytes, url: str, check: Callable[[bytes], object]
+    backend: Backend,
+    key: str,
+    data: bytes,
+    url: str,
+    check: Callable[[bytes], object],
+    *,
+    complete: bool = False,
 ) -> bool:
     """Conditionally create ``key`` (a journal version, the Checkpointer's root record);
     True if this call created it, False if it already existed.
 
     ``check`` is the function its readers parse ``key`` with; it runs on ``data`` first,
-    and a record it refuses is not created (``UnreadableRecordError``).
+    and a record it refuses is not created (``UnreadableRecordError``).  With ``complete``
+    (a record with array leaves: a journal version), the record ``check`` returns must also
+    have every chunk of its arrays stored (``IncompleteCheckpointError`` otherwise).
     """
-    _refuse_unreadable(check, data, url, key)
+    doc = _refuse_unreadable(check, data, url, key)
+    if complete:
+        await _refuse_incomplete(backend, url, key, doc)
     _warn_unless(backend, url, "atomic_create", f"create of {key}")
     try:
         await backend.put_if_absent(key, data)  # COMMIT of ``key``
@@ -226,14 +248,17 @@ async def publish(
     commit point the primary of ``coord`` announces the outcome, and only then is the data
     of txids no longer referenced deleted (a failure there just leaves garbage for GC).
 
-    First of all ``data`` goes through :func:`check_record`, as every load would; if it
-    fails, nothing is published (``UnreadableRecordError``) and ``txids`` are removed as
-    after a lost race.
+    First of all ``data`` goes through :func:`check_record`, as every load would, and
+    every chunk of its arrays must be stored (``quire._engine.completeness``: in a chunk
+    index it names, or as an object); if not, nothing is published
+    (``UnreadableRecordError``; ``IncompleteCheckpointError`` for a missing chunk) and
+    ``txids`` are removed as after a lost race.
     """
     mine = set(txids)
     try:
-        _refuse_unreadable(lambda raw: check_record(raw, url), data, url, RECORD)
-    except UnreadableRecordError:
+        doc = _refuse_unreadable(lambda raw: check_record(raw, url), data, url, RECORD)
+        await _refuse_incomplete(backend, url, RECORD, doc)
+    except UnreadableRecordError:  # IncompleteCheckpointError too
         if owned:
             await drop_txids(backend, url, sorted(mine - await _txids_at(backend, url)))
         raise

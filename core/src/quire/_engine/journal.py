@@ -312,7 +312,8 @@ async def _create_record(
         doc["checksum"] = _records.record_checksum(doc)
         data = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
         check = _reader_of(url, n)  # what read_records parses version n with
-        if await _commit.create(backend, record_key(n), data, url, check):  # COMMIT of n
+        # COMMIT of n; its arrays must have every chunk stored (commit.create's ``complete``)
+        if await _commit.create(backend, record_key(n), data, url, check, complete=True):
             break
     else:  # pragma: no cover
         raise CheckpointExistsError(f"{url}: gave up appending to a busy journal")
