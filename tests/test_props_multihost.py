@@ -12,6 +12,10 @@ holds with numpy's values; this process then runs ``quire.verify`` and reads eve
 array with plain zarr (packed layout) or tensorstore (chunks layout).  A group whose process
 dies or stops answering is killed, reported and started again for the next case.
 
+And the class of issue 39: a save by the group whose array writer loses a chunk (in whichever
+process writes it: a write plan that gives a chunk to nobody) never commits; the processes
+all fail, and the checkpoint it was to replace stays whole.
+
 Budget: ``ci`` profile: a fixed handful of cases (~1 minute with the start-up, measured on
 the shared 2-core machine); ``deep``: as many as the profile says.
 """
@@ -38,8 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "tests"))
@@ -345,5 +350,53 @@ def test_processes_save_and_every_process_count_loads(
         assert not report.problems, report.problems
         outside = external_reads(url, case)
         assert not outside, "\n".join(outside)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+OLD = {"old": np.arange(5, dtype=np.int16)}
+
+
+@examples(ci=4)
+@given(drawn=CASES, which=st.integers(0, 3), flat=st.integers(0, 2))
+@example(drawn=(ISSUE_29, 4), which=0, flat=2)  # a piece of a replica-split shard
+@example(drawn=(PRIMARY_ONLY_BESIDE_SHARED, 4), which=1, flat=1)
+def test_processes_that_lose_a_chunk_never_commit(
+    drawn: tuple[Case, int], which: int, flat: int, groups: dict[int, Group], base: Path
+) -> None:
+    """Chunk ``flat`` of leaf ``which`` is lost by the array writer of whichever process
+    writes it: when one was lost (the writers say so, not the check under test) every
+    process fails and the old checkpoint loads; otherwise the save commits."""
+    case, writers = drawn
+    if held_by_one_other(case, writers):
+        return  # refused before anything is written (the test above)
+    i = which % len(case.leaves)
+    d = base / uuid.uuid4().hex[:12]
+    d.mkdir()
+    try:
+        url = d / "ckpt"
+        quire.save(url, OLD)
+        group = groups[writers]
+        group.ensure()
+        answers = group.ask(
+            {"op": "save", "case": case.to_json(), "url": str(url), "drop": [i, flat]}
+        )
+        lost = [x for a in answers for x in a["lost"]]
+        if not lost:
+            event("no such chunk: committed")
+            failed = [a["failed"] for a in answers if "failed" in a]
+            assert not failed, failed
+            with context(case):
+                problems = check_loaded(case, load(url, case))
+            assert not problems, "\n".join(problems)
+            return
+        event("a chunk lost: refused")
+        assert len(lost) == 1, lost  # one process wrote that chunk
+        for a in answers:
+            want = "IncompleteCheckpointError" if a["pid"] == 0 else "MultiProcessError"
+            assert a.get("failed", "").startswith(want), a
+            assert "refusing to publish" in a["failed"] and str(url) in a["failed"], a
+        np.testing.assert_array_equal(quire.load(url)["old"], OLD["old"])
+        assert quire.verify(str(url)).problems == ()
     finally:
         shutil.rmtree(d, ignore_errors=True)

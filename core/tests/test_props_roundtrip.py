@@ -14,7 +14,9 @@ donates every jax.Array of the tree and an in-place overwrite of every numpy arr
 the partial-save journal (versions adding, replacing and deleting leaves, then finalize);
 a Checkpointer with a local tier (the step loaded from the local tier and from the
 persistent one); an incremental Checkpointer (steps changing some leaves, borrowing the
-rest).  Each load goes to the case's target: as saved, an abstract tree (the same
+rest).  And one for the class of issue 39: whatever the case, a save whose writer loses a
+chunk (``dropchunk``) never commits, and the checkpoint it was to replace stays whole.  Each
+load goes to the case's target: as saved, an abstract tree (the same
 sharding, another mesh and spec, numpy, a cast), or a partial tree.
 
 Budget: the ``ci`` profile (``conftest.py``) runs each test on a fixed set of examples;
@@ -41,7 +43,8 @@ import jax
 import numpy as np
 import propgen
 import pytest
-from hypothesis import example, given
+from dropchunk import dropping
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 from propcase import (
     Case,
@@ -65,6 +68,7 @@ from propcase import (
 from props_budget import examples
 
 import quire
+from quire.errors import IncompleteCheckpointError
 
 pytestmark = [
     pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices"),
@@ -130,6 +134,40 @@ def test_save_round_trips(case: Case, base: Path) -> None:
         url = d / "ckpt"
         quire.save(url, build_tree(case), storage=storage_of(case))
         check_checkpoint(url, case)
+
+
+OLD = {"old": np.arange(5, dtype=np.int16)}
+
+
+@examples(ci=10)
+@given(case=propgen.cases(paths=("save",)), which=st.integers(0, 4), flat=st.integers(0, 2))
+@example(case=ISSUE_29, which=0, flat=1)  # a piece of a replica-split shard
+def test_a_save_that_loses_a_chunk_never_commits(
+    case: Case, which: int, flat: int, base: Path
+) -> None:
+    """Chunk ``flat`` (C order in the grid quire chose) of leaf ``which`` is lost by the
+    array writer: the overwrite is refused, naming it, and the old checkpoint loads; when
+    the grid has no such chunk nothing is lost and the save commits.  The oracle is what
+    the faulty writer reports it lost, not the check under test."""
+    leaf = case.leaves[which % len(case.leaves)]
+    with folder(base) as d:
+        url = d / "ckpt"
+        quire.save(url, OLD)
+        with context(case), dropping(leaf.path, flat) as lost:
+            try:
+                quire.save(url, build_tree(case), storage=storage_of(case), overwrite=True)
+            except IncompleteCheckpointError as e:
+                event("a chunk lost: refused")
+                assert lost, f"refused, but the writer lost nothing: {e}"
+                assert e.key is not None and e.key.startswith(lost[0][0] + "/"), (e.key, lost)
+                assert e.chunk == lost[0][1] and e.missing == len(lost), (e.chunk, lost)
+                np.testing.assert_array_equal(quire.load(url)["old"], OLD["old"])
+                return
+        assert not lost, f"committed without {lost}"
+        event("no such chunk: committed")
+        with context(case):
+            problems = check_loaded(case, load(url, case))
+        assert not problems, "\n".join(problems)
 
 
 def _one(name: str, byte: int | None = None) -> Case:

@@ -19,6 +19,11 @@ line to all of them), so a collective save or load runs in all at once.  Command
                                            by a donating step and an in-place overwrite)
 ``{"op": "load", "case": ..., "url": ...}``  load onto the case's target and compare this
                                            process's shards with numpy's values
+``{"op": "save", ..., "drop": [i, j]}``      save over the checkpoint at ``url``
+                                           (``overwrite=True``) with an array writer that
+                                           loses chunk ``j`` of leaf ``i`` in whichever
+                                           process writes it (``core/tests/dropchunk.py``);
+                                           answers ``"lost"``: what this process lost
 ``{"op": "quit"}``                           leave the group and exit
 
 A failing command answers ``{"failed": "...", "tb": "..."}`` and the worker reads on; quire's
@@ -47,6 +52,7 @@ import jax  # noqa: E402
 if NPROC > 1:
     jax.distributed.initialize(f"127.0.0.1:{PORT}", num_processes=NPROC, process_id=PID)
 
+from dropchunk import dropping  # noqa: E402
 from propcase import Case, build_tree, check_loaded, context, donate, storage_of  # noqa: E402
 from propcase import load as load_case  # noqa: E402
 
@@ -59,8 +65,20 @@ def answer(op: str, **kw: Any) -> None:
     print(PREFIX + json.dumps({"pid": PID, "op": op, **kw}), flush=True)
 
 
-def save(case: Case, url: str) -> dict[str, Any]:
+def save(case: Case, url: str, drop: list[int] | None = None) -> dict[str, Any]:
     tree = build_tree(case)
+    if drop is not None:
+        i, j = drop
+        with (
+            context(case),
+            quire.Context(timeout=TIMEOUT),
+            dropping(case.leaves[i].path, j) as lost,
+        ):
+            try:
+                quire.save(url, tree, storage=storage_of(case), overwrite=True)
+            except Exception as e:
+                return {"lost": lost, "failed": f"{type(e).__name__}: {e}"}
+        return {"lost": lost}
     with context(case), quire.Context(timeout=TIMEOUT):
         if case.path == "save_async":
             pending = quire.save_async(url, tree, storage=storage_of(case))
@@ -89,7 +107,10 @@ def main() -> None:
                 answer(op, process=jax.process_index(), devices=mine, count=jax.device_count())
                 continue
             case = Case.from_json(cmd["case"])
-            out = {"save": save, "load": load}[op](case, cmd["url"])
+            if op == "save" and "drop" in cmd:
+                out = save(case, cmd["url"], cmd["drop"])
+            else:
+                out = {"save": save, "load": load}[op](case, cmd["url"])
             answer(op, **out)
         except Exception as e:
             answer(op, failed=f"{type(e).__name__}: {e}", tb=traceback.format_exc()[-4000:])
