@@ -404,3 +404,31 @@ def test_keeping_one_local_step_with_peers_loses_no_copy(tmp_path: Path) -> None
     results, codes = launch(tmp_path, {**base, "first": 7, "last": 6}, n=3)
     ok(results, codes, n=3)
     assert [(r["step"], r["same"]) for r in of(results, "restored")] == [(6, True)] * 3
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_a_lost_chunk_commits_no_step_with_two_processes(tmp_path: Path, incremental: bool) -> None:
+    """Issue 39 across processes: a multi-process local save whose writer loses a chunk (of
+    process 1's part: the primary's check sees it in process 1's index) is refused in both
+    processes; a local step committed incomplete (by a quire without the check) is not
+    promoted - copied whole, or re-packed by each process (``incremental``) - and the
+    persistent tier keeps no trace of it; the steps around them are saved and promoted."""
+    persistent, local = tmp_path / "persistent", tmp_path / "local"
+    cfg = {"persistent": str(persistent), "options": None, "local": str(local), "timeout": 20,
+           "peers": 0, "every": 2, "incremental": incremental, "first": 1, "last": 4,
+           "drop": {"flat": 3, "steps": {"1": "checked", "2": "unchecked"}}}  # fmt: skip
+    results, codes = launch(tmp_path, cfg, n=2)
+    ok(results, codes, n=2)
+    dropped = sorted(of(results, "dropped"), key=lambda r: (r["step"], r["pid"]))
+    assert [(r["step"], r["pid"]) for r in dropped] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert [r["lost"] for r in dropped] == [0, 1, 0, 1]  # process 1 writes chunk (3, 0) of w
+    for r in dropped:
+        want = "IncompleteCheckpointError" if r["pid"] == 0 else "MultiProcessError"
+        assert (r["error"] or "").startswith(want), r
+        assert "'state:w'" in r["error"] and "refusing to publish" in r["error"], r
+    assert str(persistent / "step_00000002") in dropped[2]["error"]  # the promotion's
+    assert [r["tiers"] for r in of(results, "saved")] == [
+        {"2": ["local"], "3": ["local"], "4": ["local", "persistent"]}
+    ] * 2
+    assert not (persistent / "step_00000002" / "quire.json").exists()
+    assert quire.verify(str(persistent / "step_00000004")).ok

@@ -12,6 +12,10 @@ compare the outcome with, known without asking the code under test:
   chunk missing from a process's pack and index, or an object never stored);
 * :func:`dropping_borrowed` - an incremental save or promotion (``PackWriter._borrow``) loses
   the reference to an earlier step's bytes of one chunk.
+
+And :func:`unchecked`, which publishes without the completeness check (as a quire before it
+did) under one URL prefix: how the tests make the incomplete sources that a copy, a finalize
+or a promotion must then refuse.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+from quire._engine import completeness as _completeness
 from quire._format import pack as _pack
 from quire._format.paths import escape_path
 from quire._handlers import arrays as _arrays
@@ -80,3 +85,20 @@ def dropping_borrowed(suffix: str) -> Iterator[list[str]]:
         yield lost
     finally:
         _pack.PackWriter._borrow = real  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def unchecked(under: str | None = None) -> Iterator[None]:
+    """Publish without the completeness check, only for URLs starting with ``under`` when
+    given (a local tier's roots, a copy's source)."""
+    real = _completeness.check
+
+    async def check(backend: Any, url: str, *a: Any) -> None:
+        if under is not None and not url.startswith(str(under)):
+            await real(backend, url, *a)
+
+    _completeness.check = check  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _completeness.check = real

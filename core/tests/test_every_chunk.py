@@ -17,17 +17,15 @@ both layouts, borrowed ranges) must commit.  The multi-process paths are in
 from __future__ import annotations
 
 import ast
-import contextlib
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import pytest
-from dropchunk import dropping, dropping_borrowed
+from dropchunk import dropping, dropping_borrowed, unchecked
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -82,23 +80,6 @@ def refused(fn: Any, *a: Any, path: str = "w", **kw: Any) -> IncompleteCheckpoin
     assert "Nothing was committed" in msg and "save again" in msg, msg
     assert e.path == path and e.missing >= 1
     return e
-
-
-@contextlib.contextmanager
-def unchecked(under: str | Path | None = None) -> Iterator[None]:
-    """Publish without the completeness check (as a quire before it did), only for URLs
-    under ``under`` when given: to make the incomplete sources other paths copy."""
-    real = _completeness.check
-
-    async def check(backend: Any, url: str, *a: Any) -> None:
-        if under is not None and not url.startswith(str(under)):
-            await real(backend, url, *a)
-
-    _completeness.check = check  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        _completeness.check = real
 
 
 # ---------------------------------------------------------------- the code
@@ -351,7 +332,7 @@ def test_promotion_of_an_incomplete_local_step_is_refused(
         c.save(2, tree(2))
         c.wait()
         with (
-            unchecked(local),
+            unchecked(str(local)),
             dropping(("w",), 5),
             pytest.raises(IncompleteCheckpointError) as ei,
         ):

@@ -15,19 +15,27 @@ that process empties its own local root in its memory store, then every process 
 last step again and says what it read, ``rerestored``; before that each says which markers
 its root holds for the last step, ``markers``), ``local_seconds`` (the local tier's policy is
 ``EveryNSeconds(local_seconds)`` instead of every step), ``pause`` ([process, seconds]: that
-process sleeps so long before each save, so its clock runs ahead of the others').  Prints ``QUIRE-TIER <json>`` lines; the
+process sleeps so long before each save, so its clock runs ahead of the others'), ``drop``
+(``{"flat": j, "steps": {"<step>": "checked" | "unchecked"}}``: at those steps the array
+writer of whichever process writes it loses chunk ``j`` of leaf ``w``
+(``core/tests/dropchunk.py``), the local tier's completeness check on (``checked``) or off
+(``unchecked``: the local step commits incomplete, as a quire without the check did, and
+its promotion is what must refuse); each such step says ``dropped`` with what this process
+lost and the error its save and wait raised).  Prints ``QUIRE-TIER <json>`` lines; the
 ``restored`` line says the bytes this process's peer server answered (``served``) and what
 the restore read from others (``read``: bytes and requests per source).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sys
 import time
 import traceback
+from pathlib import Path
 
 pid, count, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 cfg = json.loads(sys.argv[4])
@@ -39,6 +47,9 @@ jax.distributed.initialize(
 )
 
 import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "core" / "tests"))
+from dropchunk import dropping, unchecked  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import quire  # noqa: E402
@@ -165,10 +176,23 @@ try:
                  served=served, read=spread.last_restore)  # fmt: skip
             start = got + 1
         pause = cfg.get("pause")
+        drop = cfg.get("drop") or {"steps": {}}
         for step in range(max(start, cfg["first"]), cfg["last"] + 1):
             if pause and pause[0] == pid:
                 time.sleep(pause[1])
-            c.save_checkpointables(step, {"state": state(step), "loader": Loader(step)})
+            how = drop["steps"].get(str(step))
+            if how is None:
+                c.save_checkpointables(step, {"state": state(step), "loader": Loader(step)})
+                continue
+            off = unchecked(cfg["local"]) if how == "unchecked" else contextlib.nullcontext()
+            with dropping(("w",), drop["flat"]) as lost, off:
+                try:
+                    c.save_checkpointables(step, {"state": state(step), "loader": Loader(step)})
+                    c.wait()
+                    error = None
+                except Exception as e:
+                    error = f"{type(e).__name__}: {e}"
+            emit(check="dropped", step=step, lost=len(lost), error=error)
         c.wait()
         emit(check="saved", last=cfg["last"], tiers={s: c.tiers_of(s) for s in c.steps()})
         if cfg.get("wipe") is not None:  # a memory:// local tier: its roots live in this process
