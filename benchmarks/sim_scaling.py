@@ -24,6 +24,14 @@ not computed — it does not change any size).
 Layouts (as in docs/scaling.md): A = 1,155 large arrays fully sharded over all devices +
 580 small ones (primary); B = the same sharded 256 ways and replicated over 32 groups
 (only replica-0 hosts write); C = 27 large + 16 small (stacked layers).
+
+``--commit`` also times the primary's commit on that record, part by part, over the
+``memory://`` store that holds every process's index: reading every index (with its crc32c,
+as ``quire._format.pack.gather_entries`` does), building the record, the reader's check of
+it (``quire._engine.commit.check_record``) and the completeness check (every chunk of every
+array in some index, ``quire._engine.completeness``; docs/commit-protocol.md).  The leaf
+records then describe exactly the chunks the processes wrote (each array its own location
+and chunk grid), so that check passes.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -125,10 +134,14 @@ def replica_plan(lay: dict[str, Any], hosts: int, devices: int, chunk: int) -> d
 
 
 async def simulate(
-    name: str, hosts: int, devices: int, local: bool, replicas: bool = False
+    name: str,
+    hosts: int,
+    devices: int,
+    local: bool,
+    replicas: bool = False,
+    timings: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     from quire._format import pack as _pack
-    from quire._format import record as _records
     from quire._format.chunkindex import index_entry
     from quire._runtime.config import current
     from quire._store.memory import MemoryBackend
@@ -153,6 +166,7 @@ async def simulate(
     if plan is not None:
         lay["writers"] = len(plan)
     per_writer = []
+    top = 0  # the highest chunk index written: each large array's grid is (top + 1, 1)
     for p in sorted(plan) if plan is not None else range(lay["writers"]):
         be = StreamingBackend(store) if local else CountingBackend(store)
         w = _pack.PackWriter(be, txid, p, current().pack_bytes, budget)  # type: ignore[arg-type]
@@ -171,14 +185,17 @@ async def simulate(
         )
         by_size = {chunk: views}
         for a, c, n in mine:
+            top = max(top, c)
             if n not in by_size:
                 whole, rest = divmod(n + 4, zero.nbytes)
                 by_size[n] = [zero] * whole + ([zero[:rest]] if rest else [])
             await w.put_bound(f"d/{txid}/pytree/layers/w{a:04d}/c/{c}/0", by_size[n], trailer=True)
         if p == 0:
-            for a in range(lay["large"] + lay["small"]):
-                meta = json.dumps({"zarr_format": 3, "node_type": "array", "pad": "x" * 300})
-                await w.put(f"d/{txid}/pytree/layers/w{a:04d}/zarr.json", [meta.encode()])
+            meta = json.dumps({"zarr_format": 3, "node_type": "array", "pad": "x" * 300})
+            for loc in [f"layers/w{a:04d}" for a in range(lay["large"])] + [
+                f"small/s{a:04d}" for a in range(lay["small"])
+            ]:
+                await w.put(f"d/{txid}/pytree/{loc}/zarr.json", [meta.encode()])
             for a in range(lay["small"]):
                 small = [memoryview(bytearray(4096))]
                 await w.put_bound(f"d/{txid}/pytree/small/s{a:04d}/c/0", small, trailer=True)
@@ -191,27 +208,7 @@ async def simulate(
         per_writer.append(be.bytes)
         totals["index"] += len(data)
         totals["index_max"] = max(totals["index_max"], len(data))
-    leaf = {
-        "kind": "leaf",
-        "handler": "jax",
-        "shape": [65536, 4096],
-        "dtype": "bfloat16",
-        "location": f"d/{txid}/pytree/layers/w0000",
-        "chunk_shape": [8, 4096],
-        "codecs": [],
-        "checksum": True,
-        "nbytes": large_bytes,
-        "sharding": {"type": "named", "mesh": {"fsdp": lay["ways"]}, "spec": ["fsdp"]},
-    }
-    n = lay["large"] + lay["small"]
-    tree = {"kind": "dict", "keys": [f"w{i:04d}" for i in range(n)], "children": [leaf] * n}
-    record = _records.build(
-        units={"pytree": {"kind": "pytree", "tree": tree}},
-        txids=[txid],
-        metadata={},
-        process_count=hosts,
-        indexes=entries,
-    )
+    data = await record(store, txid, lay, top + 1, hosts, devices, entries, timings)
     totals["objects"] += 1  # quire.json
     return {
         "layout": name,
@@ -224,9 +221,80 @@ async def simulate(
         "GB_per_writer_mean": sum(per_writer) / len(per_writer) / 10**9,
         "index_bytes_per_writer": totals["index"] / lay["writers"],
         "index_bytes_max": totals["index_max"],
-        "record_bytes": len(record),
+        "record_bytes": len(data),
         "record_bytes_for_indexes": len(json.dumps(entries, separators=(",", ":"))),
     }
+
+
+async def record(
+    store: Any,
+    txid: str,
+    lay: dict[str, Any],
+    grid: int,
+    hosts: int,
+    devices: int,
+    entries: list[dict[str, Any]],
+    timings: dict[str, float] | None,
+) -> bytes:
+    """The primary's commit record for what the processes wrote: every large array a grid of
+    ``(grid, 1)`` chunks of 16 x 4096 bfloat16 (128 KiB, about the simulated chunk) at its own
+    location, every small one a single chunk.  With ``timings``, the commit's parts on it."""
+    from quire._engine import commit as _commit
+    from quire._engine import completeness as _completeness
+    from quire._format import record as _records
+    from quire._format.chunkindex import index_entry
+
+    groups = hosts * devices // lay["ways"]
+    mesh = {"data": groups, "fsdp": lay["ways"]} if groups > 1 else {"fsdp": lay["ways"]}
+
+    def leaf(loc: str, shape: list[int], chunk: list[int], dtype: str, **kw: Any) -> Any:
+        n = 2 if dtype == "bfloat16" else 4
+        return {"kind": "leaf", "handler": "jax" if kw else "numpy", "shape": shape,
+                "dtype": dtype, "location": f"d/{txid}/pytree/{loc}", "chunk_shape": chunk,
+                "codecs": [], "checksum": True, "nbytes": n * math.prod(shape), **kw}  # fmt: skip
+
+    sharding = {"type": "named", "mesh": mesh, "spec": ["fsdp"]}
+    large = [
+        leaf(f"layers/w{a:04d}", [16 * grid, 4096], [16, 4096], "bfloat16", sharding=sharding)
+        for a in range(lay["large"])
+    ]
+    small = [leaf(f"small/s{a:04d}", [1024], [1024], "float32") for a in range(lay["small"])]
+
+    def node(keys: list[str], children: list[Any]) -> dict[str, Any]:
+        return {"kind": "dict", "keys": keys, "children": children}
+
+    tree = node(
+        ["layers", "small"],
+        [
+            node([f"w{a:04d}" for a in range(lay["large"])], large),
+            node([f"s{a:04d}" for a in range(lay["small"])], small),
+        ],
+    )
+    t0 = time.perf_counter()
+    sem = asyncio.Semaphore(32)  # as gather_entries: read every index, note size and crc32c
+
+    async def read(e: dict[str, Any]) -> dict[str, Any]:
+        async with sem:
+            return index_entry(txid, e["process"], e["object"], await store.get(e["object"]))
+
+    entries = list(await asyncio.gather(*(read(e) for e in entries)))
+    t1 = time.perf_counter()
+    data = _records.build(
+        units={"pytree": {"kind": "pytree", "tree": tree}},
+        txids=[txid],
+        metadata={},
+        process_count=hosts,
+        indexes=entries,
+    )
+    t2 = time.perf_counter()
+    doc = _commit.check_record(data, store.url)
+    t3 = time.perf_counter()
+    if timings is not None:
+        trees, idx = _completeness.record_parts(doc)
+        await _completeness.check(store, store.url, "quire.json", trees, idx)
+        t4 = time.perf_counter()
+        timings.update(gather=t1 - t0, build=t2 - t1, check_record=t3 - t2, complete=t4 - t3)
+    return data
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,6 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         "--buffered",
         action="store_true",
         help="a backend without streamed writes (packs sealed at byte_budget / 4)",
+    )
+    ap.add_argument(
+        "--commit",
+        action="store_true",
+        help="time the primary's commit on the record, part by part (docs/commit-protocol.md)",
     )
     ap.add_argument(
         "--replica-writes",
@@ -264,11 +337,23 @@ def main(argv: list[str] | None = None) -> int:
     print("  ".join(cols))
     for name in args.layouts.split(","):
         t0 = time.perf_counter()
+        timings: dict[str, float] | None = {} if args.commit else None
         r = asyncio.run(
-            simulate(name.strip(), hosts, args.devices, not args.buffered, args.replica_writes)
+            simulate(
+                name.strip(), hosts, args.devices, not args.buffered, args.replica_writes, timings
+            )
         )
         row = [f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
         print("  ".join(row), f"({time.perf_counter() - t0:.1f}s)")
+        if timings:
+            other = timings["gather"] + timings["build"] + timings["check_record"]
+            print(
+                f"  commit on the primary: read {r['writers']} indexes + crc32c "
+                f"{timings['gather']:.2f}s, build {timings['build']:.2f}s, check_record "
+                f"{timings['check_record']:.2f}s; completeness check {timings['complete']:.2f}s "
+                f"= {timings['complete'] / other:.1f}x the rest",
+                flush=True,
+            )
     return 0
 
 

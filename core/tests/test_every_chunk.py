@@ -133,6 +133,31 @@ def test_the_check_expects_what_the_handler_owns(value: Any, tmp_path: Path) -> 
     assert expected <= listed
 
 
+def test_only_the_key_a_load_asks_for_counts() -> None:
+    """A chunk counts only under the key zarr's encoding gives it (what a load looks up):
+    no other spelling of its coordinates, no coordinate outside the grid, no other rank."""
+    needs = _completeness._Needs()
+    needs.add_array("w", "d/t/pytree/w", (4, 1))
+    needs.add_array("v", "d/t/pytree/v", (2, 2, 2))
+    needs.add_array("s", "d/t/pytree/s", ())
+    w = "d/t/pytree/w/c/"
+    needs.mark([w + "03/0", w + "+1/0", w + " 2/0", w + "4/0", w + "0/0/0", w + "0", w + "٣/0"])
+    assert not any(needs.arrays["d/t/pytree/w"].seen)
+    needs.mark([w + "0/0", w + "3/0", "d/t/pytree/v/c/1/0/1", "d/t/pytree/v/c/1/01/1"])
+    needs.mark(["d/t/pytree/s/c", "d/t/pytree/w/zarr.json"])
+    assert list(needs.arrays["d/t/pytree/w"].seen) == [1, 0, 0, 1]
+    assert [i for i, x in enumerate(needs.arrays["d/t/pytree/v"].seen) if x] == [5]
+    assert needs.arrays["d/t/pytree/s"].seen == bytearray(b"\x01")
+    got = needs.first()
+    assert got is not None and got[:4] == (
+        "w",
+        "d/t/pytree/w/c/1/0",
+        "chunk (1, 0) of its grid",
+        (1, 0),
+    )
+    assert got[4] == 2 + (1 + 7) + 1  # w: 2 chunks; v: zarr.json, 7 chunks; s: zarr.json
+
+
 # ---------------------------------------------------------------- complete saves commit
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_complete_saves_of_every_kind_of_leaf_commit(layout: str, tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ look-up per key (docs/commit-protocol.md has the figures).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -55,6 +56,14 @@ READS = 16  # index objects read at once (each parsed, marked and dropped)
 _META = "/zarr.json"
 
 
+@functools.lru_cache(maxsize=64)
+def _coordinates(n: int) -> dict[str, int]:
+    """``{"0": 0, ..., str(n - 1): n - 1}``: a chunk coordinate as zarr's key writes it
+    (decimal, no sign, no leading zero), looked up, so that no other spelling of a number
+    counts as the chunk a load asks for."""
+    return {str(i): i for i in range(n)}
+
+
 @dataclass
 class _Grid:
     """What an array leaf needs: its ``zarr.json`` and every chunk of ``grid``."""
@@ -63,35 +72,26 @@ class _Grid:
     location: str
     grid: tuple[int, ...]
     seen: bytearray = field(init=False)  # one byte per chunk, C order
+    axes: tuple[dict[str, int], ...] = field(init=False)  # coordinate spellings per axis
     meta: bool = False
 
     def __post_init__(self) -> None:
         self.seen = bytearray(math.prod(self.grid))
+        self.axes = tuple(_coordinates(n) for n in self.grid)
 
-    def mark(self, rest: str) -> None:
-        """Mark the chunk whose coordinates are ``rest`` (``"3/0"``), if in the grid."""
-        grid = self.grid
-        if len(grid) == 1:
-            try:
-                i = int(rest)
-            except ValueError:
-                return
-            if 0 <= i < grid[0]:
-                self.seen[i] = 1
-            return
+    def flat(self, rest: str) -> int | None:
+        """The C-order index of the chunk whose key ends ``rest`` (``"3/0/1"``), or None
+        when that is no chunk key of this grid (:meth:`_Needs.mark` inlines ranks 1, 2)."""
         parts = rest.split("/")
-        if len(parts) != len(grid):
-            return
+        if len(parts) != len(self.axes):
+            return None
         flat = 0
-        try:
-            for p, g in zip(parts, grid):
-                i = int(p)
-                if not 0 <= i < g:
-                    return
-                flat = flat * g + i
-        except ValueError:
-            return
-        self.seen[flat] = 1
+        for p, coords, n in zip(parts, self.axes, self.grid):
+            i = coords.get(p)
+            if i is None:
+                return None
+            flat = flat * n + i
+        return flat
 
     def count(self) -> int:
         return self.seen.count(0) + (not self.meta)
@@ -127,27 +127,41 @@ class _Needs:
             self.order.append((key, "object"))
 
     def mark(self, keys: Iterable[str]) -> None:
-        """Mark found every key of ``keys`` that some leaf needs (one look-up per key)."""
-        arrays, others = self.arrays, self.others
+        """Mark found every key of ``keys`` that some leaf needs: a chunk key (the common
+        case, ranks 1 and 2 inline here: the loop runs once per chunk of the record, and
+        a method call would be a third of its cost), else :meth:`_mark_other`."""
+        arrays = self.arrays
         for k in keys:
-            if k.endswith(_META):
-                g = arrays.get(k[: -len(_META)])
-                if g is not None:
-                    g.meta = True
+            loc, sep, rest = k.rpartition("/c/")
+            g = arrays.get(loc) if sep else None
+            if g is not None:
+                axes = g.axes
+                if len(axes) == 1:
+                    flat = axes[0].get(rest)
+                elif len(axes) == 2:
+                    a, _, b = rest.partition("/")
+                    i, j = axes[0].get(a), axes[1].get(b)
+                    flat = None if i is None or j is None else i * g.grid[1] + j
+                else:
+                    flat = g.flat(rest)
+                if flat is not None:
+                    g.seen[flat] = 1
                     continue
-            elif k.endswith("/c"):  # the one chunk of a 0-d array
-                g = arrays.get(k[:-2])
-                if g is not None and not g.grid:
-                    g.seen[0] = 1
-                    continue
-            else:
-                loc, sep, rest = k.rpartition("/c/")
-                g = arrays.get(loc) if sep else None
-                if g is not None:
-                    g.mark(rest)
-                    continue
-            if k in others:
-                del others[k]
+            self._mark_other(k)
+
+    def _mark_other(self, k: str) -> None:
+        """A ``zarr.json``, the chunk of a 0-d array (``<loc>/c``), a handler's object."""
+        if k.endswith(_META):
+            g = self.arrays.get(k[: -len(_META)])
+            if g is not None:
+                g.meta = True
+                return
+        elif k.endswith("/c"):
+            g = self.arrays.get(k[:-2])
+            if g is not None and not g.grid:
+                g.seen[0] = 1
+                return
+        self.others.pop(k, None)
 
     def txids(self) -> set[str]:
         """The txids under which something is still unaccounted for."""
