@@ -168,12 +168,14 @@ def _refuse_unreadable(check: Callable[[bytes], T], data: bytes, url: str, key: 
         ) from e
 
 
-async def _refuse_incomplete(backend: Backend, url: str, key: str, doc: Any) -> None:
+async def _refuse_incomplete(
+    backend: Backend, url: str, key: str, doc: Any, indexes_from: Backend | None = None
+) -> None:
     """Refuse to publish ``doc`` (a parsed record) when one of its arrays misses a chunk
     that no chunk index it names holds and no object stores (``quire._engine.completeness``);
     ``IncompleteCheckpointError``, an ``UnreadableRecordError``, nothing published."""
     trees, indexes = _completeness.record_parts(doc)
-    await _completeness.check(backend, url, key, trees, indexes)
+    await _completeness.check(backend, url, key, trees, indexes, indexes_from)
 
 
 async def ensure_absent(backend: Backend, url: str, fix: str) -> None:
@@ -235,6 +237,7 @@ async def publish(
     owned: bool = True,
     coord: Coordinator | None = None,
     keep_superseded: bool = False,
+    indexes_from: Backend | None = None,
 ) -> None:
     """Commit ``data`` as ``url``'s ``quire.json``, then drop the data it supersedes
     (unless ``keep_superseded``: an incremental root, whose later steps may borrow those
@@ -252,12 +255,14 @@ async def publish(
     every chunk of its arrays must be stored (``quire._engine.completeness``: in a chunk
     index it names, or as an object); if not, nothing is published
     (``UnreadableRecordError``; ``IncompleteCheckpointError`` for a missing chunk) and
-    ``txids`` are removed as after a lost race.
+    ``txids`` are removed as after a lost race.  ``indexes_from``: where that check reads
+    the record's chunk-index objects when not from ``backend`` (a promotion: the local step
+    it copied them from, so the persistent tier is not read again).
     """
     mine = set(txids)
     try:
         doc = _refuse_unreadable(lambda raw: check_record(raw, url), data, url, RECORD)
-        await _refuse_incomplete(backend, url, RECORD, doc)
+        await _refuse_incomplete(backend, url, RECORD, doc, indexes_from)
     except UnreadableRecordError:  # IncompleteCheckpointError too
         if owned:
             await drop_txids(backend, url, sorted(mine - await _txids_at(backend, url)))

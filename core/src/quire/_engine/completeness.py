@@ -287,6 +287,7 @@ async def check(
     key: str,
     trees: Sequence[tuple[str, Any]],
     indexes: Sequence[Mapping[str, Any]] | None,
+    indexes_from: Backend | None = None,
 ) -> None:
     """Refuse to publish ``key`` (``quire.json``, a journal version) at ``url`` unless every
     object the leaves of ``trees`` need is in one of ``indexes`` or stored in ``backend``.
@@ -295,6 +296,10 @@ async def check(
     ----------
     backend : Backend
         The checkpoint's backend (index objects and format-v1 chunks are read from it).
+    indexes_from : Backend, optional
+        Where to read the index objects instead: one holding the very same bytes (a
+        promotion's local step, whose index objects it copied, each checked against the
+        record's entry); each is checked against the entry here too.
     url, key : str
         Where the record is to be published, for messages.
     trees : sequence of (str, tree JSON)
@@ -312,7 +317,7 @@ async def check(
         return
     notes: list[str] = []
     if indexes:
-        await _mark_indexes(backend, needs, indexes, notes)
+        await _mark_indexes(indexes_from or backend, needs, indexes, notes)
     if needs.first() is not None:
         await _mark_listed(backend, needs)
     got = needs.first()

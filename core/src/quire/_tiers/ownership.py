@@ -473,9 +473,12 @@ async def promote_spread(
             await db.sync()
 
         async def commit(_: None) -> None:
+            # every process's index is in this root too (spread_save), and each was
+            # checked against the record as it was copied: the check reads them here
             await _commit.publish(
-                db, dst, record.raw, record.txids, overwrite=overwrite, coord=coord
-            )
+                db, dst, record.raw, record.txids, overwrite=overwrite, coord=coord,
+                indexes_from=sb,
+            )  # fmt: skip
 
         async def cleanup() -> None:
             kept = await _commit._txids_at(db, dst)
