@@ -34,6 +34,7 @@ from quire import partial
 from quire._engine import commit as _commit
 from quire._engine import completeness as _completeness
 from quire._engine import packrewrite as _packrewrite
+from quire._format.chunkindex import index_key
 from quire._format.root import DEFAULT_STEP_FORMAT
 from quire._handlers import select as _selection
 from quire._handlers.base import LoadContext, LoadEntry
@@ -156,6 +157,29 @@ def test_only_the_key_a_load_asks_for_counts() -> None:
         (1, 0),
     )
     assert got[4] == 2 + (1 + 7) + 1  # w: 2 chunks; v: zarr.json, 7 chunks; s: zarr.json
+
+
+@pytest.mark.parametrize("damage", ["missing", "other bytes"])
+def test_an_index_the_record_names_must_be_readable(damage: str, tmp_path: Path) -> None:
+    """Every chunk is in process 0's index, but the record also names process 1's, which is
+    missing or not the object its entry describes: process 1's load reads its own index
+    first and would fail, so the record is refused too."""
+    url = str(tmp_path / "c")
+    quire.save(url, tree(1))
+    doc = json.loads(Path(url, "quire.json").read_bytes())
+    (entry,) = doc["indexes"]
+    other = index_key(entry["txid"], 1)
+    if damage == "other bytes":
+        Path(url, other).write_bytes(Path(url, entry["object"]).read_bytes() + b" ")
+    indexes = [entry, {**entry, "process": 1, "object": other}]
+    trees, _ = _completeness.record_parts(doc)
+    with pytest.raises(IncompleteCheckpointError) as ei:
+        _io.submit(
+            _completeness.check(LocalBackend(url), url, "quire.json", trees, indexes)
+        ).result()
+    assert ei.value.path is None and ei.value.missing == 1
+    assert other in str(ei.value) and "refusing to publish quire.json" in str(ei.value)
+    _io.submit(_completeness.check(LocalBackend(url), url, "quire.json", trees, [entry])).result()
 
 
 # ---------------------------------------------------------------- complete saves commit

@@ -77,7 +77,8 @@ class IncompleteCheckpointError(UnreadableRecordError):
     url : str, optional
         Where the record was to be published.
     path : str, optional
-        The key path of the first leaf found incomplete (``keystr`` form).
+        The key path of the first leaf found incomplete (``keystr`` form); None when every
+        chunk was found but a chunk index the record names is missing or damaged.
     key : str, optional
         The missing object's zarr key (``d/<txid>/<location>/c/<i>/<j>``, or
         ``.../zarr.json``), relative to ``url``.

@@ -15,7 +15,8 @@ does the same, once for the whole record:
    crc32c), its keys marked off - a key that points into an earlier step's pack (a
    borrowed range of an incremental root) counts as the index holds it;
 3. for what is still unaccounted for, a listing of the txids it lives under;
-4. anything left is missing: :class:`quire.errors.IncompleteCheckpointError`, naming the
+4. anything left is missing (or an index the record names could not be read, which a
+   load would fail on too): :class:`quire.errors.IncompleteCheckpointError`, naming the
    URL, the first incomplete leaf's key path, the chunk (its zarr key and grid index),
    how many are missing in all, and the fix; nothing is published.
 
@@ -310,7 +311,8 @@ async def check(
     Raises
     ------
     IncompleteCheckpointError
-        Naming the first incomplete leaf and its missing chunk.
+        Naming the first incomplete leaf and its missing chunk; or, every chunk found, an
+        index object the record names that is missing or not the one it describes.
     """
     needs = await _needs(backend, url, trees)
     if not needs.arrays and not needs.others:
@@ -321,6 +323,15 @@ async def check(
     if needs.first() is not None:
         await _mark_listed(backend, needs)
     got = needs.first()
+    if got is None and notes:  # every chunk found, but a load reads every index it needs
+        raise IncompleteCheckpointError(
+            f"{url}: refusing to publish {key}: {'; '.join(sorted(notes)[:3])}; a load that reads "
+            "it fails (the process it belongs to reads its own first). Nothing was committed; what was there before "
+            "is unchanged. A writer lost it - a defect of quire (please report it, with this "
+            "message); save again, or for a copy check the source with `quire verify`",
+            url=url,
+            missing=len(notes),
+        )
     if got is None:
         return
     where, missing, what, chunk, count = got
