@@ -90,7 +90,7 @@ def test_concurrent_appends_never_lose_a_version(
 def test_finalize_rewrites_mostly_dead_packs_on_s3(moto: MotoS3) -> None:
     """Format v2 on S3: versions left mostly dead are rewritten into one new pack at
     finalize (ranged GETs, a multipart pack), an index that keeps a pack in place too."""
-    from quire._engine.load import verify
+    from quire._engine.verify import verify
 
     url = moto.fresh_url()
     with quire.Context(storage_options={"s3": moto.options()}):

@@ -215,7 +215,7 @@ def test_packs_stream_in_multipart_parts_and_roll_over(store: Store) -> None:
     upload of unknown size whose 16 MiB chunks go up in turn as they fill), with one chunk
     index; a byte budget of 16 MiB does not cut the packs short (nothing holds a whole
     pack); everything loads and verifies."""
-    from quire._engine import load as _load
+    from quire._engine import verify as _verify
     from quire._runtime import ioloop as _io
 
     rng = np.random.default_rng(7)
@@ -237,7 +237,7 @@ def test_packs_stream_in_multipart_parts_and_roll_over(store: Store) -> None:
     got = quire.load(url, storage_options=opts)
     assert all(np.array_equal(got[k], v) for k, v in tree.items())
     # every chunk and every array's zarr.json
-    assert _io.submit(_load.verify(url, opts)).result() == (40, [])
+    assert _io.submit(_verify.verify(url, opts)).result() == (40, [])
 
 
 def test_small_pack_is_one_request_and_a_load_reads_packs_in_windows(store: Store) -> None:

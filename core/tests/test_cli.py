@@ -58,7 +58,8 @@ def test_broken_pipe_is_quiet(tmp_path: Path) -> None:
 
 
 def test_storage_options_forms(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from quire._cli.main import parser, storage_options
+    from quire._cli.common import storage_options
+    from quire._cli.main import parser
 
     args = parser().parse_args(
         [
@@ -139,14 +140,18 @@ def test_info_and_load_of_a_checkpointer_root_name_the_steps(
     with pytest.raises(quire.CheckpointNotFoundError, match=r"Checkpointer root.*steps are 1, 2"):
         quire.load(root)
     assert cli(["info", str(root)]) == 2
-    assert "steps are 1, 2" in capsys.readouterr().err
+    assert f"steps 1, 2), not one checkpoint: run quire info {root}/step_00000002" in (
+        capsys.readouterr().err
+    )
     # the commands taking any source (diff, cp, export) and quire.open say the same
     with pytest.raises(quire.CheckpointNotFoundError, match=r"Checkpointer root.*steps are 1, 2"):
         quire.open(root)
     for argv in (["diff", str(root), str(root)], ["cp", str(root), str(tmp_path / "x")],
                  ["export", str(root), str(tmp_path / "y")]):  # fmt: skip
         assert cli(argv) == 2
-        assert "steps are 1, 2" in capsys.readouterr().err
+        assert f"steps 1, 2), not one checkpoint: run quire {argv[0]} {root}/step_00000002" in (
+            capsys.readouterr().err
+        )
 
 
 def test_info_shows_chunk_grid_codecs_and_layout(

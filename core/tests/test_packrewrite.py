@@ -31,7 +31,7 @@ from quire._store.url import open_backend
 
 
 def _verify(url: str) -> tuple[int, list[Any]]:
-    from quire._engine.load import verify
+    from quire._engine.verify import verify
 
     return _io.submit(verify(url)).result()
 

@@ -66,13 +66,13 @@ def assert_tidy(url: str) -> None:
 
 def collect_garbage(url: str) -> None:
     """``quire gc URL --yes --grace 0``, with the current Context's storage options."""
-    from quire._engine import scan as _scan
+    from quire._engine import prefix_garbage
 
     def opener(path: str) -> Any:
         return open_backend(f"{url}/{path}")
 
     _io.submit(
-        _scan.collect_any(open_backend(url), url, opener, grace_period=0, dry_run=False)
+        prefix_garbage.collect_any(open_backend(url), url, opener, grace_period=0, dry_run=False)
     ).result()
 
 

@@ -137,7 +137,7 @@ def test_verify_and_cp_cover_every_process_folder(tmp_path: Path, capsys: Any) -
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     quire.save_checkpointables(src, {"it": Position(8), "w": {"a": np.arange(3.0)}})
     assert main(["info", src]) == 0
-    assert "units: it (self, per process: 1)\n" in capsys.readouterr().out
+    assert "units: it (self, per process: 1), w (pytree)\n" in capsys.readouterr().out
     res = quire.copy(src, dst)
     assert res.objects >= 2  # the pack's objects, the unit's
     assert quire.load_checkpointables(dst, {"it": Position(0)})["it"].pos == 8

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import quire
-from quire._engine import load as _load
+from quire._engine import verify as _verify_engine
 from quire._runtime import ioloop as _io
 
 
@@ -30,8 +30,8 @@ STORAGE = {
 }
 
 
-def _verify(url: str) -> tuple[int, list[_load.VerifyProblem]]:
-    return _io.submit(_load.verify(url)).result(timeout=60)
+def _verify(url: str) -> tuple[int, list[_verify_engine.VerifyProblem]]:
+    return _io.submit(_verify_engine.verify(url)).result(timeout=60)
 
 
 def _save(tmp_path: Path, storage: quire.StorageOptions) -> Path:

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypedDict, Unpack
 
 from quire._engine import load as _load
+from quire._engine import metadata as _metadata
 from quire._engine import save as _saving
 from quire._engine.incremental import Incremental
 from quire._format import record as _records
@@ -370,7 +371,7 @@ def load_async(
             try:
                 from quire._format import describe as _describe
 
-                m = await _load.metadata(u, storage_options)
+                m = await _metadata.metadata(u, storage_options)
                 rep.add_total(_describe.array_bytes(m.tree))
             except Exception:  # broad: a progress total only; the load reports what is wrong
                 pass
@@ -496,4 +497,4 @@ def metadata(
         A leaf needs a handler that is not installed or fails to load.
     """
     u = normalize(url)
-    return _io.submit(_load.metadata(u, storage_options)).result()
+    return _io.submit(_metadata.metadata(u, storage_options)).result()

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from quire._api import metadata
 from quire._engine.copying import CopyResult, copy_checkpoint
-from quire._engine.load import VerifyProblem
-from quire._engine.load import verify as verify_leaves
+from quire._engine.verify import VerifyProblem, stored
+from quire._engine.verify import verify as verify_objects
 from quire._format import describe as _describe
 from quire._runtime import progress as _progress
 from quire._runtime.ioloop import submit
@@ -33,10 +32,17 @@ class VerifyReport:
         The checkpoint checked.
     arrays, chunks, nbytes : int
         Array leaves, their chunks (the unit ``quire info`` and ``quire cp`` count) and their
-        bytes, as the record describes them.
+        bytes, as the record describes them: of every pytree unit (a checkpoint of
+        :func:`quire.save_checkpointables` has several).
     problems : tuple of VerifyProblem
         One per damaged object: ``path`` (the leaf's key path), ``object`` (the stored
-        object or pack range) and ``error``; empty when the checkpoint is whole.
+        object or pack range), ``error`` and ``unit``; empty when the checkpoint is whole.
+    units : dict
+        Every unit checked, by name, with its kind (``"pytree"``, ``"json"`` or a
+        checkpointable handler id), as in ``quire.metadata(url).units``.
+    versions : int
+        For a partial save (``quire.partial``), its journal's versions; 0 for a committed
+        checkpoint.
     """
 
     url: str
@@ -44,6 +50,8 @@ class VerifyReport:
     chunks: int
     nbytes: int
     problems: tuple[VerifyProblem, ...]
+    units: dict[str, str] = field(default_factory=dict)
+    versions: int = 0
 
     @property
     def ok(self) -> bool:
@@ -69,8 +77,10 @@ def verify(
     """Check every stored object of the checkpoint at ``url`` against its checksums.
 
     Each leaf's handler checks the objects it owns (chunks, packs' byte ranges, array
-    headers, a third-party handler's own objects), so a checkpoint whose data changed
-    after the save, or whose chunks were swapped, is found without loading it.
+    headers, a third-party handler's own objects), in every unit, so a checkpoint whose
+    data changed after the save, or whose chunks were swapped, is found without loading
+    it.  A partial save (``quire.partial``, not finalized) is checked too: the data of its
+    journal's current state.
 
     Parameters
     ----------
@@ -89,17 +99,23 @@ def verify(
     Raises
     ------
     CheckpointNotFoundError
-        Nothing is committed at ``url``.
+        Nothing is committed (or partially saved) at ``url``.
     CorruptCheckpointError
         The commit record itself is damaged (damaged data is reported, not raised).
     """
 
     u = normalize(url)
-    c = _describe.counts(metadata(u, storage_options=storage_options).tree)
+    what = submit(stored(u, storage_options)).result()
+    c = _describe.counts(list(what.trees.values()))
     with _progress.reporting(progress, "verify", u, bytes_total=c.nbytes,
                              objects_total=c.chunks, objects_name="chunks"):  # fmt: skip
-        _, problems = submit(verify_leaves(u, storage_options)).result()
-    return VerifyReport(u, c.arrays, c.chunks, c.nbytes, tuple(problems))
+        _, problems = submit(verify_objects(u, storage_options)).result()
+    return VerifyReport(u, c.arrays, c.chunks, c.nbytes, tuple(problems), what.units, what.versions)
+
+
+def _counts(url: str, storage_options: dict[str, Any] | None) -> _describe.Counts:
+    """Arrays, chunks and bytes of every pytree unit of the checkpoint at ``url``."""
+    return _describe.counts(list(submit(stored(url, storage_options)).result().trees.values()))
 
 
 def copy(
@@ -157,10 +173,10 @@ def copy(
         with open_source(s, **(so or {})) as source:
             nbytes, checked = convert(source, d, overwrite=overwrite, dst_options=do,
                                       progress=progress)  # fmt: skip
-        c = _describe.counts(metadata(d, storage_options=do).tree)
+        c = _counts(d, do)
         return CopyResult(s, d, checked, nbytes, checked, time.perf_counter() - t0, c.chunks,
                           c.arrays, c.nbytes, source.format)  # fmt: skip
-    c = _describe.counts(metadata(s, storage_options=so).tree)
+    c = _counts(s, so)
     with _progress.reporting(progress, "cp", s, objects_total=c.chunks,
                              objects_name="chunks") as rep:  # fmt: skip
         last = [0, 0]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["CheckpointMetadata", "LeafMetadata"]
 

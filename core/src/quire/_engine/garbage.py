@@ -1,5 +1,6 @@
-"""Garbage of a Checkpointer root (and ``quire ls``'s step reports); the root's layout is
-``quire._format.root``'s.
+"""Garbage of a Checkpointer root; the root's layout is ``quire._format.root``'s (what
+``quire ls`` reports of its steps: ``quire._engine.step_reports``; garbage under any prefix:
+``quire._engine.prefix_garbage``).
 
 Garbage (removed by :func:`collect`, never younger than the grace period):
 
@@ -35,6 +36,7 @@ from typing import Any
 from quire._engine import commit as _commit
 from quire._engine import journal as _journal
 from quire._engine.incremental import LEASE_DIR, MARKER
+from quire._engine.step_reports import read_step_record
 from quire._format import record as _records
 from quire._format.borrow import borrowed_of, root_relative
 from quire._format.record import JOURNAL_DIR
@@ -45,7 +47,6 @@ from quire._format.root import (
     list_root,
     newest,
     parse_root_record,
-    record_metrics,
     root_record_bytes,
     sizes,
 )
@@ -64,52 +65,6 @@ async def create_root_record(backend: Backend, step_format: str, metadata: dict[
     return await _commit.create(
         backend, ROOT_RECORD, data, url, lambda raw: parse_root_record(raw, url)
     )
-
-
-async def read_step_record(backend: Backend, url: str, name: str) -> dict[str, Any] | None:
-    """The parsed ``quire.json`` of step directory ``name``; None if it vanished."""
-    rec = await _commit.read_if_exists(backend, url, under=name)
-    return rec.doc if rec is not None else None
-
-
-# ----------------------------------------------------------------------------- quire ls
-@dataclass(frozen=True)
-class StepReport:
-    """One line of ``quire ls``."""
-
-    name: str
-    step: int
-    state: str
-    nbytes: int
-    age: float | None  # seconds since commit (committed) or since the newest write
-    metrics: dict[str, Any]
-    error: str = ""
-
-
-async def describe(backend: Backend, url: str, fmt: StepFormat) -> list[StepReport]:
-    listing = await list_root(backend, fmt)
-    now = time.time()
-
-    async def one(sd: StepDir) -> StepReport:
-        nbytes = await sizes(backend, sd.keys)
-        metrics: dict[str, Any] = {}
-        age: float | None = None
-        error = ""
-        state = sd.state
-        if state == "committed":
-            try:
-                doc = await read_step_record(backend, url, sd.name)
-            except QuireError as e:
-                doc, error = None, str(e).splitlines()[0]
-            if doc is not None:
-                metrics = record_metrics(doc)
-                age = now - doc["_created"].timestamp()
-        else:
-            t = await newest(backend, sd.keys)
-            age = None if t is None else now - t
-        return StepReport(sd.name, sd.step, state, nbytes, age, metrics, error)
-
-    return list(await asyncio.gather(*(one(sd) for sd in listing.steps)))
 
 
 # ----------------------------------------------------------------------------- garbage

@@ -40,7 +40,7 @@ from quire._engine.journal_replay import (
     locations,
     overlaps,
     replay,
-    txids_of,
+    replayed,
 )
 from quire._format import record as _records
 from quire._format import schema as _schema
@@ -151,7 +151,7 @@ async def list_versions(backend: Backend) -> list[int]:
     out = []
     for k in await backend.list(JOURNAL):
         name = k.rsplit("/", 1)[-1]
-        if name.endswith(".json") and name[:-5].isdigit():
+        if _records.is_journal_record(name):
             out.append(int(name[:-5]))
     return sorted(out)
 
@@ -375,17 +375,8 @@ async def load(
                 f"{url}: partial-save version {version} does not exist (versions 1..{len(records)})"
             )
         records = records[:version]
-    state, _ = replay(records)
-    tree = state if state is not None else {"kind": "dict", "keys": [], "children": []}
-    view = _load.packed_view(backend, url, {"indexes": _indexes(records, txids_of(state))})
+    tree, view, _ = replayed(backend, url, records)
     return await _load.load_tree(url, tree, view, abstract, partial=partial)
-
-
-def _indexes(records: list[dict[str, Any]], live: set[str]) -> list[dict[str, Any]]:
-    """The chunk indexes (format v2) of the versions whose data is still live.  Until
-    finalize, their packs keep the bytes of replaced leaves; finalize rewrites the packs
-    less than half live (``quire._engine.packrewrite``)."""
-    return [e for r in records if r.get("txid") in live for e in r.get("indexes", [])]
 
 
 async def finalize(

@@ -2,7 +2,8 @@
 
 Fragments merge into the state (dicts by key, lists by index, the later version wins),
 then deletions apply.  Pure functions over tree JSON (see :mod:`quire._engine.journal`), plus
-:func:`drop_dead`, which deletes the data a finalize or discard left unreferenced.
+:func:`drop_dead`, which deletes the data a finalize or discard left unreferenced, and
+:func:`replayed`, the state with the backend its data reads through.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import copy
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from quire._engine.load import packed_view
 from quire._format.tree import KeyPath, from_json
 from quire._store.base import Backend
 
@@ -146,3 +148,21 @@ async def drop_dead(
         *(drop(loc) for loc in one_by_one),
         *(drop_listed(t, locs) for t, locs in listed.items()),
     )
+
+
+def replayed(
+    backend: Backend, url: str, records: list[dict[str, Any]]
+) -> tuple[dict[str, Any], Backend, dict[str, Any]]:
+    """The state ``records`` replay to: its JSON tree, the backend its data reads through
+    (format v2: the live versions' chunk indexes) and its merged metadata."""
+    state, meta = replay(records)
+    tree = state if state is not None else {"kind": "dict", "keys": [], "children": []}
+    view = packed_view(backend, url, {"indexes": live_indexes(records, txids_of(state))})
+    return tree, view, meta
+
+
+def live_indexes(records: list[dict[str, Any]], live: set[str]) -> list[dict[str, Any]]:
+    """The chunk indexes (format v2) of the versions whose data is still live.  Until
+    finalize, their packs keep the bytes of replaced leaves; finalize rewrites the packs
+    less than half live (``quire._engine.packrewrite``)."""
+    return [e for r in records if r.get("txid") in live for e in r.get("indexes", [])]

@@ -1,4 +1,5 @@
-"""Load, metadata and verify: the read side of a checkpoint (the write side is ``quire._engine.save``)."""
+"""Load: the read side of a checkpoint (the write side is ``quire._engine.save``; what
+``quire.metadata`` reads is ``quire._engine.metadata``, verify ``quire._engine.verify``)."""
 
 from __future__ import annotations
 
@@ -7,23 +8,22 @@ import collections
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import jax
 
 from quire._engine import commit as _commit
+from quire._engine.metadata import rebuild_saved
 from quire._engine.pairing import pair_with_target
 from quire._engine.shared_reads import plan_shared, prefetch_shared
 from quire._format import packedreader as _packedreader
 from quire._format.record import PYTREE
-from quire._format.tree import Node, from_json, keystr
+from quire._format.tree import Node, from_json
 from quire._handlers import select as _selection
 from quire._handlers import unit_ops as _checkpointables
 from quire._handlers.base import LoadContext, LoadEntry
 from quire._handlers.casting import CastingSpec, check_spec, stored_dtype
 from quire._handlers.meshes import Placer
-from quire._handlers.owned import verify_leaves, verify_units
 from quire._runtime import registry as _registry
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
@@ -35,10 +35,8 @@ from quire.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     PluginError,
-    QuireError,
     TreeMismatchError,
 )
-from quire.metadata import CheckpointMetadata, LeafMetadata
 
 log = logging.getLogger("quire")
 
@@ -209,18 +207,6 @@ async def _load_tree(
     return pairing.rebuild(values)
 
 
-def rebuild_saved(node: Node, values: dict[int, Any]) -> Any:
-    """The tree of saved containers with ``values[id(leaf)]`` at each leaf."""
-    if node.kind == "leaf":
-        return values[id(node)]
-    kids = [rebuild_saved(c, values) for c in node.children]
-    if node.kind == "dict":
-        return dict(zip(node.keys, kids))
-    if node.kind == "tuple" and node.typename is None:
-        return tuple(kids)
-    return kids
-
-
 async def load(
     url: str,
     abstract: Any,
@@ -280,48 +266,6 @@ async def _reloading(
                 ) from e
             log.info("%s was overwritten during the load; reading the new version", url)
     raise AssertionError("unreachable")  # pragma: no cover
-
-
-# ----------------------------------------------------------------------------- metadata
-def metadata_from_doc(url: str, doc: dict[str, Any]) -> CheckpointMetadata:
-    unit = doc["units"].get(PYTREE)
-    tree = metadata_tree(url, unit["tree"]) if unit and unit.get("kind") == "pytree" else None
-    return CheckpointMetadata(
-        tree=tree,
-        custom=doc["metadata"],
-        created=doc["_created"],
-        format_version=doc["version"],
-        url=url,
-        library_version=str(doc.get("library_version", "")),
-        process_count=doc["process_count"],
-        txids=tuple(doc["txids"]),
-        units={k: v.get("handler", v["kind"]) for k, v in doc["units"].items()},
-        record=doc,
-    )
-
-
-def metadata_tree(url: str, tree_json: dict[str, Any]) -> Any:
-    saved = from_json(tree_json)
-    by_handler: dict[str, list[Node]] = collections.defaultdict(list)
-    for leaf in saved.leaves():
-        by_handler[leaf.value["handler"]].append(leaf)
-    metas: dict[int, Any] = {}
-    for hid, leaves in by_handler.items():
-        try:
-            h = _selection.get(hid, url=url)
-            ms = h.metadata([leaf.value for leaf in leaves])
-        except QuireError:
-            raise
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(
-                f"{url}/quire.json: malformed {hid!r} leaf record: {e!r}"
-            ) from e
-        for leaf, m in zip(leaves, ms):
-            variable = leaf.value.get("variable")
-            if isinstance(m, LeafMetadata) and variable is not None:
-                m = replace(m, variable=variable)
-            metas[id(leaf)] = m
-    return rebuild_saved(saved, metas)
 
 
 async def load_units(
@@ -389,52 +333,3 @@ async def _load_units(
 
     await asyncio.gather(*(one(n) for n in names))
     return {n: out[n] for n in names}
-
-
-async def metadata(url: str, storage_options: dict[str, Any] | None = None) -> CheckpointMetadata:
-    backend = open_backend(url, storage_options)
-    doc = (await _commit.read(backend, url)).doc
-    return metadata_from_doc(url, doc)
-
-
-# ----------------------------------------------------------------------------- verify
-@dataclass(frozen=True)
-class VerifyProblem:
-    """One damaged object found by :func:`quire.verify`.
-
-    Attributes
-    ----------
-    path : str
-        The leaf's key path (a unit's name for an object of a checkpointable unit).
-    object : str
-        The stored object (or pack range).
-    error : str
-        What is wrong with it.
-    unit : str or None
-        The checkpointable unit whose object it is; None for an array leaf's.
-    """
-
-    path: str
-    object: str
-    error: str
-    unit: str | None = None
-
-
-async def verify(
-    url: str,
-    storage_options: dict[str, Any] | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> tuple[int, list[VerifyProblem]]:
-    """Have every leaf's handler check every object it owns; (objects checked, problems)."""
-    doc, backend = await read_for_data(url, storage_options)
-    all_leaves = []
-    for unit in doc["units"].values():
-        if unit["kind"] == "pytree":
-            saved = from_json(unit["tree"])
-            all_leaves += list(saved.leaves())
-    checked, found = await verify_leaves(url, backend, all_leaves, progress)
-    n, in_units = await verify_units(url, backend, doc["units"])
-    out = [VerifyProblem(keystr(p.path), p.key, p.error) for p in found]
-    for p in sorted(in_units, key=lambda p: (p.path, p.key)):
-        out.append(VerifyProblem(str(p.path[0]), p.key, p.error, unit=str(p.path[0])))
-    return checked + n, out

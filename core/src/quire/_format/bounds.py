@@ -129,11 +129,15 @@ def is_distribution_name(name: object) -> bool:
     return type(name) is str and _DISTRIBUTION.match(name) is not None
 
 
-def prng_impls() -> dict[str, tuple[int, ...]]:
-    """The PRNG implementations a key can be loaded with (by name, as
-    ``jax.random.wrap_key_data(..., impl=name)`` resolves them) and their key shapes;
-    the PRNG-key handler refuses to save a key of any other implementation."""
-    import jax.extend.random as jr
+#: The PRNG implementations a key can be loaded with (by name, as
+#: ``jax.random.wrap_key_data(..., impl=name)`` resolves them) and their key shapes: JAX's
+#: built-in ones (``jax.extend.random``'s ``threefry_prng_impl``, ``rbg_prng_impl``,
+#: ``unsafe_rbg_prng_impl``; a test holds this table to them), written out so that reading a
+#: record needs no JAX.
+PRNG_IMPLS: dict[str, tuple[int, ...]] = {"threefry2x32": (2,), "rbg": (4,), "unsafe_rbg": (4,)}
 
-    impls = (jr.threefry_prng_impl, jr.rbg_prng_impl, jr.unsafe_rbg_prng_impl)
-    return {str(i.name): tuple(i.key_shape) for i in impls}
+
+def prng_impls() -> dict[str, tuple[int, ...]]:
+    """:data:`PRNG_IMPLS`: the PRNG-key handler refuses to save a key of any other
+    implementation, and the record check refuses a key record of any other."""
+    return dict(PRNG_IMPLS)

@@ -12,13 +12,14 @@ that do not restore their input bit for bit.
 from __future__ import annotations
 
 import json
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from quire._format.bounds import MAX_CODEC_CONFIG, MAX_CODEC_NAME, MAX_CODECS
-from quire._format.dtypes import SUPPORTED
+from quire._format.dtypes import supported
 from quire._format.schema_values import Invalid, _dict, _list, _short, _str
+
+if TYPE_CHECKING:
+    import numpy as np
 
 #: The array-to-bytes codec of every chain quire writes, as a record names it.
 BYTES = "bytes"
@@ -60,9 +61,11 @@ def is_object_codec(name: str) -> bool:
 def config_dtype(value: Any) -> np.dtype[Any] | None:
     """The numeric dtype a codec configuration's dtype value names, or None if it names none
     quire stores (an object, string, void or structured dtype, or not a dtype at all)."""
+    import numpy as np  # heavy: only a codec configuration naming a dtype needs it
+
     if type(value) is not str or not 0 < len(value) <= 32:
         return None
-    d = SUPPORTED.get(value)
+    d = supported().get(value)
     if d is not None:
         return d
     try:
@@ -72,7 +75,7 @@ def config_dtype(value: Any) -> np.dtype[Any] | None:
     if d.fields is not None or d.subdtype is not None:
         return None
     native = d.newbyteorder("=")
-    return native if any(native == s for s in SUPPORTED.values()) else None
+    return native if any(native == s for s in supported().values()) else None
 
 
 def config_size(config: Any) -> int:

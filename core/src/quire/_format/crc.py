@@ -7,9 +7,10 @@ compare the same values.  Lowest of the format modules: it imports nothing of qu
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 _crc32c: Any
 try:
@@ -30,7 +31,7 @@ def bytes_view(arr: np.ndarray) -> memoryview:
     """A flat byte view of a C-contiguous array (no copy)."""
     if not arr.size:
         return memoryview(bytearray())
-    return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+    return memoryview(arr.reshape(-1).view("u1"))  # type: ignore[arg-type]
 
 
 def crc32c(data: Any) -> int:

@@ -1,22 +1,19 @@
-"""dtype names, and zarr v3 data types for ml_dtypes' bfloat16 / float8 / sub-byte int types.
+"""dtype names: the numpy / ml_dtypes dtypes a checkpoint may hold, by the names records
+use (the ones tensorstore's ``zarr3`` driver uses).  Their zarr v3 data types are
+:mod:`quire._format.zarr_dtypes`'.
 
-zarr-python does not ship these, so quire registers them through zarr's own
-``zarr.data_type`` entry-point group: with quire installed, a plain
-``zarr.open_array`` reads a bfloat16 or int4 array quire wrote.  The names are the ones
-tensorstore's ``zarr3`` driver uses.  quire's own encoder needs them too: a compressed
-chunk goes through zarr's codecs, which ask zarr for the array's data type.
+Reading a record needs only the names and their sizes (:data:`ITEMSIZES`): numpy and
+ml_dtypes are imported on the first use of a dtype itself (:func:`supported`), so that
+``quire ls`` and ``quire info`` start at once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+import functools
+from typing import TYPE_CHECKING, Any
 
-import ml_dtypes
-import numpy as np
-from zarr.core.dtype.common import DataTypeValidationError
-from zarr.core.dtype.npy.float import BaseFloat
-from zarr.core.dtype.npy.int import BaseInt
+if TYPE_CHECKING:
+    import numpy as np
 
 # Names of the ml_dtypes float types that may appear in a checkpoint.
 ML_FLOAT_NAMES = (
@@ -32,155 +29,54 @@ ML_FLOAT_NAMES = (
 )
 ML_INT_NAMES = ("int4", "uint4", "int2", "uint2")
 
-_NUMPY_NAMES = (
-    "bool",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "float32",
-    "float64",
-    "complex64",
-    "complex128",
-)
+#: Every dtype a record may name, with its size in bytes (numpy's ``itemsize``; a test
+#: holds the two to each other).
+ITEMSIZES: dict[str, int] = {
+    "bool": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
+    "bfloat16": 2,
+    **dict.fromkeys(ML_FLOAT_NAMES[1:], 1),
+    **dict.fromkeys(ML_INT_NAMES, 1),  # one value per byte, as numpy stores them
+}
 
 
-def _ml(name: str) -> np.dtype[Any] | None:
-    t = getattr(ml_dtypes, name, None)
-    return None if t is None else np.dtype(t)
+@functools.cache
+def supported() -> dict[str, np.dtype[Any]]:
+    """The numpy dtype of every name of :data:`ITEMSIZES` that this numpy / ml_dtypes has."""
+    import ml_dtypes  # heavy: the first dtype used, not the first record read
+    import numpy as np
 
-
-SUPPORTED: dict[str, np.dtype[Any]] = {n: np.dtype(n) for n in _NUMPY_NAMES}
-for _n in (*ML_FLOAT_NAMES, *ML_INT_NAMES):
-    _d = _ml(_n)
-    if _d is not None:
-        SUPPORTED[_n] = _d
+    out: dict[str, np.dtype[Any]] = {}
+    for name in ITEMSIZES:
+        t = getattr(ml_dtypes, name, None) if name in (*ML_FLOAT_NAMES, *ML_INT_NAMES) else name
+        if t is not None:
+            out[name] = np.dtype(t)
+    return out
 
 
 def dtype_name(dtype: Any) -> str:
     """Canonical name of a numpy/ml_dtypes dtype, or raise ``TypeError``."""
+    import numpy as np  # imported already: ``dtype`` is one
+
     d = np.dtype(dtype)
-    for name, cand in SUPPORTED.items():
+    for name, cand in supported().items():
         if cand == d:
             return name
-    raise TypeError(f"dtype {d} is not supported (supported: {', '.join(SUPPORTED)})")
+    raise TypeError(f"dtype {d} is not supported (supported: {', '.join(supported())})")
 
 
 def dtype_from_name(name: str) -> np.dtype[Any]:
     """The numpy dtype for a canonical name; ``KeyError`` when unknown."""
-    return SUPPORTED[name]
-
-
-def _make(name: str) -> type[BaseFloat[Any, Any]]:
-    d = np.dtype(getattr(ml_dtypes, name))
-
-    @dataclass(frozen=True, kw_only=True)
-    class _MLFloat(BaseFloat[Any, Any]):
-        dtype_cls = type(d)
-        _zarr_v3_name: ClassVar[str] = name  # type: ignore[misc]
-        _zarr_v2_names: ClassVar[tuple[str, ...]] = ()
-
-        @property
-        def item_size(self) -> int:
-            return d.itemsize
-
-        def to_native_dtype(self) -> Any:
-            return d
-
-    _MLFloat.__name__ = _MLFloat.__qualname__ = "".join(p.capitalize() for p in name.split("_"))
-    return _MLFloat
-
-
-BFloat16 = _make("bfloat16")
-Float8E4M3FN = _make("float8_e4m3fn")
-Float8E5M2 = _make("float8_e5m2")
-Float8E4M3FNUZ = _make("float8_e4m3fnuz")
-Float8E5M2FNUZ = _make("float8_e5m2fnuz")
-Float8E4M3B11FNUZ = _make("float8_e4m3b11fnuz")
-Float8E4M3 = _make("float8_e4m3")
-Float8E3M4 = _make("float8_e3m4")
-Float8E8M0FNU = _make("float8_e8m0fnu")
-
-
-def _make_int(name: str) -> type[BaseInt[Any, Any]]:
-    """A zarr data type for one of ml_dtypes' sub-byte ints: one value per byte, as numpy
-    (and tensorstore's ``zarr3`` driver) store them; no zarr v2 spelling."""
-    d = np.dtype(getattr(ml_dtypes, name))
-
-    @dataclass(frozen=True, kw_only=True)
-    class _MLInt(BaseInt[Any, Any]):
-        dtype_cls = type(d)
-        _zarr_v3_name: ClassVar[str] = name  # type: ignore[misc]
-        _zarr_v2_names: ClassVar[tuple[str, ...]] = ()
-
-        @classmethod
-        def from_native_dtype(cls, dtype: Any) -> _MLInt:
-            if cls._check_native_dtype(dtype):
-                return cls()
-            raise DataTypeValidationError(f"Invalid data type: {dtype}. Expected {d}")
-
-        def to_native_dtype(self) -> Any:
-            return d
-
-        @classmethod
-        def _from_json_v2(cls, data: Any) -> _MLInt:
-            raise DataTypeValidationError(f"{name} has no zarr v2 spelling, got {data!r}")
-
-        @classmethod
-        def _from_json_v3(cls, data: Any) -> _MLInt:
-            if cls._check_json_v3(data):
-                return cls()
-            raise DataTypeValidationError(f"expected the string {name!r}, got {data!r}")
-
-        def to_json(self, zarr_format: Any) -> Any:
-            if zarr_format == 3:
-                return name
-            raise ValueError(f"{name} has no zarr v2 spelling")
-
-        @property
-        def item_size(self) -> int:
-            return d.itemsize
-
-    _MLInt.__name__ = _MLInt.__qualname__ = name.capitalize().replace("Uint", "UInt")
-    return _MLInt
-
-
-Int4 = _make_int("int4")
-UInt4 = _make_int("uint4")
-Int2 = _make_int("int2")
-UInt2 = _make_int("uint2")
-
-_ZARR_TYPES = (
-    BFloat16,
-    Float8E4M3FN,
-    Float8E5M2,
-    Float8E4M3FNUZ,
-    Float8E5M2FNUZ,
-    Float8E4M3B11FNUZ,
-    Float8E4M3,
-    Float8E3M4,
-    Float8E8M0FNU,
-    Int4,
-    UInt4,
-    Int2,
-    UInt2,
-)
-
-
-def register_with_zarr() -> None:
-    """Register the ml_dtypes data types with zarr-python's registry (idempotent).
-
-    The ``zarr.data_type`` entry points declare them too, but zarr 3.1 never loads that
-    group, so quire registers them explicitly when it is imported.
-    """
-    from zarr.core.dtype import data_type_registry
-
-    for cls in _ZARR_TYPES:
-        name = cls._zarr_v3_name
-        if name not in data_type_registry.contents:
-            data_type_registry.register(name, cls)
+    return supported()[name]

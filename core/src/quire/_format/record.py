@@ -44,6 +44,11 @@ PYTREE = "pytree"  # the unit name of quire.save's tree
 JOURNAL_DIR = "journal"  # <ckpt>/journal/: the partial-save journal
 
 
+def is_journal_record(name: str) -> bool:
+    """Whether ``name`` (in ``journal/``) is a version's record: ``<N>.json``."""
+    return name.endswith(".json") and name[:-5].isdigit()
+
+
 def process_dir(index: int) -> str:
     """The folder of process ``index``'s objects under a per-process unit's location."""
     return f"p{index:05d}"

@@ -282,4 +282,14 @@ async def root_hint(backend: Backend) -> str:
     if have:
         shown = ", ".join(have[:10]) + (" ..." if len(have) > 10 else "")
         return f" It holds checkpoints in sub-folders: {shown} (`quire ls <url>` lists them)"
+    try:
+        roots = [d for d in dirs if await backend.exists(f"{d}/{ROOT_RECORD}")]
+    except Exception:  # broad: a hint in a "no checkpoint here" error only
+        return ""
+    if roots:  # a LocalTier's folder: a root per process
+        shown = ", ".join(roots[:10]) + (" ..." if len(roots) > 10 else "")
+        return (
+            f" It holds quire.Checkpointer roots in sub-folders: {shown} (`quire ls <url>` "
+            "lists their steps)"
+        )
     return ""

@@ -28,9 +28,10 @@ import binascii
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 from quire._format.bounds import (
     MAX_CHUNKS,
@@ -48,7 +49,7 @@ from quire._format.bounds import (
     prng_impls,
 )
 from quire._format.codecrecord import check as check_codecs
-from quire._format.dtypes import SUPPORTED
+from quire._format.dtypes import ITEMSIZES, supported
 from quire._format.paths import is_safe_location
 from quire._format.schema_values import (
     Invalid,
@@ -84,6 +85,8 @@ def _finite_or_named(v: Any, where: str) -> float:
 
 
 def _in_dtype(x: float, dtype: np.dtype[Any], where: str) -> None:
+    import numpy as np  # heavy: only a record holding numpy scalars needs it
+
     if math.isfinite(x):
         with np.errstate(over="raise", invalid="raise"):
             try:
@@ -95,6 +98,8 @@ def _in_dtype(x: float, dtype: np.dtype[Any], where: str) -> None:
 
 
 def _int_range(dtype: np.dtype[Any]) -> tuple[int, int]:
+    import numpy as np  # heavy: only a record holding numpy scalars needs it
+
     try:
         info = np.iinfo(dtype)
         return int(info.min), int(info.max)
@@ -127,12 +132,12 @@ def _scalar_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
         _complex(v, w)
     elif t == "numpy":
         name = _req(rec, "dtype", where)
-        if type(name) is not str or name not in SUPPORTED:
+        if type(name) is not str or name not in supported():
             raise Invalid(where + "/dtype", f"{_short(name)} is not a supported dtype")
-        d = SUPPORTED[name]
+        d = supported()[name]
         if d.kind == "c":
             re_, im = _complex(v, w)
-            part = np.dtype(f"float{d.itemsize * 4}")
+            part = supported()[f"float{d.itemsize * 4}"]
             _in_dtype(re_, part, w)
             _in_dtype(im, part, w)
         elif d.kind == "b":
@@ -232,9 +237,9 @@ def _array_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
     if len(chunk) != len(shape):
         raise Invalid(where + "/chunk_shape", f"{chunk} does not match shape {shape}")
     name = _req(rec, "dtype", where)
-    if type(name) is not str or name not in SUPPORTED:
+    if type(name) is not str or name not in ITEMSIZES:
         raise Invalid(where + "/dtype", f"{_short(name)} is not a supported dtype")
-    itemsize = SUPPORTED[name].itemsize
+    itemsize = ITEMSIZES[name]
     nbytes = math.prod(shape) * itemsize
     if nbytes > MAX_CLAIMED_BYTES or (nbytes and math.prod(chunk) * itemsize > MAX_CLAIMED_BYTES):
         raise Invalid(where + "/shape", f"claims {nbytes} bytes, beyond any real checkpoint")
@@ -248,7 +253,7 @@ def _array_leaf(rec: dict[str, Any], where: str, ctx: _Ctx) -> None:
     check_codecs(rec.get("codecs", []), rec.get("lossy", []), where)
     if type(rec.get("checksum", True)) is not bool:
         raise Invalid(where + "/checksum", "is not a bool")
-    if "source_dtype" in rec and rec["source_dtype"] not in SUPPORTED:
+    if "source_dtype" in rec and rec["source_dtype"] not in ITEMSIZES:
         raise Invalid(where + "/source_dtype", f"{_short(rec['source_dtype'])} is not a dtype")
     grid = math.prod(-(-n // c) for n, c in zip(shape, chunk))
     devices = None

@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from quire._format.chunkid import Ref, ViewBytes, crc_hex, le_hex
 from quire._format.crc import U64_MAX, ChunkError, crc32c
+
+if TYPE_CHECKING:
+    import numpy as np
 
 SHARD_ROWS = 1 << 19  # checked shard-index rows a reader keeps (40 bytes each: 20 MiB)
 
@@ -30,6 +32,8 @@ def shard_binding(views: Sequence[memoryview], n: int, n_inner: int) -> str | No
     its last 4 bytes (the crc32c of the shard index), then of each inner chunk's last 4
     bytes (its own crc32c trailer) in shard-index order.  Taken from those bytes only (no
     pass).  None for a shard this binding cannot describe (an inner chunk missing)."""
+    import numpy as np  # heavy: reading a commit record needs none of this module's arrays
+
     ilen = 16 * n_inner + 4
     if n_inner < 1 or n < ilen:
         return None
@@ -66,7 +70,7 @@ class ShardRows:
     def __init__(self, rows: np.ndarray) -> None:
         self.offsets = rows[:, 0]
         self.ends = rows[:, 0] + rows[:, 1]
-        self.order = np.argsort(self.offsets, kind="stable")
+        self.order = self.offsets.argsort(kind="stable")
         self.sorted = self.offsets[self.order]
 
     def __len__(self) -> int:
@@ -74,7 +78,7 @@ class ShardRows:
 
     def inside(self, start: int, n: int) -> list[int]:
         """The inner chunks lying wholly in ``[start, start + n)``."""
-        lo, hi = np.searchsorted(self.sorted, [start, start + n], side="left")
+        lo, hi = self.sorted.searchsorted([start, start + n], side="left")
         cand = self.order[lo:hi]
         return [int(i) for i in cand[self.ends[cand] <= start + n]]
 
@@ -92,6 +96,8 @@ def shard_rows(ref: Ref, key: str, views: Sequence[memoryview], start: int, n: i
         raise _shard_mismatch(ref, key, "shard index")
     if crc_hex(crc32c(raw[:-4])) != ref.shard[:8]:
         raise ChunkError(f"{key}: crc32c checksum mismatch in shard index")
+    import numpy as np  # heavy: see shard_binding
+
     rows = np.frombuffer(raw[:-4], dtype="<u8").reshape(-1, 2)
     if bool(((rows[:, 0] > a) | (rows[:, 1] < 4) | (rows[:, 1] > a - rows[:, 0])).any()):
         raise ChunkError(f"{key}: an inner chunk lies outside the shard")

@@ -18,8 +18,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
-
 from quire._format import jaxlibs
 from quire._format.bounds import MAX_DEPTH, MAX_TYPE_NAME
 from quire.errors import UnsupportedLeafError
@@ -68,6 +66,8 @@ class Node:
 
 
 def _jax_key(k: Any) -> Key:
+    import jax  # heavy; a key of a JAX pytree node means JAX is imported already
+
     tu = jax.tree_util
     if isinstance(k, tu.DictKey):
         return k.key if isinstance(k.key, str | int) else str(k.key)
@@ -117,6 +117,8 @@ def walk(tree: Any, is_leaf: Callable[[Any], bool], *, what: str = "tree") -> No
                 "list" if type(x) is list else "tuple", list(range(len(x))), kids, path=path
             )
         # Any other registered JAX pytree node, one level at a time.
+        import jax  # heavy: reading a record (``from_json``) never needs it
+
         kids_with_keys, treedef = jax.tree_util.tree_flatten_with_path(
             x, is_leaf=lambda c: c is not x
         )

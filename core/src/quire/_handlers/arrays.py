@@ -12,8 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from quire._format.codecrecord import split
-from quire._format.dtypes import dtype_from_name, dtype_name
+from quire._format import zarr_dtypes  # noqa: F401 - registers them: zarr reads what we write
+from quire._format.dtypes import dtype_name
 from quire._format.tree import keystr
 from quire._handlers.arrayplan import (
     ArrayPlan,
@@ -26,6 +26,7 @@ from quire._handlers.arrayplan import (
 from quire._handlers.arraysnap import snapshot_plans
 from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
 from quire._handlers.casting import check_cast, check_values, target_dtype
+from quire._handlers.descriptions import describe_arrays
 from quire._handlers.meshes import saved_sharding
 from quire._handlers.zarr_io import (
     ArrayLayout,
@@ -34,14 +35,12 @@ from quire._handlers.zarr_io import (
     read_region,
     write_chunk,
 )
-from quire._handlers.zarr_layout import codec_chain
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._runtime.hostbuf import aligned_empty, for_device, is_aligned
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.tasks import gather_cancelling
 from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
-from quire.metadata import LeafMetadata
 
 
 def _phys_mem() -> int:
@@ -454,31 +453,7 @@ class ArrayHandler:
         records : sequence of dict
             Leaf records this handler wrote.
         """
-        out = []
-        for r in records:
-            layout_from_record({**r, "codecs": []})  # validates shape, dtype, chunks
-            dt = dtype_from_name(r["dtype"])
-            shape = tuple(r["shape"])
-            checksum = bool(r.get("checksum", True))
-            out.append(
-                LeafMetadata(
-                    shape=shape,
-                    dtype=dt,
-                    nbytes=math.prod(shape) * dt.itemsize,
-                    handler=r["handler"],
-                    chunk_shape=tuple(r.get("chunk_shape", shape)),
-                    codecs=tuple(c.get("name", "?") for c in split(r.get("codecs", []))[1]),
-                    filters=tuple(c.get("name", "?") for c in split(r.get("codecs", []))[0]),
-                    lossy=tuple(r.get("lossy", ())),
-                    checksum=checksum,
-                    sharding=r.get("sharding"),
-                    location=r.get("location"),
-                    codec_chain=tuple(
-                        codec_chain(r.get("codecs", []), checksum, r.get("inner_shape"))
-                    ),
-                )
-            )
-        return out
+        return describe_arrays(records)
 
 
 class NumpyArrayHandler(ArrayHandler):

@@ -28,7 +28,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from quire._format.dtypes import ML_FLOAT_NAMES, ML_INT_NAMES, SUPPORTED
+from quire._format.dtypes import ML_FLOAT_NAMES, ML_INT_NAMES, supported
 from quire._format.tree import KeyPath, keystr
 from quire.errors import LossyCastError
 from quire.options import CastingSpec
@@ -154,7 +154,7 @@ def stored_dtype(record: Mapping[str, Any]) -> np.dtype[Any] | None:
         return None
     name = record.get("dtype")
     if isinstance(name, str):
-        return SUPPORTED.get(name)
+        return supported().get(name)
     if record.get("handler") == "scalar":
         return python_dtype(_PY_NAMES.get(str(record.get("type")), object))
     return None

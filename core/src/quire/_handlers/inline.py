@@ -10,13 +10,12 @@ from typing import Any
 import numpy as np
 
 from quire._format.bounds import MAX_INT_DIGITS
+from quire._format.describe import SCALAR_TYPES, scalar_type
 from quire._format.dtypes import dtype_from_name, dtype_name
 from quire._format.tree import keystr
 from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
 from quire._handlers.casting import check_cast, check_values, target_dtype, value_dtype
 from quire.errors import CorruptCheckpointError, UnsupportedLeafError
-
-_PY = {"bool": bool, "int": int, "float": float, "complex": complex}
 
 
 def _enc_float(x: float) -> Any:
@@ -96,7 +95,7 @@ def convert(
     src, dst = value_dtype(value), target_dtype(target)
     if src is not None and dst is not None:
         check_cast(src, dst, casting, url=url, path=path)
-        if target not in _PY.values() and type(target) not in _PY.values():
+        if target not in SCALAR_TYPES.values() and type(target) not in SCALAR_TYPES.values():
             check_values(value, dst, casting, url=url, path=path)  # a Python int is unbounded
     t = target if isinstance(target, type) else type(target)
     if isinstance(target, np.generic):
@@ -188,10 +187,8 @@ class ScalarHandler(_Inline):
     def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]:
         out: list[Any] = []
         for r in records:
-            if r.get("type") == "numpy":
-                out.append(dtype_from_name(r["dtype"]).type)
-            else:
-                out.append(_PY.get(r.get("type", ""), object))
+            t = scalar_type(r)
+            out.append(dtype_from_name(r["dtype"]).type if t is None else t)
         return out
 
 

@@ -28,7 +28,7 @@ from quire._runtime.config import current
 from quire._runtime.registry import leaf_handlers
 from quire.errors import PluginError, QuireError
 
-__all__ = ["all_handlers", "clear_instances", "for_value", "get", "ranked"]
+__all__ = ["all_handlers", "clear_instances", "context_handler", "for_value", "get", "ranked"]
 
 _lock = threading.Lock()
 # Handler instances, keyed by (id, the loaded plugin object): a configured plugin choice
@@ -62,11 +62,19 @@ def _instance(handler_id: str, obj: Any) -> Any:
         return h
 
 
-def get(handler_id: str, *, url: str | None = None) -> Any:
-    """The handler instance for ``handler_id`` (PluginError naming the package if absent)."""
+def context_handler(handler_id: str) -> Any | None:
+    """The current ``quire.Context``'s handler called ``handler_id``, if it has one."""
     for h in _context_handlers():
         if h.id == handler_id:
             return h
+    return None
+
+
+def get(handler_id: str, *, url: str | None = None) -> Any:
+    """The handler instance for ``handler_id`` (PluginError naming the package if absent)."""
+    h = context_handler(handler_id)
+    if h is not None:
+        return h
     return _instance(handler_id, leaf_handlers.get(handler_id, url=url))
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from quire._format.codecrecord import BYTES_JSON, split
 from quire._format.crc import ChunkError, bytes_view, crc_bytes
+from quire._format.describe import codec_chain
 from quire._format.dtypes import dtype_name
 from quire._handlers import chain as _chain
 from quire._handlers.codecs import brief
@@ -39,37 +39,6 @@ def fill_json(dtype: np.dtype[Any]) -> Any:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def codec_chain(
-    codecs: Sequence[Mapping[str, Any]], checksum: bool, inner_shape: Sequence[int] | None
-) -> list[dict[str, Any]]:
-    """The codec chain of an array's ``zarr.json``: the array-to-array codecs, ``bytes``
-    (little endian), the bytes-to-bytes codecs, ``crc32c`` when checksummed; all that
-    inside ``sharding_indexed`` when there are inner chunks.  A leaf record holds the
-    three arguments (``codecs``, as :mod:`quire._format.codecrecord` lists them,
-    ``checksum``, ``inner_shape``), so the chain is known from ``quire.json`` alone.
-    """
-    filters, compressors = split([dict(c) for c in codecs])
-    chain: list[dict[str, Any]] = [*filters, dict(BYTES_JSON), *compressors]
-    if checksum:
-        chain.append({"name": "crc32c"})
-    if inner_shape is None:
-        return chain
-    index = [dict(BYTES_JSON)]
-    if checksum:
-        index.append({"name": "crc32c"})
-    return [
-        {
-            "name": "sharding_indexed",
-            "configuration": {
-                "chunk_shape": list(inner_shape),
-                "codecs": chain,
-                "index_codecs": index,
-                "index_location": "end",
-            },
-        }
-    ]
 
 
 @dataclass(frozen=True)
@@ -167,6 +136,8 @@ class ArrayLayout:
         from zarr.core.array_spec import ArrayConfig, ArraySpec
         from zarr.core.buffer import default_buffer_prototype
         from zarr.core.dtype import get_data_type_from_native_dtype
+
+        from quire._format import zarr_dtypes  # noqa: F401 - zarr must know ml_dtypes' types
 
         return ArraySpec(
             shape=shape,

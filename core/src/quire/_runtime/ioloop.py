@@ -22,8 +22,6 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-import jax
-
 T = TypeVar("T")
 
 _lock = threading.Lock()
@@ -42,7 +40,8 @@ def caller_mesh() -> Any:
     """The ``jax.sharding.Mesh`` in context where the current operation was called (set by
     ``with jax.set_mesh(mesh):``; carried over by :func:`submit`), or None."""
     got = _mesh.get()
-    if got is None:
+    jax = sys.modules.get("jax")  # not imported yet: no mesh can be in context
+    if got is None and jax is not None:
         got = jax.sharding.get_mesh()
     return None if got is None or got.empty else got
 

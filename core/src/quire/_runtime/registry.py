@@ -212,6 +212,21 @@ class Registry:
             name=name,
         ) from failed[1]
 
+    def chosen(self, name: str) -> str | None:
+        """The value (``module:attr``) of the entry point :meth:`get` would load for
+        ``name``, without loading it; None for a run-time registration, a name nothing
+        provides, or a conflict :meth:`get` would refuse."""
+        with self._lock:
+            if name in self._runtime:
+                return None
+            eps = self._scan().get(name)
+        if not eps:
+            return None
+        try:
+            return self._choose(name, eps).value
+        except PluginError:
+            return None
+
     def distribution(self, name: str) -> str | None:
         """The distribution that provides ``name`` here (None if none or run-time only)."""
         eps = self._scan().get(name)

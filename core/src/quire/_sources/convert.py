@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from quire._engine import load as _load
 from quire._engine import save as _saving
+from quire._engine import verify as _verify
 from quire._format import record as _records
 from quire._handlers.base import SaveEntry
 from quire._runtime import progress as _progress
@@ -155,7 +155,7 @@ def _convert(
     checked = 0
     if verify:
         with _progress.reporting(progress, "verify", u):
-            checked, problems = submit(_load.verify(u, dst_options)).result()
+            checked, problems = submit(_verify.verify(u, dst_options)).result()
         if problems:
             raise CorruptCheckpointError(
                 f"{u}: {len(problems)} object(s) failed verification after conversion: "

@@ -14,9 +14,10 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
-from quire._engine.load import pytree_unit, read_for_data, rebuild_saved
+from quire._engine.load import pytree_unit, read_for_data
+from quire._engine.metadata import rebuild_saved
 from quire._format.crc import ChunkError
-from quire._format.record import RECORD
+from quire._format.record import PYTREE, RECORD
 from quire._format.tree import Node, from_json, keystr
 from quire._handlers import select as _selection
 from quire._handlers.arrays import layout_from_record
@@ -62,7 +63,10 @@ class _Reader:
 
 
 class QuireSource(Source):
-    """A committed quire checkpoint (its ``pytree`` unit) as a lazy tree.
+    """A committed quire checkpoint (its ``pytree`` unit) as a lazy tree; a checkpoint of
+    :func:`quire.save_checkpointables` with no ``pytree`` unit as ``{unit: tree}`` of its
+    pytree units (its other units are not arrays: load them with
+    ``quire.load_checkpointables``).
 
     ``metadata`` holds the user metadata (``custom``), ``format_version`` and ``created``.
     """
@@ -96,10 +100,14 @@ class QuireSource(Source):
         # The semaphore must belong to quire's loop: make it here, on that loop.
         src.limit = asyncio.Semaphore(max(1, current().max_concurrency))
         doc, backend = await read_for_data(url, storage_options)  # locations checked there
-        saved = from_json(pytree_unit(doc, url))
+        units = {n: u["tree"] for n, u in doc["units"].items() if u.get("kind") == "pytree"}
+        if PYTREE in units or not units:
+            saved = {None: from_json(pytree_unit(doc, url))}
+        else:  # quire.save_checkpointables: each pytree unit under its name
+            saved = {n: from_json(t, (n,)) for n, t in units.items()}
         values: dict[int, Any] = {}
         eager: dict[str, list[Node]] = collections.defaultdict(list)
-        for leaf in saved.leaves():
+        for leaf in (leaf for root in saved.values() for leaf in root.leaves()):
             rec = leaf.value
             if rec.get("handler") in LAZY_HANDLERS:
                 values[id(leaf)] = LazyArray(
@@ -122,7 +130,10 @@ class QuireSource(Source):
                 values[id(n)] = v
 
         await asyncio.gather(*(run(h, ls) for h, ls in eager.items()))
-        src.tree = rebuild_saved(saved, values)
+        if None in saved:
+            src.tree = rebuild_saved(saved[None], values)
+        else:
+            src.tree = {n: rebuild_saved(root, values) for n, root in saved.items()}
         src.metadata = {
             "custom": doc.get("metadata", {}),
             "format_version": doc.get("version"),

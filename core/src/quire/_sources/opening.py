@@ -82,6 +82,26 @@ def open(
     )
 
 
+def recognised(url: str | os.PathLike[str], **storage_options: Any) -> str | None:
+    """The format id of the first installed source (in :func:`open`'s order) that
+    recognises ``url``, or None: what :func:`open` would open, without opening it."""
+    u = normalize(url)
+    storage_options = effective_options(u, storage_options)
+    for name in available():
+        try:
+            cls = sources.get(name)
+        except PluginError:
+            continue  # a broken plugin: `quire plugins` and quire.open's error name it
+        try:
+            if cls.detect(u, dict(storage_options)):
+                return name
+        except QuireError:
+            raise
+        except Exception:  # broad, as in open(): a detect that fails is "not mine"
+            continue
+    return None
+
+
 def _root_hint(url: str, storage_options: dict[str, Any]) -> str:
     """What ``url`` is instead of a checkpoint (a Checkpointer root naming its steps, a
     folder of checkpoints), as ``quire.load`` says; "" when nothing is known."""

@@ -18,6 +18,7 @@ from typing import Any
 from quire._engine import commit as _commit
 from quire._format import chunkindex as _chunkindex
 from quire._format import record as _records
+from quire._format import zarr_dtypes  # noqa: F401 - registers them: the store's user reads
 from quire._runtime import ioloop as _io
 from quire._store.url import normalize, open_backend
 

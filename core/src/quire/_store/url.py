@@ -12,7 +12,6 @@ from quire._runtime.config import current
 from quire._runtime.install import install_hint, provider
 from quire._runtime.registry import backends
 from quire._store.base import Backend
-from quire._store.fsspec_generic import FsspecBackend
 from quire._store.local import local_path
 from quire.errors import PluginError
 
@@ -78,7 +77,9 @@ def open_backend(url: str, storage_options: dict[str, Any] | None = None) -> Bac
         raise PluginError(
             f"no quire backend for {proto}:// URLs ({url}); install {hint} ({install_hint(hint)})"
         )
-    import fsspec
+    import fsspec  # heavy: only the generic fallback needs it
+
+    from quire._store.fsspec_generic import FsspecBackend
 
     if proto not in fsspec.available_protocols():
         raise PluginError(
