@@ -44,11 +44,13 @@ from quire._format.root import (
     ROOT_RECORD,
     StepDir,
     StepFormat,
+    folders,
     list_root,
     newest,
     parse_root_record,
     root_record_bytes,
     sizes,
+    subfolders,
 )
 from quire._runtime.progress import advance
 from quire._store.base import Backend
@@ -127,6 +129,8 @@ async def find_garbage(
                 parts = k.split("/")
                 if len(parts) >= 4 and parts[1] == "d":
                     by_txid[parts[2]].append(k)
+            for txid in await subfolders(backend, f"{sd.name}/d"):  # folders, no object
+                by_txid.setdefault(txid, [])
             for txid, keys in sorted(by_txid.items()):
                 if txid not in referenced:
                     candidates.append((sd, f"{sd.name}/d/{txid}", "superseded", keys))
@@ -134,14 +138,15 @@ async def find_garbage(
     async def one(c: tuple[StepDir | None, str, str, list[str]]) -> tuple[Garbage, bool]:
         sd, prefix, kind, keys = c
         dead = [k for k in keys if not live.holds(k)]
-        t = await newest(backend, dead)
+        # Folders holding no object at all (a save killed as it made them): their own age.
+        t = await newest(backend, dead if keys else await folders(backend, prefix))
         age = None if t is None else max(0.0, now - t)
         only = tuple(dead) if len(dead) < len(keys) or kind == "lease" else ()
         g = Garbage(
             prefix, -1 if sd is None else sd.step, kind, await sizes(backend, dead), age, only
         )
         old = grace_period <= 0 or (age is not None and age >= grace_period)
-        return g, old and bool(dead)
+        return g, old and (bool(dead) or not keys)
 
     results = await asyncio.gather(*(one(c) for c in candidates))
     removable = [g for g, old in results if old]

@@ -29,10 +29,13 @@ async def _txid_garbage(
         parts = k[len(base) + 1 :].split("/")
         if len(parts) >= 2 and TXID.match(parts[0]):
             by_txid[parts[0]].append(k)
+    for txid in await _root.subfolders(backend, base):  # folders, no object (a killed save)
+        if TXID.match(txid):
+            by_txid.setdefault(txid, [])
     for txid, keys in sorted(by_txid.items()):
         if txid in live:
             continue
-        t = await _root.newest(backend, keys)
+        t = await _root.newest(backend, keys or await _root.folders(backend, f"{base}/{txid}"))
         age = None if t is None else max(0.0, now - t)
         g = _gc.Garbage(f"{base}/{txid}", -1, "superseded" if live else "uncommitted",
                         await _root.sizes(backend, keys), age)  # fmt: skip

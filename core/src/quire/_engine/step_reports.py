@@ -12,6 +12,7 @@ from quire._engine import commit as _commit
 from quire._format.root import (
     StepDir,
     StepFormat,
+    folders,
     list_root,
     newest,
     record_metrics,
@@ -59,8 +60,8 @@ async def describe(backend: Backend, url: str, fmt: StepFormat) -> list[StepRepo
             if doc is not None:
                 metrics = record_metrics(doc)
                 age = now - doc["_created"].timestamp()
-        else:
-            t = await newest(backend, sd.keys)
+        else:  # folders holding no object (a save killed as it made them): their age
+            t = await newest(backend, sd.keys or await folders(backend, sd.name))
             age = None if t is None else now - t
         return StepReport(sd.name, sd.step, state, nbytes, age, metrics, error)
 

@@ -203,6 +203,10 @@ async def list_root(backend: Backend, fmt: StepFormat) -> Listing:
             groups[head].append(key)
         else:
             others.add(head)
+    if backend.capabilities.directories:  # step folders holding no object (a killed save)
+        _, names = await backend.list_dir("")
+        for name in names:
+            groups.setdefault(name, [])
     steps = []
     for name, keys in groups.items():
         step = fmt.parse(name)
@@ -212,6 +216,34 @@ async def list_root(backend: Backend, fmt: StepFormat) -> Listing:
             steps.append(StepDir(name, step, tuple(keys)))
     steps.sort(key=lambda s: s.step)
     return Listing(steps, sorted(others))
+
+
+async def folders(backend: Backend, prefix: str) -> list[str]:
+    """The directory ``prefix`` and every directory under it, on a store with
+    ``capabilities.directories`` (none elsewhere, and none when ``prefix`` is not one)."""
+    if not backend.capabilities.directories:
+        return []
+    out, todo = [], [prefix]
+    while todo:
+        d = todo.pop()
+        try:
+            _, dirs = await backend.list_dir(d)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        out.append(d)
+        todo += [f"{d}/{n}" for n in dirs]
+    return out
+
+
+async def subfolders(backend: Backend, prefix: str) -> list[str]:
+    """Names of the directories directly under ``prefix`` on a store with
+    ``capabilities.directories`` (an empty one included); [] elsewhere."""
+    if not backend.capabilities.directories:
+        return []
+    try:
+        return (await backend.list_dir(prefix))[1]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 async def _gather_limited(coros: Iterable[Any]) -> list[Any]:

@@ -62,6 +62,11 @@ class Capabilities:
     stream_writes : bool
         ``stream_writer`` writes one object from concurrent writes at given offsets
         (format-v2 packs stream into it: local files written in place, S3 multipart).
+    directories : bool
+        The store has directories of its own (a local file system): a prefix can exist with
+        no key under it (a writer killed between creating a folder and its first file
+        leaves one); :meth:`Backend.list_dir` names it, :meth:`Backend.modified` gives its
+        time and :meth:`Backend.delete_prefix` removes it.  Object stores have none.
     """
 
     atomic_create: bool = False
@@ -70,6 +75,7 @@ class Capabilities:
     rename: bool = False
     readinto: bool = False
     stream_writes: bool = False
+    directories: bool = False
 
 
 class Backend(abc.ABC):
@@ -154,7 +160,8 @@ class Backend(abc.ABC):
         """Last-modification time of ``key`` (POSIX seconds), or None when the store can't say.
 
         Optional: garbage collection uses it to spare data younger than its grace period
-        and treats None as "age unknown" (kept).  ``FileNotFoundError`` if absent.
+        and treats None as "age unknown" (kept).  ``FileNotFoundError`` if absent.  With
+        ``capabilities.directories``, ``key`` may also name a directory.
 
         Parameters
         ----------
@@ -264,7 +271,8 @@ class Backend(abc.ABC):
         """
 
     async def delete_prefix(self, prefix: str) -> None:
-        """Delete every key under ``prefix`` (directory-like, as in :meth:`list`).
+        """Delete every key under ``prefix`` (directory-like, as in :meth:`list`); with
+        ``capabilities.directories``, the directories left empty there too.
 
         Parameters
         ----------

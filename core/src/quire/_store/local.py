@@ -142,6 +142,7 @@ class LocalBackend(Backend):
         rename=True,
         readinto=True,
         stream_writes=True,
+        directories=True,
     )
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
@@ -439,6 +440,31 @@ class LocalBackend(Backend):
         # Each batch prunes the directories it emptied; whichever finishes last succeeds.
         await asyncio.gather(*(run_blocking(self._delete, b) for b in batches))
 
+    async def delete_prefix(self, prefix: str) -> None:
+        await super().delete_prefix(prefix)
+        await run_blocking(self._prune, prefix)
+
+    def _prune(self, prefix: str) -> None:
+        """Remove the directories left empty under ``prefix`` (a writer killed between
+        ``mkdir`` and its first file leaves some), deepest first, then ``prefix`` and its
+        parents while they are empty; never the root.  ``rmdir`` removes only an empty
+        directory: a file a writer creates meanwhile keeps its folders."""
+        base = self._p(prefix.rstrip("/"))
+        if not os.path.isdir(base) or os.path.islink(base):
+            return
+        for d, _, _ in os.walk(base, topdown=False):
+            self._rmdir_up(d)
+
+    def _rmdir_up(self, d: str) -> None:
+        while d.startswith(self.root + os.sep):
+            try:
+                os.rmdir(d)
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.ENOTDIR):
+                    return
+                raise
+            d = os.path.dirname(d)
+
     def _delete(self, keys: builtins.list[str]) -> None:
         dirs = set()
         for k in keys:
@@ -450,11 +476,4 @@ class LocalBackend(Backend):
             dirs.add(os.path.dirname(p))
         # Prune directories left empty, deepest first, never above the root.
         for d in sorted(dirs, key=len, reverse=True):
-            while d.startswith(self.root + os.sep):
-                try:
-                    os.rmdir(d)
-                except OSError as e:
-                    if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
-                        break
-                    raise
-                d = os.path.dirname(d)
+            self._rmdir_up(d)

@@ -38,6 +38,9 @@ class Wrapped(Backend):
     async def list(self, prefix: str = "") -> builtins.list[str]:
         return await self.base.list(prefix)
 
+    async def list_dir(self, prefix: str = "") -> tuple[builtins.list[str], builtins.list[str]]:
+        return await self.base.list_dir(prefix)
+
     async def put(self, key: str, data: Sequence[Buffer]) -> None:
         await self.base.put(key, data)
 
@@ -49,6 +52,9 @@ class Wrapped(Backend):
 
     async def delete(self, keys: Sequence[str]) -> None:
         await self.base.delete(keys)
+
+    async def delete_prefix(self, prefix: str) -> None:
+        await self.base.delete_prefix(prefix)
 
     async def sync(self) -> None:
         await self.base.sync()
