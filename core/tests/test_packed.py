@@ -72,10 +72,10 @@ def _plain_zarr_open(root: str, index: dict[str, Any], location: str) -> zarr.Ar
 
 
 def _verify(url: str) -> tuple[int, list[Any]]:
-    from quire._engine import load as _load
+    from quire._engine import verify as _verify_engine
     from quire._runtime import ioloop as _io
 
-    return _io.submit(_load.verify(url)).result()
+    return _io.submit(_verify_engine.verify(url)).result()
 
 
 def test_plain_zarr_reads_every_leaf_kind_through_the_reference_filesystem(tmp_path: Path) -> None:

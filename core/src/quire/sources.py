@@ -27,6 +27,9 @@ and may block.
 
 from __future__ import annotations
 
+# LazyValue.read (quire._sources.lazy) reads through the materializer this module installs:
+# whoever gets a LazyArray got it through this face (quire.open) or quire.load.
+from quire._sources import materialize as _materialize  # noqa: F401
 from quire._sources.base import Source
 from quire._sources.lazy import LazyArray, LazyValue, Region, RegionReader
 from quire._sources.opening import available, open

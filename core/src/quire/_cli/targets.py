@@ -46,7 +46,7 @@ async def _target(u: str, storage_options: dict[str, Any] | None) -> Target:
             latest = f"{u}/{fmt.name(steps[-1])}" if steps else ""
             return Target(u, "root", tuple(steps), latest)
         names, _ = await backend.list_dir(JOURNAL_DIR)
-    except (NotADirectoryError, IsADirectoryError):  # a file: another format's, or nothing
+    except OSError:  # a file, a looping link...: another format's, or nothing (it says)
         return Target(u, "other")
     versions = sum(map(is_journal_record, names))
     if versions:

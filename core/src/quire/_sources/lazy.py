@@ -194,7 +194,9 @@ class LazyArray:
         numpy.ndarray or jax.Array
         """
         if _materialize is None:
-            raise RuntimeError("quire._sources.materialize is not imported (import quire first)")
+            raise RuntimeError(
+                "quire._sources.materialize is not imported (import quire.sources first)"
+            )
         return _io.submit(_materialize(self, dtype, sharding)).result()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
