@@ -16,6 +16,7 @@ from quire._cli.common import UsageError
 from quire._format import root as _root
 from quire._format.record import JOURNAL_DIR, RECORD, is_journal_record
 from quire._runtime import ioloop as _io
+from quire._store.base import NOT_DATA
 from quire._store.url import normalize, open_backend
 
 
@@ -37,17 +38,19 @@ class Target:
 
 async def _target(u: str, storage_options: dict[str, Any] | None) -> Target:
     backend = open_backend(u, storage_options)
+    if await backend.exists(RECORD):
+        return Target(u, "checkpoint")
+    if await backend.exists(_root.ROOT_RECORD):
+        fmt = await _root.root_step_format(backend, u)
+        steps = await _root.committed_steps(backend, fmt)
+        latest = f"{u}/{fmt.name(steps[-1])}" if steps else ""
+        return Target(u, "root", tuple(steps), latest)
     try:
-        if await backend.exists(RECORD):
-            return Target(u, "checkpoint")
-        if await backend.exists(_root.ROOT_RECORD):
-            fmt = await _root.root_step_format(backend, u)
-            steps = await _root.committed_steps(backend, fmt)
-            latest = f"{u}/{fmt.name(steps[-1])}" if steps else ""
-            return Target(u, "root", tuple(steps), latest)
         names, _ = await backend.list_dir(JOURNAL_DIR)
-    except OSError:  # a file, a looping link...: another format's, or nothing (it says)
-        return Target(u, "other")
+    except OSError as e:
+        if isinstance(e, FileNotFoundError) or e.errno in NOT_DATA:
+            return Target(u, "other")  # a file, a looping link: the source that opens it says
+        raise
     versions = sum(map(is_journal_record, names))
     if versions:
         return Target(u, "partial", versions=versions)

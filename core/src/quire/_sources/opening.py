@@ -97,7 +97,7 @@ def recognised(url: str | os.PathLike[str], **storage_options: Any) -> str | Non
                 return name
         except QuireError:
             raise
-        except Exception:  # broad, as in open(): a detect that fails is "not mine"
+        except Exception:  # broad: as in open(), a detect that fails says "not mine"
             continue
     return None
 
