@@ -39,7 +39,6 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from quire._engine import completeness as _completeness
 from quire._format import record as _records
 from quire._format.paths import is_safe_location
 from quire._format.root import root_hint
@@ -174,6 +173,10 @@ async def _refuse_incomplete(
     """Refuse to publish ``doc`` (a parsed record) when one of its arrays misses a chunk
     that no chunk index it names holds and no object stores (``quire._engine.completeness``);
     ``IncompleteCheckpointError``, an ``UnreadableRecordError``, nothing published."""
+    # Heavy (the array handlers: JAX, zarr), and only a commit needs it: reading a record
+    # (quire ls, quire info) does not import it.
+    from quire._engine import completeness as _completeness
+
     trees, indexes = _completeness.record_parts(doc)
     await _completeness.check(backend, url, key, trees, indexes, indexes_from)
 
