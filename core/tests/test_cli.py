@@ -166,7 +166,7 @@ def test_info_shows_chunk_grid_codecs_and_layout(
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.strip().startswith("x:"))
     assert "chunks=[16, 8] grid=[4, 1]" in line and "mesh=" in line
-    assert "codecs=[bytes, zstd, crc32c]" in line
+    assert "codecs=[bytes{endian=little}, zstd{level=3, checksum=false}, crc32c]" in line
     assert "1 chunk" in next(ln for ln in out.splitlines() if ln.strip().startswith("y:"))
 
 
