@@ -43,17 +43,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from multihost.harness import free_port
+
 S3_KEY = "quire-test-key-id"
 S3_SECRET = "quire-test-secret-0123456789"  # never to appear in messages or logs
 S3_BUCKET = "quire-test"
 GCS_BUCKET = "quire-test"
 STREAM_LIMIT = 1 << 20  # the proxy's read size (asyncio's 64 KiB default costs a loop turn each)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ----------------------------------------------------------------------------- servers

@@ -25,56 +25,20 @@ import and the distributed start-up cost a few seconds per process):
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
-import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from multihost import harness
+from multihost.harness import Run
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SIGKILL, 127.0.0.1 processes")
 
 WORKER = Path(__file__).parent / "multihost" / "worker.py"
-PREFIX = "QUIRE-MH "
 FATAL = "Terminating process because the JAX distributed service detected fatal errors"
-
-
-@dataclass
-class Run:
-    results: list[dict[str, Any]]
-    returncodes: list[int]
-    stderr: list[str]
-    seconds: float
-
-    def of(self, check: str, pid: int | None = None) -> list[dict[str, Any]]:
-        return [r for r in self.results if r["check"] == check and pid in (None, r["pid"])]
-
-    def one(self, check: str, pid: int, **match: Any) -> dict[str, Any]:
-        got = [r for r in self.of(check, pid) if all(r.get(k) == v for k, v in match.items())]
-        assert len(got) == 1, (check, pid, match, got, self.failures())
-        return got[0]
-
-    def failures(self) -> list[Any]:
-        return [r for r in self.results if "failed" in r] + [
-            e[-3000:] for e, rc in zip(self.stderr, self.returncodes) if rc
-        ]
-
-    def assert_ok(self) -> None:
-        assert not [r for r in self.results if "failed" in r], self.failures()
-        assert self.returncodes == [0] * len(self.returncodes), self.failures()
-        assert len(self.of("done")) == len(self.returncodes), self.failures()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(
@@ -88,41 +52,11 @@ def launch(
     env: dict[str, str] | None = None,
 ) -> Run:
     """Run the worker as ``nproc`` processes of ``ndev`` CPU devices each; wait for all."""
-    port = free_port()
-    logs = workdir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    penv = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    penv.update(env or {})
-    procs, names = [], []
-    t0 = time.monotonic()
-    for i in range(nproc):
-        stem = logs / f"{scenario}-{args.get('tag', '')}-{nproc}x{ndev}-{i}-{port}"
-        names.append(stem)
-        cmd = [sys.executable, str(WORKER), scenario, str(i), str(nproc), str(port), str(ndev)]
-        with open(f"{stem}.out", "w") as out, open(f"{stem}.err", "w") as err:
-            procs.append(
-                subprocess.Popen(
-                    [*cmd, str(workdir), json.dumps(args)], stdout=out, stderr=err, env=penv
-                )
-            )
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)  # JAX's preemption notifier swallows SIGTERM
-                p.wait()
-    seconds = time.monotonic() - t0
-    results, stderr = [], []
-    for stem in names:
-        for line in Path(f"{stem}.out").read_text().splitlines():
-            if line.startswith(PREFIX):
-                results.append(json.loads(line[len(PREFIX) :]))
-        stderr.append(Path(f"{stem}.err").read_text())
-    return Run(results, [p.returncode for p in procs], stderr, seconds)
+    name = f"{scenario}-{args.get('tag', '')}-{nproc}x{ndev}"
+    argv = [scenario, str(workdir), json.dumps(args)]
+    return harness.launch(
+        WORKER, nproc, argv, workdir / "logs", name=name, devices=ndev, timeout=timeout, env=env
+    )
 
 
 # ====================================================================== assertions

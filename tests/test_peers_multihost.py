@@ -12,25 +12,20 @@ within the timeout.  One launch, see
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from multihost import harness
 
 sys.path.insert(0, str(Path(__file__).parent / "multihost"))
 
 from peer_worker import payload
-from test_multihost import free_port
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="127.0.0.1 processes")
 
 WORKER = Path(__file__).parent / "multihost" / "peer_worker.py"
-PREFIX = "QUIRE-PEER "
 NPROC = 3
 ARGS = {
     # process 1's payload is 3+ rounds of 64 KiB, process 2's is empty
@@ -42,39 +37,17 @@ ARGS = {
 
 
 def launch(tmp_path: Path, timeout: float = 120) -> tuple[list[dict[str, Any]], list[str]]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    procs = []
-    for i in range(NPROC):
-        cmd = [sys.executable, str(WORKER), str(i), str(NPROC), str(port), str(tmp_path)]
-        procs.append(
-            subprocess.Popen(
-                [*cmd, json.dumps(ARGS)],
-                stdout=open(tmp_path / f"{i}.out", "w"),  # noqa: SIM115
-                stderr=open(tmp_path / f"{i}.err", "w"),  # noqa: SIM115
-                env=env,
-            )
-        )
-    t0 = time.monotonic()
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
-    results = []
-    for i in range(NPROC):
-        for line in (tmp_path / f"{i}.out").read_text().splitlines():
-            if line.startswith(PREFIX):
-                results.append(json.loads(line[len(PREFIX) :]))
-    errors = [
-        (tmp_path / f"{i}.err").read_text()[-3000:] for i, p in enumerate(procs) if p.returncode
-    ]
-    return results, errors
+    run = harness.launch(
+        WORKER,
+        NPROC,
+        [str(tmp_path), json.dumps(ARGS)],
+        tmp_path,
+        name="peer",
+        devices=2,
+        timeout=timeout,
+    )
+    errors = [e[-3000:] for e, rc in zip(run.stderr, run.returncodes) if rc]
+    return run.results, errors
 
 
 def test_ring_shift_and_tcp_fetch_between_three_processes(tmp_path: Path) -> None:

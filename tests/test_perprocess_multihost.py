@@ -12,17 +12,13 @@ Two launches of 2 processes in all (save, then restore), every case inside each.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from multihost import harness
 
 import quire
 
@@ -35,41 +31,15 @@ CASES = ("blocking", "async", "ckpt", "tier", "tier-inc")
 
 
 def launch(tmp: Path, cfg: dict[str, Any], timeout: float = 240) -> list[dict[str, Any]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    logs = tmp / "logs"
-    logs.mkdir(exist_ok=True)
-    procs = []
-    for i in range(N):
-        stem = logs / f"{cfg['phase']}-{i}"
-        with open(f"{stem}.out", "w") as out, open(f"{stem}.err", "w") as err:
-            cmd = [sys.executable, str(WORKER), str(i), str(N), str(port), json.dumps(cfg)]
-            procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env))
-    t0 = time.monotonic()
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
-    results = []
-    for i in range(N):
-        for line in (logs / f"{cfg['phase']}-{i}.out").read_text().splitlines():
-            if line.startswith("QUIRE-PP "):
-                results.append(json.loads(line.removeprefix("QUIRE-PP ")))
-    failed = [r["error"][-3000:] for r in results if r["check"] == "failed"]
-    errs = [(logs / f"{cfg['phase']}-{i}.err").read_text()[-3000:] for i in range(N)]
+    run = harness.launch(
+        WORKER, N, [json.dumps(cfg)], tmp / "logs", name=cfg["phase"], devices=2, timeout=timeout
+    )
+    failed = [r["error"][-3000:] for r in run.results if r["check"] == "failed"]
+    errs = [e[-3000:] for e in run.stderr]
     assert not failed, failed[0]
-    assert [p.returncode for p in procs] == [0] * N, errs
-    assert sorted(r["pid"] for r in results if r["check"] == "done") == list(range(N)), errs
-    return results
+    assert run.returncodes == [0] * N, errs
+    assert sorted(r["pid"] for r in run.of("done")) == list(range(N)), errs
+    return run.results
 
 
 def of(results: list[dict[str, Any]], check: str) -> list[dict[str, Any]]:

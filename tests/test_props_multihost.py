@@ -28,14 +28,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import dataclasses
-import json
-import select
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,6 +44,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "tests"))
 
 import propgen
+from multihost.harness import Group
 from propcase import (
     Case,
     Leaf,
@@ -72,122 +67,21 @@ pytestmark = [
 ]
 
 WORKER = Path(__file__).parent / "multihost" / "props_worker.py"
-PREFIX = "QUIRE-PROPS "
 ANSWER_S = 240.0  # the longest a group may take to answer one command
 
 
-class GroupDied(Exception):
-    pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Group:
-    """``n`` worker processes of ``devices`` CPU devices each, fed commands on stdin."""
-
-    def __init__(self, n: int, devices: int, logs: Path) -> None:
-        self.n, self.devices, self.logs = n, devices, logs
-        self.procs: list[subprocess.Popen[str]] = []
-        self.started = 0
-
-    def start(self) -> None:
-        port = free_port()
-        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-        self.started += 1
-        for i in range(self.n):
-            err = open(self.logs / f"{self.n}x{self.devices}-{self.started}-{i}.err", "w")  # noqa: SIM115
-            cmd = [sys.executable, str(WORKER), str(i), str(self.n), str(port), str(self.devices)]
-            self.procs.append(
-                subprocess.Popen(
-                    cmd,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=err,
-                    text=True,
-                    env=env,
-                    bufsize=1,
-                )
-            )
-            err.close()
-        hello = self.ask({"op": "hello"})
-        assert [h["process"] for h in hello] == list(range(self.n)), hello
-        assert all(h["count"] == 8 and len(h["devices"]) == self.devices for h in hello), hello
-
-    def ensure(self) -> None:
-        if not self.procs or any(p.poll() is not None for p in self.procs):
-            self.stop()
-            self.start()
-
-    def ask(self, cmd: dict[str, Any]) -> list[dict[str, Any]]:
-        """Send ``cmd`` to every process; their answers, by process index."""
-        line = json.dumps(cmd) + "\n"
-        try:
-            for p in self.procs:
-                assert p.stdin is not None
-                p.stdin.write(line)
-                p.stdin.flush()
-        except (BrokenPipeError, OSError) as e:
-            self.stop()
-            raise GroupDied(f"{self.n}x{self.devices}: a process is gone ({e})") from e
-        deadline = time.monotonic() + ANSWER_S
-        out: list[dict[str, Any] | None] = [None] * self.n
-        while any(a is None for a in out):
-            waiting = [p.stdout for p, a in zip(self.procs, out) if a is None]
-            ready, _, _ = select.select(waiting, [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                self.stop()
-                raise GroupDied(
-                    f"{self.n}x{self.devices}: no answer to {cmd['op']} in {ANSWER_S} s"
-                )
-            for f in ready:
-                i = [p.stdout for p in self.procs].index(f)
-                text = f.readline()
-                if not text:
-                    tail = self._stderr_tail(i)
-                    self.stop()
-                    raise GroupDied(f"{self.n}x{self.devices}: process {i} died:\n{tail}")
-                if text.startswith(PREFIX):
-                    out[i] = json.loads(text[len(PREFIX) :])
-        return [a for a in out if a is not None]
-
-    def _stderr_tail(self, i: int) -> str:
-        try:
-            return (self.logs / f"{self.n}x{self.devices}-{self.started}-{i}.err").read_text()[
-                -3000:
-            ]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    assert p.stdin is not None
-                    p.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                    p.stdin.flush()
-                except (BrokenPipeError, OSError):
-                    pass
-        t = time.monotonic() + 10
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, t - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.send_signal(signal.SIGKILL)  # JAX's preemption notifier swallows SIGTERM
-                p.wait()
-            for f in (p.stdin, p.stdout):
-                if f is not None:
-                    f.close()
-        self.procs = []
+def ensure(group: Group) -> None:
+    """The group up; each process of a group (re)started says who it is."""
+    hello = group.ensure()
+    if hello is not None:
+        assert [h["process"] for h in hello] == list(range(group.n)), hello
+        assert all(h["count"] == 8 and len(h["devices"]) == group.devices for h in hello), hello
 
 
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, Group]]:
     logs = tmp_path_factory.mktemp("props-mh-logs")
-    out = {4: Group(4, 2, logs), 2: Group(2, 4, logs)}
+    out = {n: Group(WORKER, n, 8 // n, logs, answer_s=ANSWER_S) for n in (4, 2)}
     try:
         yield out
     finally:
@@ -201,7 +95,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run(group: Group, op: str, case: Case, url: Path) -> list[dict[str, Any]]:
-    group.ensure()
+    ensure(group)
     return group.ask({"op": op, "case": case.to_json(), "url": str(url)})
 
 

@@ -13,68 +13,35 @@ size-0 and inner-chunked arrays beside the issue's one).
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from multihost import harness
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="127.0.0.1 JAX processes")
 
 WORKER = Path(__file__).parent / "multihost" / "bounds_worker.py"
-PREFIX = "QUIRE-BOUNDS "
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _launch(mode: str, nproc: int, ndev: int, workdir: Path, timeout: float = 120) -> list[Any]:
     """Run the worker as ``nproc`` processes; their result lines (every process must end)."""
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    procs = []
-    for i in range(nproc):
-        cmd = [sys.executable, str(WORKER), mode, str(i), str(nproc), str(port), str(ndev)]
-        procs.append(
-            subprocess.Popen(
-                [*cmd, str(workdir)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-        )
-    t0 = time.monotonic()
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0))))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
-    results = [
-        json.loads(line[len(PREFIX) :])
-        for out, _ in outs
-        for line in out.splitlines()
-        if line.startswith(PREFIX)
-    ]
-    failed = [r for r in results if "failed" in r] + [
-        err[-3000:] for (_, err), p in zip(outs, procs) if p.returncode
+    run = harness.launch(
+        WORKER,
+        nproc,
+        [mode, str(workdir)],
+        workdir / "logs",
+        name=f"{mode}-{nproc}x{ndev}",
+        devices=ndev,
+        timeout=timeout,
+    )
+    failed = [r for r in run.results if "failed" in r] + [
+        err[-3000:] for err, rc in zip(run.stderr, run.returncodes) if rc
     ]
     assert not failed, failed
-    assert len([r for r in results if r["check"] == "done"]) == nproc, results
-    return results
+    assert len(run.of("done")) == nproc, run.results
+    return run.results
 
 
 def test_replicated_shards_cut_finer_than_the_mesh_load_everywhere(tmp_path: Path) -> None:

@@ -24,18 +24,16 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import shutil
 import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from multihost import harness
 from object_store_servers import FaultProxy, MotoS3
 
 import quire
@@ -60,42 +58,23 @@ def launch(
     timeout: float = 90,
     n: int = N,
     domains: list[str] | None = None,
-) -> tuple[list[dict[str, Any]], list[int | None]]:
+) -> tuple[list[dict[str, Any]], list[int]]:
     """Run ``n`` processes; when ``victim`` dies (SIGKILL), kill the others as a job would.
     ``domains``: each process's ``$QUIRE_FAILURE_DOMAIN`` (fake hosts)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    drop = ("XLA_FLAGS", "JAX_PLATFORMS", "QUIRE_FAILURE_DOMAIN")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    logs = tmp / "logs"
-    logs.mkdir(exist_ok=True)
-    tag = f"{cfg['first']}-{cfg['last']}-{port}"
-    procs = []
-    for i in range(n):
-        with open(logs / f"{tag}-{i}.out", "w") as out, open(logs / f"{tag}-{i}.err", "w") as err:
-            cmd = [sys.executable, str(WORKER), str(i), str(n), str(port), json.dumps(cfg)]
-            own = env if domains is None else {**env, "QUIRE_FAILURE_DOMAIN": domains[i]}
-            procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=own))
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout and any(p.poll() is None for p in procs):
-        if victim is not None and procs[victim].poll() is not None:
-            break
-        time.sleep(0.1)
-    codes = [p.poll() for p in procs]
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-            p.wait()
-    results = []
-    for i in range(n):
-        for line in (logs / f"{tag}-{i}.out").read_text().splitlines():
-            if line.startswith("QUIRE-TIER "):
-                results.append(json.loads(line.removeprefix("QUIRE-TIER ")))
-    return results, codes
+    run = harness.launch(
+        WORKER,
+        n,
+        [json.dumps(cfg)],
+        tmp / "logs",
+        name=f"{cfg['first']}-{cfg['last']}",
+        devices=2,
+        timeout=timeout,
+        # a fake host each, or none of the test's own
+        env_of=lambda i: {"QUIRE_FAILURE_DOMAIN": domains[i]} if domains else {},
+        drop=("QUIRE_FAILURE_DOMAIN",),
+        stop_on=victim,
+    )
+    return run.results, run.returncodes
 
 
 def of(results: list[dict[str, Any]], check: str) -> list[dict[str, Any]]:

@@ -1,8 +1,8 @@
 """One JAX process of the record-bounds run (launched by ``tests/test_record_bounds_multihost.py``).
 
-Usage::
+Usage (through ``harness.launch``, which gives each process its index and device count)::
 
-    python tests/multihost/bounds_worker.py MODE PROCESS_ID NUM_PROCESSES PORT DEVICES WORKDIR
+    python tests/multihost/bounds_worker.py MODE WORKDIR
 
 ``save`` (4 processes x 2 devices): mesh (4, 2) ("data", "model"), "data" across the
 processes; saves ``tree()`` (arrays whose replicated shards replica-parallel writes cut
@@ -10,29 +10,24 @@ into more pieces than the mesh has devices, odd and prime shapes, 0-d, size 0, i
 chunks) in both layouts, reports each array's chunk grid, then loads both back on the same
 processes.  ``load`` (any topology): loads both checkpoints onto this process's devices and
 verifies them.  Each load compares every addressable shard with the source, bit for bit.
-Prints ``QUIRE-BOUNDS {...}`` lines.
+Prints ``QUIRE-MH {...}`` lines.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
 import traceback
 from typing import Any
 
-MODE, PID, NPROC, PORT, NDEV, WORKDIR = sys.argv[1:7]
-PID_, NPROC_, NDEV_ = int(PID), int(NPROC), int(NDEV)
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={NDEV_}"
-os.environ["JAX_PLATFORMS"] = "cpu"
+MODE, WORKDIR = sys.argv[1:3]
 
 import jax  # noqa: E402
+import worker_harness  # noqa: E402
 
-if NPROC_ > 1:
-    jax.distributed.initialize(
-        f"127.0.0.1:{PORT}", num_processes=NPROC_, process_id=PID_, initialization_timeout=60
-    )
+ME = worker_harness.init(initialization_timeout=60)
+PID_, NPROC_, NDEV_ = ME.process, ME.processes, ME.devices
 
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
@@ -61,7 +56,7 @@ STORAGE = {"small/inner": quire.StorageOptions(chunk_bytes=64)}
 
 
 def emit(check: str, **kw: Any) -> None:
-    print("QUIRE-BOUNDS " + json.dumps({"pid": PID_, "check": check, **kw}), flush=True)
+    worker_harness.report(check=check, **kw)
 
 
 def source(name: str) -> np.ndarray:

@@ -1,10 +1,10 @@
 """One JAX process of the peer-transport test (launched by ``tests/test_peers_multihost.py``).
 
-Usage::
+Usage (through ``harness.launch``, 2 CPU devices per process)::
 
-    python tests/multihost/peer_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR JSON
+    python tests/multihost/peer_worker.py WORKDIR JSON
 
-Prints one ``QUIRE-PEER {...}`` line per result; the parent asserts on them.  In order:
+Prints one ``QUIRE-MH {...}`` line per result; the parent asserts on them.  In order:
 
 1. ``ring``: ``ring_shift`` by each shift of ``args["shifts"]``, each process sending
    ``payload(i, size)`` with sizes that differ per process (one empty), in rounds of
@@ -33,12 +33,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-# before jax is imported (the module is imported by the test only for ``payload``)
-if __name__ == "__main__":
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-
-import jax
+from worker_harness import init, report
 
 from quire._peers import link
 from quire._peers.tls import Identity
@@ -51,7 +46,7 @@ ARGS: dict[str, Any] = {}
 
 
 def emit(check: str, **kw: Any) -> None:
-    print("QUIRE-PEER " + json.dumps({"pid": PID, "check": check, **kw}), flush=True)
+    report(check=check, **kw)
 
 
 def payload(i: int, size: int) -> bytes:
@@ -162,12 +157,10 @@ def late() -> None:
 
 def main() -> None:
     global PID, NPROC, WORKDIR, ARGS
-    PID, NPROC, port = (int(x) for x in sys.argv[1:4])
-    WORKDIR = Path(sys.argv[4])
-    ARGS = json.loads(sys.argv[5])
-    jax.distributed.initialize(
-        f"127.0.0.1:{port}", num_processes=NPROC, process_id=PID, initialization_timeout=60
-    )
+    WORKDIR = Path(sys.argv[1])
+    ARGS = json.loads(sys.argv[2])
+    me = init(initialization_timeout=60)
+    PID, NPROC = me.process, me.processes
     try:
         ring()
         peer()

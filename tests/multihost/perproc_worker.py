@@ -1,6 +1,6 @@
 """One process of a run with a Grain iterator per process (tests/test_perprocess_multihost.py).
 
-    python perproc_worker.py <process id> <process count> <port> <json config>
+    python perproc_worker.py <json config>      (through harness.launch, 2 CPU devices each)
 
 Config: ``root`` (a folder for every checkpoint), ``phase`` (``save`` or ``restore``),
 ``timeout`` (quire's).  Every process has its own Grain pipeline (its elements depend on the
@@ -21,7 +21,7 @@ are ever at the same position; each case saves ``{"data": iterator, ...}`` in ev
 checks it resumes at its own position; ``tier`` restores its latest step from the local tier
 (the test wipes process 1's local root first: its objects come from process 0's peer copy)
 and step 2 from the persistent tier; ``one`` (a checkpoint the test saved with one process)
-must be refused naming the unit.  Prints ``QUIRE-PP <json>`` lines.
+must be refused naming the unit.  Prints ``QUIRE-MH <json>`` lines.
 """
 
 from __future__ import annotations
@@ -31,14 +31,12 @@ import os
 import sys
 import traceback
 
-pid, count, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-cfg = json.loads(sys.argv[4])
+cfg = json.loads(sys.argv[1])
 
 import jax  # noqa: E402
+from worker_harness import init, report  # noqa: E402
 
-jax.distributed.initialize(
-    f"127.0.0.1:{port}", num_processes=count, process_id=pid, initialization_timeout=60
-)
+pid = init(initialization_timeout=60).process
 
 import grain  # noqa: E402
 import numpy as np  # noqa: E402
@@ -53,7 +51,7 @@ mesh = Mesh(np.array(jax.devices()), ("d",))
 
 
 def emit(**kw: object) -> None:
-    print("QUIRE-PP " + json.dumps({"pid": pid, **kw}), flush=True)
+    report(**kw)
 
 
 def pipeline(p: int = pid) -> grain.DatasetIterator:

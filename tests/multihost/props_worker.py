@@ -1,14 +1,13 @@
 """One JAX process of a long-lived group that runs generated cases (``tests/test_props_multihost.py``).
 
-Usage::
+Usage (through ``harness.Group``, which gives each process its index and device count)::
 
-    python tests/multihost/props_worker.py PROCESS_ID NUM_PROCESSES PORT DEVICES
+    python tests/multihost/props_worker.py
 
-Sets ``--xla_force_host_platform_device_count=DEVICES``, joins the group with
-``jax.distributed.initialize("127.0.0.1:PORT", ...)``, then reads one JSON command per line
-from stdin and answers each with one line on stdout::
+Joins the group with ``worker_harness.init()`` (``jax.distributed.initialize``), then reads
+one JSON command per line from stdin and answers each with one line on stdout::
 
-    QUIRE-PROPS {"pid": 0, "op": "...", "problems": [...], ...}
+    QUIRE-MH {"pid": 0, "op": "...", "problems": [...], ...}
 
 Every process of the group gets the same commands in the same order (the parent writes each
 line to all of them), so a collective save or load runs in all at once.  Commands:
@@ -41,16 +40,14 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-PID, NPROC, PORT, NDEV = (int(a) for a in sys.argv[1:5])
 TIMEOUT = 90.0  # quire's barrier deadline inside a command (the parent waits longer)
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={NDEV}"
-os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "core" / "tests"))
 
 import jax  # noqa: E402
+from worker_harness import init, report  # noqa: E402
 
-if NPROC > 1:
-    jax.distributed.initialize(f"127.0.0.1:{PORT}", num_processes=NPROC, process_id=PID)
+ME = init()
+NPROC = ME.processes
 
 from dropchunk import dropping  # noqa: E402
 from propcase import Case, build_tree, check_loaded, context, donate, storage_of  # noqa: E402
@@ -58,11 +55,9 @@ from propcase import load as load_case  # noqa: E402
 
 import quire  # noqa: E402
 
-PREFIX = "QUIRE-PROPS "
-
 
 def answer(op: str, **kw: Any) -> None:
-    print(PREFIX + json.dumps({"pid": PID, "op": op, **kw}), flush=True)
+    report(op=op, **kw)
 
 
 def save(case: Case, url: str, drop: list[int] | None = None) -> dict[str, Any]:

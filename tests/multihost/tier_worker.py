@@ -1,6 +1,6 @@
 """One process of a multi-process local-tier run (tests/test_tiers_multihost.py).
 
-    python tier_worker.py <process id> <process count> <port> <json config>
+    python tier_worker.py <json config>      (through harness.launch, 2 CPU devices each)
 
 Config: ``persistent`` / ``options`` (the persistent tier and its storage options), ``local``,
 ``peers`` (default 1), ``every`` (the persistent tier's EveryNSteps, default 10),
@@ -37,14 +37,12 @@ import time
 import traceback
 from pathlib import Path
 
-pid, count, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-cfg = json.loads(sys.argv[4])
+cfg = json.loads(sys.argv[1])
 
 import jax  # noqa: E402
+from worker_harness import init, report  # noqa: E402
 
-jax.distributed.initialize(
-    f"127.0.0.1:{port}", num_processes=count, process_id=pid, initialization_timeout=60
-)
+pid = init(initialization_timeout=60).process
 
 import numpy as np  # noqa: E402
 
@@ -62,7 +60,7 @@ mesh = Mesh(np.array(jax.devices()), ("d",))
 
 
 def emit(**kw: object) -> None:
-    print("QUIRE-TIER " + json.dumps({"pid": pid, **kw}), flush=True)
+    report(**kw)
 
 
 def put(a: np.ndarray, spec: PartitionSpec) -> jax.Array:

@@ -1,12 +1,12 @@
 """One JAX process of a multi-process quire run (launched by ``tests/test_multihost.py``).
 
-Usage::
+Usage (through ``harness.launch``, which tells the process its index, the process count, the
+coordinator and its CPU device count)::
 
-    python tests/multihost/worker.py SCENARIO PROCESS_ID NUM_PROCESSES PORT DEVICES WORKDIR [JSON]
+    python tests/multihost/worker.py SCENARIO WORKDIR [JSON]
 
-Sets ``XLA_FLAGS=--xla_force_host_platform_device_count=DEVICES`` and ``JAX_PLATFORMS=cpu``
-before importing jax, calls ``jax.distributed.initialize("127.0.0.1:PORT", ...)`` when
-NUM_PROCESSES > 1, runs SCENARIO and prints one line per result::
+Joins the others with ``worker_harness.init()`` (``jax.distributed.initialize`` when there
+is more than one process), runs SCENARIO and reports one line per result::
 
     QUIRE-MH {"pid": 0, "check": "...", ...}
 
@@ -49,20 +49,16 @@ import zlib  # noqa: E402
 from collections import defaultdict  # noqa: E402
 from typing import Any  # noqa: E402
 
-SCENARIO, PID, NPROC, PORT, NDEV, WORKDIR = sys.argv[1:7]
-PID_, NPROC_, NDEV_ = int(PID), int(NPROC), int(NDEV)
-ARGS: dict[str, Any] = json.loads(sys.argv[7]) if len(sys.argv) > 7 else {}
-
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={NDEV_}"
-os.environ["JAX_PLATFORMS"] = "cpu"
-
 import jax  # noqa: E402
+from worker_harness import init, report  # noqa: E402
 
-if NPROC_ > 1:
-    init: dict[str, Any] = {}
-    if "heartbeat_timeout" in ARGS:
-        init["heartbeat_timeout_seconds"] = int(ARGS["heartbeat_timeout"])
-    jax.distributed.initialize(f"127.0.0.1:{PORT}", num_processes=NPROC_, process_id=PID_, **init)
+SCENARIO, WORKDIR = sys.argv[1:3]
+ARGS: dict[str, Any] = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+_init: dict[str, Any] = {}
+if "heartbeat_timeout" in ARGS:
+    _init["heartbeat_timeout_seconds"] = int(ARGS["heartbeat_timeout"])
+ME = init(**_init)
+PID_, NPROC_ = ME.process, ME.processes
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -77,7 +73,7 @@ T_READY = time.time() - T_START
 
 
 def emit(check: str, **kw: Any) -> None:
-    print("QUIRE-MH " + json.dumps({"pid": PID_, "check": check, **kw}), flush=True)
+    report(check=check, **kw)
 
 
 def barrier(name: str, timeout_s: float = 120) -> None:
