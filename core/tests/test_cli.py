@@ -1,11 +1,11 @@
-"""Issue 14: the CLI (version, storage options, ls/info/gc on any prefix, diff, exit codes,
-progress in a real terminal), library progress, install hints, no leaked temp dirs."""
+"""The command line (issue 14): version, storage options, ls/info/gc on any prefix, diff, exit
+codes, progress bars in a real terminal.  The library's progress reports are in
+``test_progress.py``, install hints in ``test_plugins.py``."""
 
 from __future__ import annotations
 
 import json
 import os
-import pathlib
 import re
 import select
 import subprocess
@@ -20,7 +20,6 @@ import pytest
 
 import quire
 from quire._cli.main import main as cli
-from quire.progress import Progress, ProgressEvent
 
 REPO = Path(__file__).resolve().parents[2]
 QUIRE = [sys.executable, "-m", "quire._cli.main"]
@@ -339,44 +338,7 @@ def test_gc_of_a_checkpointer_root_shows_progress(
     assert re.search(r"gc: 100%.* (\S+)/\1 .*1/1 objects", err), err
 
 
-def test_drop_warning_says_why_and_names_gc(caplog: pytest.LogCaptureFixture) -> None:
-    import asyncio
-
-    from quire._engine import commit as _commit
-
-    class Failing:
-        async def delete_prefix(self, prefix: str) -> None:
-            raise PermissionError("read-only bucket")
-
-    with caplog.at_level("WARNING", logger="quire"):
-        asyncio.run(_commit.drop_txids(Failing(), "s3://b/c", ["0123456789abcdef"]))  # type: ignore[arg-type]
-    msg = caplog.records[-1].getMessage()
-    assert "PermissionError: read-only bucket" in msg and "quire gc s3://b/c --yes" in msg
-
-
 # ----------------------------------------------------------------------------- progress
-def test_library_progress_callback_and_context(tmp_path: Path) -> None:
-    events: list[ProgressEvent] = []
-    x = np.ones((256, 256), np.float32)
-    quire.save(tmp_path / "a", {"x": x, "n": 1}, progress=events.append)
-    assert events[-1].finished and events[-1].operation == "save"
-    assert events[-1].bytes_done == events[-1].bytes_total == x.nbytes
-    events.clear()
-    with quire.Context(progress=events.append):
-        quire.load(tmp_path / "a")
-    assert events[-1].operation == "load" and events[-1].bytes_done == x.nbytes
-    assert events[-1].objects_done >= 1 and events[-1].eta == 0.0
-    events.clear()
-    quire.load(tmp_path / "a")  # off by default
-    assert events == []
-    with Progress("export", "x", callback=events.append, bytes_total=10) as p, \
-            quire.progress.reporting(p, "export", "x"):  # fmt: skip
-        quire.progress.advance(10)
-    assert events[-1].bytes_done == 10 and events[-1].finished
-    with pytest.raises(TypeError, match="progress"):
-        quire.Context(progress="yes")
-
-
 def test_cli_progress_bar_in_a_real_terminal(tmp_path: Path) -> None:
     import pty
 
@@ -412,38 +374,3 @@ def test_cli_progress_bar_in_a_real_terminal(tmp_path: Path) -> None:
     # not a terminal: no bar
     out = subprocess.run([*QUIRE, "verify", str(src)], capture_output=True, text=True)
     assert out.returncode == 0 and "%|" not in out.stderr
-
-
-# ----------------------------------------------------------------------------- install
-def test_install_hints_name_the_distribution_and_the_checkout_path() -> None:
-    from quire._runtime.install import install_hint
-
-    hint = install_hint("quire-s3")
-    assert hint.startswith("pip install quire-s3")
-    assert f"pip install -e {REPO / 'backends' / 's3'}" in hint
-    from quire._runtime.registry import registries
-
-    err = registries["quire.backends"]._missing("s3", "")
-    assert "pip install -e" in str(err) or "quire-s3" not in str(err)
-
-
-def test_tests_use_tmp_path_not_tempfile() -> None:
-    """The suite must not leave temporary directories behind: tests use ``tmp_path``."""
-    offenders = []
-    for d in ("core/tests", "tests", "plugins", "backends"):
-        for f in (REPO / d).rglob("test*.py"):
-            text = f.read_text()
-            if re.search(r"tempfile\.(mkdtemp|mkstemp|TemporaryDirectory)\(", text):
-                offenders.append(str(f.relative_to(REPO)))
-    assert offenders == [], offenders
-    assert not pathlib.Path(REPO / "core/tests/test_partial.py").read_text().count("quire-model-")
-
-
-def test_save_progress_total_with_mixed_keys_and_pytree_nodes(tmp_path: Path) -> None:
-    import collections
-
-    Pair = collections.namedtuple("Pair", "a b")
-    events: list[ProgressEvent] = []
-    tree = {1: np.ones(3), "x": Pair(np.ones(2, np.float32), 7)}
-    quire.save(tmp_path / "m", tree, progress=events.append)
-    assert events[-1].bytes_total == events[-1].bytes_done == 24 + 8

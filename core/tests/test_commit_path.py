@@ -136,3 +136,16 @@ def test_read_refuses_locations_outside_d(quire_url: str) -> None:
     for fn in (quire.load, quire.metadata):
         with pytest.raises(quire.CorruptCheckpointError, match=r"(outside|inside) d/"):
             fn(quire_url)
+
+
+def test_drop_warning_says_why_and_names_gc(caplog: pytest.LogCaptureFixture) -> None:
+    import asyncio
+
+    class Failing:
+        async def delete_prefix(self, prefix: str) -> None:
+            raise PermissionError("read-only bucket")
+
+    with caplog.at_level("WARNING", logger="quire"):
+        asyncio.run(_commit.drop_txids(Failing(), "s3://b/c", ["0123456789abcdef"]))  # type: ignore[arg-type]
+    msg = caplog.records[-1].getMessage()
+    assert "PermissionError: read-only bucket" in msg and "quire gc s3://b/c --yes" in msg

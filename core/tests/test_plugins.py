@@ -21,6 +21,8 @@ from quire._format.record import record_checksum
 from quire._handlers import select as _selection
 from quire._runtime.registry import clear_caches, codecs, leaf_handlers, registries
 
+REPO = Path(__file__).resolve().parents[2]
+
 # -- fake installed distributions -----------------------------------------------------------
 
 
@@ -291,6 +293,16 @@ def test_missing_backend_names_the_package(monkeypatch: pytest.MonkeyPatch) -> N
         quire.load("s3://bucket/x")
     with pytest.raises(quire.errors.PluginError, match="install quire-gcs"):
         quire.metadata("gs://bucket/x")
+
+
+def test_install_hints_name_the_distribution_and_the_checkout_path() -> None:
+    from quire._runtime.install import install_hint
+
+    hint = install_hint("quire-s3")
+    assert hint.startswith("pip install quire-s3")
+    assert f"pip install -e {REPO / 'backends' / 's3'}" in hint
+    err = registries["quire.backends"]._missing("s3", "")
+    assert "pip install -e" in str(err) or "quire-s3" not in str(err)
 
 
 # -- handler choice -------------------------------------------------------------------------

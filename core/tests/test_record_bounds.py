@@ -70,7 +70,7 @@ def test_a_shard_becomes_at_most_pieces_per_holder_times_k_pieces(
     assert grid <= bounds.max_chunks(shards * k)
 
 
-def test_the_issue_split_is_within_the_bound() -> None:
+def test_a_shard_of_four_holders_cut_into_ten_chunks_is_within_the_bound() -> None:
     # (2050, 4096) over a (4, 2) mesh, P(None, "model"): 2 shards, 4 holders each
     chunk = _split((2050, 2048), (2050, 4096), 4)
     assert chunk == (410, 2048)
