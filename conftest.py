@@ -9,7 +9,8 @@ call their temporary folders) fails the session.  The private folder is then rem
 run leaves nothing in the machine's temporary directory either way.
 
 Runs in parallel (other checkouts, other sessions) do not disturb the check: each looks only
-at its own private folder.
+at its own private folder.  Under pytest-xdist each worker has its own (inside the
+controller's) and hands what its tests left to the controller, which reports for the run.
 
 Also the Hypothesis profiles of the generated tests (docs/reliability.md, "Generated round
 trips"): ``ci``, the default, derandomized (the same examples every run) with bounded counts
@@ -25,6 +26,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -60,6 +62,7 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 _PRIVATE = pytest.StashKey[Path]()
 _SAVED = pytest.StashKey[tuple[str | None, str | None, str | None]]()
 _LEFT = pytest.StashKey[list[str]]()
+_WORKERS_LEFT = pytest.StashKey[list[str]]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -74,12 +77,25 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_SAVED] = saved
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """Under pytest-xdist, in the controller: what a worker's tests left behind."""
+    left = getattr(node, "workeroutput", {}).get("quire_left", [])
+    node.config.stash.setdefault(_WORKERS_LEFT, []).extend(left)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     private = config.stash.get(_PRIVATE, None)
     if private is None:
         return
     left = sorted(p.name for p in private.iterdir()) if private.is_dir() else []
+    # An xdist worker hands its list to the controller, which reports for the run (the
+    # workers' private folders live inside the controller's and are gone by then).
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["quire_left"] = left
+    left += config.stash.get(_WORKERS_LEFT, [])
     config.stash[_LEFT] = left
     tmpdir, temproot, tempdir = config.stash[_SAVED]
     for key, value in (("TMPDIR", tmpdir), ("PYTEST_DEBUG_TEMPROOT", temproot)):
