@@ -42,6 +42,7 @@ import pytest
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(sys.platform != "linux", reason="fork + SIGKILL"),
+    pytest.mark.xdist_group("crash"),  # the module's zygote and templates: one worker
 ]
 
 OLD_SEED, NEW_SEED = 1, 2

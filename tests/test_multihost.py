@@ -36,6 +36,9 @@ from multihost import harness
 from multihost.harness import Run
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SIGKILL, 127.0.0.1 processes")
+# The tests that share a module's launches run on one xdist worker (CONTRIBUTING.md).
+SAVES = pytest.mark.xdist_group("multihost-saves")
+REPLICAS = pytest.mark.xdist_group("multihost-replicas")
 
 WORKER = Path(__file__).parent / "multihost" / "worker.py"
 FATAL = "Terminating process because the JAX distributed service detected fatal errors"
@@ -187,6 +190,7 @@ def reloads(workdir: Path, run_2x4: Run, run_4x2: Run) -> dict[str, Run]:
 
 
 # ====================================================================== saving
+@SAVES
 @pytest.mark.parametrize("topology", ["2x4", "4x2"])
 def test_each_process_writes_only_its_shards(topology: str, run_2x4: Run, run_4x2: Run) -> None:
     run, n = (run_2x4, 2) if topology == "2x4" else (run_4x2, 4)
@@ -195,6 +199,7 @@ def test_each_process_writes_only_its_shards(topology: str, run_2x4: Run, run_4x
     assert len({r["url"] for r in run.of("ownership")}) == 2
 
 
+@SAVES
 @pytest.mark.parametrize("topology", ["2x4", "4x2"])
 def test_save_async_and_partial_across_processes(topology: str, run_2x4: Run, run_4x2: Run) -> None:
     run, n = (run_2x4, 2) if topology == "2x4" else (run_4x2, 4)
@@ -211,6 +216,7 @@ def test_save_async_and_partial_across_processes(topology: str, run_2x4: Run, ru
     assert len(journal) == 3, journal  # one conditional create per version, by the primary
 
 
+@SAVES
 @pytest.mark.parametrize("topology", ["2x4", "4x2"])
 def test_partial_finalize_rewrites_every_process_packs_on_the_primary(
     topology: str, run_2x4: Run, run_4x2: Run
@@ -231,6 +237,7 @@ def test_partial_finalize_rewrites_every_process_packs_on_the_primary(
     assert all(per[pid]["rewrote"] == [] for pid in range(1, n))
 
 
+@SAVES
 @pytest.mark.parametrize("topology", ["2x4", "4x2"])
 def test_checkpointer_across_processes(topology: str, run_2x4: Run, run_4x2: Run) -> None:
     run, n = (run_2x4, 2) if topology == "2x4" else (run_4x2, 4)
@@ -250,6 +257,7 @@ def test_checkpointer_across_processes(topology: str, run_2x4: Run, run_4x2: Run
         check_single_writers(keys)
 
 
+@SAVES
 @pytest.mark.parametrize("topology", ["2x4", "4x2"])
 def test_incremental_checkpointer_across_processes(
     topology: str, run_2x4: Run, run_4x2: Run
@@ -273,6 +281,7 @@ def test_incremental_checkpointer_across_processes(
                 assert all(k.endswith(".index.json") for k in keys), (where, keys)
 
 
+@SAVES
 @pytest.mark.parametrize("topology", ["2x4", "4x2"])
 def test_disagreeing_scalar_fails_everywhere(topology: str, run_2x4: Run, run_4x2: Run) -> None:
     run, n = (run_2x4, 2) if topology == "2x4" else (run_4x2, 4)
@@ -286,6 +295,7 @@ def test_disagreeing_scalar_fails_everywhere(topology: str, run_2x4: Run, run_4x
         assert r["seconds"] < 30
 
 
+@SAVES
 @pytest.mark.parametrize("topology", ["2x4", "4x2"])
 @pytest.mark.parametrize("who", ["last", "primary"])
 def test_failed_write_fails_everywhere(topology: str, who: str, run_2x4: Run, run_4x2: Run) -> None:
@@ -311,11 +321,13 @@ def test_failed_write_fails_everywhere(topology: str, who: str, run_2x4: Run, ru
 
 
 # ====================================================================== loading
+@SAVES
 def test_loads_where_saved(run_2x4: Run, run_4x2: Run) -> None:
     check_loads(run_2x4, 2, {"a/ck": LAYOUTS})
     check_loads(run_4x2, 4, {"a/ck": LAYOUTS, "b/ck": LAYOUTS})
 
 
+@SAVES
 def test_loads_on_other_topologies(reloads: dict[str, Run]) -> None:
     for run in reloads.values():
         run.assert_ok()
@@ -326,6 +338,7 @@ def test_loads_on_other_topologies(reloads: dict[str, Run]) -> None:
     check_loads(reloads["1x1"], 1, {"a/ck": one, "b/ck": one})
 
 
+@SAVES
 def test_resharded_load_reads_a_share(run_2x4: Run, run_4x2: Run) -> None:
     """The headline figure: the 2-D array (64 x 32 float32, saved as 8 chunks of 32 x 8)
     loaded onto the transposed grid (16 x 16 shards): each process reads its share.
@@ -441,6 +454,7 @@ def run_replicas(workdir: Path) -> Run:
     return launch("replicas", 4, 2, workdir / "replicas", {"stall": 4}, timeout=240)
 
 
+@REPLICAS
 def test_replica_parallel_writes_write_each_byte_once_and_balance(run_replicas: Run) -> None:
     """4 processes x 2 devices, a ~100 MiB tree, mostly replicated (shapes 4 does not
     divide), some arrays replicated over one mesh axis, some sharded, a numpy leaf: with
@@ -473,6 +487,7 @@ def test_replica_parallel_writes_write_each_byte_once_and_balance(run_replicas: 
     assert sum(on) <= 1.01 * sum(off), (sum(on), sum(off))
 
 
+@REPLICAS
 def test_shared_reads_read_each_needed_byte_about_once(run_replicas: Run) -> None:
     """The same 4 processes load the replica-parallel checkpoint onto the saved shardings
     (every process needs every replicated chunk): with shared reads (the default) storage
@@ -502,6 +517,7 @@ def test_shared_reads_read_each_needed_byte_about_once(run_replicas: Run) -> Non
     assert [r["read"] for r in below] == direct, ([r["read"] for r in below], direct)
 
 
+@REPLICAS
 def test_stalled_process_fails_shared_load_within_deadline(run_replicas: Run) -> None:
     """Process 3 never joins the load: the others raise quire's MultiProcessError naming
     it within the 4 s deadline (plus start-up), never hang."""

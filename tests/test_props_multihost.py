@@ -64,6 +64,7 @@ pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="127.0.0.1 process groups, SIGKILL"),
     pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices in this process"),
     pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered in cast"),
+    pytest.mark.xdist_group("props-multihost"),  # the module's process groups: one worker
 ]
 
 WORKER = Path(__file__).parent / "multihost" / "props_worker.py"
