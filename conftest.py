@@ -84,14 +84,6 @@ def pytest_testnodedown(node: Any, error: object) -> None:
     node.config.stash.setdefault(_WORKERS_LEFT, []).extend(left)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests kept together on one xdist worker (``xdist_group``: a module whose tests share
-    an expensive fixture, such as a multi-process launch) run first, in collection order
-    otherwise: under ``--dist loadgroup`` such a group is one long unit of work, and started
-    last it would leave the other worker idle at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     private = config.stash.get(_PRIVATE, None)
