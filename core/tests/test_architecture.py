@@ -15,7 +15,11 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 import quire
+
+pytestmark = pytest.mark.quick  # the quick tier (CONTRIBUTING.md)
 
 SRC = Path(quire.__file__).parent
 

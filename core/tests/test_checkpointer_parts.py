@@ -26,6 +26,8 @@ from quire._runtime import ioloop as _io
 from quire._store.url import open_backend
 from quire.policies import EveryNSteps, LatestN, OnPreemption, SaveContext, SavePolicy, StepInfo
 
+pytestmark = pytest.mark.quick  # the quick tier (CONTRIBUTING.md)
+
 STEPS = st.integers(0, 5)  # few steps: pins, deletions and saves meet often
 
 

@@ -36,6 +36,8 @@ from quire._format.record import record_checksum
 from quire._store.memory import MemoryBackend
 from quire.errors import CorruptCheckpointError
 
+pytestmark = pytest.mark.quick  # the quick tier (CONTRIBUTING.md)
+
 W = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
 
 

@@ -16,6 +16,8 @@ import pytest
 import quire
 from quire._runtime.config import OPTIONS, current
 
+pytestmark = pytest.mark.quick  # the quick tier (CONTRIBUTING.md)
+
 
 @pytest.fixture(autouse=True)
 def restore_globals() -> Iterator[None]:

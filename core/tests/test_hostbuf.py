@@ -11,6 +11,8 @@ import pytest
 import quire
 from quire._runtime.hostbuf import ALIGN, StagingPool, aligned_empty, for_device, is_aligned
 
+pytestmark = pytest.mark.quick  # the quick tier (CONTRIBUTING.md)
+
 
 @pytest.mark.parametrize("shape", [(), (0,), (3,), (5, 7), (1000, 33)])
 @pytest.mark.parametrize("dtype", [np.uint8, np.float32, np.complex128, jax.numpy.bfloat16])

@@ -30,6 +30,8 @@ from quire._peers import link
 from quire._peers.tls import Identity
 from quire.errors import PeerError, PluginError
 
+pytestmark = pytest.mark.quick  # the quick tier (CONTRIBUTING.md)
+
 
 def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])

@@ -11,6 +11,8 @@ import pytest
 import quire
 from quire.progress import Progress, ProgressEvent
 
+pytestmark = pytest.mark.quick  # the quick tier (CONTRIBUTING.md)
+
 
 def test_library_progress_callback_and_context(tmp_path: Path) -> None:
     events: list[ProgressEvent] = []

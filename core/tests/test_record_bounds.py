@@ -31,6 +31,8 @@ from quire import partial
 from quire._format import bounds
 from quire._handlers.replicas import _split
 
+pytestmark = pytest.mark.quick  # the quick tier (CONTRIBUTING.md)
+
 
 def _walk_leaves(tree: Any) -> list[Any]:
     return jax.tree_util.tree_leaves(tree)

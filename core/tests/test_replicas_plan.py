@@ -10,6 +10,8 @@ import pytest
 
 from quire._handlers.replicas import _split, assign
 
+pytestmark = pytest.mark.quick  # the quick tier (CONTRIBUTING.md)
+
 
 @pytest.mark.parametrize(
     ("shard", "shape", "k", "chunk"),

@@ -18,6 +18,8 @@ from quire import StorageOptions
 from quire.errors import UnsupportedLeafError
 from quire.metadata import LeafMetadata
 
+pytestmark = pytest.mark.quick  # the quick tier (CONTRIBUTING.md)
+
 P = jax.sharding.PartitionSpec
 NS = jax.sharding.NamedSharding
 

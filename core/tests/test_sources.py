@@ -20,6 +20,8 @@ from quire._sources.lazy import as_lazy
 from quire._store.local import LocalBackend
 from quire.testing import SourceSuite
 
+pytestmark = pytest.mark.quick  # the quick tier (CONTRIBUTING.md)
+
 P = jax.sharding.PartitionSpec
 
 

@@ -8,6 +8,10 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier (CONTRIBUTING.md)
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -72,3 +76,5 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert setup[2] in ci, f".ci/run does not run the README's {setup[2]!r}"
     assert "pip install" in setup[1] and "-r requirements-dev.txt" in setup[1]
     assert any("pip install" in line and "-r requirements-dev.txt" in line for line in ci)
+    for doc in ("docs/install.md", "CONTRIBUTING.md"):
+        assert setup[2] in (REPO / doc).read_text(), f"{doc} does not give {setup[2]!r}"

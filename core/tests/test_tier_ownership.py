@@ -24,6 +24,8 @@ from quire._tiers import ownership as tp
 from quire._tiers.restore_plan import PERSISTENT_SOURCE, decide, parse_view, sources
 from quire.errors import CorruptCheckpointError, MultiProcessError
 
+pytestmark = pytest.mark.quick  # the quick tier (CONTRIBUTING.md)
+
 
 def run(coro: Any) -> Any:
     return asyncio.run(coro)

@@ -14,6 +14,8 @@ import quire
 from quire._engine import verify as _verify_engine
 from quire._runtime import ioloop as _io
 
+pytestmark = pytest.mark.quick  # the quick tier (CONTRIBUTING.md)
+
 
 @pytest.fixture(autouse=True)
 def _v1_layout() -> Any:
