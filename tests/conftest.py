@@ -1,9 +1,9 @@
 """Fixtures shared by the cross-package tests: the real object-store servers.
 
 One fixture per row of ``object_store_servers.STORES``, named by the row and scoped as it
-says: each test module gets its own moto server on 127.0.0.1, started on first use and
-stopped when the module ends; the whole session shares one fake-gcs-server (a process of its
-own; every test writes under a fresh prefix).
+says: the whole session (each xdist worker) shares one moto server on 127.0.0.1 and one
+fake-gcs-server (a process of its own), started on first use; every test writes under a
+fresh prefix (``fresh_url()``), so sharing a server costs no isolation.
 """
 
 from __future__ import annotations
