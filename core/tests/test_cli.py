@@ -21,8 +21,6 @@ import pytest
 import quire
 from quire._cli.main import main as cli
 
-pytestmark = pytest.mark.quick  # the quick tier (CONTRIBUTING.md)
-
 REPO = Path(__file__).resolve().parents[2]
 QUIRE = [sys.executable, "-m", "quire._cli.main"]
 

@@ -21,8 +21,6 @@ from quire._format.record import record_checksum
 from quire._handlers import select as _selection
 from quire._runtime.registry import clear_caches, codecs, leaf_handlers, registries
 
-pytestmark = pytest.mark.quick  # the quick tier (CONTRIBUTING.md)
-
 REPO = Path(__file__).resolve().parents[2]
 
 # -- fake installed distributions -----------------------------------------------------------

@@ -11,8 +11,6 @@ import pytest
 from quire._checkpointer.localtier import LocalTier
 from quire._tiers import placement as tp
 
-pytestmark = pytest.mark.quick  # the quick tier (CONTRIBUTING.md)
-
 
 def check(domains: list[str], k: int) -> list[list[int]]:
     """``place`` with the properties every answer must have."""
