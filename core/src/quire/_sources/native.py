@@ -63,10 +63,11 @@ class _Reader:
 
 
 class QuireSource(Source):
-    """A committed quire checkpoint (its ``pytree`` unit) as a lazy tree; a checkpoint of
-    :func:`quire.save_checkpointables` with no ``pytree`` unit as ``{unit: tree}`` of its
-    pytree units (its other units are not arrays: load them with
-    ``quire.load_checkpointables``).
+    """A committed quire checkpoint (its ``pytree`` unit) as a lazy tree, the tree
+    :func:`quire.load` returns. A checkpoint of :func:`quire.save_checkpointables` whose only
+    unit is a pytree opens as that tree, as it loads; one with several units and no ``pytree``
+    unit as ``{unit: tree}`` of its pytree units (its other units are not arrays: load them
+    with ``quire.load_checkpointables``).
 
     ``metadata`` holds the user metadata (``custom``), ``format_version`` and ``created``.
     """
@@ -101,7 +102,7 @@ class QuireSource(Source):
         src.limit = asyncio.Semaphore(max(1, current().max_concurrency))
         doc, backend = await read_for_data(url, storage_options)  # locations checked there
         units = {n: u["tree"] for n, u in doc["units"].items() if u.get("kind") == "pytree"}
-        if PYTREE in units or not units:
+        if PYTREE in units or not units or len(doc["units"]) == 1:
             saved = {None: from_json(pytree_unit(doc, url))}
         else:  # quire.save_checkpointables: each pytree unit under its name
             saved = {n: from_json(t, (n,)) for n, t in units.items()}
