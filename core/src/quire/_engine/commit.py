@@ -268,7 +268,7 @@ async def publish(
         await _refuse_incomplete(backend, url, RECORD, doc, indexes_from)
     except UnreadableRecordError:  # IncompleteCheckpointError too
         if owned:
-            await drop_txids(backend, url, sorted(mine - await _txids_at(backend, url)))
+            await drop_unreferenced(backend, url, mine)
         raise
     _warn_unless(backend, url, "atomic_create", "commit")
     old: set[str] = set()
@@ -291,7 +291,7 @@ async def publish(
             await backend.put_if_absent(RECORD, data)  # COMMIT POINT
         except PreconditionFailed:
             if owned:
-                await drop_txids(backend, url, sorted(mine - await _txids_at(backend, url)))
+                await drop_unreferenced(backend, url, mine)
             raise CheckpointExistsError(
                 f"a checkpoint already exists at {url} (another writer committed first); {fix}"
             ) from None
@@ -306,6 +306,13 @@ async def _txids_at(backend: Backend, url: str) -> set[str]:
         return set(_records.parse(await backend.get(RECORD), url)["txids"])
     except (FileNotFoundError, CorruptCheckpointError):
         return set()
+
+
+async def drop_unreferenced(backend: Backend, url: str, txids: Collection[str]) -> None:
+    """Delete the data of those ``txids`` the record at ``url`` does not reference (what a
+    failed write of this process left behind; another writer's copy of the same txids, once
+    committed, is kept)."""
+    await drop_txids(backend, url, sorted(set(txids) - await _txids_at(backend, url)))
 
 
 async def drop_txids(backend: Backend, url: str, txids: Collection[str]) -> None:

@@ -225,7 +225,13 @@ async def copy_checkpoint(
                 )
                 for i in items
             ]
-        done_bytes, verified, chunks = await _copy_objects(rb, db, src, items, progress)
+        try:
+            done_bytes, verified, chunks = await _copy_objects(rb, db, src, items, progress)
+        except Exception:  # a damaged source, a storage error: nothing of the copy stays
+            written = {d.split("/")[1] for d in (i.dest or i.key for i in items)
+                       if d.startswith("d/") and d.count("/") >= 2}  # fmt: skip
+            await _commit.drop_unreferenced(db, dst, written)
+            raise
         await db.sync()
         if unb is not None:
             raw, txids = unb.record(raw)
