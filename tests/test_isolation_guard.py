@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LEAKY = """
 import logging, os
 import fsspec.config
-import quire  # its loggers exist before the tests run
+import quire
+quire.save  # quire's API loads on first use (and makes its loggers): before the tests run
 
 def test_sets_an_environment_variable():
     os.environ["QUIRE_ISOLATION_PROBE"] = "left behind"
