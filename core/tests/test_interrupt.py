@@ -29,11 +29,15 @@ SCRIPT = textwrap.dedent(
     i = 0
     # Still running long after the Ctrl-C: every thread's stack on stderr, then exit(1).
     faulthandler.dump_traceback_later(float(sys.argv[2]), exit=True)
-    print("READY", flush=True)
     while True:
         i += 1
         tree = {f"w{k}": np.full(1 << 20, float(i), np.float32) for k in range(24)}
         quire.save(url, tree, overwrite=True)
+        if i == 1:
+            # READY once quire is loaded (its API imports JAX on first use): a Ctrl-C while
+            # JAX imports can land in JAX's gc callback, where Python drops it
+            # ("Exception ignored in _xla_gc_callback"), and the loop would never see it.
+            print("READY", flush=True)
     """
 )
 
