@@ -3,14 +3,20 @@ when it last saved), and the preemption notice of the policies."""
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import time
 from collections.abc import Iterable
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 from quire._checkpointer.save_policies import OnPreemption, SaveContext, SavePolicy
+from quire._runtime.collective import kv_broadcast
+from quire._runtime.config import current
+
+#: Deciders made per name, in call order: the same count in every process (Checkpointers
+#: open in the same order everywhere), so that two on one root never share their keys.
+_opened: collections.Counter[str] = collections.Counter()
 
 
 class SaveDecider:
@@ -28,7 +34,12 @@ class SaveDecider:
     follow_primary : bool
         With several JAX processes, a policy that is not ``deterministic`` (time, signals)
         may answer differently in each: every process then follows process 0's answer (a
-        collective, so every process must ask).
+        collective, so every process must ask; a process that does not within
+        ``quire.configure(timeout=...)`` makes the others raise ``MultiProcessError``
+        naming it).
+    name : str
+        What the processes' agreement is named after (the root's URL), the same in every
+        process.
     """
 
     def __init__(
@@ -38,12 +49,18 @@ class SaveDecider:
         *,
         without_policy: bool,
         follow_primary: bool,
+        name: str = "",
     ) -> None:
         self.policy = policy
         self.last_step = last_step
         self.last_time = time.monotonic()
         self._without_policy = without_policy
         self._follow_primary = follow_primary
+        self._name = name
+        _opened[name] += 1
+        tag = f"{name}#{_opened[name]}".encode()
+        self._key = f"quire/decide/{hashlib.sha256(tag).hexdigest()[:16]}"
+        self._round = 0
 
     def due(self, step: int, *floors: int | None) -> bool:
         """Whether to save at ``step``: never at or below a floor (the highest step the
@@ -65,8 +82,27 @@ class SaveDecider:
             and jax.process_count() > 1
         ):
             # Time- and signal-based answers may differ: every process follows process 0.
-            answer = bool(multihost_utils.broadcast_one_to_all(np.asarray(answer)))
+            answer = self._follow(answer)
         return answer
+
+    def _follow(self, answer: bool) -> bool:
+        """Process 0's answer, once every process has asked (through the key-value store,
+        with quire's deadline)."""
+        self._round += 1
+        key = f"{self._key}/{self._round}"
+        drop = f"{self._key}/{self._round - 1}" if self._round > 1 else None
+        timeout = current().timeout
+        got = kv_broadcast(
+            key,
+            b"1" if answer else b"0",
+            0,
+            timeout if timeout is not None else 365 * 86400.0,
+            self._name,
+            "the save decision (every process follows process 0's policy: each must ask "
+            "should_save / save at the same steps)",
+            drop=drop,
+        )
+        return got == b"1"
 
     def saved(self, step: int) -> None:
         """A save of ``step`` started (what the policy sees as the last save from now on)."""

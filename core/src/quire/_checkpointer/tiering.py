@@ -40,7 +40,9 @@ def arrange(
     gc_grace_period: float | None,
 ) -> Tiers:
     """The Tiers of a Checkpointer whose own root is ``root`` (see ``quire.Checkpointer``)."""
-    decider = SaveDecider(save_policy, root.latest(), without_policy=True, follow_primary=True)
+    decider = SaveDecider(
+        save_policy, root.latest(), without_policy=True, follow_primary=True, name=root.root
+    )
     if local is None:
         return _PersistentOnly(root, decider)
     spec = local
@@ -61,7 +63,13 @@ def arrange(
     def new_decider(last_step: int | None) -> SaveDecider:
         # Without a policy of its own, the local tier saves only what the persistent one does.
         # With several processes its save is collective: every process follows process 0.
-        return SaveDecider(spec.save_policy, last_step, without_policy=False, follow_primary=True)
+        return SaveDecider(
+            spec.save_policy,
+            last_step,
+            without_policy=False,
+            follow_primary=True,
+            name=f"{root.root}/local",
+        )
 
     return TwoTiers(local, root, decider, open_root, new_decider)
 

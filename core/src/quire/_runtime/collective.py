@@ -22,6 +22,13 @@ row on its device at a time, besides the bytes it returns.
 every other one's small payload through the key-value store alone: no collective, so
 nothing to compile (a JAX all-gather compiles once per process start, 15-80 ms on a loaded
 CPU host).  For agreements and barriers of a few kilobytes, not for bulk bytes.
+
+``kv_broadcast(key, payload, source, timeout, url, what)`` gives every process ``source``'s
+small payload once every process has arrived (a barrier, then a broadcast), through the
+key-value store alone, in a few requests per process (not one per pair: a save decision
+asks it at every training step).  It leaves no keys behind round after round: ``drop``
+names the previous round's, which ``source`` deletes once every process has arrived at the
+next one (each has read it then).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from quire._runtime.multihost import _client, _first_line
 from quire.errors import MultiProcessError
 
-__all__ = ["RING_ROUND_BYTES", "exchange", "kv_exchange", "ring_shift"]
+__all__ = ["RING_ROUND_BYTES", "exchange", "kv_broadcast", "kv_exchange", "ring_shift"]
 
 _MIN_ROW = 1 << 16
 
@@ -211,6 +218,104 @@ def kv_exchange(
                 f"({e}); quire publishes base64: {_FOREIGN}"
             ) from None
     return out
+
+
+_ABORT = "abort:"
+
+
+def kv_broadcast(
+    key: str,
+    payload: bytes,
+    source: int,
+    timeout: float,
+    url: str,
+    what: str,
+    *,
+    drop: str | None = None,
+) -> bytes:
+    """Process ``source``'s (small) payload, on every process, once every process has
+    arrived (blocking; call it off the loop).  Every JAX process calls it with the same
+    ``key``, ``source`` and ``drop``.
+
+    Each other process publishes that it arrived (``key/<index>``) and waits, at most twice
+    ``timeout`` seconds (``source`` may wait ``timeout`` for a third one first), for
+    ``key/out``.  ``source`` waits at most ``timeout`` for every arrival, then publishes its
+    payload there (or, when a process did not arrive, why it gave up: every waiting process
+    raises that too), and deletes ``drop``.
+
+    Parameters
+    ----------
+    key : str
+        A key-value-store prefix unique to this round, the same in every process.
+    payload : bytes
+        What ``source`` sends (the others' is ignored).
+    source : int
+        The process whose payload every process gets.
+    timeout : float
+        Seconds ``source`` waits for every other process to arrive.
+    url, what : str
+        The checkpoint and what the processes are doing, for messages.
+    drop : str, optional
+        The previous round's ``key``: every process has read it once all arrived here.
+
+    Raises
+    ------
+    MultiProcessError
+        A process did not arrive within ``timeout`` (the message names every such process,
+        on every process that waited), or ``source`` did not answer within twice it.
+    """
+    me = jax.process_index()
+    n = jax.process_count()
+    c = _client()
+    fix = (
+        "is it stalled or dead, or not calling this at the same point as the others? "
+        "quire.configure(timeout=...) sets the deadline"
+    )
+    if me != source:
+        c.key_value_set(f"{key}/{me}", "")
+        ms = min(2**31 - 1, max(1, int(2 * timeout * 1000)))
+        try:
+            got = str(c.blocking_key_value_get(f"{key}/out", ms))
+        except Exception as e:
+            raise MultiProcessError(
+                f"{url}: {what}: process {me} waited {2 * timeout:g}s for process {source}'s "
+                f"answer; process {source} did not answer ({fix}): {_first_line(e)}"
+            ) from e
+        if got.startswith(_ABORT):
+            raise MultiProcessError(got.removeprefix(_ABORT).strip())
+        return base64.b64decode(got)
+    deadline = time.monotonic() + timeout
+    others = [p for p in range(n) if p != me]
+    while True:
+        arrived = {k.rsplit("/", 1)[-1] for k, _ in c.key_value_dir_get(f"{key}/")}
+        missing = [p for p in others if str(p) not in arrived]
+        if not missing:
+            break
+        ms = int((deadline - time.monotonic()) * 1000)
+        try:
+            if ms <= 0:
+                raise TimeoutError("deadline passed")
+            c.blocking_key_value_get(f"{key}/{missing[0]}", min(2**31 - 1, ms))
+        except Exception as e:
+            arrived = {k.rsplit("/", 1)[-1] for k, _ in c.key_value_dir_get(f"{key}/")}
+            missing = [p for p in others if str(p) not in arrived]
+            if not missing:  # the last one arrived right at the deadline
+                break
+            shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
+            who = f"process {shown}" if len(missing) == 1 else f"processes {shown}"
+            why = (
+                f"{url}: {what}: {who} did not take part within {timeout:g}s of process {me} "
+                f"({fix})"
+            )
+            c.key_value_set(f"{key}/out", f"{_ABORT} {why}")
+            raise MultiProcessError(f"{why}: {_first_line(e)}") from e
+    c.key_value_set(f"{key}/out", base64.b64encode(payload).decode("ascii"))
+    if drop is not None:
+        try:
+            c.key_value_delete(drop)
+        except Exception:  # broad: coordination memory only  # pragma: no cover
+            pass
+    return bytes(payload)
 
 
 @functools.lru_cache(maxsize=32)

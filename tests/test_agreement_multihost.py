@@ -1,0 +1,82 @@
+"""What the processes of a multi-process Checkpointer agree on, with 2 real JAX processes:
+the save decision of a policy whose answer differs between processes (every process follows
+process 0's), and the step to restore.  Every agreement has a deadline: a process that never
+takes part makes the others raise ``quire.errors.MultiProcessError`` naming it within
+``quire.configure(timeout=...)``, never hang.  See ``tests/multihost/agreement_worker.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="127.0.0.1 processes")
+
+WORKER = Path(__file__).parent / "multihost" / "agreement_worker.py"
+PREFIX = "QUIRE-AGREE "
+TIMEOUT = 4  # quire's deadline in the workers, seconds
+
+
+def launch(tmp: Path, cfg: dict[str, Any], n: int = 2, timeout: float = 60) -> list[dict[str, Any]]:
+    """Run ``n`` workers until all but ``cfg["absent"]`` (stuck: killed) end, or ``timeout``;
+    the lines they printed."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(JAX_PLATFORMS="cpu")
+    procs, outs = [], []
+    for i in range(n):
+        outs.append(tmp / f"{cfg['what']}-{port}-{i}.out")
+        with open(outs[-1], "w") as out, open(tmp / f"{cfg['what']}-{port}-{i}.err", "w") as err:
+            cmd = [sys.executable, str(WORKER), str(i), str(n), str(port), json.dumps(cfg)]
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env))
+    t0 = time.monotonic()
+    for i, p in enumerate(procs):
+        if i == cfg.get("absent"):
+            continue
+        try:
+            p.wait(timeout=max(0.1, timeout - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            break
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)  # JAX's preemption notifier swallows SIGTERM
+            p.wait()
+    lines = [ln for f in outs for ln in f.read_text().splitlines() if ln.startswith(PREFIX)]
+    return [json.loads(ln.removeprefix(PREFIX)) for ln in lines]
+
+
+def of(results: list[dict[str, Any]], check: str) -> list[dict[str, Any]]:
+    return sorted((r for r in results if r["check"] == check), key=lambda r: r["pid"])
+
+
+@pytest.mark.parametrize("absent", [2, 0])
+def test_a_process_missing_from_the_save_decision_is_named_within_the_deadline(
+    tmp_path: Path, absent: int
+) -> None:
+    """A time- or signal-based policy's answer is process 0's, on every process: with all
+    three present they all save where only process 0's policy says so.  Then one process
+    never asks: each other one raises ``MultiProcessError`` naming it within the deadline
+    (they used to wait in a JAX broadcast forever)."""
+    cfg = {"root": str(tmp_path / "root"), "timeout": TIMEOUT, "absent": absent, "what": "decide"}
+    results = launch(tmp_path, cfg, n=3)
+    assert not of(results, "failed"), of(results, "failed")[0]["error"][-3000:]
+    assert [(r["what"], r["got"]) for r in of(results, "ok")] == [("first", True)] * 3
+    errors = of(results, "error")
+    assert [r["pid"] for r in errors] == [p for p in range(3) if p != absent], results
+    for got in errors:
+        assert got["type"] == "MultiProcessError", got
+        assert f"process {absent} " in got["error"] and "save decision" in got["error"], got
+        assert "timeout" in got["error"], got  # the fix: quire.configure(timeout=...)
+        assert got["seconds"] < 2 * TIMEOUT + 3, got
