@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,6 +78,29 @@ def test_a_process_missing_from_the_save_decision_is_named_within_the_deadline(
     assert [r["pid"] for r in errors] == [p for p in range(3) if p != absent], results
     for got in errors:
         assert got["type"] == "MultiProcessError", got
-        assert f"process {absent} " in got["error"] and "save decision" in got["error"], got
+        assert f"process {absent} did not" in got["error"], got
+        assert "save decision" in got["error"], got
         assert "timeout" in got["error"], got  # the fix: quire.configure(timeout=...)
         assert got["seconds"] < 2 * TIMEOUT + 3, got
+
+
+def test_the_step_to_restore_is_agreed_within_the_deadline(tmp_path: Path) -> None:
+    """``Checkpointer.load`` without a local tier: processes that ask for different steps
+    all raise ``QuireError``; the newest step is the same everywhere; then process 1 never
+    loads: process 0 raises ``MultiProcessError`` naming it within the deadline (it used to
+    wait in a JAX all-gather forever)."""
+    cfg = {"root": str(tmp_path / "root"), "timeout": TIMEOUT, "absent": 1, "what": "restore"}
+    results = launch(tmp_path, cfg)
+    assert not of(results, "failed"), of(results, "failed")[0]["error"][-3000:]
+    errors = of(results, "error")
+    different = [r for r in errors if r["what"] == "different steps"]
+    assert [r["pid"] for r in different] == [0, 1], results
+    for r in different:
+        assert r["type"] == "QuireError" and "disagree on the step" in r["error"], r
+    newest = [r["got"] for r in of(results, "ok") if r["what"] == "newest"]
+    assert newest == [sum(range(4)) + 4 * 2] * 2, results
+    (got,) = [r for r in errors if r["what"] == "restore"]
+    assert got["pid"] == 0 and got["type"] == "MultiProcessError", got
+    assert re.search(r"for process 1\b.*did not take part", got["error"]), got
+    assert "timeout" in got["error"], got
+    assert got["seconds"] < 2 * TIMEOUT + 3, got

@@ -5,7 +5,8 @@
 Config: ``root`` (a persistent Checkpointer root shared by every process), ``timeout``
 (quire's), ``absent`` (a process stuck before the agreement under test: it sleeps until the
 test kills it), ``what``: ``decide`` (a save decision with a policy whose answer differs by process:
-every process follows process 0's) or ``restore`` (``Checkpointer.load``).  Prints
+every process follows process 0's) or ``restore`` (``Checkpointer.load``: first of another
+step in each process, then of the newest, then the one under test).  Prints
 ``QUIRE-AGREE <json>`` lines: ``ok`` what the agreement gave, ``error`` what it raised and
 after how many seconds.
 """
@@ -60,12 +61,16 @@ def attempt(what: str, fn: object) -> None:
 try:
     c = quire.Checkpointer(cfg["root"], save_policy=ByProcess())
     attempt("first", lambda: c.should_save(1))  # every process present: process 0's answer
-    c.save(1, {"x": np.arange(4) + 1})
+    for step in (1, 2):
+        c.save(step, {"x": np.arange(4) + step})
     c.wait()
+    if cfg["what"] == "restore":
+        attempt("different steps", lambda: int(c.load(1 + pid)["x"].sum()))
+        attempt("newest", lambda: int(c.load()["x"].sum()))
     if pid == cfg.get("absent"):  # stuck: never reaches the agreement (the test kills it)
         time.sleep(600)
     elif cfg["what"] == "decide":
-        attempt("decide", lambda: c.should_save(2))
+        attempt("decide", lambda: c.should_save(3))
     else:
         attempt("restore", lambda: int(c.load()["x"].sum()))
 except Exception:

@@ -302,8 +302,9 @@ class Checkpointer:
     ) -> Any:
         """Load ``step`` (default: the latest committed one), as ``quire.load`` does.
 
-        Waits for a save in flight first.  Every process checks that all processes
-        restore the same step.  The step cannot be deleted while it is being loaded.
+        Waits for a save in flight first.  The processes agree on the step first (a
+        collective: every process calls it).  The step cannot be deleted while it is being
+        loaded.
 
         Parameters
         ----------
@@ -327,6 +328,8 @@ class Checkpointer:
             ``abstract`` does not match, or asks for a lossy cast (see ``quire.load``).
         QuireError
             Processes disagree on the step to restore.
+        MultiProcessError
+            A process did not take part in the agreement within ``quire.configure(timeout=...)``.
         """
         kw: dict[str, Any] = {"partial": partial, "transform": transform, "shardings": shardings}
         kw.update(casting=casting, storage_options=self._main.paths.options)

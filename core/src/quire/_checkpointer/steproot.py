@@ -48,7 +48,7 @@ from quire._engine import incremental as _inc
 from quire._format import root as _root
 from quire._handlers.units import as_mapping
 from quire._store.url import normalize, open_backend
-from quire.errors import CheckpointNotFoundError, QuireError
+from quire.errors import CheckpointNotFoundError
 
 if TYPE_CHECKING:
     import concurrent.futures
@@ -348,14 +348,12 @@ class StepRoot:
         if self._ledger.unpin(step):
             self._tasks.schedule(self._retention.retain)
 
-    def load(self, step: int | None, fn: Callable[[str], Any], *, agreed: bool = False) -> Any:
-        """``fn(url of step)`` (None: the latest), the step pinned; ``agreed``: the caller
-        has checked that every process restores this step (no second check)."""
+    def load(self, step: int | None, fn: Callable[[str], Any]) -> Any:
+        """``fn(url of step)`` (None: the latest), the step pinned.  With several processes
+        the caller has agreed on ``step`` first (``quire._tiers.restore_plan.Agreement``)."""
         self._tasks.wait_save()
         s, deleting = self._ledger.pin(None if step is None else as_step(step))
         try:
-            if not agreed:
-                self._agree(s)
             if s is None:
                 raise CheckpointNotFoundError(
                     f"no committed step under {self.root} (step format "
@@ -369,23 +367,6 @@ class StepRoot:
         finally:
             if s is not None:
                 self.unpin(s)
-
-    def _agree(self, step: int | None) -> None:
-        """Check that every process is about to restore the same step (no-op for one)."""
-        import numpy as np
-        from jax.experimental import multihost_utils
-
-        try:
-            multihost_utils.assert_equal(
-                np.asarray(-1 if step is None else step, np.int64),
-                fail_message=f"processes would restore different steps of {self.root}",
-            )
-        except AssertionError as e:
-            raise QuireError(
-                f"processes disagree on the step of {self.root} to restore (this one: {step}); "
-                "they see different sets of steps: call reload() on every process, or pass "
-                f"the step explicitly. {e}"
-            ) from e
 
     # ------------------------------------------------------------------ inspection
     def metrics(self, step: int) -> dict[str, Any]:

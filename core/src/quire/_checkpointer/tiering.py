@@ -19,6 +19,8 @@ from quire._checkpointer.localtier import LocalTier
 from quire._checkpointer.save_policies import SavePolicy
 from quire._checkpointer.steproot import StepRoot
 from quire._engine.incremental import COMPACT_BELOW
+from quire._runtime.config import current
+from quire._tiers.restore_plan import Agreement, view
 from quire._tiers.two_tiers import PERSISTENT, TwoTiers
 
 log = logging.getLogger("quire")
@@ -107,10 +109,12 @@ class Tiers(Protocol):
 
 
 class _PersistentOnly:
-    """A Checkpointer without a local tier: its root and its save decision."""
+    """A Checkpointer without a local tier: its root, its save decision and the agreement
+    of its processes on the step to restore."""
 
     def __init__(self, root: StepRoot, decider: SaveDecider) -> None:
         self.root, self.decider = root, decider
+        self.agreement = Agreement(f"{root.root}/restore", current().primary_process)
         decider.attach()
 
     def save(
@@ -150,7 +154,14 @@ class _PersistentOnly:
         return (PERSISTENT,) if step in self.root.steps() else ()
 
     def load(self, step: int | None, fn: Callable[[str], Any]) -> Any:
-        return self.root.load(step, fn)
+        """Load the agreed step: ``step`` (None: the newest), the same on every process (a
+        step no listing shows yet is looked for under the root all the same)."""
+        root = self.root
+        root.wait_save()  # a step being saved counts once committed
+        plan = self.agreement.decide(
+            view(step, root.steps()), root.root, root.root, "agreeing on the step to restore"
+        )
+        return root.load(plan.step if plan is not None else step, fn)
 
     def reload(self) -> None:
         self.root.wait()

@@ -10,12 +10,13 @@ process (``quire._tiers.ownership``).  This module adds what needs every process
   check them against the commit record and the chunk index before writing them at the same
   paths in their own root (:meth:`Spread.after_local`).
 * **The agreed step** (:meth:`Spread.agree`, behind ``latest_step()`` and ``load()``): each
-  process publishes, for every local step, its commit record's digest and which owners'
-  objects it holds whole, plus the persistent steps it lists; every process computes the
-  same answer (``quire._tiers.restore_plan.decide``): the newest step for which every owner's objects have a live
-  holder (with the same record), or which the persistent tier holds.  A step some owner's
-  objects were never completed for (a process killed mid-save) has no holder for them and
-  is never chosen.
+  process publishes the step it asks for and, for every local step, its commit record's
+  digest and which owners' objects it holds whole, plus the persistent steps it lists
+  (``quire._tiers.restore_plan.Agreement``); every process computes the same answer
+  (``quire._tiers.restore_plan.plan_restore``): the newest step for which every owner's
+  objects have a live holder (with the same record), or which the persistent tier holds.  A
+  step some owner's objects were never completed for (a process killed mid-save) has no
+  holder for them and is never chosen.
 * **Restore** (:meth:`Spread.load`): with ``peers > 0`` (TCP), the normal load reads the
   chosen step through a read-only view (``quire._tiers.restore_reader``): only the byte
   ranges its shards need, each owner's from this root when it holds them, else from a live
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -49,14 +49,14 @@ from quire._tiers.peer_copies import PeerCopies
 from quire._tiers.placement import domain_of
 from quire._tiers.restore_plan import (
     PERSISTENT_SOURCE,
+    Agreement,
     RestorePlan,
     agreed_doc,
-    decide,
     holders,
-    parse_view,
     record_digest,
     self_contained,
     sources,
+    view,
 )
 from quire._tiers.restore_reader import (
     Holder,
@@ -68,12 +68,12 @@ from quire._tiers.restore_reader import (
     persistent_provider,
     read_record,
 )
-from quire.errors import CheckpointNotFoundError, MultiProcessError, QuireError
+from quire.errors import CheckpointNotFoundError, MultiProcessError
 
 if TYPE_CHECKING:
     from quire._tiers.contracts import Paths, Root, TierSpec
 
-__all__ = ["PERSISTENT_SOURCE", "RestorePlan", "Spread", "decide", "sources"]
+__all__ = ["Spread"]
 
 log = logging.getLogger("quire")
 
@@ -96,12 +96,17 @@ class Spread:
         What keeps that root (saves, pins, loads, listings).
     persistent : Paths
         Where the persistent tier's steps are.
+    agreement : Agreement
+        How the processes agree on a restore.
     """
 
-    def __init__(self, spec: TierSpec, url: str, local: Root, persistent: Paths) -> None:
+    def __init__(
+        self, spec: TierSpec, url: str, local: Root, persistent: Paths, agreement: Agreement
+    ) -> None:
         import jax
 
         self.spec, self.url, self.local, self.persistent = spec, url, local, persistent
+        self.agreement = agreement
         self.me, self.count = jax.process_index(), jax.process_count()
         self.primary = current().primary_process
         self.name = f"{persistent.root}/local"  # the coordination name, the same everywhere
@@ -118,7 +123,6 @@ class Spread:
                 self.peers,
             )
         self.agreed: int | None = None
-        self.plan: RestorePlan | None = None
         self._seq = 0
         self.saves = 0  # local saves so far: the same count in every process
         self.copies: PeerCopies | None = None
@@ -181,31 +185,6 @@ class Spread:
                 f"{e}; it is treated as lost (quire.configure(timeout=...))"
             ) from e
 
-    def _same_step(self, step: int) -> None:
-        """Check that every process restores ``step`` (what ``Checkpointer.load`` checks
-        with a JAX all-gather, here through the key-value store: no compile)."""
-        self._seq += 1
-        rows = self._kv(
-            "checking that every process restores the same step",
-            f"{self._kvname}/step/{self._seq}",
-            str(step).encode(),
-            self.url,
-        )
-        try:
-            steps = sorted({int(r.decode("ascii")) for r in rows})
-        except (UnicodeDecodeError, ValueError):
-            raise MultiProcessError(
-                f"{self.url}: a process published a malformed step to restore ({rows!r:.200}); "
-                "quire publishes a step number: does another program write to the run's "
-                "coordination service?"
-            ) from None
-        if len(steps) > 1:
-            raise QuireError(
-                f"processes disagree on the step of {self.persistent.root} to restore (this "
-                f"one: {step}; all: {steps}); they see different sets of steps: pass the "
-                "step explicitly, the same on every process"
-            )
-
     # ------------------------------------------------------------------ saving
     async def after_local(self, local_fut: Any, step: int, seq: int) -> None:
         """After the local commit of ``step`` (save number ``seq``): mark this process's own
@@ -230,7 +209,7 @@ class Spread:
             self.copies.close()
 
     # ------------------------------------------------------------------ agreeing
-    async def _view(self, persistent: list[int]) -> dict[str, Any]:
+    async def _view(self, want: int | None, persistent: list[int]) -> dict[str, Any]:
         steps: dict[str, Any] = {}
         for s in self.local.steps():
             url = self.local.url(s)
@@ -245,30 +224,17 @@ class Spread:
             need = ownership.owners(rec.doc, self.primary)
             held = [j for j in need if await ownership.holds(backend, rec.doc, j)]
             steps[str(s)] = {"d": record_digest(rec.raw), "need": need, "held": held}
-        return {"steps": steps, "persistent": persistent}
+        return view(want, persistent, steps)
 
     def agree(self, want: int | None, persistent: list[int]) -> RestorePlan | None:
-        """Every process's holdings, exchanged; the same :class:`RestorePlan` everywhere (blocking,
-        collective: every process calls it)."""
+        """Every process's holdings, listed afresh and exchanged; the same
+        :class:`RestorePlan` everywhere (blocking, collective: every process calls it)."""
         self.local.wait()  # this process's local saves and peer copies
         self.local.reload()
         self._seq += 1
-        view = self.local.run(self._view(persistent))
-        rows = self._kv(
-            "agreeing on the local tier step to restore",
-            f"{self._kvname}/agree/{self._seq}",
-            json.dumps(view).encode(),
-            self.url,
-        )
-        views = []
-        for p, r in enumerate(rows):
-            try:
-                views.append(parse_view(r, p, self.count))
-            except MultiProcessError as e:  # as in every process that reads this row
-                log.warning("%s: %s; it is treated as holding nothing", self.url, e)
-                views.append({"steps": {}, "persistent": []})
-        plan = decide(views, want, self.primary)
-        self.plan = plan
+        mine = self.local.run(self._view(want, persistent))
+        what = "agreeing on the local tier step to restore"
+        plan = self.agreement.decide(mine, self.url, self.persistent.root, what)
         if plan is not None:
             self.agreed = max(plan.step, self.agreed or 0)
         return plan
@@ -281,22 +247,16 @@ class Spread:
         fallback: Callable[[int], Any],
         persistent: list[int],
     ) -> Any:
-        plan = self.plan
-        if plan is None or step is None or plan.step != step:
-            plan = self.agree(step, persistent)
-        self.plan = None  # used once: a later load agrees again
+        plan = self.agree(step, persistent)
         if plan is None:
             raise CheckpointNotFoundError(
                 f"{self.persistent.root}: no step {'' if step is None else step} restorable "
                 f"from the local tier {self.spec.url} (some process's objects have no "
                 "live holder) nor from the persistent tier"
             )
-        self._same_step(plan.step)
         local = self.local
         if self.copies is not None:  # TCP: read each range the load needs where it lies
-            return local.load(
-                plan.step, lambda u: self._through(plan, u, fn, fallback), agreed=True
-            )
+            return local.load(plan.step, lambda u: self._through(plan, u, fn, fallback))
         local.pin(plan.step)
         try:
             whole = local.run(self._assemble(plan))
@@ -305,7 +265,7 @@ class Spread:
         if not whole:
             return fallback(plan.step)
         local.relist()
-        return local.load(plan.step, fn, agreed=True)
+        return local.load(plan.step, fn)
 
     def _through(
         self, plan: RestorePlan, url: str, fn: Callable[[str], Any], fallback: Callable[[int], Any]

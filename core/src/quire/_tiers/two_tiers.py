@@ -50,6 +50,7 @@ from quire._tiers.contracts import Decider, Root, TierSpec
 from quire._tiers.ownership import promote_spread
 from quire._tiers.promotion import promote
 from quire._tiers.promotion import promote_spread as promote_spread_incremental
+from quire._tiers.restore_plan import Agreement, RestorePlan, view
 from quire._tiers.spread import Spread
 from quire.errors import CorruptCheckpointError
 
@@ -109,7 +110,12 @@ class TwoTiers:
         self.inner = open_root(
             self.url, several or jax.process_index() == current().primary_process
         )
-        self.spread = Spread(spec, self.url, self.inner, persistent.paths) if several else None
+        self.agreement = Agreement(f"{persistent.root}/local", current().primary_process)
+        self.spread = (
+            Spread(spec, self.url, self.inner, persistent.paths, self.agreement)
+            if several
+            else None
+        )
         if not several and spec.peers:
             log.warning(
                 "%s: LocalTier(peers=%d) with one JAX process: no peer to copy to",
@@ -227,12 +233,20 @@ class TwoTiers:
         return sorted(set(self.persistent.steps()) | set(self.inner.steps()))
 
     def latest(self) -> int | None:
-        """The highest step committed in either tier (with several processes: agreed by
-        every process, a collective)."""
+        """The highest step committed in either tier (with several processes: restorable
+        by and agreed by every process, a collective)."""
+        plan = self._agree(None)
+        return None if plan is None else plan.step
+
+    def _agree(self, want: int | None) -> RestorePlan | None:
+        """The restore of ``want`` (None: the newest) every process agrees on."""
         if self.spread is not None:
-            plan = self.spread.agree(None, self.persistent.steps())
-            return None if plan is None else plan.step
-        return max(self.steps(), default=None)
+            return self.spread.agree(want, self.persistent.steps())
+        # One process holds its local steps whole; no record to compare with another's.
+        local = {str(s): {"d": "", "need": [0], "held": [0]} for s in self.inner.steps()}
+        what = "agreeing on the step to restore"
+        mine = view(want, self.persistent.steps(), local)
+        return self.agreement.decide(mine, self.url, self.persistent.root, what)
 
     def tiers_of(self, step: int) -> tuple[str, ...]:
         out = []
@@ -249,11 +263,12 @@ class TwoTiers:
         self.inner.wait_save()  # a step being saved locally counts once committed
         fallback = self.persistent.load
         if self.spread is not None:
-            agreed = functools.partial(fallback, fn=fn, agreed=True)
-            return self.spread.load(step, fn, agreed, self.persistent.steps())
-        s = step if step is not None else self.latest()
-        if s is None or s not in self.inner.steps():
-            return fallback(s, fn)
+            from_persistent = functools.partial(fallback, fn=fn)
+            return self.spread.load(step, fn, from_persistent, self.persistent.steps())
+        plan = self._agree(step)
+        if plan is None or plan.digest is None:  # a step no listing shows: looked for there
+            return fallback(step if plan is None else plan.step, fn)
+        s = plan.step
         try:
             return self.inner.load(s, fn)
         except (CorruptCheckpointError, FileNotFoundError) as e:
