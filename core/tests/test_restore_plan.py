@@ -24,8 +24,8 @@ import pytest
 from hypothesis import given
 from props_budget import examples
 
-from quire._tiers.restore_plan import PERSISTENT_SOURCE, plan_restore, sources, view
-from quire.errors import QuireError
+from quire._tiers.restore_plan import PERSISTENT_SOURCE, parse_view, plan_restore, sources, view
+from quire.errors import MultiProcessError, QuireError
 
 
 @dataclass
@@ -247,3 +247,21 @@ def test_processes_must_ask_for_one_step(wants: list[int | None], agreed: Any) -
         assert plan is None
     else:
         assert plan is not None and plan.step == agreed
+
+
+def test_the_step_a_process_asks_for_is_checked_as_published() -> None:
+    for want in (None, 0, 7):
+        good = view(want, [3], holds({4: ("a", [0, 1], [1])}))
+        assert parse_view(json.dumps(good).encode(), 1, 2) == good
+    for bad in ("7", -1, True, 1.5, [7]):
+        raw = json.dumps(view(bad, [], {})).encode()  # type: ignore[arg-type]
+        with pytest.raises(MultiProcessError, match="process 1 published a malformed view"):
+            parse_view(raw, 1, 2)
+
+
+def test_a_view_that_asks_nothing_follows_the_others() -> None:
+    # a view found malformed is replaced by one holding nothing, which asks for nothing
+    steps = holds({4: ("a", [0], [0]), 6: ("b", [0], [0])})
+    views = [view(4, [], steps), {"steps": {}, "persistent": []}, view(4, [], {})]
+    plan = plan_restore(views, 0, "r")
+    assert plan is not None and plan.step == 4

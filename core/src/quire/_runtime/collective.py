@@ -283,7 +283,13 @@ def kv_broadcast(
             ) from e
         if got.startswith(_ABORT):
             raise MultiProcessError(got.removeprefix(_ABORT).strip())
-        return base64.b64decode(got)
+        try:
+            return base64.b64decode(got, validate=True)
+        except ValueError as e:  # binascii.Error
+            raise MultiProcessError(
+                f"{url}: {what}: process {source} published a malformed answer under {key!r} "
+                f"({e}); quire publishes base64: {_FOREIGN}"
+            ) from None
     deadline = time.monotonic() + timeout
     others = [p for p in range(n) if p != me]
     while True:
