@@ -18,7 +18,6 @@ from quire._runtime.registry import sources
 from quire._runtime.responses import AsyncResponse, chain
 from quire._sources.materialize import load_and_transform
 from quire._store.url import effective_options, normalize
-from quire._tiers import spread_save as _spreadsave
 from quire.errors import CheckpointNotFoundError
 from quire.metadata import CheckpointMetadata
 from quire.options import CastingSpec, StorageSpec
@@ -44,12 +43,13 @@ def _start_save(
     options: SaveOptions,
     stats: dict[str, Any] | None = None,
     incremental: Incremental | None = None,
-    spread: str | None = None,
+    scope: _saving.SaveScope | None = None,
 ) -> AsyncResponse[None]:
     """The one save path; ``copy``: snapshot to host first (async) or stream (blocking);
     ``stats`` receives the engine's counters (tests read the byte budget's peak);
     ``incremental``: a Checkpointer's incremental state (``quire._engine.incremental``);
-    ``spread``: a multi-process local tier's coordination name (``quire._tiers.spread_save``)."""
+    ``scope``: every process saves a checkpoint of its own, together
+    (``quire._engine.save.SaveScope``)."""
     unknown = sorted(set(options) - set(SaveOptions.__annotations__))
     if unknown:
         raise TypeError(f"{fn}() got an unexpected keyword argument {unknown[0]!r}")
@@ -65,9 +65,9 @@ def _start_save(
         url=u,
         layout=options.get("layout"),
         incremental=incremental,
-        spread=spread,
+        coordination=None if scope is None else scope.name,
     )
-    writer = _spreadsave.save_spread if prep.spread and prep.coord.active else _saving.save_prepared
+    writer = scope.write if scope is not None and prep.coord.active else _saving.save_prepared
 
     def write() -> Awaitable[None]:
         return _progress.tracked(
@@ -90,15 +90,16 @@ def _start_save(
 def save_units_async(
     url: str,
     units: Mapping[str, Any],
+    *,
     incremental: Incremental | None,
-    spread: str | None = None,
+    scope: _saving.SaveScope | None = None,
     **options: Unpack[SaveOptions],
 ) -> AsyncResponse[None]:
     """``save_checkpointables_async`` for a Checkpointer: ``units`` as they are (a tree is
-    ``{"pytree": tree}``), with its incremental state (None: a plain save) and, for a
-    multi-process local tier, its coordination name."""
+    ``{"pytree": tree}``), with its incremental state (None: a plain save) and, when every
+    process saves a checkpoint of its own, their :class:`~quire._engine.save.SaveScope`."""
     return _start_save(
-        "save_async", url, units, True, options, incremental=incremental, spread=spread
+        "save_async", url, units, True, options, incremental=incremental, scope=scope
     )
 
 

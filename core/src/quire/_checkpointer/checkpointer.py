@@ -177,7 +177,7 @@ class Checkpointer:
             The error of an earlier background save or deletion.
         """
         self._check_open()
-        return self._tier.save(as_step(step), {PYTREE: tree}, metrics, metadata, force, True)
+        return self._tier.save(as_step(step), {PYTREE: tree}, metrics, metadata, force=force)
 
     def save_checkpointables(
         self,
@@ -211,7 +211,7 @@ class Checkpointer:
             :mod:`quire.checkpointables`); nothing is saved.
         """
         self._check_open()
-        return self._tier.save(as_step(step), checkpointables, metrics, metadata, force, False)
+        return self._tier.save(as_step(step), checkpointables, metrics, metadata, force=force)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -302,9 +302,8 @@ class Checkpointer:
     ) -> Any:
         """Load ``step`` (default: the latest committed one), as ``quire.load`` does.
 
-        Waits for a save in flight first.  The processes agree on the step first (a
-        collective: every process calls it).  The step cannot be deleted while it is being
-        loaded.
+        Waits for a save in flight first; every process agrees on the step with the others
+        (a collective).  The step cannot be deleted while it is being loaded.
 
         Parameters
         ----------

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     import concurrent.futures
     import os
 
+    from quire._engine.save import SaveScope
     from quire.metadata import CheckpointMetadata
 
 log = logging.getLogger("quire")
@@ -246,15 +247,15 @@ class StepRoot:
         metadata: Mapping[str, Any] | None,
         *,
         overwrite: bool,
-        single: bool,
-        spread: Callable[[], str] | None = None,
+        scope: Callable[[], SaveScope] | None = None,
     ) -> concurrent.futures.Future[Any]:
         """Save ``units`` as ``step`` (no decision: the caller made it); return the
         background future of the write, the commit and :meth:`after_commit`.
 
-        ``spread``: gives the coordination name of a multi-process local tier's save (every
-        process into its own root, ``quire._tiers.spread_save``), asked right before the
-        save starts (not when an earlier check raises: the names stay in step).
+        ``scope``: gives the
+        ``quire._engine.save.SaveScope`` of a save in which every process saves into a
+        root of its own (a multi-process local tier), asked right before the save starts
+        (not when an earlier check raises: the names stay in step).
         """
         self._tasks.raise_errors()
         user = dict(metadata or {})
@@ -272,9 +273,9 @@ class StepRoot:
         url = self.url(step)
         resp = _api.save_units_async(
             url,
-            units if single else as_mapping(units),
-            inc,
-            None if spread is None else spread(),
+            as_mapping(units),
+            incremental=inc,
+            scope=None if scope is None else scope(),
             metadata=user,
             overwrite=overwrite,
             storage_options=self.paths.options,

@@ -49,7 +49,7 @@ def arrange(
         return _PersistentOnly(root, decider)
     spec = local
 
-    def open_root(url: str, maintainer: bool) -> StepRoot:
+    def open_root(url: str, *, maintainer: bool) -> StepRoot:
         return StepRoot(
             url,
             spec.storage_options,
@@ -88,10 +88,11 @@ class Tiers(Protocol):
         units: Mapping[str, Any],
         metrics: Mapping[str, Any] | None,
         metadata: Mapping[str, Any] | None,
+        *,
         force: bool,
-        single: bool,
     ) -> bool:
-        """Save ``step`` if a policy says so (or ``force``); return whether it saves."""
+        """Save ``step`` if a policy says so (or ``force``: then replacing a step there);
+        return whether it saves."""
         ...
 
     def should_save(self, step: int) -> bool: ...
@@ -123,8 +124,8 @@ class _PersistentOnly:
         units: Mapping[str, Any],
         metrics: Mapping[str, Any] | None,
         metadata: Mapping[str, Any] | None,
+        *,
         force: bool,
-        single: bool,
     ) -> bool:
         if not force and not self.should_save(step):
             log.debug(
@@ -133,7 +134,7 @@ class _PersistentOnly:
                 step,
             )
             return False
-        self.root.save(step, units, metrics, metadata, overwrite=force, single=single)
+        self.root.save(step, units, metrics, metadata, overwrite=force)
         self.decider.saved(step)
         return True
 

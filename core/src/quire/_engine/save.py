@@ -23,7 +23,7 @@ import secrets
 import weakref
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -85,8 +85,6 @@ class PreparedSave:
     incremental: Incremental | None = None
     carried: dict[int, tuple[Node, SaveEntry, Carried]] = field(default_factory=dict)
     paths: dict[str, LeafKey] = field(default_factory=dict)
-    # A local tier's save (quire._tiers.spread_save): every process saves into its own root.
-    spread: bool = False
     per_process: frozenset[str] = frozenset()  # units every process writes its own state of
 
 
@@ -119,18 +117,20 @@ def prepare_save(
     url: str,
     layout: str | None = None,
     incremental: Incremental | None = None,
-    spread: str | None = None,
+    coordination: str | None = None,
 ) -> PreparedSave:
     """Walk every unit, choose handlers, assign locations; copy to host when ``copy``.
 
     With several JAX processes this is a synchronisation point: the primary's txid is
     used everywhere.  With ``incremental`` (packed layout only), a leaf that is the very
     ``jax.Array`` saved last time at its key path is carried: not copied to host.
-    ``spread``: a local tier's save, every process into its own root ``url``; the
-    coordination name, the same in every process (``quire._tiers.spread_save``).
+    ``coordination``: the name the processes coordinate under when each saves to a URL of
+    its own (:class:`SaveScope`); None: ``url``, the same in every process.
     """
     cfg = current()
-    coord = Coordinator(url, "save", primary=cfg.primary_process, timeout=cfg.timeout, name=spread)
+    coord = Coordinator(
+        url, "save", primary=cfg.primary_process, timeout=cfg.timeout, name=coordination
+    )
     txid = coord.agree_txid()
     roots: dict[str, Node] = {}
     objects: dict[str, tuple[str, Any]] = {}
@@ -198,7 +198,6 @@ def prepare_save(
         incremental=incremental,
         carried=carried,
         paths=paths,
-        spread=spread is not None,
         per_process=frozenset(per_process),
     )
 
@@ -380,6 +379,37 @@ def _wrote_incremental(
         sink.hashes or {},
         leaves,
     )
+
+
+class Writer(Protocol):
+    """The asynchronous part of a prepared save: writes ``prep`` at ``url`` and commits it
+    (:func:`save_prepared`, or a :class:`SaveScope`'s)."""
+
+    async def __call__(
+        self,
+        url: str,
+        prep: PreparedSave,
+        *,
+        metadata: Mapping[str, Any] | None,
+        overwrite: bool,
+        storage_options: dict[str, Any] | None = None,
+        stats: dict[str, Any] | None = None,
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class SaveScope:
+    """A multi-process save in which every process saves a checkpoint of its own (each its
+    own URL) together, rather than its part of one shared checkpoint.
+
+    ``name`` is what the processes coordinate under (their URLs differ): the same in every
+    process, unique to the save.  ``write`` runs instead of :func:`save_prepared` (with
+    several processes): it writes each process's data, exchanges what the commit records
+    need and commits every process's checkpoint.
+    """
+
+    name: str
+    write: Writer
 
 
 async def save_prepared(

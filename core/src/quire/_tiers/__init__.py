@@ -1,16 +1,17 @@
 """A Checkpointer's local tier over its persistent root (``quire.LocalTier``): one room for
 everything that exists because there is a second tier.
 
-Lowest first: ``contracts`` (contracts: what the tier asks of the roots, save decisions and
-configuration the Checkpointer hands it); the tier's transactions: ``spread_save`` (a
-multi-process local save, every process into its own root, called through ``quire._api``),
+Lowest first: ``contracts`` (contracts: what the tier asks of the roots, by the role each
+plays, of the save decisions and configuration the Checkpointer hands it); the tier's
+transactions: ``spread_save`` (a multi-process local save, every process into its own root,
+handed to ``quire._api`` as a ``quire._engine.save.SaveScope``),
 ``ownership`` (a local step's objects by owner process: markers, checked peer copies, the
 multi-process promotion) and on it ``promotion`` (the incremental promotion, one process or
 several); with several processes ``placement`` (which processes hold each one's copies,
 spread over failure domains), ``peer_copies`` (peer copies over the peer link), ``read_checks``
 and ``providers`` under ``restore_reader`` (a restore's read-only view: byte ranges from the
-nearest live holder, checked), ``restore_plan`` (the agreed restore step, computed alike by every
-process) and ``spread`` (``Spread``: all of that for one Checkpointer); at the top
+nearest live holder, checked), ``restore_plan`` (the restore decision, a pure function of every process's view,
+and the one agreement on it, with a deadline: every Checkpointer restore goes through it) and ``spread`` (``Spread``: all of that for one Checkpointer); at the top
 ``two_tiers`` (``TwoTiers``, the part the Checkpointer holds: local saves, promotions, reads local
 first).
 

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from quire._engine import commit as _commit
+from quire._engine.save import SaveScope
 from quire._runtime.collective import exchange, kv_exchange
 from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking
@@ -68,10 +69,11 @@ from quire._tiers.restore_reader import (
     persistent_provider,
     read_record,
 )
+from quire._tiers.spread_save import save_spread
 from quire.errors import CheckpointNotFoundError, MultiProcessError
 
 if TYPE_CHECKING:
-    from quire._tiers.contracts import Paths, Root, TierSpec
+    from quire._tiers.contracts import Paths, RestoringRoot, TierSpec
 
 __all__ = ["Spread"]
 
@@ -92,8 +94,8 @@ class Spread:
         The tier's configuration (a ``quire.LocalTier``).
     url : str
         This process's local root.
-    local : Root
-        What keeps that root (saves, pins, loads, listings).
+    local : RestoringRoot
+        What keeps that root (pins, loads, listings).
     persistent : Paths
         Where the persistent tier's steps are.
     agreement : Agreement
@@ -101,7 +103,12 @@ class Spread:
     """
 
     def __init__(
-        self, spec: TierSpec, url: str, local: Root, persistent: Paths, agreement: Agreement
+        self,
+        spec: TierSpec,
+        url: str,
+        local: RestoringRoot,
+        persistent: Paths,
+        agreement: Agreement,
     ) -> None:
         import jax
 
@@ -140,11 +147,11 @@ class Spread:
                 spec.peer_tls,
             )
 
-    def save_name(self, step: int) -> str:
-        """The coordination name of the next local save (of ``step``): every process saves
-        into its own root, together (``quire._tiers.spread_save``)."""
+    def save_scope(self, step: int) -> SaveScope:
+        """The next local save (of ``step``): every process saves into its own root,
+        together (``quire._tiers.spread_save``), under a name of its own."""
         self.saves += 1
-        return f"{self.name}/{step}/{self.saves}"
+        return SaveScope(f"{self.name}/{step}/{self.saves}", save_spread)
 
     def _timeout(self) -> float:
         t = current().timeout

@@ -46,7 +46,7 @@ from typing import Any
 from quire._engine.copying import copy_checkpoint
 from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator
-from quire._tiers.contracts import Decider, Root, TierSpec
+from quire._tiers.contracts import Decider, LocalRoot, OpenRoot, PersistentRoot, TierSpec
 from quire._tiers.ownership import promote_spread
 from quire._tiers.promotion import promote
 from quire._tiers.promotion import promote_spread as promote_spread_incremental
@@ -75,13 +75,13 @@ class TwoTiers:
     ----------
     spec : TierSpec
         The tier's configuration (a ``quire.LocalTier``).
-    persistent : Root
+    persistent : PersistentRoot
         The Checkpointer's root.
     decider : Decider
         The Checkpointer's save decision.
-    open_root : callable
-        ``open_root(url, maintainer)``: the local root at ``url`` (``maintainer``: whether
-        this process keeps its retention, garbage and root record).
+    open_root : OpenRoot
+        ``open_root(url, maintainer=...)``: the local root at ``url`` (``maintainer``:
+        whether this process keeps its retention, garbage and root record).
     new_decider : callable
         ``new_decider(last_step)``: the local tier's save decision.
     """
@@ -89,9 +89,9 @@ class TwoTiers:
     def __init__(
         self,
         spec: TierSpec,
-        persistent: Root,
+        persistent: PersistentRoot,
         decider: Decider,
-        open_root: Callable[[str, bool], Root],
+        open_root: OpenRoot,
         new_decider: Callable[[int | None], Decider],
     ) -> None:
         import jax
@@ -107,8 +107,8 @@ class TwoTiers:
                 'the local tier saves packed checkpoints only; leave layout at "packed"'
             )
         # each process owns its root: retention, gc, root record
-        self.inner = open_root(
-            self.url, several or jax.process_index() == current().primary_process
+        self.inner: LocalRoot = open_root(
+            self.url, maintainer=several or jax.process_index() == current().primary_process
         )
         self.agreement = Agreement(f"{persistent.root}/local", current().primary_process)
         self.spread = (
@@ -154,8 +154,8 @@ class TwoTiers:
         units: Mapping[str, Any],
         metrics: Mapping[str, Any] | None,
         metadata: Mapping[str, Any] | None,
+        *,
         force: bool,
-        single: bool,
     ) -> bool:
         """Save ``step`` locally when either tier's policy says so (or ``force``), and promote
         it when the persistent policy does; return whether it saves."""
@@ -168,11 +168,9 @@ class TwoTiers:
         if persistent:
             self.persistent.wait_save()  # at most one promotion in flight
         spread = self.spread
-        name = None if spread is None else functools.partial(spread.save_name, step)
+        scope = None if spread is None else functools.partial(spread.save_scope, step)
         # overwrite: either tier decided; the local tier replaces whatever it holds.
-        local_fut = self.inner.save(
-            step, units, metrics, metadata, overwrite=True, single=single, spread=name
-        )
+        local_fut = self.inner.save(step, units, metrics, metadata, overwrite=True, scope=scope)
         seq = 0 if spread is None else spread.saves
         if spread is not None:
             # the next local save waits for this step's peer copies; a promotion does not
@@ -180,12 +178,12 @@ class TwoTiers:
         self.decider.saved(step)
         if persistent:
             self.inner.pin(step)  # local retention must not delete what we copy
-            self.persistent.begin(step, self._promote(local_fut, step, force, seq))
+            self.persistent.begin(step, self._promote(local_fut, step, overwrite=force, seq=seq))
             self.outer_decider.saved(step)
         return True
 
     async def _promote(
-        self, local_fut: concurrent.futures.Future[Any], step: int, overwrite: bool, seq: int
+        self, local_fut: concurrent.futures.Future[Any], step: int, *, overwrite: bool, seq: int
     ) -> dict[str, Any] | None:
         """Copy ``step`` to the persistent root once its local save commits; return its
         metrics (None: the local save failed).  The local step is pinned until it ends."""
