@@ -48,8 +48,7 @@ def _start_save(
     """The one save path; ``copy``: snapshot to host first (async) or stream (blocking);
     ``stats`` receives the engine's counters (tests read the byte budget's peak);
     ``incremental``: a Checkpointer's incremental state (``quire._engine.incremental``);
-    ``scope``: every process saves a checkpoint of its own, together
-    (``quire._engine.save.SaveScope``)."""
+    ``scope``: every process saves its own checkpoint (``quire._engine.save.SaveScope``)."""
     unknown = sorted(set(options) - set(SaveOptions.__annotations__))
     if unknown:
         raise TypeError(f"{fn}() got an unexpected keyword argument {unknown[0]!r}")
