@@ -312,9 +312,11 @@ def test_copy_of_an_incomplete_checkpoint_is_refused(layout: str, tmp_path: Path
     if layout == "chunks":  # the copy reads every chunk object: the source is damaged
         # One object at a time: the chunks before the missing one are copied first, and the
         # failed copy removes them (it left d/<txid>/ behind when a race made it so).
-        with pytest.raises(quire.CorruptCheckpointError, match="is missing"):
-            with quire.Context(max_concurrency=1):
-                quire.copy(src, dst, overwrite=True)
+        with (
+            pytest.raises(quire.CorruptCheckpointError, match="is missing"),
+            quire.Context(max_concurrency=1),
+        ):
+            quire.copy(src, dst, overwrite=True)
     else:  # the packs and indexes are copied as they are: the commit refuses
         e = refused(quire.copy, src, dst, overwrite=True)
         assert e.chunk == (4, 0) and dst in str(e)
