@@ -51,15 +51,30 @@ def _forget_module() -> None:
 
 @pytest.fixture(scope="module")
 def acme(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """Build and install the plugin into this environment, as a user would; remove it after."""
-    src = tmp_path_factory.mktemp("acme") / "acme-quire-plugin"
+    """Build and install the plugin with pip, as a user would, into a folder of this module's
+    own on ``sys.path`` (its dist-info and entry points are found there as in site-packages):
+    never into the shared environment, where another xdist worker's tests, or a concurrent
+    install of this fixture, would meet it."""
+    base = tmp_path_factory.mktemp("acme")
+    src, site = base / "acme-quire-plugin", base / "site"
     shutil.copytree(SOURCE, src)  # build outside the repository
-    _pip("install", "--no-deps", "--no-build-isolation", "--no-index", str(src))
+    _pip(
+        "install",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "--target",
+        str(site),
+        str(src),
+    )
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
     clear_caches()
     try:
         yield importlib.import_module("acme_quire")
     finally:
-        _pip("uninstall", "-y", DIST)
+        sys.path.remove(str(site))
+        importlib.invalidate_caches()
         _forget_module()
         clear_caches()
 
