@@ -1,6 +1,7 @@
 """Real object-store servers for the tests, and a fault-injecting HTTP proxy in front of them.
 
-* :class:`MotoS3` - moto's S3 server (``ThreadedMotoServer``) on 127.0.0.1, a random port;
+* :class:`MotoS3` - moto's S3 server (``python -m moto.server``, a process of its own) on
+  127.0.0.1, a random port;
   it enforces ``If-None-Match`` / ``If-Match`` on PutObject.
 * :class:`FakeGcs` - fake-gcs-server (Go, from a wheel) in memory on 127.0.0.1, a process
   of its own; it enforces ``ifGenerationMatch`` on multipart uploads (quire-gcs's commits).
@@ -11,8 +12,8 @@
   fake-gcs-server it also keeps resumable uploads to GCS's protocol (:class:`GcsSessions`).
   :class:`ProxyProcess` runs one that only adds latency in a process of its own.
 
-moto starts in ~1 s and each test module gets its own; fake-gcs-server starts in ~0.05 s and
-the session shares one (``conftest.py``).  ``ci/object_store_servers.py`` starts the same
+moto starts in ~2 s, fake-gcs-server in ~0.05 s; each xdist worker's session shares one of
+each (``conftest.py``), every test working under a prefix of its own.  ``ci/object_store_servers.py`` starts the same
 servers for trying quire by hand.
 
 :data:`STORES` registers each object store the tests run quire against, one
@@ -60,11 +61,25 @@ class MotoS3:
     credentials: dict[str, Any] = {"key": S3_KEY, "secret": S3_SECRET}
 
     def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
-
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self._server.start()
-        host, port = self._server.get_host_and_port()
+        # A process of its own, as S3 is: in a thread of the test's process, moto's request
+        # handling and the client's event loop took turns holding one GIL (the incremental
+        # machine's sequences on moto ran 10 % slower so).
+        host = "127.0.0.1"
+        for attempt in range(5):  # a free port can be taken before the server binds it
+            port = free_port()
+            self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
+            self._process = subprocess.Popen(
+                ["sh", "-c", _UNTIL_STDIN_CLOSES, "sh",
+                 sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self._log,
+            )  # fmt: skip
+            if self._wait_ready(host, port, 60.0):
+                break
+            self._log.seek(0)
+            said = self._log.read().decode("utf-8", "replace").strip()
+            self.stop()
+            if attempt == 4:
+                raise RuntimeError(f"moto's server did not start on port {port}: {said}")
         self.host, self.port = host, int(port)
         self.endpoint = f"http://{host}:{port}"
         self.client().create_bucket(Bucket=S3_BUCKET)  # no region: moto's default
@@ -86,8 +101,25 @@ class MotoS3:
     def fresh_url(self) -> str:
         return f"s3://{S3_BUCKET}/{uuid.uuid4().hex[:12]}"
 
+    def _wait_ready(self, host: str, port: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._process.poll() is None:
+            with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=2):
+                return True
+            time.sleep(0.05)
+        return False
+
     def stop(self) -> None:
-        self._server.stop()
+        """End the server (closing its watcher's stdin) and wait for it."""
+        assert self._process.stdin is not None
+        with contextlib.suppress(OSError):
+            self._process.stdin.close()
+        try:
+            self._process.wait(10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait(5)
+        self._log.close()
 
 
 class FakeGcs:
