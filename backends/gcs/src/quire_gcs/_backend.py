@@ -5,17 +5,14 @@ and ``STORAGE_EMULATOR_HOST``) into credentials, an endpoint and an aiohttp sess
 request is then made here, so that the commit uses GCS's own preconditions and every call
 shares one retry policy:
 
-* ``put_if_absent`` uploads with ``ifGenerationMatch=0`` and ``replace_if_match`` with
-  ``ifGenerationMatch=<generation>`` (412 = :class:`PreconditionFailed`) as multipart uploads:
-  GCS applies an insert's preconditions to every ``uploadType`` alike (both are query
-  parameters of one method, cloud.google.com/storage/docs/json_api/v1/objects/insert), and
-  fake-gcs-server, the tests' server, to multipart ones only.  Never a copy + delete "rename";
+* ``put_if_absent`` / ``replace_if_match``: multipart uploads with ``ifGenerationMatch=0`` /
+  ``<generation>`` (412 = :class:`PreconditionFailed`); GCS applies them to every
+  ``uploadType``, fake-gcs-server (the tests') to multipart only.  Never copy + delete;
 * ``put`` uploads objects of ``resumable_threshold`` bytes or more with a resumable upload,
   which continues from the offset the server confirms after a failure; format-v2 packs
   stream into a resumable upload of unknown size (``stream_writer``, ``quire_gcs._stream``);
 * ``get`` / ``get_into`` read byte ranges and stream into the caller's buffers;
-* 408, 429, 5xx, resets and timeouts are retried with jittered backoff up to a deadline;
-  401/403 and a missing bucket fail at once.
+* 408/429/5xx, resets, timeouts: retried (backoff, a deadline); 401/403, no bucket: fail at once.
 """
 
 from __future__ import annotations
