@@ -8,54 +8,28 @@ takes part makes the others raise ``quire.errors.MultiProcessError`` naming it w
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from multihost import harness
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="127.0.0.1 processes")
 
 WORKER = Path(__file__).parent / "multihost" / "agreement_worker.py"
-PREFIX = "QUIRE-AGREE "
 TIMEOUT = 4  # quire's deadline in the workers, seconds
 
 
 def launch(tmp: Path, cfg: dict[str, Any], n: int = 2, timeout: float = 60) -> list[dict[str, Any]]:
     """Run ``n`` workers until all but ``cfg["absent"]`` (stuck: killed) end, or ``timeout``;
-    the lines they printed."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(JAX_PLATFORMS="cpu")
-    procs, outs = [], []
-    for i in range(n):
-        outs.append(tmp / f"{cfg['what']}-{port}-{i}.out")
-        with open(outs[-1], "w") as out, open(tmp / f"{cfg['what']}-{port}-{i}.err", "w") as err:
-            cmd = [sys.executable, str(WORKER), str(i), str(n), str(port), json.dumps(cfg)]
-            procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env))
-    t0 = time.monotonic()
-    for i, p in enumerate(procs):
-        if i == cfg.get("absent"):
-            continue
-        try:
-            p.wait(timeout=max(0.1, timeout - (time.monotonic() - t0)))
-        except subprocess.TimeoutExpired:
-            break
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)  # JAX's preemption notifier swallows SIGTERM
-            p.wait()
-    lines = [ln for f in outs for ln in f.read_text().splitlines() if ln.startswith(PREFIX)]
-    return [json.loads(ln.removeprefix(PREFIX)) for ln in lines]
+    the lines they reported."""
+    run = harness.launch(
+        WORKER, n, [json.dumps(cfg)], tmp, name=cfg["what"], timeout=timeout,
+        stuck=cfg.get("absent"),
+    )  # fmt: skip
+    return run.results
 
 
 def of(results: list[dict[str, Any]], check: str) -> list[dict[str, Any]]:

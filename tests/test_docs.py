@@ -1,7 +1,8 @@
 """Every ```python block of README.md, docs/*.md and the plugin READMEs runs.
 
 Blocks of one file run in order, in one namespace, in a fresh process whose working
-directory is a temporary folder.  A block that cannot run here is preceded by
+directory is a temporary folder (forked from the test process's fork server,
+``tests/multihost/forkserver.py``, which has JAX imported already).  A block that cannot run here is preceded by
 ``<!-- docs-test: skip reason="..." -->`` (the reason is required and checked); a hidden
 ``<!-- docs-test: setup ... -->`` comment holds code run before the file's blocks (helpers
 a snippet assumes, such as ``train_step``).
@@ -9,13 +10,13 @@ a snippet assumes, such as ``train_step``).
 
 from __future__ import annotations
 
+import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from multihost import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 FILES = sorted(
@@ -76,15 +77,15 @@ def test_doc_code_blocks_run(path: Path, tmp_path: Path) -> None:
             *(f"# --- block {i}\n{_body(c)}" for i, c in enumerate(run)),
         ]
     )
-    (tmp_path / "doc_blocks.py").write_text(script)
+    work = tmp_path / "work"  # the blocks' working directory; their output beside it
+    work.mkdir()
+    (work / "doc_blocks.py").write_text(script)
     # The README's Quickstart must also work a second time in the same directory (issue 14:
     # it used to fail on an existing checkpoint); it runs on 3 devices, which do not divide
     # its 1024-wide arrays.
     for attempt in ("first", "second")[: 2 if path.name == "README.md" else 1]:
-        p = subprocess.run(
-            [sys.executable, "doc_blocks.py"], cwd=tmp_path, capture_output=True, text=True,
-            timeout=240,
-        )  # fmt: skip
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        p = forkserver.run(["doc_blocks.py"], env, work, tmp_path, timeout=240)
         assert p.returncode == 0, f"{path} ({attempt} run):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
 
 

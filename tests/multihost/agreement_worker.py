@@ -1,13 +1,13 @@
 """One process of a run where the processes must agree (tests/test_agreement_multihost.py).
 
-    python agreement_worker.py <process id> <process count> <port> <json config>
+    python agreement_worker.py <json config>   (started by harness.launch)
 
 Config: ``root`` (a persistent Checkpointer root shared by every process), ``timeout``
 (quire's), ``absent`` (a process stuck before the agreement under test: it sleeps until the
 test kills it), ``what``: ``decide`` (a save decision with a policy whose answer differs by process:
 every process follows process 0's) or ``restore`` (``Checkpointer.load``: first of another
-step in each process, then of the newest, then the one under test).  Prints
-``QUIRE-AGREE <json>`` lines: ``ok`` what the agreement gave, ``error`` what it raised and
+step in each process, then of the newest, then the one under test).  Reports
+(``worker_harness.report``): ``ok`` what the agreement gave, ``error`` what it raised and
 after how many seconds.
 """
 
@@ -19,15 +19,13 @@ import sys
 import time
 import traceback
 
-pid, count, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-cfg = json.loads(sys.argv[4])
+import worker_harness
+
+cfg = json.loads(sys.argv[1])
+me = worker_harness.init(initialization_timeout=60)
+pid = me.process
 
 import jax  # noqa: E402
-
-jax.distributed.initialize(
-    f"127.0.0.1:{port}", num_processes=count, process_id=pid, initialization_timeout=60
-)
-
 import numpy as np  # noqa: E402
 
 import quire  # noqa: E402
@@ -36,8 +34,7 @@ from quire.policies import SaveContext, SavePolicy  # noqa: E402
 quire.configure(timeout=cfg["timeout"])
 
 
-def emit(**kw: object) -> None:
-    print("QUIRE-AGREE " + json.dumps({"pid": pid, **kw}), flush=True)
+emit = worker_harness.report
 
 
 class ByProcess(SavePolicy):

@@ -7,7 +7,10 @@ take their part from ``worker_harness.py``.  A launch:
   index, the process count, the coordinator's address (a free port on 127.0.0.1) and its
   CPU device count through the environment (``QUIRE_MH_*``, ``XLA_FLAGS``, ``JAX_PLATFORMS``);
   the worker's ``worker_harness.init()`` turns them into ``jax.distributed.initialize``;
-* waits for every process to end, or for ``stop_on`` (one process's death) whichever comes
+  each is forked from the test process's fork server (``forkserver.py``: JAX imported once)
+  where its environment allows, else started by ``Popen``;
+* waits for every process to end (but ``stuck``, one that never will), or for ``stop_on``
+  (one process's death) whichever comes
   first, under one deadline shared by all of them; the processes still running then are
   SIGKILLed (JAX's preemption notifier swallows SIGTERM);
 * collects the JSON result lines the workers printed with ``worker_harness.report`` (the
@@ -35,6 +38,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+from . import forkserver
+
+Proc = forkserver.Forked | subprocess.Popen[Any]
 
 PREFIX = "QUIRE-MH "
 # Set by the harness for every worker; a test's own environment never carries them over.
@@ -119,11 +126,11 @@ class Run:
         assert len(self.of("done")) == len(self.returncodes), self.failures()
 
 
-def _watch(procs: Sequence[subprocess.Popen[Any]]) -> queue.Queue[int]:
+def _watch(procs: Sequence[Proc]) -> queue.Queue[int]:
     """A queue that receives each process's index as soon as it exits."""
     ended: queue.Queue[int] = queue.Queue()
 
-    def wait(i: int, p: subprocess.Popen[Any]) -> None:
+    def wait(i: int, p: Proc) -> None:
         p.wait()
         ended.put(i)
 
@@ -132,7 +139,7 @@ def _watch(procs: Sequence[subprocess.Popen[Any]]) -> queue.Queue[int]:
     return ended
 
 
-def _kill(procs: Sequence[subprocess.Popen[Any]]) -> None:
+def _kill(procs: Sequence[Proc]) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)  # JAX's preemption notifier swallows SIGTERM
@@ -152,11 +159,13 @@ def launch(
     env_of: Callable[[int], dict[str, str]] | None = None,
     drop: Sequence[str] = (),
     stop_on: int | None = None,
+    stuck: int | None = None,
 ) -> Run:
     """Run ``python worker *args`` as ``n`` processes of ``devices`` CPU devices each.
 
     Waits until every process has ended, or ``timeout`` seconds (one deadline for all), or
-    process ``stop_on`` has ended (a victim: the others are then killed as a job would be);
+    process ``stop_on`` has ended (a victim: the others are then killed as a job would be), or
+    every process but ``stuck`` has ended (one stuck on purpose, never reaching its end);
     then SIGKILLs the processes still running.  Their output goes to
     ``logs/<name>-<i>.out`` / ``.err``.  ``env`` is added to every process's environment,
     ``env_of(i)`` to process ``i``'s; the variables named in ``drop`` are removed.
@@ -164,16 +173,15 @@ def launch(
     port = free_port()
     logs.mkdir(parents=True, exist_ok=True)
     stems = [logs / f"{name}-{port}-{i}" for i in range(n)]
-    procs: list[subprocess.Popen[Any]] = []
+    procs: list[Proc] = []
     t0 = time.monotonic()
     try:
         for i, stem in enumerate(stems):
             own = {**(env or {}), **(env_of(i) if env_of else {})}
             penv = worker_env(i, n, f"127.0.0.1:{port}", devices, own, drop)
-            with open(f"{stem}.out", "w") as out, open(f"{stem}.err", "w") as err:
-                cmd = [sys.executable, str(worker), *args]
-                procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=penv))
-        ended, left = _watch(procs), set(range(n))
+            argv = [str(worker), *args]
+            procs.append(forkserver.spawn(argv, penv, Path(f"{stem}.out"), Path(f"{stem}.err")))
+        ended, left = _watch(procs), set(range(n)) - {stuck}
         while left:
             try:
                 i = ended.get(timeout=max(0.0, timeout - (time.monotonic() - t0)))
