@@ -2,8 +2,8 @@
 
 Blocks of one file run in order, in one namespace, in a fresh process whose working
 directory is a temporary folder (forked from the test process's fork server,
-``tests/multihost/forkserver.py``, which has JAX imported already).  A block that cannot run here is preceded by
-``<!-- docs-test: skip reason="..." -->`` (the reason is required and checked); a hidden
+``core/tests/forkserver.py``, which has JAX imported already).  A block that cannot run
+here is preceded by ``<!-- docs-test: skip reason="..." -->`` (the reason is required and checked); a hidden
 ``<!-- docs-test: setup ... -->`` comment holds code run before the file's blocks (helpers
 a snippet assumes, such as ``train_step``).
 """
@@ -15,8 +15,8 @@ import re
 import textwrap
 from pathlib import Path
 
+import forkserver  # core/tests/forkserver.py
 import pytest
-from multihost import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 FILES = sorted(
@@ -77,15 +77,13 @@ def test_doc_code_blocks_run(path: Path, tmp_path: Path) -> None:
             *(f"# --- block {i}\n{_body(c)}" for i, c in enumerate(run)),
         ]
     )
-    work = tmp_path / "work"  # the blocks' working directory; their output beside it
-    work.mkdir()
-    (work / "doc_blocks.py").write_text(script)
+    (tmp_path / "doc_blocks.py").write_text(script)
     # The README's Quickstart must also work a second time in the same directory (issue 14:
     # it used to fail on an existing checkpoint); it runs on 3 devices, which do not divide
     # its 1024-wide arrays.
     for attempt in ("first", "second")[: 2 if path.name == "README.md" else 1]:
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        p = forkserver.run(["doc_blocks.py"], env, work, tmp_path, timeout=240)
+        p = forkserver.run(["doc_blocks.py"], env=env, cwd=tmp_path, timeout=240)
         assert p.returncode == 0, f"{path} ({attempt} run):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
 
 

@@ -13,12 +13,12 @@ import importlib.util
 import os
 import random
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import forkserver  # core/tests/forkserver.py
 import numpy as np
 import pytest
 
@@ -30,20 +30,22 @@ STEPS = 24
 SEED = 31
 
 
-def _start(root: Path, *extra: str) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONUNBUFFERED"] = "1"  # the example sets its own 8 CPU devices
-    return subprocess.Popen(
-        [sys.executable, str(EXAMPLE), str(root), "--steps", str(STEPS), *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+def _start(root: Path, *extra: str) -> forkserver.Child:
+    # The example sets its own 8 CPU devices (XLA_FLAGS); it runs on the CPU here, as
+    # JAX_PLATFORMS=cpu says (which also lets the fork server start it).
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    return forkserver.popen(
+        [str(EXAMPLE), str(root), "--steps", str(STEPS), *extra],
+        stdout=forkserver.PIPE,
+        stderr=forkserver.STDOUT,
         text=True,
         env=env,
         cwd=REPO,
     )
 
 
-def _output(p: subprocess.Popen[str], code: int = 0) -> str:
+def _output(p: forkserver.Child, code: int = 0) -> str:
     out, _ = p.communicate(timeout=240)
     assert p.returncode == code, f"exit {p.returncode}, expected {code}:\n{out}"
     return out

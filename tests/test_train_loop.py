@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
+import forkserver  # core/tests/forkserver.py
 import numpy as np
 import pytest
 
@@ -37,18 +37,18 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _start(root: Path, *extra: str, steps: int = STEPS) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, str(EXAMPLE), str(root), "--steps", str(steps), *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+def _start(root: Path, *extra: str, steps: int = STEPS) -> forkserver.Child:
+    return forkserver.popen(
+        [str(EXAMPLE), str(root), "--steps", str(steps), *extra],
+        stdout=forkserver.PIPE,
+        stderr=forkserver.STDOUT,
         text=True,
         env=_env(),
         cwd=REPO,
     )
 
 
-def _finish(p: subprocess.Popen[str], timeout: float = 120) -> str:
+def _finish(p: forkserver.Child, timeout: float = 120) -> str:
     out, _ = p.communicate(timeout=timeout)
     assert p.returncode == 0, f"exit {p.returncode}:\n{out}"
     return out
@@ -75,7 +75,7 @@ def _assert_bit_equal(a: Any, b: Any) -> None:
 
 
 def _signal_when_committed(
-    p: subprocess.Popen[str], min_committed: int, sig: signal.Signals
+    p: forkserver.Child, min_committed: int, sig: signal.Signals
 ) -> tuple[int, str]:
     """Send ``sig`` once ``p`` reports a committed step >= ``min_committed``.
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import numpy as np
 import pytest
 
@@ -39,12 +39,8 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(url: str, mode: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", SCRIPT, url, mode],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    return forkserver.run(
+        ["-c", SCRIPT, url, mode], timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"}
     )
 
 

@@ -1,7 +1,7 @@
-"""The multi-process harness's fork server (``tests/multihost/forkserver.py``) starts a worker
-as ``Popen`` would: its own argv, environment, working folder and output files, JAX's
-device count read from its own ``XLA_FLAGS``, its exit code or signal, and ``Popen`` itself
-when the environment differs in what the server read while importing."""
+"""The tests' fork server (``forkserver.py``) starts a Python child as ``Popen`` would: its
+own argv (a script or ``-c``), environment, working folder and standard streams (files or
+pipes), JAX's device count read from its own ``XLA_FLAGS``, its exit code or signal, and
+``Popen`` itself when the environment differs in what the server read while importing."""
 
 from __future__ import annotations
 
@@ -10,23 +10,23 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import forkserver
 import pytest
-from multihost import forkserver
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="fork, /proc")
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="fork, SCM_RIGHTS")
 
 SCRIPT = """
 import json, os, sys
 import jax
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0],
                   "mine": os.environ.get("MINE"), "devices": len(jax.devices()),
-                  "main": __name__, "ppid": os.getppid()}))
+                  "main": __name__, "ppid": os.getppid()}), flush=True)
 print("to stderr", file=sys.stderr)
-if sys.argv[1:] == ["sleep"]:
-    import time; time.sleep(600)
+if sys.argv[1:] == ["echo"]:
+    for line in sys.stdin:
+        print("got", line.strip(), flush=True)
 sys.exit(int(os.environ.get("CODE", "0")))
 """
 
@@ -35,47 +35,50 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "JAX_PLATFORMS": "cpu", **extra}
 
 
-def test_a_forked_worker_is_the_script_it_was_asked_to_be(tmp_path: Path) -> None:
+def test_a_forked_script_is_the_program_it_was_asked_to_be(tmp_path: Path) -> None:
     (tmp_path / "w.py").write_text(SCRIPT)
     work = tmp_path / "elsewhere"
     work.mkdir()
     for devices, code in ((2, 0), (3, 7)):
         env = _env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", MINE="x")
-        out, err = tmp_path / f"{devices}.out", tmp_path / f"{devices}.err"
-        p = forkserver.spawn([str(tmp_path / "w.py"), "a", "b"], {**env, "CODE": str(code)},
-                             out, err, work)  # fmt: skip
+        with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+            p = forkserver.popen([tmp_path / "w.py", "a", "b"], env={**env, "CODE": str(code)},
+                                 cwd=work, stdout=out, stderr=err)  # fmt: skip
         assert isinstance(p, forkserver.Forked)  # forked, not started by Popen
-        assert p.wait(120) == code, err.read_text()
-        got = json.loads(out.read_text())
+        assert p.wait(120) == code, (tmp_path / "err").read_text()
+        got = json.loads((tmp_path / "out").read_text())
         assert got["argv"] == ["a", "b"] and got["mine"] == "x" and got["main"] == "__main__"
         assert got["cwd"] == str(work) and got["path0"] == str(tmp_path)
         assert got["devices"] == devices  # XLA_FLAGS read by the child, not the server
         assert got["ppid"] != os.getpid()  # the server's child
-        assert "to stderr" in err.read_text()
+        assert "to stderr" in (tmp_path / "err").read_text()
 
 
-def test_a_killed_worker_reports_the_signal_and_run_captures_output(tmp_path: Path) -> None:
+def test_pipes_signals_and_dash_c(tmp_path: Path) -> None:
     (tmp_path / "w.py").write_text(SCRIPT)
-    out, err = tmp_path / "k.out", tmp_path / "k.err"
-    p = forkserver.spawn([str(tmp_path / "w.py"), "sleep"], _env(), out, err, tmp_path)
-    deadline = time.monotonic() + 60
-    while not out.exists() or not out.read_text():  # it is asleep once it has printed
-        assert time.monotonic() < deadline and p.poll() is None, err.read_text()
-        time.sleep(0.02)
+    p = forkserver.popen([tmp_path / "w.py", "echo"], env=_env(), stdin=forkserver.PIPE,
+                         stdout=forkserver.PIPE, stderr=forkserver.STDOUT, text=True)  # fmt: skip
+    assert isinstance(p, forkserver.Forked) and p.stdin and p.stdout
+    assert json.loads(p.stdout.readline())["argv"] == ["echo"]
+    assert p.stdout.readline() == "to stderr\n"  # stderr into the same pipe
+    p.stdin.write("one\n")
+    assert p.stdout.readline() == "got one\n"
     with pytest.raises(subprocess.TimeoutExpired):
         p.wait(0.1)
     p.send_signal(signal.SIGKILL)
     assert p.wait(30) == -signal.SIGKILL
-    done = forkserver.run([str(tmp_path / "w.py")], _env(CODE="3"), tmp_path, tmp_path, 120)
-    assert done.returncode == 3 and "to stderr" in done.stderr
-    assert json.loads(done.stdout)["argv"] == []
+    code = "import sys, quire; print(sys.argv, __name__); sys.exit(3)"
+    done = forkserver.run(["-c", code, "x"], env=_env(), cwd=tmp_path, timeout=120)
+    assert done.returncode == 3 and done.stdout == "['-c', 'x'] __main__\n", done.stderr
+    (tmp_path / "w.py").write_text("raise SystemExit('bye')")
+    done = forkserver.run([tmp_path / "w.py"], env=_env(), timeout=120)
+    assert done.returncode == 1 and done.stderr == "bye\n"
 
 
 def test_an_environment_read_at_import_gets_a_fresh_interpreter(tmp_path: Path) -> None:
     """``JAX_ENABLE_X64`` is read while JAX imports: the server's import can't serve it."""
     (tmp_path / "w.py").write_text(SCRIPT)
-    out, err = tmp_path / "x.out", tmp_path / "x.err"
-    p = forkserver.spawn([str(tmp_path / "w.py")], _env(JAX_ENABLE_X64="1"), out, err)
+    p = forkserver.popen([tmp_path / "w.py"], env=_env(JAX_ENABLE_X64="1"), stdout=forkserver.PIPE)
     assert isinstance(p, subprocess.Popen)
-    assert p.wait(120) == 0, err.read_text()
-    assert json.loads(out.read_text())["ppid"] == os.getpid()
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0 and json.loads(out)["ppid"] == os.getpid()

@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
+import forkserver
 import numpy as np
 
 import quire
@@ -48,10 +48,10 @@ STUCK_S = 90.0
 
 
 def _interrupt_once(url: str, second_after: float) -> subprocess.CompletedProcess[str]:
-    p = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, url, str(STUCK_S)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+    p = forkserver.popen(
+        ["-c", SCRIPT, url, str(STUCK_S)],
+        stdout=forkserver.PIPE,
+        stderr=forkserver.PIPE,
         text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu", "QUIRE_IO_THREADS": "4"},
     )
@@ -124,13 +124,7 @@ def test_exit_says_what_it_waits_for(tmp_path: Path) -> None:
         quire.save_async(sys.argv[1], {"x": 1}, overwrite=True)
         """
     )
-    r = subprocess.run(
-        [sys.executable, "-c", script, url],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
+    r = forkserver.run(["-c", script, url], timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stderr
     assert "waiting at exit" in r.stderr and f"save {url}" in r.stderr, r.stderr
     assert quire.load(url)["x"] == 1

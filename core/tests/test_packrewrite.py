@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import numpy as np
 import pytest
 from test_partial import assert_tidy, pack_report, stored
@@ -275,8 +275,7 @@ def _journal(url: str) -> dict[str, np.ndarray]:
 
 
 def _child(url: str, kill_at: int) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", CHILD, url, str(kill_at)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return forkserver.run(["-c", CHILD, url, str(kill_at)], timeout=120)
 
 
 def test_sigkill_at_every_call_of_a_rewriting_finalize(tmp_path: Path) -> None:

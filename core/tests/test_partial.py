@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 import threading
 import uuid
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import hypothesis.strategies as st
 import numpy as np
 import pytest
@@ -435,12 +435,7 @@ CHILD = textwrap.dedent(
 
 
 def _run_child(url: str, op: str, kill_at: int) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", CHILD, url, op, str(kill_at)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return forkserver.run(["-c", CHILD, url, op, str(kill_at)], timeout=120)
 
 
 def _base(url: str) -> None:
@@ -506,10 +501,10 @@ def test_two_processes_appending_never_lose_a_version(tmp_path: Path) -> None:
     partial.save(url, {"init": np.zeros(1)})
     n = 12
     procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WRITER, url, who, str(n)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+        forkserver.popen(
+            ["-c", WRITER, url, who, str(n)],
+            stdout=forkserver.PIPE,
+            stderr=forkserver.PIPE,
             text=True,
         )
         for who in ("A", "B")

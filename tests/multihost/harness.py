@@ -7,8 +7,8 @@ take their part from ``worker_harness.py``.  A launch:
   index, the process count, the coordinator's address (a free port on 127.0.0.1) and its
   CPU device count through the environment (``QUIRE_MH_*``, ``XLA_FLAGS``, ``JAX_PLATFORMS``);
   the worker's ``worker_harness.init()`` turns them into ``jax.distributed.initialize``;
-  each is forked from the test process's fork server (``forkserver.py``: JAX imported once)
-  where its environment allows, else started by ``Popen``;
+  each is forked from the test process's fork server (``core/tests/forkserver.py``: JAX
+  imported once) where its environment allows, else started by ``Popen``;
 * waits for every process to end (but ``stuck``, one that never will), or for ``stop_on``
   (one process's death) whichever comes
   first, under one deadline shared by all of them; the processes still running then are
@@ -31,7 +31,6 @@ import select
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,9 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from . import forkserver
+import forkserver  # core/tests/forkserver.py (tests/conftest.py puts core/tests on sys.path)
 
-Proc = forkserver.Forked | subprocess.Popen[Any]
+Proc = forkserver.Child
 
 PREFIX = "QUIRE-MH "
 # Set by the harness for every worker; a test's own environment never carries them over.
@@ -179,8 +178,9 @@ def launch(
         for i, stem in enumerate(stems):
             own = {**(env or {}), **(env_of(i) if env_of else {})}
             penv = worker_env(i, n, f"127.0.0.1:{port}", devices, own, drop)
-            argv = [str(worker), *args]
-            procs.append(forkserver.spawn(argv, penv, Path(f"{stem}.out"), Path(f"{stem}.err")))
+            with open(f"{stem}.out", "w") as out, open(f"{stem}.err", "w") as err:
+                argv = [str(worker), *args]
+                procs.append(forkserver.popen(argv, env=penv, stdout=out, stderr=err))
         ended, left = _watch(procs), set(range(n)) - {stuck}
         while left:
             try:
@@ -218,7 +218,7 @@ class Group:
     ) -> None:
         self.worker, self.n, self.devices, self.logs = worker, n, devices, logs
         self.answer_s = answer_s
-        self.procs: list[subprocess.Popen[str]] = []
+        self.procs: list[Proc] = []
         self.started = 0
 
     @property
@@ -235,17 +235,11 @@ class Group:
         for i in range(self.n):
             penv = worker_env(i, self.n, f"127.0.0.1:{port}", self.devices, {})
             with open(self._err(i), "w") as err:
-                self.procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(self.worker)],
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE,
-                        stderr=err,
-                        text=True,
-                        env=penv,
-                        bufsize=1,
-                    )
-                )
+                p = forkserver.popen(
+                    [str(self.worker)], env=penv, stdin=forkserver.PIPE,
+                    stdout=forkserver.PIPE, stderr=err, text=True,
+                )  # fmt: skip
+                self.procs.append(p)
         return self.ask({"op": "hello"})
 
     def ensure(self) -> list[dict[str, Any]] | None:
