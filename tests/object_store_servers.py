@@ -54,9 +54,68 @@ STREAM_LIMIT = 1 << 20  # the proxy's read size (asyncio's 64 KiB default costs 
 
 
 # ----------------------------------------------------------------------------- servers
+class Watched:
+    """A server process on 127.0.0.1 that never outlives the test process: it runs behind
+    :data:`_UNTIL_STDIN_CLOSES` and ends with :meth:`stop` or when the process that started
+    it does.  ``command(port)`` is its command line; it is ready once ``ready(port)`` holds
+    (raising OSError meanwhile).  Port 0 takes a free one, again on another if the server
+    could not bind it (a free port can be taken before the server binds it)."""
+
+    def __init__(
+        self,
+        name: str,
+        command: Callable[[int], list[str]],
+        ready: Callable[[int], bool],
+        *,
+        port: int = 0,
+        timeout: float = 60.0,
+    ) -> None:
+        for attempt in range(5):
+            self.port = port or free_port()
+            self._log = tempfile.TemporaryFile()  # noqa: SIM115 (its stderr; closed by stop())
+            self._process = subprocess.Popen(
+                ["sh", "-c", _UNTIL_STDIN_CLOSES, "sh", *command(self.port)],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self._log,
+            )  # fmt: skip
+            if self._wait_ready(ready, timeout):
+                return
+            self._log.seek(0)
+            said = self._log.read().decode("utf-8", "replace").strip()
+            self.stop()
+            if port or attempt == 4:
+                raise RuntimeError(f"{name} did not start on port {self.port}: {said}")
+
+    def _wait_ready(self, ready: Callable[[int], bool], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._process.poll() is None:
+            with contextlib.suppress(OSError):
+                if ready(self.port):
+                    return True
+            time.sleep(0.02)
+        return False
+
+    def stop(self) -> None:
+        """End the server (closing its watcher's stdin) and wait for it."""
+        assert self._process.stdin is not None
+        with contextlib.suppress(OSError):
+            self._process.stdin.close()
+        try:
+            self._process.wait(10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait(5)
+        self._log.close()
+
+
+def _accepts(port: int) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=2):
+        return True
+
+
 class MotoS3:
     """moto's S3 server on 127.0.0.1 with one bucket."""
 
+    host = "127.0.0.1"
     #: The storage options besides ``endpoint_url`` that reach it.
     credentials: dict[str, Any] = {"key": S3_KEY, "secret": S3_SECRET}
 
@@ -64,24 +123,12 @@ class MotoS3:
         # A process of its own, as S3 is: in a thread of the test's process, moto's request
         # handling and the client's event loop took turns holding one GIL (the incremental
         # machine's sequences on moto ran 10 % slower so).
-        host = "127.0.0.1"
-        for attempt in range(5):  # a free port can be taken before the server binds it
-            port = free_port()
-            self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
-            self._process = subprocess.Popen(
-                ["sh", "-c", _UNTIL_STDIN_CLOSES, "sh",
-                 sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self._log,
-            )  # fmt: skip
-            if self._wait_ready(host, port, 60.0):
-                break
-            self._log.seek(0)
-            said = self._log.read().decode("utf-8", "replace").strip()
-            self.stop()
-            if attempt == 4:
-                raise RuntimeError(f"moto's server did not start on port {port}: {said}")
-        self.host, self.port = host, int(port)
-        self.endpoint = f"http://{host}:{port}"
+        def command(port: int) -> list[str]:
+            return [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(port)]
+
+        self._server = Watched("moto's server", command, _accepts)
+        self.port = self._server.port
+        self.endpoint = f"http://{self.host}:{self.port}"
         self.client().create_bucket(Bucket=S3_BUCKET)  # no region: moto's default
 
     def client(self) -> Any:
@@ -101,25 +148,8 @@ class MotoS3:
     def fresh_url(self) -> str:
         return f"s3://{S3_BUCKET}/{uuid.uuid4().hex[:12]}"
 
-    def _wait_ready(self, host: str, port: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self._process.poll() is None:
-            with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=2):
-                return True
-            time.sleep(0.05)
-        return False
-
     def stop(self) -> None:
-        """End the server (closing its watcher's stdin) and wait for it."""
-        assert self._process.stdin is not None
-        with contextlib.suppress(OSError):
-            self._process.stdin.close()
-        try:
-            self._process.wait(10)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait(5)
-        self._log.close()
+        self._server.stop()
 
 
 class FakeGcs:
@@ -139,27 +169,21 @@ class FakeGcs:
     def __init__(self, bucket: str = GCS_BUCKET, port: int = 0, data: Path | None = None) -> None:
         self.bucket = bucket
         seed = ["-data", str(data)] if data is not None else []  # <data>/<bucket>/<name> files
-        for attempt in range(5):  # a free port can be taken before the server binds it
-            self.port = port or free_port()
-            self.endpoint = f"http://127.0.0.1:{self.port}"
-            server = [
+
+        def command(port: int) -> list[str]:
+            return [
                 str(fake_gcs_binary()), "-backend", "memory", "-scheme", "http",
-                "-host", "127.0.0.1", "-port", str(self.port),
-                "-external-url", self.endpoint, "-log-level", "error", *seed,
+                "-host", self.host, "-port", str(port),
+                "-external-url", f"http://{self.host}:{port}", "-log-level", "error", *seed,
             ]  # fmt: skip
-            # its stderr, for a failure's message (closed by stop())
-            self._log = tempfile.TemporaryFile()  # noqa: SIM115
-            self._process = subprocess.Popen(
-                ["sh", "-c", _UNTIL_STDIN_CLOSES, "sh", *server],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self._log,
-            )  # fmt: skip
-            if self._wait_ready(10.0):
-                break
-            self._log.seek(0)
-            said = self._log.read().decode("utf-8", "replace").strip()
-            self.stop()
-            if port or attempt == 4:
-                raise RuntimeError(f"fake-gcs-server did not start on port {self.port}: {said}")
+
+        def ready(port: int) -> bool:
+            with urllib.request.urlopen(f"http://{self.host}:{port}/storage/v1/b", timeout=2) as r:
+                return bool(r.status == 200)
+
+        self._server = Watched("fake-gcs-server", command, ready, port=port, timeout=10.0)
+        self.port = self._server.port
+        self.endpoint = f"http://{self.host}:{self.port}"
         if data is not None and (data / bucket).is_dir():
             return  # the bucket came with the data
         request = urllib.request.Request(
@@ -170,15 +194,6 @@ class FakeGcs:
         with urllib.request.urlopen(request, timeout=10) as r:
             assert r.status == 200, r.status
 
-    def _wait_ready(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self._process.poll() is None:
-            url = f"{self.endpoint}/storage/v1/b"
-            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as r:
-                return bool(r.status == 200)
-            time.sleep(0.02)
-        return False
-
     def options(self, endpoint: str | None = None, **extra: Any) -> dict[str, Any]:
         return {"endpoint_url": endpoint or self.endpoint, **self.credentials, **extra}
 
@@ -186,16 +201,8 @@ class FakeGcs:
         return f"gs://{self.bucket}/{uuid.uuid4().hex[:12]}"
 
     def stop(self) -> None:
-        """End the server (closing its watcher's stdin) and wait for it."""
-        assert self._process.stdin is not None
-        with contextlib.suppress(OSError):
-            self._process.stdin.close()
-        try:
-            self._process.wait(10)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait(5)
-        self._log.close()
+        """End the server and wait for it."""
+        self._server.stop()
 
 
 # The server runs in the background of a shell that ends with it; a watcher in the same
@@ -501,8 +508,15 @@ class FaultProxy:
                 writer.write(head)
             if reply is not None:
                 reply += head
-            # The server closes after one reply (Connection: close): copy to EOF.
-            while block := await ur.read(STREAM_LIMIT):
+            # The body as the head frames it (Content-Length; none after a HEAD), else to
+            # EOF (the server closes after one reply: Connection: close).  Not to EOF when
+            # framed: a server that kept the connection open would stall the client's next
+            # request on its kept-alive connection.
+            left = _body_length(head, method)
+            while left != 0 and (
+                block := await ur.read(STREAM_LIMIT if left < 0 else min(left, STREAM_LIMIT))
+            ):
+                left = left - len(block) if left > 0 else left
                 if reply is not None:
                     reply += block
                 if writer is not None:
@@ -587,6 +601,16 @@ class FaultProxy:
         finally:
             with contextlib.suppress(Exception):
                 writer.close()
+
+
+def _body_length(head: bytes, method: str) -> int:
+    """The length of the body after this reply head: its Content-Length, 0 after a HEAD or
+    a 1xx/204/304 reply, -1 when only the end of the connection ends it."""
+    status = int(head.split(b" ", 2)[1])
+    if method == "HEAD" or status in (204, 304) or status < 200:
+        return 0
+    found = re.search(rb"\r\ncontent-length:\s*(\d+)", head.lower())
+    return int(found[1]) if found and b"chunked" not in head.lower() else -1
 
 
 def _keep_alive(head: bytes, method: str) -> bool:
