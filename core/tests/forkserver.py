@@ -207,15 +207,21 @@ def popen(
     stdout: Any = None,
     stderr: Any = None,
     text: bool = False,
+    fork: bool | None = None,
 ) -> Child:
     """``subprocess.Popen([sys.executable, *argv], ...)`` for a Python child: forked from this
     test process's server where it can be (see the module's docstring), else by ``Popen``.
     ``stdin``/``stdout``/``stderr`` as ``Popen`` takes them (``PIPE``, ``DEVNULL``,
-    ``STDOUT`` for stderr, a file, None)."""
+    ``STDOUT`` for stderr, a file, None: inherited), except that stdin is ``/dev/null``
+    unless given.  ``fork``: None decides as the module says, True forks whenever the
+    environment allows (coverage or ``QUIRE_TEST_FORK`` notwithstanding: the fork
+    server's own tests), False starts a fresh interpreter."""
     global _server
     argv, env = [str(a) for a in argv], dict(os.environ if env is None else env)
     where = Path(cwd) if cwd is not None else Path.cwd()
-    if os.environ.get("QUIRE_TEST_FORK", "1") != "0" and not _measured():
+    if fork is None:
+        fork = os.environ.get("QUIRE_TEST_FORK", "1") != "0" and not _measured()
+    if fork:
         ends = [_stream(stdin, "r"), _stream(stdout, "w")]
         ends.append((ends[1][0], None) if stderr == STDOUT else _stream(stderr, "e"))
         with _lock:

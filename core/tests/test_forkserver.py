@@ -43,7 +43,7 @@ def test_a_forked_script_is_the_program_it_was_asked_to_be(tmp_path: Path) -> No
         env = _env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", MINE="x")
         with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
             p = forkserver.popen([tmp_path / "w.py", "a", "b"], env={**env, "CODE": str(code)},
-                                 cwd=work, stdout=out, stderr=err)  # fmt: skip
+                                 cwd=work, stdout=out, stderr=err, fork=True)  # fmt: skip
         assert isinstance(p, forkserver.Forked)  # forked, not started by Popen
         assert p.wait(120) == code, (tmp_path / "err").read_text()
         got = json.loads((tmp_path / "out").read_text())
@@ -57,7 +57,8 @@ def test_a_forked_script_is_the_program_it_was_asked_to_be(tmp_path: Path) -> No
 def test_pipes_signals_and_dash_c(tmp_path: Path) -> None:
     (tmp_path / "w.py").write_text(SCRIPT)
     p = forkserver.popen([tmp_path / "w.py", "echo"], env=_env(), stdin=forkserver.PIPE,
-                         stdout=forkserver.PIPE, stderr=forkserver.STDOUT, text=True)  # fmt: skip
+                         stdout=forkserver.PIPE, stderr=forkserver.STDOUT, text=True,
+                         fork=True)  # fmt: skip
     assert isinstance(p, forkserver.Forked) and p.stdin and p.stdout
     assert json.loads(p.stdout.readline())["argv"] == ["echo"]
     assert p.stdout.readline() == "to stderr\n"  # stderr into the same pipe
@@ -78,7 +79,8 @@ def test_pipes_signals_and_dash_c(tmp_path: Path) -> None:
 def test_an_environment_read_at_import_gets_a_fresh_interpreter(tmp_path: Path) -> None:
     """``JAX_ENABLE_X64`` is read while JAX imports: the server's import can't serve it."""
     (tmp_path / "w.py").write_text(SCRIPT)
-    p = forkserver.popen([tmp_path / "w.py"], env=_env(JAX_ENABLE_X64="1"), stdout=forkserver.PIPE)
+    p = forkserver.popen([tmp_path / "w.py"], env=_env(JAX_ENABLE_X64="1"), stdout=forkserver.PIPE,
+                         fork=True)  # fmt: skip
     assert isinstance(p, subprocess.Popen)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0 and json.loads(out)["ppid"] == os.getpid()
