@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +14,14 @@ import numpy as np
 import pytest
 
 import quire
-from quire._store import local
+from quire._store import nofollow
 from quire._store.local import LocalBackend
 
 
 @pytest.fixture(params=["openat2", "walk"])
 def open_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "walk":
-        monkeypatch.setattr(local, "_openat2_ok", False)
+        monkeypatch.setattr(nofollow, "_openat2_ok", False)
     elif not sys.platform.startswith("linux"):
         pytest.skip("openat2 is Linux-only")
     return str(request.param)
@@ -48,7 +49,7 @@ def test_reads_and_writes_inside_the_root(tmp_path: Path, open_path: str) -> Non
     with pytest.raises(FileNotFoundError):
         asyncio.run(b.get("d/t/a/missing"))
     if open_path == "openat2":
-        assert local._openat2_ok is True  # the fast path was taken, not the walk
+        assert nofollow._openat2_ok is True  # the fast path was taken, not the walk
 
 
 @pytest.mark.parametrize("key", ["d/t/a/link", "d/t/linkdir/0"])
@@ -138,3 +139,75 @@ def test_kept_descriptors_are_bounded_and_outlive_no_read(tmp_path: Path) -> Non
     assert _openfiles.keepable("d/abc/%packs/p00000-00001")
     assert not _openfiles.keepable("d/abc/%packs/p00000.index.json")
     assert not _openfiles.keepable("quire.json")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_a_failed_load_has_finished_its_reads_when_it_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read cannot be stopped once its thread runs it: a load that fails on one damaged
+    pack while another pack's read is still running raises only after that read has ended
+    (its descriptor closed, nothing of the load still writing into memory)."""
+    tree = {f"a{i}": np.arange(2000, dtype=np.float32) + i for i in range(8)}
+    url = str(tmp_path / "ckpt")
+    with quire.Context(pack_bytes=8 << 10):  # one array per pack
+        quire.save(url, tree)
+    packs = sorted((tmp_path / "ckpt").rglob("p*-*"), key=lambda p: p.stat().st_size)
+    assert len(packs) >= 2
+    slow_name, bad = packs[-1].name, packs[-2]
+    raw = bytearray(bad.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    bad.write_bytes(bytes(raw))
+    real = LocalBackend._get_into
+    running: list[str] = []
+
+    def slow(self: LocalBackend, key: str, buffers: Any, offset: int) -> int:
+        if key.endswith(slow_name):
+            running.append("start")
+            time.sleep(0.5)  # still reading when the damaged pack fails the load
+            n = real(self, key, buffers, offset)
+            running.append("end")
+            return n
+        return real(self, key, buffers, offset)
+
+    monkeypatch.setattr(LocalBackend, "_get_into", slow)
+    before = _fds()
+    with pytest.raises(quire.CorruptCheckpointError):
+        quire.load(url)
+    assert running and running[-1] == "end", running
+    assert _fds() == before
+
+
+def test_no_write_goes_through_a_link(tmp_path: Path, open_path: str) -> None:
+    """Every way the backend writes (a streamed pack, a put, the create-if-absent and
+    replace-if-unchanged of records) refuses a directory that is a link, and creates
+    nothing (not even a directory) where it points."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    os.symlink(outside, root / "d")
+    (outside / "rec").write_bytes(b"old")
+    b = LocalBackend(str(root))
+
+    async def stream() -> None:
+        w = await b.stream_writer("d/x/%packs/p0")
+        await w.write([b"pack"], 0)
+        await w.close()
+
+    attempts = [
+        stream(),
+        b.put("d/y/k", [b"put"]),
+        b.put_if_absent("d/z/quire.json", b"new"),
+        b.replace_if_match("d/rec", b"new", "any"),
+    ]
+    for coro in attempts:
+        with pytest.raises(OSError):
+            asyncio.run(coro)
+    assert sorted(p.name for p in outside.rglob("*")) == ["rec"]
+    assert (outside / "rec").read_bytes() == b"old"
+    # The same writes below the root itself succeed.
+    asyncio.run(b.put("e/y/k", [b"put"]))
+    v = asyncio.run(b.put_if_absent("e/z/quire.json", b"new"))
+    asyncio.run(b.replace_if_match("e/z/quire.json", b"newer", v))
+    assert (root / "e" / "z" / "quire.json").read_bytes() == b"newer"
+    assert sorted(p.name for p in (root / "e" / "z").iterdir()) == ["quire.json"]  # no tmp

@@ -331,5 +331,5 @@ async def _load_units(
                     raise
                 raise hinted from e
 
-    await asyncio.gather(*(one(n) for n in names))
+    await gather_cancelling(*(one(n) for n in names))
     return {n: out[n] for n in names}

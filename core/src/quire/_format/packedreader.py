@@ -21,6 +21,7 @@ from quire._format.packread import Windows, expected_refs
 from quire._format.shardid import ShardChecks
 from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking
+from quire._runtime.tasks import until_done
 from quire._store.base import Backend
 from quire._store.url import open_backend
 from quire._store.wrapped import Wrapped
@@ -46,6 +47,8 @@ class _Read:
     length: int
     views: builtins.list[memoryview]
     fut: asyncio.Future[int]
+    run: builtins.list[_Read] | None = None  # the coalesced request it went out in
+    task: asyncio.Task[None] | None = None  # ... and the task sending it
 
 
 class PackedReader(Wrapped):
@@ -99,13 +102,22 @@ class PackedReader(Wrapped):
         request, filled straight into every caller's buffers."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[int] = loop.create_future()
-        self._queue.setdefault(target, []).append(
-            _Read(offset, sum(v.nbytes for v in views), views, fut)
-        )
+        read = _Read(offset, sum(v.nbytes for v in views), views, fut)
+        self._queue.setdefault(target, []).append(read)
         if not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._dispatch)
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # The last caller of a request to go stops it, and returns once it has
+            # stopped: a failed load's reads have ended (their descriptors closed, no
+            # thread filling its buffers) when the load raises.
+            task, run = read.task, read.run
+            if task is not None and run is not None and all(r.fut.done() for r in run):
+                task.cancel()
+                await until_done(task)
+            raise
 
     def _dispatch(self) -> None:
         self._scheduled = False
@@ -114,6 +126,8 @@ class PackedReader(Wrapped):
             reads.sort(key=lambda r: r.offset)
             run: builtins.list[_Read] = []
             for r in reads:
+                if r.fut.done():  # its caller was cancelled before the request went out
+                    continue
                 if run and (
                     r.offset != run[-1].offset + run[-1].length
                     or sum(x.length for x in run) + r.length > MAX_COALESCED
@@ -126,6 +140,8 @@ class PackedReader(Wrapped):
 
     def _spawn(self, target: str, run: builtins.list[_Read]) -> None:
         task = asyncio.ensure_future(self._send(target, run))
+        for r in run:
+            r.run, r.task = run, task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

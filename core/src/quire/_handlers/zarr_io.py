@@ -28,7 +28,7 @@ from quire._handlers.zarr_layout import (
 )
 from quire._runtime import progress as _progress
 from quire._runtime.ioloop import run_blocking
-from quire._runtime.tasks import for_each
+from quire._runtime.tasks import for_each, gather_cancelling
 from quire._store.base import NOT_DATA, Backend, Buffer
 
 
@@ -271,7 +271,7 @@ async def _read_sharded(
         arr = await run_blocking(sub._decode_one, data, inner)
         d[...] = arr[_shift(iov, [r.start for r in ireg])]
 
-    await asyncio.gather(*(one(ic) for ic in sub.chunks_in(local)))
+    await gather_cancelling(*(one(ic) for ic in sub.chunks_in(local)))
 
 
 async def read_region(

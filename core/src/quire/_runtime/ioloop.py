@@ -22,6 +22,8 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from quire._runtime.tasks import until_done
+
 T = TypeVar("T")
 
 _lock = threading.Lock()
@@ -118,15 +120,43 @@ async def run_blocking(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run ``fn`` in quire's I/O pool (the background pool inside :func:`in_background`) from
     a coroutine, in a copy of the coroutine's context (so the caller's ``quire.Context``
     applies there too)."""
-    loop = asyncio.get_running_loop()
+    return await asyncio.wrap_future(_submit(functools.partial(fn, *args, **kwargs)))
+
+
+def _submit(call: Callable[[], T]) -> concurrent.futures.Future[T]:
+    """``call`` submitted to the pool its caller's work runs in (see :func:`run_blocking`)."""
     ctx = contextvars.copy_context()
-    call = functools.partial(fn, *args, **kwargs)
     if not _background.get():
-        return await loop.run_in_executor(pool(), ctx.run, call)
+        return pool().submit(ctx.run, call)
     duty = background_duty()
     if duty < 1.0:
         call = functools.partial(_paced, call, 1.0 / duty - 1.0)
-    return await loop.run_in_executor(background_pool(), ctx.run, call)
+    return background_pool().submit(ctx.run, call)
+
+
+async def run_to_end(
+    fn: Callable[..., T], *args: Any, discard: Callable[[T], object] | None = None
+) -> T:
+    """:func:`run_blocking` for a short call on local resources (a file descriptor, the
+    caller's buffers) whose effects must not outlive the operation that made it.
+
+    A thread cannot be stopped once it runs the call.  With :func:`run_blocking` a
+    cancellation (a sibling read failed, the load raised) returns at once while the call
+    goes on: a failed load could raise with a read still holding a descriptor and writing
+    into its buffers.  Here a call not yet started is cancelled, and one already running
+    is waited for before the cancellation propagates; ``discard(result)`` then undoes what
+    its result holds (closes a descriptor it opened).  Not for calls that may wait long
+    (network, other processes): their cancellation would wait as long."""
+    fut = _submit(functools.partial(fn, *args))
+    waited = asyncio.wrap_future(fut)
+    try:
+        return await asyncio.shield(waited)
+    except asyncio.CancelledError:
+        if not fut.cancel():  # running or done: wait for its end, whatever comes meanwhile
+            await until_done(waited)
+            if discard is not None and not waited.cancelled() and waited.exception() is None:
+                discard(waited.result())
+        raise
 
 
 @functools.cache

@@ -7,7 +7,7 @@ runs at most ``limit`` workers that pull items from an iterator, and cancels the
 when one fails; :func:`gather_cancelling` is ``gather`` that cancels its siblings on the
 first error, :func:`gather_all` the same for a sequence of coroutines (public through
 ``quire.backends``).  :func:`settled` waits for another operation to end without taking on its
-outcome.
+outcome; :func:`until_done` lets a cancelled caller wait until work it started has stopped.
 """
 
 from __future__ import annotations
@@ -82,3 +82,17 @@ async def settled(fut: concurrent.futures.Future[Any]) -> None:
     await asyncio.wait([waited])
     if not waited.cancelled():
         waited.exception()  # read here too: asyncio would log it as never retrieved
+
+
+async def until_done(fut: asyncio.Future[Any]) -> None:
+    """Wait until ``fut`` has ended, whatever its outcome, through any further cancellation
+    of the waiter: for a cancelled caller whose work must stop before it may return (a
+    read still filling its buffers or holding a descriptor).  Its result or error is left
+    to whoever reads ``fut``."""
+    while not fut.done():
+        try:
+            await asyncio.wait([fut])
+        except asyncio.CancelledError:
+            continue
+    if not fut.cancelled():
+        fut.exception()  # read here too: asyncio would log it as never retrieved

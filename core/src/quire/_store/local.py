@@ -17,7 +17,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from quire._runtime.ioloop import run_blocking
+from quire._runtime.ioloop import run_to_end
+from quire._store import nofollow
 from quire._store.base import Backend, Buffer, Capabilities, PreconditionFailed
 from quire._store.openfiles import OpenFiles, keepable
 
@@ -28,42 +29,6 @@ if sys.platform.startswith("linux"):
         _libc.syncfs.argtypes = [ctypes.c_int]
     except (OSError, AttributeError):
         _libc = None
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
-_SYS_OPENAT2 = 437  # the same number on every Linux architecture (Linux >= 5.6)
-_RESOLVE_NO_SYMLINKS = 0x04
-# None: not tried yet; False: unavailable (old kernel, seccomp, not Linux), walk instead.
-_openat2_ok: bool | None = None if _libc is not None else False
-
-
-def _openat2(dfd: int, path: str, flags: int, mode: int) -> int | None:
-    """``openat2(dfd, path, flags, RESOLVE_NO_SYMLINKS)``: one system call that refuses a
-    symbolic link in any component (``ELOOP``); None where the call is unavailable."""
-    global _openat2_ok
-    if _openat2_ok is False:
-        return None
-    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, _RESOLVE_NO_SYMLINKS)
-    fd = int(
-        _libc.syscall(
-            ctypes.c_long(_SYS_OPENAT2),
-            ctypes.c_int(dfd),
-            ctypes.c_char_p(os.fsencode(path)),
-            ctypes.byref(how),
-            ctypes.c_size_t(ctypes.sizeof(how)),
-        )
-    )
-    if fd >= 0:
-        _openat2_ok = True
-        return fd
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EPERM) or (err == errno.EINVAL and not _openat2_ok):
-        _openat2_ok = False  # no openat2 here (or a sandbox refuses it): walk instead
-        return None
-    raise OSError(err, os.strerror(err), path)
 
 
 def local_path(url: str) -> str:
@@ -108,7 +73,7 @@ class _StreamWriter:
                 mv, offset = mv[n:], offset + n
 
     async def write(self, data: Sequence[Buffer], offset: int) -> None:
-        await run_blocking(self._write, data, offset)
+        await run_to_end(self._write, data, offset)
 
     def _close(self) -> None:
         try:
@@ -118,10 +83,10 @@ class _StreamWriter:
             os.close(self.fd)
 
     async def close(self) -> None:
-        await run_blocking(self._close)
+        await run_to_end(self._close)
 
     async def abort(self) -> None:
-        await run_blocking(os.close, self.fd)
+        await run_to_end(os.close, self.fd)
 
 
 class LocalBackend(Backend):
@@ -164,29 +129,13 @@ class LocalBackend(Backend):
 
     # -- reads -------------------------------------------------------------------
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        return await run_blocking(self._get, key, start, end)
+        return await run_to_end(self._get, key, start, end)
 
     def _open(self, key: str, flags: int, mode: int = 0o644) -> int:
-        """Open ``key`` without following a symbolic link anywhere below the root: each
-        directory is opened relative to its parent with ``O_NOFOLLOW`` (a hostile
-        checkpoint cannot make a read or a write reach a file outside it); a link is
-        ``OSError(ELOOP)`` or ``NotADirectoryError``.  Where Linux has ``openat2`` the
-        whole walk is one call with ``RESOLVE_NO_SYMLINKS`` (same refusal, ``ELOOP``)."""
-        parts = [p for p in key.split("/") if p]
-        if not parts:
-            return os.open(self.root, flags, mode)
-        dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fd = _openat2(dfd, "/".join(parts), flags, mode)
-            if fd is not None:
-                return fd
-            for p in parts[:-1]:
-                nfd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
-                os.close(dfd)
-                dfd = nfd
-            return os.open(parts[-1], flags | os.O_NOFOLLOW, mode, dir_fd=dfd)
-        finally:
-            os.close(dfd)
+        """Open ``key`` without following a symbolic link anywhere below the root (a
+        hostile checkpoint cannot make a read or a write reach a file outside it; see
+        :func:`quire._store.nofollow.open_below`)."""
+        return nofollow.open_below(self.root, key, flags, mode)
 
     def _open_read(self, key: str) -> int:
         """A read-only descriptor of the regular file ``key``.  Opened with ``O_NONBLOCK``
@@ -259,7 +208,7 @@ class LocalBackend(Backend):
             return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int = 0) -> int:
-        return await run_blocking(self._get_into, key, buffers, offset)
+        return await run_to_end(self._get_into, key, buffers, offset)
 
     def _get_into(self, key: str, buffers: Sequence[memoryview], offset: int) -> int:
         with self._reading(key) as fd:
@@ -280,16 +229,16 @@ class LocalBackend(Backend):
             return total
 
     async def size(self, key: str) -> int:
-        return (await run_blocking(os.stat, self._p(key))).st_size
+        return (await run_to_end(os.stat, self._p(key))).st_size
 
     async def exists(self, key: str) -> bool:
-        return await run_blocking(os.path.exists, self._p(key))
+        return await run_to_end(os.path.exists, self._p(key))
 
     async def modified(self, key: str) -> float | None:
-        return (await run_blocking(os.stat, self._p(key))).st_mtime
+        return (await run_to_end(os.stat, self._p(key))).st_mtime
 
     async def version(self, key: str) -> str | None:
-        return await run_blocking(self._version, key)
+        return await run_to_end(self._version, key)
 
     def _version(self, key: str) -> str | None:
         try:
@@ -299,7 +248,7 @@ class LocalBackend(Backend):
         return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
 
     async def list(self, prefix: str = "") -> builtins.list[str]:
-        return await run_blocking(self._list, prefix)
+        return await run_to_end(self._list, prefix)
 
     def _list(self, prefix: str) -> builtins.list[str]:
         base = self._p(prefix.rstrip("/"))
@@ -313,7 +262,7 @@ class LocalBackend(Backend):
         return sorted(out)
 
     async def list_dir(self, prefix: str = "") -> tuple[builtins.list[str], builtins.list[str]]:
-        return await run_blocking(self._list_dir, prefix)
+        return await run_to_end(self._list_dir, prefix)
 
     def _list_dir(self, prefix: str) -> tuple[builtins.list[str], builtins.list[str]]:
         files: builtins.list[str] = []
@@ -327,22 +276,20 @@ class LocalBackend(Backend):
         return sorted(files), sorted(dirs)
 
     # -- writes ------------------------------------------------------------------
-    def _makedirs(self, path: str) -> None:
-        d = os.path.dirname(path)
-        if not os.path.isdir(d):
-            os.makedirs(d, exist_ok=True)
-            # Record every new directory up to the root so sync() makes the entries durable.
-            while d.startswith(self.root) and d not in self._dirty_dirs:
-                self._dirty_dirs.add(d)
-                d = os.path.dirname(d)
-            self._dirty_dirs.add(os.path.dirname(self.root))
+    def _makedirs(self, key: str) -> None:
+        """Create the directories above ``key``, none through a symbolic link; each new
+        one and its parent are recorded, so :meth:`sync` makes the entries durable."""
+        if os.path.isdir(os.path.dirname(self._p(key))):  # exists (opens refuse a link)
+            return
+        for d in nofollow.makedirs_below(self.root, key.split("/")[:-1]):
+            self._dirty_dirs.update((d, os.path.dirname(d)))
 
     async def put(self, key: str, data: Sequence[Buffer]) -> None:
-        await run_blocking(self._put, key, data)
+        await run_to_end(self._put, key, data)
 
     def _put(self, key: str, data: Sequence[Buffer]) -> None:
         path = self._p(key)
-        self._makedirs(path)
+        self._makedirs(key)
         fd = self._open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             _write_all(fd, data)
@@ -356,8 +303,9 @@ class LocalBackend(Backend):
         """An object written in place at given offsets (format-v2 packs): concurrent
         ``write(views, offset)`` calls, then ``close()`` (fsync, like ``put``)."""
         path = self._p(key)
-        await run_blocking(self._makedirs, path)
-        fd = await run_blocking(os.open, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        await run_to_end(self._makedirs, key)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        fd = await run_to_end(self._open, key, flags, 0o644, discard=os.close)
         self._dirty_dirs.add(os.path.dirname(path))
         fsync = self._fsync and not (self._sync_mode == "syncfs" and _libc is not None)
         return _StreamWriter(fd, fsync)
@@ -366,11 +314,11 @@ class LocalBackend(Backend):
         if not self._fsync:
             return
         if self._sync_mode == "syncfs" and _libc is not None:
-            await run_blocking(self._syncfs)
+            await run_to_end(self._syncfs)
         # Files were fsynced as they were written; now their directory entries.
         dirs = [d for d in sorted(self._dirty_dirs, key=len, reverse=True) if os.path.isdir(d)]
         self._dirty_dirs.clear()
-        await asyncio.gather(*(run_blocking(_fsync_dir, d) for d in dirs))
+        await asyncio.gather(*(run_to_end(_fsync_dir, d) for d in dirs))
 
     def _syncfs(self) -> None:
         if not os.path.isdir(self.root):
@@ -383,53 +331,66 @@ class LocalBackend(Backend):
         finally:
             os.close(fd)
 
-    def _write_tmp(self, key: str, data: bytes) -> str:
-        path = self._p(key)
-        self._makedirs(path)
-        tmp = f"{path}.tmp-{secrets.token_hex(6)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    @contextlib.contextmanager
+    def _in_parent(self, key: str, data: bytes) -> Iterator[tuple[int, str, str]]:
+        """``(dfd, name, tmp)``: the directory of ``key`` (opened without following a
+        link), the key's name in it, and a new durable file ``tmp`` there holding
+        ``data``, removed at the end unless it was renamed."""
+        self._makedirs(key)
+        parent, _, name = key.rpartition("/")
+        dfd = self._open(parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            _write_all(fd, [data])
-            os.fsync(fd)
+            tmp = f"{name}.tmp-{secrets.token_hex(6)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
+            try:
+                _write_all(fd, [data])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                yield dfd, name, tmp
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=dfd)
         finally:
-            os.close(fd)
-        return tmp
+            os.close(dfd)
+
+    @staticmethod
+    def _version_at(dfd: int, name: str) -> str | None:
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
 
     async def put_if_absent(self, key: str, data: bytes) -> str:
-        return await run_blocking(self._put_if_absent, key, data)
+        return await run_to_end(self._put_if_absent, key, data)
 
     def _put_if_absent(self, key: str, data: bytes) -> str:
-        tmp = self._write_tmp(key, data)
-        path = self._p(key)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            raise PreconditionFailed(f"{path} exists") from None
-        finally:
-            os.unlink(tmp)
-        _fsync_dir(os.path.dirname(path))
-        v = self._version(key)
+        with self._in_parent(key, data) as (dfd, name, tmp):
+            try:
+                os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+            except FileExistsError:
+                raise PreconditionFailed(f"{self._p(key)} exists") from None
+            os.fsync(dfd)
+            v = self._version_at(dfd, name)
         assert v is not None
         return v
 
     async def replace_if_match(self, key: str, data: bytes, version: str) -> str:
-        return await run_blocking(self._replace_if_match, key, data, version)
+        return await run_to_end(self._replace_if_match, key, data, version)
 
     def _replace_if_match(self, key: str, data: bytes, version: str) -> str:
-        tmp = self._write_tmp(key, data)
-        path = self._p(key)
-        dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
-        try:
+        with self._in_parent(key, data) as (dfd, name, tmp):
             fcntl.flock(dfd, fcntl.LOCK_EX)
-            if self._version(key) != version:
-                os.unlink(tmp)
-                raise PreconditionFailed(f"{path} changed or vanished")
-            os.rename(tmp, path)
-            os.fsync(dfd)
-        finally:
-            fcntl.flock(dfd, fcntl.LOCK_UN)
-            os.close(dfd)
-        v = self._version(key)
+            try:
+                if self._version_at(dfd, name) != version:
+                    raise PreconditionFailed(f"{self._p(key)} changed or vanished")
+                os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                os.fsync(dfd)
+                v = self._version_at(dfd, name)
+            finally:
+                fcntl.flock(dfd, fcntl.LOCK_UN)
         assert v is not None
         return v
 
@@ -438,11 +399,11 @@ class LocalBackend(Backend):
         # unlink(2) is metadata-bound: batches in parallel threads finish much sooner.
         batches = [keys[i : i + 32] for i in range(0, len(keys), 32)] or [[]]
         # Each batch prunes the directories it emptied; whichever finishes last succeeds.
-        await asyncio.gather(*(run_blocking(self._delete, b) for b in batches))
+        await asyncio.gather(*(run_to_end(self._delete, b) for b in batches))
 
     async def delete_prefix(self, prefix: str) -> None:
         await super().delete_prefix(prefix)
-        await run_blocking(self._prune, prefix)
+        await run_to_end(self._prune, prefix)
 
     def _prune(self, prefix: str) -> None:
         """Remove the directories left empty under ``prefix`` (a writer killed between
