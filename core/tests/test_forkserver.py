@@ -84,3 +84,20 @@ def test_an_environment_read_at_import_gets_a_fresh_interpreter(tmp_path: Path) 
     assert isinstance(p, subprocess.Popen)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0 and json.loads(out)["ppid"] == os.getpid()
+
+
+def test_a_benchmark_imports_the_test_servers_without_the_conftest() -> None:
+    """Benchmarks and CI scripts put ``tests/`` on ``sys.path`` and import the harness and
+    the object-store servers as scripts, with no conftest to add ``core/tests``: the
+    harness finds the fork server itself (bench_tiers_multi failed with
+    ModuleNotFoundError: forkserver)."""
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); "
+        "import object_store_servers, multihost.harness as h; print(h.forkserver.__file__)"
+    )
+    out = subprocess.run(  # a fresh interpreter: nothing imported, no conftest's sys.path
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(root / "core" / "tests" / "forkserver.py")

@@ -28,6 +28,7 @@ import json
 import os
 import queue
 import select
+import sys
 import signal
 import socket
 import subprocess
@@ -38,7 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import forkserver  # core/tests/forkserver.py (tests/conftest.py puts core/tests on sys.path)
+# core/tests/forkserver.py: tests/conftest.py puts core/tests on sys.path; a benchmark or
+# CI script that imports this module (or object_store_servers) as a script gets it here.
+_CORE_TESTS = str(Path(__file__).resolve().parents[2] / "core" / "tests")
+if _CORE_TESTS not in sys.path:
+    sys.path.append(_CORE_TESTS)
+import forkserver  # noqa: E402
 
 Proc = forkserver.Child
 
