@@ -28,10 +28,10 @@ import json
 import os
 import queue
 import select
-import sys
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
