@@ -1,38 +1,44 @@
-"""Peer copies between JAX processes: TLS ``fetch`` against the old MAC framing and
-``ring_shift``, in one run.
+"""Peer copies between JAX processes: TLS ``fetch_into`` against the same code path with
+the cipher off (plaintext after the handshake, in this benchmark only) and ``ring_shift``,
+in one run.
 
-Run from the repository root (a git checkout: the baseline is read from its history)::
+Run from the repository root::
 
     .venv/bin/python benchmarks/bench_peers.py                         # 64 MiB, 2 processes
-    .venv/bin/python benchmarks/bench_peers.py --mib 256 --procs 2 4 --reps 3
-    .venv/bin/python benchmarks/bench_peers.py --baseline-rev none     # no old framing
+    .venv/bin/python benchmarks/bench_peers.py --mib 64 --procs 2 4 --reps 5
+    .venv/bin/python benchmarks/bench_peers.py --old-rev b5b9b53       # + the MAC framing
 
 N processes (``jax.distributed.initialize`` on 127.0.0.1, one CPU device each) each hold one
 pack file of ``--mib`` MiB in their own tier directory (written, then read back once so it
-is in the page cache).  Each process runs a server of each transport on its directory.  The
-ways a pack moves:
+is in the page cache), and serve it with a ``link.PeerServer``.  The ways a pack moves:
 
-* **tls**: ``link.fetch_into`` (a restore's read: into a buffer allocated once) over TLS
-  1.3 (this checkout: ``ssl``, AES-GCM records, the ephemeral certificates pinned through
-  the key-value store);
-* **old**: the peer link of ``--baseline-rev`` (default ``b5b9b53``, the last commit with the
-  MAC framing), loaded from ``git show <rev>:core/src/quire/_runtime/peer*.py`` into a
-  temporary package, its ``fetch_into`` into the same buffer: HMAC-SHA256 over requests and
-  answer headers, the body through Poly1305 under a one-time key (its fast path, taken when
-  ``cryptography`` is importable, which the benchmark checks);
+* **tls**: ``link.fetch_into`` (a restore's read: into a buffer allocated once, through a
+  ``link.Pool`` connection kept open) over TLS 1.3 (``ssl`` over memory BIOs, AES-GCM
+  records, the ephemeral certificates pinned through the key-value store);
+* **clear**: the same calls, servers and pools, with the peer link's stream class replaced
+  in this benchmark's processes (``plaintext_after_handshake``, installed by
+  ``use_stream``): the TLS handshake as ever, then the messages over the bare socket
+  (``recv_into`` straight into the caller's buffer, ``sendall`` of the server's file
+  buffer).  quire has no option, argument or environment variable for this: the class is
+  swapped by assignment in these processes, and nothing in the package carries a message
+  in the clear;
+* **old** (``--old-rev REV``): the peer link of a commit with the MAC framing (``b5b9b53``,
+  the last one), loaded from ``git show <rev>:core/src/quire/_runtime/peer*.py`` into a
+  temporary package, its ``fetch_into`` into the same buffer (HMAC-SHA256 over requests and
+  answer headers, the body through Poly1305; ``cryptography`` needed), one connection;
 * **ring_shift**: read the pack into memory, ``ring_shift(payload, shift=1)`` (a jitted
   ``ppermute`` over gloo, in rounds of ``--round-mib`` MiB; the barrier included).
 
-Two patterns: **one link** (process 1 fetches process 0's pack, the others wait: one
-connection, its client and its server alone on the machine) and **all links** (every
-process fetches the previous process's pack at once, as after a local commit).
+Two patterns: **one link** (process 1 fetches process 0's pack, the others wait: its client
+and its server alone on the machine) and **all links** (every process fetches the previous
+process's pack at once, as after a local commit).
 
 Timing: a distributed barrier, the transfer, another barrier; the primary's wall time
-between them, the minimum of ``--reps`` after one untimed call of each way (connection
-set-up, jit compilation).  CPU: ``os.times()`` (user + system, every thread) of every
-process between the two barriers, summed over the processes, the mean over ``--reps``,
-per GiB moved: it counts both ends (the server reading and encrypting or MACing, the
-client receiving and checking).  Right before every timed phase each process allocates and
+between them, the median (and best) of ``--reps`` after one untimed call of each way
+(connections, jit compilation).  CPU: ``os.times()`` (user + system, every thread) of every
+process between the two barriers, summed over the processes, the median over ``--reps``,
+per GiB moved: it counts both ends (the server reading and encrypting, the client
+receiving and decrypting).  Right before every timed phase each process allocates and
 touches ~3x the payload, then frees it (memory left free is handed back to the host on this
 VM and is slow to touch again).
 
@@ -50,6 +56,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -92,7 +99,7 @@ def worker(pid: int, nproc: int, port: int, opts: dict[str, Any]) -> None:
     import numpy as np
     from jax._src import distributed
 
-    from quire._peers import link
+    from quire._peers import link, wire
     from quire._runtime.collective import ring_shift
 
     client = distributed.global_state.client
@@ -136,9 +143,21 @@ def worker(pid: int, nproc: int, port: int, opts: dict[str, Any]) -> None:
     tls_at = {j: link.lookup_address("bench/tls", j, 60) for j in (prev, one_src)}
     into = [memoryview(bytearray(nbytes))]  # one buffer, touched once: no allocation timed
     into[0][:] = pack.read_bytes()
-    ways: dict[str, Any] = {
-        "tls": lambda j: link.fetch_into(tls_at[j], "pack", creds.peer(j), 600, into, 0),
-    }
+    ways: dict[str, tuple[Any, Any]] = {}  # name: (the stream class, fetch(j))
+    pools: dict[tuple[str, int], Any] = {}
+
+    def fetcher(way: str) -> Any:
+        def fetch(j: int) -> int:
+            pool = pools.get((way, j))
+            if pool is None:
+                pool = pools[(way, j)] = link.Pool(tls_at[j], creds.peer(j), 1)
+            return link.fetch_into(tls_at[j], "pack", creds.peer(j), 600, into, 0, pool=pool)
+
+        return fetch
+
+    tls_stream, clear_stream = wire.TLSStream, plaintext_after_handshake()
+    ways["tls"] = (tls_stream, fetcher("tls"))
+    ways["clear"] = (clear_stream, fetcher("clear"))
     old_server = None
     if opts.get("old"):
         sys.path.insert(0, opts["old_dir"])
@@ -149,7 +168,10 @@ def worker(pid: int, nproc: int, port: int, opts: dict[str, Any]) -> None:
         old_server = old.PeerServer(tier, secret)
         old.publish_address("bench/old", old_server.address)
         old_at = {j: old.lookup_address("bench/old", j, 60) for j in (prev, one_src)}
-        ways["old"] = lambda j: old.fetch_into(old_at[j], "pack", secret, 600, into, 0)
+        ways["old"] = (
+            tls_stream,
+            lambda j: old.fetch_into(old_at[j], "pack", secret, 600, into, 0),
+        )
     calls = 0
 
     def shift() -> bytes:
@@ -159,14 +181,19 @@ def worker(pid: int, nproc: int, port: int, opts: dict[str, Any]) -> None:
 
     rows: dict[str, list[tuple[float, float]]] = {}
     first_ring = timed(shift, True)[0]
-    for way, fn in ways.items():
+    for way, (stream, fn) in ways.items():
+        use_stream(stream)  # this process's servers and clients: every connection made now
         for pattern in ("one link", "all links"):
             active = pattern == "all links" or pid == 1
             src = prev if pattern == "all links" else one_src
-            timed(lambda fn=fn, src=src: fn(src), active)  # connection set-up, first touch
+            timed(lambda fn=fn, src=src: fn(src), active)  # connections, first touch
             rows[f"{way}|{pattern}"] = [
                 timed(lambda fn=fn, src=src: fn(src), active) for _ in range(int(opts["reps"]))
             ]
+        for pool in pools.values():
+            pool.close()
+        pools.clear()
+    use_stream(tls_stream)
     rows["ring_shift|all links"] = [timed(shift, True) for _ in range(int(opts["reps"]))]
     barrier()
     server.close()
@@ -174,6 +201,67 @@ def worker(pid: int, nproc: int, port: int, opts: dict[str, Any]) -> None:
         old_server.close()
     print(PREFIX + json.dumps({"pid": pid, "first_ring": first_ring, "rows": rows}), flush=True)
     jax.distributed.shutdown()
+
+
+def plaintext_after_handshake() -> Any:
+    """The peer link's stream class with the cipher off after the handshake (this
+    benchmark's baseline, for this process only, once :func:`use_stream` installs it): the
+    TLS handshake and its checks as ever (the server's context sends no session tickets,
+    so nothing of TLS's is left to read after it), then the messages over the bare socket:
+    ``recv_into`` straight into the caller's buffer, ``sendall`` of the sender's buffer,
+    against the same deadline."""
+    import time
+
+    from quire._peers import wire
+
+    class ClearAfterHandshake(wire.TLSStream):
+        clear = False
+        early = b""  # what the socket read had brought past the handshake's last record
+
+        def handshake(self, deadline: float) -> None:
+            super().handshake(deadline)
+            self.early = self._in.read()  # the other side's first message, sent at once
+            self.clear = True
+
+        def _arm(self, deadline: float) -> None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("deadline passed")
+            self.sock.settimeout(left)
+
+        def recv_into(self, view: memoryview, deadline: float) -> None:
+            if not self.clear:
+                return super().recv_into(view, deadline)
+            view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+            got = min(len(view), len(self.early))
+            view[:got], self.early = self.early[:got], self.early[got:]
+            while got < len(view):
+                self._arm(deadline)
+                n = self.sock.recv_into(view[got:])
+                if not n:
+                    raise wire.Closed(f"connection closed after {got} of {len(view)} bytes")
+                got += n
+            return None
+
+        def send_all(self, data: Any, deadline: float) -> None:
+            if not self.clear:
+                return super().send_all(data, deadline)
+            view = memoryview(data).cast("B")
+            for lo in range(0, len(view), wire.BLOCK):
+                self._arm(deadline)
+                self.sock.sendall(view[lo : lo + wire.BLOCK])
+            return None
+
+    return ClearAfterHandshake
+
+
+def use_stream(cls: Any) -> None:
+    """Make this process's peer servers and clients build their connections' streams as
+    ``cls`` (the modules that construct them look the name up when they do)."""
+    from quire._peers import connections, server
+
+    connections.TLSStream = cls  # type: ignore[misc]
+    server.TLSStream = cls  # type: ignore[misc]
 
 
 def run(nproc: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
@@ -226,9 +314,9 @@ def main() -> None:
     ap.add_argument("--round-mib", type=int, default=16, help="ring_shift bytes per round")
     ap.add_argument("--dir", default=None, help="where the tier directories go (default: /tmp)")
     ap.add_argument(
-        "--baseline-rev",
-        default="b5b9b53",
-        help="the commit whose peer link is measured as 'old' ('none': leave it out)",
+        "--old-rev",
+        default="none",
+        help="also measure the MAC-framed peer link of this commit as 'old' (e.g. b5b9b53)",
     )
     a = ap.parse_args()
     opts: dict[str, Any] = {
@@ -238,17 +326,17 @@ def main() -> None:
         "base": a.dir,
     }
     old_dir = None
-    if a.baseline_rev != "none":
+    if a.old_rev != "none":
         old_dir = tempfile.mkdtemp(prefix="bench-peers-old-")
-        opts["old"], opts["old_dir"] = load_peer_modules(a.baseline_rev, old_dir), old_dir
+        opts["old"], opts["old_dir"] = load_peer_modules(a.old_rev, old_dir), old_dir
     gib = a.mib / 1024
     print(
-        f"pack {a.mib} MiB per process, min wall of {a.reps} (CPU: mean, all processes), "
-        f"old = {a.baseline_rev}"
+        f"pack {a.mib} MiB per process; MiB/s per link: median (best) of {a.reps}; CPU: "
+        "median, all processes, per GiB moved"
     )
     print(
-        f"{'procs':>5} {'way':>10} {'pattern':>9} {'MiB/s per link':>15} "
-        f"{'CPU s per GiB':>14} {'vs tls (time)':>14}"
+        "\n| processes | way | pattern | MiB/s per link | CPU s per GiB | "
+        "TLS / clear MiB/s |\n|---|---|---|---|---|---|"
     )
     try:
         for nproc in a.procs:
@@ -256,19 +344,27 @@ def main() -> None:
             table = {}
             for key in got[0]["rows"]:
                 reps = list(zip(*(r["rows"][key] for r in got)))  # per rep: every process
-                wall = min(rep[0][0] for rep in reps)  # the primary's wall time
-                cpu = sum(sum(p[1] for p in rep) for rep in reps) / len(reps)
+                walls = sorted(rep[0][0] for rep in reps)  # the primary's wall time
+                cpus = sorted(sum(p[1] for p in rep) for rep in reps)
                 links = 1 if key.endswith("one link") else nproc
-                table[key] = (wall, cpu / (links * gib))
-            for key, (wall, cpu_gib) in table.items():
+                table[key] = (
+                    statistics.median(walls),
+                    walls[0],
+                    statistics.median(cpus) / (links * gib),
+                )
+            for key, (wall, best, cpu_gib) in table.items():
                 way, pattern = key.split("|")
-                tls = table.get(f"tls|{pattern}", (wall, 0))[0]
+                ratio = ""
+                if way == "tls" and f"clear|{pattern}" in table:
+                    ratio = f"{table[f'clear|{pattern}'][0] / wall:.2f}"
                 print(
-                    f"{nproc:>5} {way:>10} {pattern:>9} {a.mib / wall:>15.0f} "
-                    f"{cpu_gib:>14.2f} {wall / tls:>14.2f}",
+                    f"| {nproc} | {way} | {pattern} | {a.mib / wall:.0f} ({a.mib / best:.0f}) "
+                    f"| {cpu_gib:.2f} | {ratio} |",
                     flush=True,
                 )
-            print(f"{nproc:>5} first ring_shift (compiling): {got[0]['first_ring']:.2f} s")
+            print(
+                f"\n{nproc} processes: first ring_shift (compiling) {got[0]['first_ring']:.2f} s\n"
+            )
     finally:
         if old_dir is not None:
             shutil.rmtree(old_dir, ignore_errors=True)

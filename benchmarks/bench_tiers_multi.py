@@ -4,6 +4,7 @@ Run from the repository root::
 
     .venv/bin/python benchmarks/bench_tiers_multi.py                 # 64 MiB state, 2 reps
     .venv/bin/python benchmarks/bench_tiers_multi.py --mib 16 --reps 1 --procs 2   # smoke run
+    .venv/bin/python benchmarks/bench_tiers_multi.py --restores-only --clear --reps 5
 
 Each row is one launch of N real JAX processes (``jax.distributed`` on 127.0.0.1, 2 CPU
 devices each; a jax import and the distributed start-up are not timed).  The persistent tier
@@ -23,6 +24,9 @@ Rows (seconds of the slowest process, best of ``--reps``):
 * ``restore: local``: a restart; ``load`` of a local-only step nothing was lost of;
 * ``restore: lost dir (peers)``: process 1's local directory wiped first; ``load`` of the
   promoted step (every owner still has a live holder: nothing read from S3);
+* ``restore: lost dir (peers, clear after handshake)`` (``--clear``): the same, with the
+  peer link's cipher off after the handshake in this benchmark's processes (the baseline of
+  ``bench_peers.py``: the same code path without AES-GCM; quire has no such option);
 * ``restore: persistent``: the promoted step by a plain Checkpointer on the S3 root;
 * ``save: plain persistent, local dir`` / ``restore: persistent, local dir``: the same with the
   persistent tier a local directory (to set beside Orbax's rows, whose persistent tier is one);
@@ -33,8 +37,10 @@ Rows (seconds of the slowest process, best of ``--reps``):
   directory is wiped, and with every local directory wiped (the row names the tier the restore
   read); with one replica per process and, above 2 processes, with 2 replicas.
 
-``requests`` = HTTP requests through the proxy during the launch (by method; the
-Checkpointer's own listing included); ``MiB (requests) read from peers`` = what the
+``--restores-only`` runs the tiered saves and the local and lost-dir restores alone.  The
+last lines give the lost-dir / local ratio of each rep (its two restores run one after the
+other) and their median.  ``requests`` = HTTP requests through the proxy during the launch
+(by method; the Checkpointer's own listing included); ``MiB (requests) read from peers`` = what the
 restore's processes read from each other over TCP, all processes together.  Every restore
 is checked byte for byte (Orbax's: bit for bit except for -0.0 restored as +0.0, counted
 in the row).  ``--profile DIR`` writes, per restore and process, a cProfile of
@@ -52,6 +58,7 @@ import collections
 import json
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -238,9 +245,16 @@ def worker(pid: int, n: int, port: int, cfg: dict[str, Any]) -> None:
         with tiered() as c:
             out["wall"] = timed_load(c, 3)
             out["peer"] = peer_bytes(c)
-    elif phase == "restore-peer":
+    elif phase in ("restore-peer", "restore-peer-clear"):
+        if (
+            phase == "restore-peer-clear"
+        ):  # this benchmark's baseline: no cipher after the handshake
+            sys.path.insert(0, HERE)
+            from bench_peers import plaintext_after_handshake, use_stream
+
+            use_stream(plaintext_after_handshake())
         if pid == 1:
-            shutil.rmtree(os.path.join(local, "process_00001"))
+            shutil.rmtree(os.path.join(local, "process_00001"), ignore_errors=True)
         sync("wiped")
         with tiered() as c:
             out["wall"] = timed_load(c, 2)
@@ -319,6 +333,23 @@ def orbax_rows(
                 broadcast[(n, name)].append((wall, max(r["broadcast"] for r in rs)))
 
 
+def plain_rows(
+    n: int,
+    cfg: dict[str, Any],
+    rows: dict[tuple[int, str], list[Any]],
+    on_disk: str,
+    reqs: Any,
+) -> None:
+    """One rep of the plain (untiered) save rows."""
+    rs = launch(n, {**cfg, "phase": "plain"})
+    rows[(n, "save: plain persistent")].append(
+        (max(r["blocked"] for r in rs), max(r["wall"] for r in rs), reqs(), None)
+    )
+    rows[(n, "save: plain persistent, local dir")].append(
+        (max(r["dir"][0] for r in rs), max(r["dir"][1] for r in rs), on_disk, None)
+    )
+
+
 def state_bytes(cfg: dict[str, Any], n: int) -> int:
     """Bytes of the benchmark's state (the worker's ``state``)."""
     rows = 2 * n * 64
@@ -334,9 +365,25 @@ def main() -> None:
     ap.add_argument("--latency-ms", type=float, default=20.0)
     ap.add_argument("--no-orbax", action="store_true", help="leave out the Orbax rows")
     ap.add_argument(
+        "--restores-only",
+        action="store_true",
+        help="only the tiered saves and the local and lost-dir restores (their ratio); no "
+        "plain saves, no persistent restores, no Orbax",
+    )
+    ap.add_argument(
         "--profile", metavar="DIR", help="cProfile each restore's load, one file per process"
     )
+    ap.add_argument(
+        "--clear",
+        action="store_true",
+        help="also the lost-dir restore with the peer link's cipher off after the handshake "
+        "(this benchmark's baseline, as in bench_peers.py)",
+    )
     args = ap.parse_args()
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    clear = [("restore: lost dir (peers, clear after handshake)", "restore-peer-clear")]
+    clear = clear if args.clear else []
 
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
@@ -379,13 +426,8 @@ def main() -> None:
                     "profile": args.profile and os.path.abspath(args.profile),
                 }
 
-                rs = launch(n, {**cfg, "phase": "plain"})
-                rows[(n, "save: plain persistent")].append(
-                    (max(r["blocked"] for r in rs), max(r["wall"] for r in rs), reqs(), None)
-                )
-                rows[(n, "save: plain persistent, local dir")].append(
-                    (max(r["dir"][0] for r in rs), max(r["dir"][1] for r in rs), on_disk, None)
-                )
+                if not args.restores_only:
+                    plain_rows(n, cfg, rows, on_disk, reqs)
                 rs = launch(n, {**cfg, "phase": "tiered"})
                 got = reqs()
                 rows[(n, "save: tiered, local + promotion")].append(
@@ -399,7 +441,7 @@ def main() -> None:
                     ("restore: local", "restore-local"),
                     ("restore: lost dir (peers)", "restore-peer"),
                     ("restore: persistent", "restore-persistent"),
-                ]:
+                ][: 2 if args.restores_only else 3] + clear:
                     reqs()
                     rs = launch(n, {**cfg, "phase": phase})
                     wall = max(r["wall"] for r in rs)
@@ -407,6 +449,10 @@ def main() -> None:
                     if "peer" in rs[0]:
                         peer = (sum(r["peer"][0] for r in rs), sum(r["peer"][1] for r in rs))
                     rows[(n, name)].append((wall, wall, reqs(), peer))
+                if args.restores_only:
+                    reqs()
+                    print(f"{n} processes: rep {rep + 1}/{args.reps} done", file=sys.stderr)
+                    continue
                 rs = launch(n, {**cfg, "phase": "restore-persistent-dir"})
                 wall = max(r["wall"] for r in rs)
                 rows[(n, "restore: persistent, local dir")].append((wall, wall, on_disk, None))
@@ -437,7 +483,7 @@ def main() -> None:
         peer = "" if best[3] is None else f"{best[3][0] / (1 << 20):.2f}"
         peer += "" if best[3] is None or best[3][1] is None else f" ({best[3][1]})"
         print(f"| {n} | {name} | {best[0]:.3f} | {best[1]:.3f} | {req} | {peer} |")
-    if not args.no_orbax:
+    if not args.no_orbax and not args.restores_only:
         print("\nOrbax restores: seconds in the broadcast (slowest process, in the best rep):")
         for (n, name), bs in broadcast.items():
             print(f"  {n} processes, {name}: {min(bs)[1]:.3f} of {min(bs)[0]:.3f}")
@@ -452,6 +498,23 @@ def main() -> None:
             "fetches its shards from a peer over TCP (the row names the processes that did)."
         )
     for n in args.procs:
+        lost, local = rows[(n, "restore: lost dir (peers)")], rows[(n, "restore: local")]
+        each = sorted(a[1] / b[1] for a, b in zip(lost, local))
+        print(
+            f"\n{n} processes: restore lost-dir / local per rep (the two launches of one rep): "
+            f"median {statistics.median(each):.2f}x, {', '.join(f'{x:.2f}' for x in each)}; "
+            f"medians {statistics.median(a[1] for a in lost):.3f} s / "
+            f"{statistics.median(b[1] for b in local):.3f} s"
+        )
+        if args.clear:
+            plain = rows[(n, clear[0][0])]
+            each = sorted(a[1] / b[1] for a, b in zip(plain, local))
+            print(
+                f"{n} processes: restore lost-dir with the cipher off / local per rep: median "
+                f"{statistics.median(each):.2f}x, {', '.join(f'{x:.2f}' for x in each)}"
+            )
+        if args.restores_only:
+            continue
         r = {name: min(x[1] for x in rs) for (m, name), rs in rows.items() if m == n}
         print(
             f"\n{n} processes: restore lost-dir / local = "
