@@ -211,3 +211,33 @@ def test_no_write_goes_through_a_link(tmp_path: Path, open_path: str) -> None:
     asyncio.run(b.replace_if_match("e/z/quire.json", b"newer", v))
     assert (root / "e" / "z" / "quire.json").read_bytes() == b"newer"
     assert sorted(p.name for p in (root / "e" / "z").iterdir()) == ["quire.json"]  # no tmp
+
+
+def test_no_listing_or_delete_goes_through_a_link(tmp_path: Path, open_path: str) -> None:
+    """Listing and deleting (a garbage collection's ``delete_prefix``, ``delete``) refuse a
+    directory of the checkpoint that is a link: nothing where it points is listed or
+    removed, not even an empty directory."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "d" / "t").mkdir(parents=True)
+    (outside / "sub" / "empty").mkdir(parents=True)
+    (outside / "victim").write_bytes(b"keep")
+    (outside / "sub" / "v2").write_bytes(b"keep")
+    os.symlink(outside, root / "d" / "abc")
+    os.symlink(outside / "sub", root / "d" / "t" / "s")
+    b = LocalBackend(str(root))
+    for prefix in ("d/abc", "d/abc/sub", "d/t/s"):
+        with pytest.raises(OSError):
+            asyncio.run(b.list(prefix))
+        with pytest.raises(OSError):
+            asyncio.run(b.delete_prefix(prefix))
+    for key in ("d/abc/victim", "d/t/s/v2", "d/abc/sub/empty/x"):
+        with pytest.raises(OSError):
+            asyncio.run(b.delete([key]))
+    assert sorted(str(p.relative_to(outside)) for p in outside.rglob("*")) == [
+        "sub", "sub/empty", "sub/v2", "victim"
+    ]
+    # Inside the root the same calls work, and a listing never descends into a link.
+    (root / "d" / "t" / "k").write_bytes(b"x")
+    assert asyncio.run(b.list("d/t")) == ["d/t/k", "d/t/s"]
+    asyncio.run(b.delete(["d/t/k", "d/t/s"]))
+    assert not (root / "d" / "t").exists() and (outside / "sub" / "v2").exists()

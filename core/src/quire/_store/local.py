@@ -251,13 +251,17 @@ class LocalBackend(Backend):
         return await run_to_end(self._list, prefix)
 
     def _list(self, prefix: str) -> builtins.list[str]:
+        """The keys under ``prefix``; a link below it is a key (never walked into), and a
+        link on the way to it is refused (``OSError``)."""
+        nofollow.refuse_links(self.root, prefix)
         base = self._p(prefix.rstrip("/"))
         if os.path.isfile(base):
             return [prefix.rstrip("/")]
         out = []
-        for dirpath, _dirs, files in os.walk(base):
+        for dirpath, dirs, files in os.walk(base):
             rel = os.path.relpath(dirpath, self.root)
-            for f in files:
+            links = [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]
+            for f in files + links:
                 out.append(f if rel == "." else f"{rel}/{f}".replace(os.sep, "/"))
         return sorted(out)
 
@@ -411,7 +415,8 @@ class LocalBackend(Backend):
         parents while they are empty; never the root.  ``rmdir`` removes only an empty
         directory: a file a writer creates meanwhile keeps its folders."""
         base = self._p(prefix.rstrip("/"))
-        if not os.path.isdir(base) or os.path.islink(base):
+        nofollow.refuse_links(self.root, prefix)
+        if not os.path.isdir(base):
             return
         for d, _, _ in os.walk(base, topdown=False):
             self._rmdir_up(d)
@@ -427,14 +432,25 @@ class LocalBackend(Backend):
             d = os.path.dirname(d)
 
     def _delete(self, keys: builtins.list[str]) -> None:
-        dirs = set()
+        """Unlink ``keys``, each relative to its directory opened without following a link
+        (a link on the way is ``OSError``; a link that is the key goes, not its target)."""
+        by_dir: dict[str, builtins.list[str]] = {}
         for k in keys:
-            p = self._p(k)
+            parent, _, name = k.rpartition("/")
+            by_dir.setdefault(parent, []).append(name)
+        dirs = set()
+        for parent, names in by_dir.items():
             try:
-                os.unlink(p)
+                dfd = self._open(parent, os.O_RDONLY | os.O_DIRECTORY)
             except FileNotFoundError:
-                pass
-            dirs.add(os.path.dirname(p))
+                continue
+            try:
+                for name in names:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=dfd)
+            finally:
+                os.close(dfd)
+            dirs.add(self._p(parent))
         # Prune directories left empty, deepest first, never above the root.
         for d in sorted(dirs, key=len, reverse=True):
             self._rmdir_up(d)

@@ -105,3 +105,13 @@ def makedirs_below(root: str, parts: Sequence[str]) -> list[str]:
     finally:
         os.close(dfd)
     return made
+
+
+def refuse_links(root: str, key: str) -> None:
+    """Raise ``OSError(ELOOP)`` when a component of ``key`` below ``root`` is a symbolic
+    link (for listings, which walk by path: what a link leads to is not the root's)."""
+    path = root
+    for p in (p for p in key.split("/") if p):
+        path = os.path.join(path, p)
+        if os.path.islink(path):
+            raise OSError(errno.ELOOP, "a symbolic link in a checkpoint is not followed", path)
