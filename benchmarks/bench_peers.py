@@ -210,8 +210,6 @@ def plaintext_after_handshake() -> Any:
     so nothing of TLS's is left to read after it), then the messages over the bare socket:
     ``recv_into`` straight into the caller's buffer, ``sendall`` of the sender's buffer,
     against the same deadline."""
-    import time
-
     from quire._peers import wire
 
     class ClearAfterHandshake(wire.TLSStream):
@@ -223,12 +221,6 @@ def plaintext_after_handshake() -> Any:
             self.early = self._in.read()  # the other side's first message, sent at once
             self.clear = True
 
-        def _arm(self, deadline: float) -> None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("deadline passed")
-            self.sock.settimeout(left)
-
         def recv_into(self, view: memoryview, deadline: float) -> None:
             if not self.clear:
                 return super().recv_into(view, deadline)
@@ -236,7 +228,7 @@ def plaintext_after_handshake() -> Any:
             got = min(len(view), len(self.early))
             view[:got], self.early = self.early[:got], self.early[got:]
             while got < len(view):
-                self._arm(deadline)
+                self._timeout(deadline)
                 n = self.sock.recv_into(view[got:])
                 if not n:
                     raise wire.Closed(f"connection closed after {got} of {len(view)} bytes")
@@ -248,7 +240,7 @@ def plaintext_after_handshake() -> Any:
                 return super().send_all(data, deadline)
             view = memoryview(data).cast("B")
             for lo in range(0, len(view), wire.BLOCK):
-                self._arm(deadline)
+                self._timeout(deadline)
                 self.sock.sendall(view[lo : lo + wire.BLOCK])
             return None
 
