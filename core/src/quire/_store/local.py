@@ -52,6 +52,15 @@ def _write_all(fd: int, data: Sequence[Buffer]) -> None:
             mv = mv[n:]
 
 
+def _version(path: str, dir_fd: int | None = None, follow_symlinks: bool = True) -> str | None:
+    """The version of the file at ``path`` (inode, mtime, size); None when it is missing."""
+    try:
+        st = os.stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+    except FileNotFoundError:
+        return None
+    return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -238,14 +247,7 @@ class LocalBackend(Backend):
         return (await run_to_end(os.stat, self._p(key))).st_mtime
 
     async def version(self, key: str) -> str | None:
-        return await run_to_end(self._version, key)
-
-    def _version(self, key: str) -> str | None:
-        try:
-            st = os.stat(self._p(key))
-        except FileNotFoundError:
-            return None
-        return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+        return await run_to_end(_version, self._p(key))
 
     async def list(self, prefix: str = "") -> builtins.list[str]:
         return await run_to_end(self._list, prefix)
@@ -359,14 +361,6 @@ class LocalBackend(Backend):
         finally:
             os.close(dfd)
 
-    @staticmethod
-    def _version_at(dfd: int, name: str) -> str | None:
-        try:
-            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
-
     async def put_if_absent(self, key: str, data: bytes) -> str:
         return await run_to_end(self._put_if_absent, key, data)
 
@@ -377,7 +371,7 @@ class LocalBackend(Backend):
             except FileExistsError:
                 raise PreconditionFailed(f"{self._p(key)} exists") from None
             os.fsync(dfd)
-            v = self._version_at(dfd, name)
+            v = _version(name, dfd, follow_symlinks=False)
         assert v is not None
         return v
 
@@ -388,11 +382,11 @@ class LocalBackend(Backend):
         with self._in_parent(key, data) as (dfd, name, tmp):
             fcntl.flock(dfd, fcntl.LOCK_EX)
             try:
-                if self._version_at(dfd, name) != version:
+                if _version(name, dfd, follow_symlinks=False) != version:
                     raise PreconditionFailed(f"{self._p(key)} changed or vanished")
                 os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
                 os.fsync(dfd)
-                v = self._version_at(dfd, name)
+                v = _version(name, dfd, follow_symlinks=False)
             finally:
                 fcntl.flock(dfd, fcntl.LOCK_UN)
         assert v is not None

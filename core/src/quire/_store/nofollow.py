@@ -61,6 +61,15 @@ def _openat2(dfd: int, path: str, flags: int, mode: int) -> int | None:
     raise OSError(err, os.strerror(err), path)
 
 
+def _down(dfd: int, name: str) -> int:
+    """The directory ``name`` in ``dfd``, opened without following a link, in place of
+    ``dfd`` (closed once it is open; on ``OSError``, a link say, ``dfd`` stays the
+    caller's to close)."""
+    nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+    os.close(dfd)
+    return nfd
+
+
 def open_below(root: str, key: str, flags: int, mode: int = 0o644) -> int:
     """A descriptor of ``root/key`` opened with ``flags``; refused (``OSError``) where a
     component below ``root`` is a symbolic link (``root`` itself may be one)."""
@@ -73,9 +82,7 @@ def open_below(root: str, key: str, flags: int, mode: int = 0o644) -> int:
         if fd is not None:
             return fd
         for p in parts[:-1]:
-            nfd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
-            os.close(dfd)
-            dfd = nfd
+            dfd = _down(dfd, p)
         return os.open(parts[-1], flags | os.O_NOFOLLOW, mode, dir_fd=dfd)
     finally:
         os.close(dfd)
@@ -99,9 +106,7 @@ def makedirs_below(root: str, parts: Sequence[str]) -> list[str]:
                 made.append(d)
             except FileExistsError:
                 pass
-            nfd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
-            os.close(dfd)
-            dfd = nfd
+            dfd = _down(dfd, p)
     finally:
         os.close(dfd)
     return made
