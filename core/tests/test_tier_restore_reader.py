@@ -162,11 +162,10 @@ def test_mounted_only_inside_its_block(roots: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------- published addresses
 class Published:
-    """``PeerCopies``' own address lookup (``_address``, ``fetch_record``) over a real
-    key-value store, where the other processes' addresses are published by the test."""
+    """``PeerCopies``' own address lookup (``_address``) over a real key-value store,
+    where the other processes' addresses are published by the test."""
 
     _address = peer_copies.PeerCopies._address
-    fetch_record = peer_copies.PeerCopies.fetch_record
 
     def __init__(self, kv: Any, addresses: dict[int, str]) -> None:
         self.name, self.timeout = "restore-test", 2.0
@@ -216,7 +215,15 @@ def test_a_holder_that_published_a_malformed_address_is_lost_and_the_next_one_re
         backend = open_backend(str(roots["mine"]))
         url = str(roots["mine"])
         rec = asyncio.run(
-            restore_reader.agreed_record(copies, 0, backend, url, "s", digest, [2, 3, 1])  # type: ignore[arg-type]
+            restore_reader.agreed_record(
+                {h: restore_reader.Holder(copies, h) for h in (1, 2, 3)},  # type: ignore[arg-type]
+                0,
+                backend,
+                url,
+                digest,
+                [2, 3, 1],
+                "s",
+            )
         )
     assert got == roots["one"][PACK1][1000:1100]
     assert r.stats() == {"process 1": (100, 1)}
@@ -264,3 +271,77 @@ def test_the_peer_server_keeps_handshake_slots_for_the_published_hosts(
         assert "no handshake slots kept for process 2" in caplog.text
     finally:
         copies.server.close()
+
+
+# ---------------------------------------------------------------------- connections ahead
+def test_a_holder_opens_its_connections_ahead_and_the_reads_use_them(
+    roots: dict[str, Any],
+) -> None:
+    """``Holder.warm`` (a restore calls it for the first holder of each owner it lacks,
+    before it fetches the record and while the load plans): every connection's handshake
+    is done before the first read, and the record and the ranges then open none."""
+    (roots["holder"] / "s" / "quire.json").write_bytes(RAW)
+    with link.PeerServer(roots["holder"], CREDS) as holder:
+        copies = Link({1: holder.address})
+        h = restore_reader.Holder(copies, 1)  # type: ignore[arg-type]
+        r = restore_reader.RestoreReader(
+            str(roots["mine"]),
+            RAW,
+            DOC,
+            1,
+            {1: [restore_reader.peer_provider(copies, 1, "s", DOC, 1, h)]},  # type: ignore[arg-type]
+        )
+
+        async def go() -> tuple[int, int, bytes, list[bytes]]:
+            h.warm()
+            h.warm()  # once per load: a second call opens nothing more
+            await asyncio.gather(*h._warming)
+            ahead = h.connections
+            rec = await h.record("s")
+            got = await asyncio.gather(*(r.get(PACK1, i * 1000, i * 1000 + 500) for i in range(8)))
+            return ahead, h.connections, rec, got
+
+        ahead, after, rec, got = asyncio.run(go())
+        r.close_peers()
+        assert (ahead, after) == (restore_reader.PEER_STREAMS, restore_reader.PEER_STREAMS)
+        assert rec == RAW
+        assert got == [roots["one"][PACK1][i * 1000 : i * 1000 + 500] for i in range(8)]
+        assert h._pool is not None and not h._pool._idle  # closed with the reader
+
+
+def test_connections_that_open_after_their_holder_closed_are_not_kept(
+    roots: dict[str, Any],
+) -> None:
+    with link.PeerServer(roots["holder"], CREDS) as holder:
+        h = restore_reader.Holder(Link({1: holder.address}), 1)  # type: ignore[arg-type]
+
+        async def go() -> None:
+            h.warm()
+            h.close()  # the load ended (or failed) before the handshakes did
+            await asyncio.gather(*h._warming)
+
+        asyncio.run(go())
+        assert h._pool is not None and not h._pool._idle
+        assert h.connections == restore_reader.PEER_STREAMS  # opened, then closed at once
+
+
+def test_a_holder_that_cannot_be_reached_ahead_fails_no_read_of_another(
+    roots: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Opening ahead is only a head start: a dead holder's failure there is logged at
+    debug level, and the reads route to the next holder as ever."""
+    caplog.set_level(logging.DEBUG, logger="quire")
+    with link.PeerServer(roots["holder"], CREDS) as holder:
+        r = reader(roots, holder, None)  # owner 1: the dead process 2 first, then 1
+        dead = r.sources[1][0]
+        assert isinstance(dead, restore_reader.Provider) and dead.name == "process 2"
+
+        async def go() -> bytes:
+            holder2 = dead.holder  # type: ignore[attr-defined]
+            holder2.warm()
+            await asyncio.gather(*holder2._warming, return_exceptions=True)
+            return await r.get(PACK1, 7, 70)
+
+        assert asyncio.run(go()) == roots["one"][PACK1][7:70]
+        r.close_peers()
+    assert "process 2: opening a connection ahead" in caplog.text

@@ -154,10 +154,12 @@ def converse(
     first: str,
     work: Callable[[Conversation], None],
     pool: Pool | None = None,
+    *,
+    fresh: bool = False,
 ) -> None:
     """Run ``work`` on a connection to process ``peer.index`` at ``address`` (a fresh one,
-    or an idle one of ``pool``, given back after success); every failure as a
-    :class:`PeerError`.
+    or an idle one of ``pool`` unless ``fresh``, given back after success); every failure
+    as a :class:`PeerError`.
 
     A pooled connection the peer closed while it was idle (its ``idle_timeout``) fails
     before any byte of its answer: the request is sent once more on a fresh connection.
@@ -189,7 +191,7 @@ def converse(
     if pool is not None and pool.peer.index != peer.index:
         raise ValueError(f"a pool of process {pool.peer.index} used for process {peer.index}")
     try:
-        idle = pool.take() if pool is not None else None
+        idle = pool.take() if pool is not None and not fresh else None
         if idle is not None:
             try:
                 attempt(idle)
@@ -280,9 +282,18 @@ class Pool:
             self._idle.append(conv)
             return True
 
+    def connect(self, timeout: float) -> None:
+        """Open one more connection now (its handshake within ``timeout`` s) and keep it
+        idle for a call to come; a :class:`PeerError` as a call's when that fails."""
+        converse(self.address, self.peer, timeout, "", _nothing, self, fresh=True)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
         for c in idle:
             c.sock.close()
+
+
+def _nothing(conv: Conversation) -> None:
+    """A call that asks nothing (:meth:`Pool.connect`: the handshake alone)."""

@@ -17,7 +17,8 @@ peer's local tier by their path relative to it.
   ``fetch_many`` also read byte ranges ``[start, end)`` of files, and ``fetch_into`` reads
   one range straight into the caller's buffers.
 * ``Pool(address, peer, size)``: connections to one peer kept open between calls
-  (``pool=``), for a caller that sends a peer many requests (a restore's range reads).
+  (``pool=``), for a caller that sends a peer many requests (a restore's range reads);
+  ``pool.connect(timeout)`` opens one ahead of the calls.
 
 Certificates and their checks are in ``tls``, the messages in ``wire``; the server
 opens files read-only and writes nothing.

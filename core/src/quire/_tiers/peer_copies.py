@@ -160,16 +160,6 @@ class PeerCopies:
                 log.warning("%s: no copy of process %d's objects here: %s", url, j, e)
             await run_blocking(_ack, c, f"{ready}/{j}", len(self.placement[j]))
 
-    async def fetch_record(self, holder: int, rel: str) -> bytes:
-        """The commit record of step ``rel`` as process ``holder`` has it (unchecked)."""
-
-        def fetch() -> bytes:  # one trip to the I/O pool: the address, then the record
-            addr = self._address(holder)
-            peer = self.peer(holder)
-            return link.fetch(addr, f"{rel}/quire.json", peer, self.timeout, _MAX_MARKER)
-
-        return await run_blocking(fetch)
-
     async def signal(self, tag: str) -> None:
         """Tell the other processes ``tag`` is done here."""
         await run_blocking(_client().key_value_set, f"{_key(f'{self.name}/{tag}')}/{self.me}", "1")

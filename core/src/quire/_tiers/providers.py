@@ -92,7 +92,8 @@ class _Local(Provider):
 
 class Holder:
     """One peer process for one load: its reads in flight (at most ``streams``), the bytes
-    they ask for, and its connections (opened on first use, kept until :meth:`close`)."""
+    they ask for, and its connections (opened by :meth:`warm` or on first use, kept until
+    :meth:`close`)."""
 
     def __init__(self, copies: PeerCopies, index: int, streams: int = PEER_STREAMS) -> None:
         self.copies, self.index = copies, index
@@ -100,12 +101,54 @@ class Holder:
         self.streams = streams
         self.inflight = 0  # bytes asked of it and not yet answered
         self._pool: link.Pool | None = None
+        self._warming: list[asyncio.Future[None]] = []
+        self._closed = False
+
+    def warm(self) -> None:
+        """Open its ``streams`` connections now, their handshakes in parallel and in the
+        background, so that the load's first reads find them open (the load plans its
+        reads meanwhile).  Not one of the reads in flight: a read that comes first opens
+        its own.  A failure here is only logged: the reads meet it themselves (and route
+        to the next holder)."""
+        if self._warming:
+            return
+        for _ in range(self.streams):
+            task = asyncio.ensure_future(self._connect())
+            task.add_done_callback(self._warmed)
+            self._warming.append(task)
+
+    async def _connect(self) -> None:
+        pool = await self.pool()
+        await run_blocking(pool.connect, self.copies.timeout)
+
+    def _warmed(self, task: asyncio.Future[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("process %d: opening a connection ahead: %s", self.index, task.exception())
+
+    async def call(self, size: int, fn: Any, path: str, *args: Any) -> Any:
+        """``fn(address, path, peer, timeout, *args, pool=...)`` in the I/O pool, as one
+        of its reads in flight (``size`` bytes counted while it waits and runs)."""
+        self.inflight += size
+        try:
+            async with self.slots:
+                pool = await self.pool()
+                return await run_blocking(
+                    fn, pool.address, path, pool.peer, self.copies.timeout, *args, pool=pool
+                )
+        finally:
+            self.inflight -= size
+
+    async def record(self, rel: str) -> bytes:
+        """The commit record of step ``rel`` as it holds it (unchecked), through its pool."""
+        return await self.call(0, link.fetch, f"{rel}/quire.json", _MAX_MARKER)  # type: ignore[no-any-return]
 
     async def pool(self) -> link.Pool:
         if self._pool is None:
             addr = await run_blocking(self.copies._address, self.index)
             if self._pool is None:
                 self._pool = link.Pool(addr, self.copies.peer(self.index), self.streams)
+                if self._closed:  # closed meanwhile: what it opens now is closed at once
+                    self._pool.close()
         return self._pool
 
     @property
@@ -114,6 +157,9 @@ class Holder:
         return 0 if self._pool is None else self._pool.connections
 
     def close(self) -> None:
+        """Close its idle connections; one still opening (:meth:`warm`) or answering is
+        closed when it is done."""
+        self._closed = True
         if self._pool is not None:
             self._pool.close()
 
@@ -134,25 +180,10 @@ class _Peer(Provider):
     def load(self) -> int:
         return self.holder.inflight
 
-    async def _call(self, size: int, fn: Any, *args: Any) -> Any:
-        """``fn(address, path, peer, timeout, *args, pool=...)`` in the I/O pool, as one
-        of the holder's reads in flight (``size`` bytes counted while it waits and runs)."""
-        h = self.holder
-        h.inflight += size
-        try:
-            async with h.slots:
-                pool = await h.pool()
-                c = self.copies
-                return await run_blocking(
-                    fn, pool.address, *args[:1], pool.peer, c.timeout, *args[1:], pool=pool
-                )
-        finally:
-            h.inflight -= size
-
     async def _fetch(self, key: str, limit: int, span: tuple[int, int] | None) -> bytes:
         a, b = span if span is not None else (None, None)
         size = limit if span is None else span[1] - span[0]
-        data = await self._call(size, link.fetch, f"{self.rel}/{key}", limit, a, b)
+        data = await self.holder.call(size, link.fetch, f"{self.rel}/{key}", limit, a, b)
         self.bytes += len(data)
         self.requests += 1
         return data  # type: ignore[no-any-return]
@@ -167,7 +198,9 @@ class _Peer(Provider):
 
     async def get_into(self, key: str, buffers: Sequence[memoryview], offset: int) -> int:
         size = sum(memoryview(b).nbytes for b in buffers)
-        n = await self._call(size, link.fetch_into, f"{self.rel}/{key}", list(buffers), offset)
+        n = await self.holder.call(
+            size, link.fetch_into, f"{self.rel}/{key}", list(buffers), offset
+        )
         self.bytes += n
         self.requests += 1
         return n  # type: ignore[no-any-return]

@@ -32,7 +32,7 @@ import hashlib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from quire._engine import commit as _commit
 from quire._format.chunkindex import PACK_DIR
@@ -52,9 +52,6 @@ from quire._tiers.providers import (
 from quire._tiers.read_checks import ChunkChecks
 from quire._tiers.restore_plan import record_digest
 from quire.errors import CorruptCheckpointError, MultiProcessError, PeerError
-
-if TYPE_CHECKING:
-    from quire._tiers.peer_copies import PeerCopies
 
 __all__ = [
     "PEER_STREAMS",
@@ -350,24 +347,24 @@ async def read_record(backend: Backend, url: str) -> bytes:
 
 
 async def agreed_record(
-    copies: PeerCopies,
+    holders: Mapping[int, Holder],
     me: int,
     backend: Backend,
     url: str,
-    rel: str,
     want: str,
     has_rec: builtins.list[int],
+    rel: str,
 ) -> bytes:
     """The agreed record (digest ``want``) of step ``rel``: this root's, else a holder's
-    over TCP (the next holder when one fails, published no address or a malformed one, or
-    sends another record)."""
+    over TCP, through ``holders[h]``'s connections (the next holder when one fails,
+    published no address or a malformed one, or sends another record)."""
     if me in has_rec:
         return await read_record(backend, url)
     start = me % len(has_rec)
     errors = []
     for h in has_rec[start:] + has_rec[:start]:
         try:
-            got = await copies.fetch_record(h, rel)
+            got = await holders[h].record(rel)
         except MultiProcessError as e:  # a PeerError, or no address published in time
             log.warning("%s: the commit record from process %d: %s", url, h, e)
             errors.append(f"process {h}: {e}")

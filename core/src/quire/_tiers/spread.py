@@ -416,22 +416,28 @@ class Spread:
             if not any(h for h in holders(views, s, digest).values()):
                 return None
         has_rec = [p for p, v in enumerate(views) if v["steps"].get(str(s), {}).get("d") == digest]
-        if raw is None:
-            raw = await agreed_record(copies, self.me, backend, url, rel, digest, has_rec)
-        doc = agreed_doc(raw, digest, url, s)
         held = holders(views, s, digest)
+        slots = {h: Holder(copies, h) for h in range(self.count)}
+        # Per owner, the peers to ask, in order (rotated per process and owner, so that
+        # processes spread over them).  The first of each owner this process does not
+        # hold opens its connections now: their handshakes run while the record is
+        # fetched and the load plans its reads.
+        asked = {}
+        for j, hs in held.items():
+            others = [h for h in hs if h != self.me]
+            k = (self.me + j) % len(others) if others else 0
+            asked[j] = others[k:] + others[:k]
+            if self.me not in hs and others:
+                slots[asked[j][0]].warm()
+        if raw is None:
+            raw = await agreed_record(slots, self.me, backend, url, digest, has_rec, rel)
+        doc = agreed_doc(raw, digest, url, s)
         in_persistent = s in {int(x) for x in views[self.primary]["persistent"]}
         by_owner: dict[int, list[Provider]] = {}
-        slots = {h: Holder(copies, h) for h in range(self.count)}
         for j in ownership.owners(doc, self.primary):
             hs = held.get(j, [])
             srcs = [local_provider(backend, doc, j)] if self.me in hs else []
-            others = [h for h in hs if h != self.me]
-            if others:
-                k = (self.me + j) % len(others)
-                srcs += [
-                    peer_provider(copies, h, rel, doc, j, slots[h]) for h in others[k:] + others[:k]
-                ]
+            srcs += [peer_provider(copies, h, rel, doc, j, slots[h]) for h in asked.get(j, [])]
             if in_persistent:
                 srcs.append(persistent_provider(pb, purl, doc, j, self.primary))
             by_owner[j] = srcs
