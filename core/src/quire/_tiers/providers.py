@@ -101,29 +101,34 @@ class Holder:
         self.streams = streams
         self.inflight = 0  # bytes asked of it and not yet answered
         self._pool: link.Pool | None = None
-        self._warming: list[asyncio.Future[None]] = []
+        self._warming: asyncio.Future[None] | None = None
         self._closed = False
 
     def warm(self) -> None:
-        """Open its ``streams`` connections now, their handshakes in parallel and in the
-        background, so that the load's first reads find them open (the load plans its
-        reads meanwhile).  Not one of the reads in flight: a read that comes first opens
-        its own.  A failure here is only logged: the reads meet it themselves (and route
-        to the next holder)."""
-        if self._warming:
-            return
-        for _ in range(self.streams):
-            task = asyncio.ensure_future(self._connect())
-            task.add_done_callback(self._warmed)
-            self._warming.append(task)
+        """Open its ``streams`` connections now, in the background, so that the load's
+        first reads find them open (the load plans its reads meanwhile): one, then, once
+        it is open, the others at once (a holder that does not answer holds one of the
+        I/O threads, not ``streams``).  Not one of the reads in flight: a read that comes
+        first opens its own.  A failure here is only logged: the reads meet it
+        themselves (and route to the next holder)."""
+        if self._warming is None:
+            self._warming = asyncio.ensure_future(self._open_ahead())
+            self._warming.add_done_callback(self._warmed)
 
-    async def _connect(self) -> None:
+    async def _open_ahead(self) -> None:
         pool = await self.pool()
         await run_blocking(pool.connect, self.copies.timeout)
+        if not self._closed:
+            more = [
+                run_blocking(pool.connect, self.copies.timeout) for _ in range(self.streams - 1)
+            ]
+            for got in await asyncio.gather(*more, return_exceptions=True):
+                if isinstance(got, BaseException):
+                    raise got
 
     def _warmed(self, task: asyncio.Future[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
-            log.debug("process %d: opening a connection ahead: %s", self.index, task.exception())
+            log.debug("process %d: opening connections ahead: %s", self.index, task.exception())
 
     async def call(self, size: int, fn: Any, path: str, *args: Any) -> Any:
         """``fn(address, path, peer, timeout, *args, pool=...)`` in the I/O pool, as one
