@@ -6,13 +6,11 @@ import asyncio
 import builtins
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import fcntl
 import os
 import secrets
 import stat
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -22,12 +20,11 @@ from quire._store import nofollow
 from quire._store.base import Backend, Buffer, Capabilities, PreconditionFailed
 from quire._store.openfiles import OpenFiles, keepable
 
-_libc: Any = None
-if sys.platform.startswith("linux"):
+_libc: Any = nofollow.libc
+if _libc is not None:
     try:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         _libc.syncfs.argtypes = [ctypes.c_int]
-    except (OSError, AttributeError):
+    except AttributeError:  # a C library without syncfs: fsync each file instead
         _libc = None
 
 

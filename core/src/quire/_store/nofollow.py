@@ -17,12 +17,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-_libc: Any = None
+#: The C library (Linux; None elsewhere or where it does not load), for system calls the
+#: ``os`` module lacks: ``openat2`` here, ``syncfs`` in the local backend.
+libc: Any = None
 if sys.platform.startswith("linux"):
     try:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
-        _libc = None
+        libc = None
 
 
 class _OpenHow(ctypes.Structure):
@@ -32,7 +34,7 @@ class _OpenHow(ctypes.Structure):
 _SYS_OPENAT2 = 437  # the same number on every Linux architecture (Linux >= 5.6)
 _RESOLVE_NO_SYMLINKS = 0x04
 # None: not tried yet; False: unavailable (old kernel, seccomp, not Linux), walk instead.
-_openat2_ok: bool | None = None if _libc is not None else False
+_openat2_ok: bool | None = None if libc is not None else False
 
 
 def _openat2(dfd: int, path: str, flags: int, mode: int) -> int | None:
@@ -43,7 +45,7 @@ def _openat2(dfd: int, path: str, flags: int, mode: int) -> int | None:
         return None
     how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, _RESOLVE_NO_SYMLINKS)
     fd = int(
-        _libc.syscall(
+        libc.syscall(
             ctypes.c_long(_SYS_OPENAT2),
             ctypes.c_int(dfd),
             ctypes.c_char_p(os.fsencode(path)),
