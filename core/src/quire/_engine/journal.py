@@ -32,6 +32,7 @@ from typing import Any
 from quire._engine import commit as _commit
 from quire._engine import load as _load
 from quire._engine import packrewrite as _packrewrite
+from quire._engine import record_parts as _record_parts
 from quire._engine import save as _saving
 from quire._engine.journal_replay import (
     drop_dead,
@@ -240,7 +241,9 @@ async def append(
     async def create(frag: dict[str, Any] | None) -> int:
         try:
             indexes = (
-                None if prep is None else await _saving.index_entries(backend, prep, coord.count)
+                None
+                if prep is None
+                else await _record_parts.index_entries(backend, prep, coord.count)
             )
             return await _create_record(
                 backend, url, frag, txid, base_box[0], deleted, metadata, indexes
@@ -257,7 +260,7 @@ async def append(
     def digests(frag: dict[str, Any] | None) -> dict[str, str]:
         if frag is None:
             return {"<deleted>": _multihost.digest([list(p) for p in deleted])}
-        return _saving.unit_digests({_records.PYTREE: {"kind": "pytree", "tree": frag}})
+        return _record_parts.unit_digests({_records.PYTREE: {"kind": "pytree", "tree": frag}})
 
     return await _commit.collective(coord, url, work, create, cleanup, digests)
 

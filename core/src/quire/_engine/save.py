@@ -31,22 +31,19 @@ import numpy as np
 from quire._engine import commit as _commit
 from quire._engine.compaction import compact
 from quire._engine.incremental import Carried, Incremental, LeafInfo, LeafKey
-from quire._format import record as _records
-from quire._format.bounds import is_distribution_name
-from quire._format.pack import PackWriter, gather_entries
+from quire._engine.record_parts import build_record, unit_digests
+from quire._format.pack import PackWriter
 from quire._format.paths import assign_locations, escape_component
 from quire._format.record import PYTREE, process_dir
-from quire._format.tree import KeyPath, Node, from_json, keystr, to_json, walk
-from quire._handlers import codecs as _codecs
+from quire._format.tree import KeyPath, Node, keystr, to_json, walk
 from quire._handlers import select as _selection
 from quire._handlers import unit_ops as _checkpointables
 from quire._handlers.arrays import ArrayHandler
 from quire._handlers.base import SaveContext, SaveEntry
 from quire._handlers.replicas import plan_writers
-from quire._runtime import registry as _registry
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
-from quire._runtime.multihost import Coordinator, digest
+from quire._runtime.multihost import Coordinator
 from quire._store.base import Backend
 from quire._store.url import open_backend
 from quire.errors import UnsupportedLeafError
@@ -451,78 +448,3 @@ async def save_prepared(
         lambda: _commit.drop_txids(backend, url, [prep.txid]),
         unit_digests,
     )
-
-
-async def build_record(
-    backend: Backend,
-    prep: PreparedSave,
-    units: dict[str, dict[str, Any]],
-    metadata: Mapping[str, Any] | None,
-) -> bytes:
-    """The commit record of ``prep``'s save: its units, txid, metadata, the plugins it
-    needs and (format v2) every process's chunk index."""
-    units = await _checkpointables.gather_records(prep.coord, units, backend.url)
-    return _records.build(
-        units=units,
-        txids=[prep.txid],
-        metadata=dict(metadata or {}),
-        process_count=prep.coord.count,
-        extra={"plugins": plugin_sources(units)},
-        indexes=await index_entries(backend, prep, prep.coord.count),
-    )
-
-
-async def index_entries(
-    backend: Backend, prep: PreparedSave, count: int
-) -> list[dict[str, Any]] | None:
-    """Format v2: the commit record's ``indexes`` (every process's chunk index)."""
-    if prep.layout != "packed":
-        return None
-
-    return await gather_entries(backend, prep.txid, count, prep.index, jax.process_index())
-
-
-def plugin_sources(units: Mapping[str, dict[str, Any]]) -> dict[str, str]:
-    """``{"group:id": distribution}`` for every third-party plugin the units need, so that
-    a reader lacking one is told which package to install."""
-    wanted: set[tuple[str, str]] = set()
-    for unit in units.values():
-        if unit["kind"] == "handler":
-            wanted.add(("quire.checkpointables", unit["handler"]))
-        elif unit["kind"] == "pytree":
-            for leaf in from_json(unit["tree"]).leaves():
-                wanted.add(("quire.leaf_handlers", leaf.value["handler"]))
-                for c in leaf.value.get("codecs", []):
-                    if isinstance(c, dict) and isinstance(c.get("name"), str):
-                        wanted.add(("quire.codecs", c["name"]))
-    out = {}
-    for group, name in sorted(wanted):
-        try:
-            if group == "quire.codecs":  # a quire.codecs plugin, or a codec zarr knows
-                dist = _codecs.distribution(name)
-            else:
-                dist = _registry.registries[group].distribution(name)
-        except Exception:
-            dist = None
-        if dist and dist.lower() != "quire" and is_distribution_name(dist):
-            out[f"{group}:{name}"] = dist
-    return out
-
-
-def unit_digests(units: Mapping[str, dict[str, Any]]) -> dict[str, str]:
-    """A digest per leaf record (and per JSON unit): what every process must agree on."""
-    out: dict[str, str] = {}
-    for name, unit in units.items():
-        if unit["kind"] == "pytree":
-            for leaf in from_json(unit["tree"]).leaves():
-                out[f"{name}:{keystr(leaf.path)}"] = digest(leaf.value)
-            out[f"{name}:<structure>"] = digest(_structure(unit["tree"]))
-        elif unit["kind"] == "json":
-            out[name] = digest(unit["value"])
-    return out | _checkpointables.per_process_digests(units)
-
-
-def _structure(node: dict[str, Any]) -> Any:
-    if node["kind"] == "leaf":
-        return None
-    return [node["kind"], node.get("keys"), [_structure(c) for c in node["children"]]]

@@ -28,7 +28,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from quire._engine import commit as _commit
-from quire._engine.save import PreparedSave, build_record, unit_digests, write_units
+from quire._engine.record_parts import build_record, unit_digests
+from quire._engine.save import PreparedSave, write_units
 from quire._format.chunkindex import index_key
 from quire._runtime.collective import exchange
 from quire._runtime.config import current
