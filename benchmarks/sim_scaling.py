@@ -27,10 +27,12 @@ Layouts (as in docs/scaling.md): A = 1,155 large arrays fully sharded over all d
 
 ``--commit`` also times the primary's commit on that record, part by part (CPU seconds of
 this one thread, which a busy machine disturbs less than wall time), over the
-``memory://`` store that holds every process's index: reading every index (with its crc32c,
-as ``quire._format.pack.gather_entries`` does), building the record, the reader's check of
+``memory://`` store that holds every process's index: checking the index entries the
+processes shared (each its own size and crc32c, through the key-value store:
+``quire._engine.record_parts.index_entries``), building the record, the reader's check of
 it (``quire._engine.commit.check_record``) and the completeness check (every chunk of every
-array in some index, ``quire._engine.completeness``; docs/commit-protocol.md).  The leaf
+array in some index, each index read once, ``quire._engine.completeness``;
+docs/commit-protocol.md).  The leaf
 records then describe exactly the chunks the processes wrote (each array its own location
 and chunk grid), so that check passes.
 """
@@ -243,7 +245,7 @@ async def record(
     from quire._engine import commit as _commit
     from quire._engine import completeness as _completeness
     from quire._format import record as _records
-    from quire._format.chunkindex import index_entry
+    from quire._format.chunkindex import check_entries
 
     groups = hosts * devices // lay["ways"]
     mesh = {"data": groups, "fsdp": lay["ways"]} if groups > 1 else {"fsdp": lay["ways"]}
@@ -273,13 +275,8 @@ async def record(
     )
     clock = time.process_time  # CPU seconds: all of it is this thread's work on memory://
     t0 = clock()
-    sem = asyncio.Semaphore(32)  # as gather_entries: read every index, note size and crc32c
-
-    async def read(e: dict[str, Any]) -> dict[str, Any]:
-        async with sem:
-            return index_entry(txid, e["process"], e["object"], await store.get(e["object"]))
-
-    entries = list(await asyncio.gather(*(read(e) for e in entries)))
+    # the entries every process shared: the primary checks their form, reads no index
+    entries = check_entries(entries, store.url)
     t1 = clock()
     data = _records.build(
         units={"pytree": {"kind": "pytree", "tree": tree}},
@@ -355,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         if timings:
             other = timings["gather"] + timings["build"] + timings["check_record"]
             print(
-                f"  commit on the primary, CPU seconds: read {r['writers']} indexes + crc32c "
+                f"  commit on the primary, CPU seconds: check {r['writers']} shared index entries "
                 f"{timings['gather']:.2f}s, build {timings['build']:.2f}s, check_record "
                 f"{timings['check_record']:.2f}s; completeness check {timings['complete']:.2f}s "
                 f"= {timings['complete'] / other:.1f}x the rest (parsing the indexes' JSON alone: "

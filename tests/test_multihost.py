@@ -201,6 +201,22 @@ def test_each_process_writes_only_its_shards(topology: str, run_2x4: Run, run_4x
 
 @SAVES
 @pytest.mark.parametrize("topology", ["2x4", "4x2"])
+def test_commit_reads_each_chunk_index_once(topology: str, run_2x4: Run, run_4x2: Run) -> None:
+    """The primary reads every process's chunk index once for the commit, when it checks
+    that every chunk of the record is in one: each other process shares its index's size and
+    crc32c through the key-value store (the primary used to read the others' indexes twice,
+    once to describe them); no other process reads any."""
+    run, n = (run_2x4, 2) if topology == "2x4" else (run_4x2, 4)
+    primary = run.one("saved", 0)
+    sizes = primary["index_sizes"]
+    assert len(sizes) == n, sizes  # one index per process: each owns chunks
+    assert primary["index_reads"] == sizes
+    for pid in range(1, n):
+        assert run.one("saved", pid)["index_reads"] == {}
+
+
+@SAVES
+@pytest.mark.parametrize("topology", ["2x4", "4x2"])
 def test_save_async_and_partial_across_processes(topology: str, run_2x4: Run, run_4x2: Run) -> None:
     run, n = (run_2x4, 2) if topology == "2x4" else (run_4x2, 4)
     for pid in range(n):

@@ -546,7 +546,21 @@ def scenario_save() -> None:
     url = os.path.join(base, "ck")
     t = time.monotonic()
     quire.save(url, tree, metadata={"tag": tag})
-    emit("saved", url=url, seconds=time.monotonic() - t)
+    root = local_root(url)
+    index_reads = {k: n for k, n in IO.reads[root].items() if k.endswith(".index.json")}
+    index_sizes = {
+        os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
+        for d, _, files in os.walk(root)
+        for f in files
+        if f.endswith(".index.json")
+    }
+    emit(
+        "saved",
+        url=url,
+        seconds=time.monotonic() - t,
+        index_reads=index_reads,
+        index_sizes=index_sizes,
+    )
     ownership(url, tree)
 
     # 2. quire.save_async: returns after the host copy; the caller may then mutate

@@ -26,8 +26,9 @@ quire writes every chunk of an array, fill-valued ones included (zarr's
 ``write_empty_chunks`` is on), so no chunk is absent by design.
 
 The cost is one pass over the record's indexes on the primary: reading and parsing each
-(the save path has read them once already, for their size and crc32c) and one dictionary
-look-up per key (docs/commit-protocol.md has the figures).
+(the only read of the other processes' indexes on the save path: each shared its own size
+and crc32c, ``quire._engine.record_parts``, and each index read is checked against them)
+and one dictionary look-up per key (docs/commit-protocol.md has the figures).
 """
 
 from __future__ import annotations

@@ -240,11 +240,7 @@ async def append(
 
     async def create(frag: dict[str, Any] | None) -> int:
         try:
-            indexes = (
-                None
-                if prep is None
-                else await _record_parts.index_entries(backend, prep, coord.count)
-            )
+            indexes = None if prep is None else await _record_parts.prepared_indexes(prep, url)
             return await _create_record(
                 backend, url, frag, txid, base_box[0], deleted, metadata, indexes
             )

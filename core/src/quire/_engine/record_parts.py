@@ -1,30 +1,94 @@
-"""What a save's commit record holds beside its trees: the units every process gathered,
-the third-party plugins a reader needs (``plugins``), every process's chunk index (format v2,
-``indexes``), and the digests every process must agree on before the commit
-(``quire._engine.commit.collective``).  Save, the partial-save journal and a spread save
-(``quire._tiers.spread_save``) build their records here."""
+"""What a save's commit record holds beside its trees: every process's records of the
+per-process units and its chunk-index entry (format v2, ``indexes``), which the processes
+other than the primary :func:`share` through the key-value store; the third-party plugins a
+reader needs (``plugins``); and the digests every process must agree on before the commit
+(``quire._engine.commit.collective``).  Save, the partial-save journal, a spread save
+(``quire._tiers.spread_save``) and a promotion build their records here."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import jax
-
 from quire._format import record as _records
 from quire._format.bounds import is_distribution_name
-from quire._format.pack import gather_entries
+from quire._format.chunkindex import check_entries
 from quire._format.tree import from_json, keystr
 from quire._handlers import codecs as _codecs
 from quire._handlers import unit_ops as _checkpointables
 from quire._runtime import registry as _registry
-from quire._runtime.multihost import digest
+from quire._runtime.multihost import Coordinator, digest
 from quire._store.base import Backend
+from quire.errors import CorruptCheckpointError, MultiProcessError
 
 if TYPE_CHECKING:
     from quire._engine.save import PreparedSave
 
-__all__ = ["build_record", "index_entries", "plugin_sources", "unit_digests"]
+__all__ = [
+    "build_record",
+    "index_entries",
+    "plugin_sources",
+    "prepared_indexes",
+    "share",
+    "shared",
+    "unit_digests",
+]
+
+
+async def share(coord: Coordinator, units: Mapping[str, dict[str, Any]], index: Any) -> None:
+    """A process other than the primary, its writes done and before it reports so: what
+    the primary's commit record needs of it, through the key-value store: its records of
+    the per-process units and its chunk-index entry (``index``; None: it owned no chunk).
+    The primary reads each index object once, when the commit checks that every chunk is
+    in one (``quire._engine.completeness``), not also to describe it."""
+    if coord.active and not coord.is_primary:
+        await coord.share({"records": _checkpointables.own_records(coord, units), "index": index})
+
+
+async def shared(coord: Coordinator) -> dict[int, Any]:
+    """The primary, once every process reported its writes done: what each :func:`share` d
+    (nothing with one process)."""
+    return await coord.shared() if coord.active else {}
+
+
+def index_entries(
+    coord: Coordinator, txid: str, own: dict[str, Any] | None, got: Mapping[int, Any], url: str
+) -> list[dict[str, Any]] | None:
+    """Format v2: the commit record's ``indexes``: this process's entry ``own`` and the
+    others' from ``got`` (:func:`shared`), in process order; None when no process owned a
+    chunk.  ``MultiProcessError`` for a process that shared none, or one of another save."""
+    out = []
+    for p in range(coord.count):
+        if p == coord.index:
+            entry = own
+        else:
+            value = got.get(p)
+            if not isinstance(value, Mapping) or "index" not in value:
+                raise MultiProcessError(
+                    f"{url}: process {p} reported its writes done without its chunk-index "
+                    "entry; nothing is committed"
+                )
+            entry = value["index"]
+        if entry is None:  # a process that owned no chunk wrote no index
+            continue
+        try:
+            (entry,) = check_entries([entry], url)
+        except CorruptCheckpointError:
+            entry = None
+        if entry is None or entry["txid"] != txid or entry["process"] != p:
+            raise MultiProcessError(
+                f"{url}: process {p} shared a chunk-index entry that is not one of process "
+                f"{p}'s for this save ({str(value)[:200]!r}); nothing is committed"
+            )
+        out.append(entry)
+    return out or None
+
+
+async def prepared_indexes(prep: PreparedSave, url: str) -> list[dict[str, Any]] | None:
+    """The ``indexes`` of ``prep``'s commit record (None: format v1, or no chunk)."""
+    if prep.layout != "packed":
+        return None
+    return index_entries(prep.coord, prep.txid, prep.index, await shared(prep.coord), url)
 
 
 async def build_record(
@@ -33,27 +97,22 @@ async def build_record(
     units: dict[str, dict[str, Any]],
     metadata: Mapping[str, Any] | None,
 ) -> bytes:
-    """The commit record of ``prep``'s save: its units, txid, metadata, the plugins it
-    needs and (format v2) every process's chunk index."""
-    units = await _checkpointables.gather_records(prep.coord, units, backend.url)
+    """The commit record of ``prep``'s save: its units (every process's records of the
+    per-process ones), txid, metadata, the plugins it needs and (format v2) every process's
+    chunk index."""
+    url = backend.url
+    got = await shared(prep.coord)
+    records = {p: v.get("records") for p, v in got.items() if isinstance(v, Mapping)}
+    units = _checkpointables.gather_records(prep.coord, units, url, records)
+    packed = prep.layout == "packed"
     return _records.build(
         units=units,
         txids=[prep.txid],
         metadata=dict(metadata or {}),
         process_count=prep.coord.count,
         extra={"plugins": plugin_sources(units)},
-        indexes=await index_entries(backend, prep, prep.coord.count),
+        indexes=index_entries(prep.coord, prep.txid, prep.index, got, url) if packed else None,
     )
-
-
-async def index_entries(
-    backend: Backend, prep: PreparedSave, count: int
-) -> list[dict[str, Any]] | None:
-    """Format v2: the commit record's ``indexes`` (every process's chunk index)."""
-    if prep.layout != "packed":
-        return None
-
-    return await gather_entries(backend, prep.txid, count, prep.index, jax.process_index())
 
 
 def plugin_sources(units: Mapping[str, dict[str, Any]]) -> dict[str, str]:

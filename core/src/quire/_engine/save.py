@@ -31,7 +31,7 @@ import numpy as np
 from quire._engine import commit as _commit
 from quire._engine.compaction import compact
 from quire._engine.incremental import Carried, Incremental, LeafInfo, LeafKey
-from quire._engine.record_parts import build_record, unit_digests
+from quire._engine.record_parts import build_record, share, unit_digests
 from quire._format.pack import PackWriter
 from quire._format.paths import assign_locations, escape_component
 from quire._format.record import PYTREE, process_dir
@@ -317,7 +317,7 @@ async def write_units(
             }
         else:
             units[name] = unit_records[name]
-    await _checkpointables.share_records(prep.coord, units)  # before the primary commits
+    await share(prep.coord, units, prep.index)  # before it reports its writes done
     return units
 
 

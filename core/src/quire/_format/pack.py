@@ -359,27 +359,3 @@ class PackWriter(Wrapped):
     # -- reads and the rest go to the backend (Wrapped) ------------------------------
     async def exists(self, key: str) -> bool:
         return key in self.refs or await self.base.exists(key)
-
-
-async def gather_entries(
-    backend: Backend, txid: str, count: int, own: dict[str, Any] | None, own_process: int
-) -> list[dict[str, Any]] | None:
-    """The commit record's ``indexes`` for a save by ``count`` processes (None: no process
-    wrote array data).  The primary reads the other processes' index objects, written before
-    they reported success, to record their size and crc32c; a process that owned no chunk
-    wrote none."""
-    sem = asyncio.Semaphore(32)
-
-    async def one(p: int) -> dict[str, Any] | None:
-        if p == own_process:
-            return own
-        key = index_key(txid, p)
-        async with sem:
-            try:
-                data = await backend.get(key)
-            except FileNotFoundError:
-                return None
-        return index_entry(txid, p, key, data)
-
-    got = [e for e in await asyncio.gather(*(one(p) for p in range(count))) if e is not None]
-    return got or None

@@ -275,23 +275,24 @@ def per_process_digests(units: Mapping[str, dict[str, Any]]) -> dict[str, str]:
     }
 
 
-async def share_records(coord: Coordinator, units: Mapping[str, dict[str, Any]]) -> None:
-    """A process other than the primary: publish its records of per-process units, for the
-    primary's commit record (:func:`gather_records`), before it reports its writes done."""
-    mine = {n: units[n]["records"][coord.index] for n in per_process_names(units)}
-    if mine and coord.active and not coord.is_primary:
-        await coord.share(mine)
+def own_records(coord: Coordinator, units: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+    """This process's records of the per-process units, which a process other than the
+    primary shares for the primary's commit record (:func:`gather_records`)."""
+    return {n: units[n]["records"][coord.index] for n in per_process_names(units)}
 
 
-async def gather_records(
-    coord: Coordinator, units: dict[str, dict[str, Any]], url: str
+def gather_records(
+    coord: Coordinator,
+    units: dict[str, dict[str, Any]],
+    url: str,
+    shared: Mapping[int, Any],
 ) -> dict[str, dict[str, Any]]:
     """The primary, once every process reported its writes done: ``units`` with every
-    process's record of each per-process unit."""
+    process's record of each per-process unit (``shared``: process -> its
+    :func:`own_records`)."""
     names = per_process_names(units)
     if not names or not coord.active:
         return units
-    shared = await coord.shared()
     out = dict(units)
     for n in names:
         records = list(units[n]["records"])
@@ -299,7 +300,7 @@ async def gather_records(
             if i == coord.index:
                 continue
             got = shared.get(i)
-            if not isinstance(got, dict) or n not in got:
+            if not isinstance(got, Mapping) or n not in got:
                 raise MultiProcessError(
                     f"{url}: process {i} reported its writes done without its record of the "
                     f"per-process unit {n!r}; nothing is committed (every process must save "

@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from quire._engine import commit as _commit
+from quire._engine import record_parts as _record_parts
 from quire._engine.compaction import compact
 from quire._engine.copying import _check_unit_object, _copy_objects, _Item, copy_checkpoint
 from quire._engine.incremental import Incremental, LeafInfo, LeafKey, record_leaves
@@ -45,7 +46,7 @@ from quire._format.chunkcheck import check_stored
 from quire._format.chunkid import Ref
 from quire._format.chunkindex import parse_index
 from quire._format.crc import ChunkError
-from quire._format.pack import PackWriter, gather_entries
+from quire._format.pack import PackWriter
 from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator
 from quire._store.base import Backend
@@ -169,10 +170,12 @@ async def promote_spread(
                 sink = PackWriter(db, txid, coord.index, cfg.pack_bytes, cfg.byte_budget)
                 new = await _rewrite(sink, sb, src, refs, inc, root, dst, leaves)
             await db.sync()
+            await _record_parts.share(coord, {}, new)  # before it reports its writes done
             return new
 
         async def commit(new: dict[str, Any] | None) -> None:
-            entries = await gather_entries(db, txid, coord.count, new, coord.index)
+            got = await _record_parts.shared(coord)
+            entries = _record_parts.index_entries(coord, txid, new, got, dst)
             data = _with_indexes(record.raw, entries or [])
             await _commit.publish(
                 db, dst, data, record.txids, overwrite=overwrite, coord=coord, keep_superseded=True
