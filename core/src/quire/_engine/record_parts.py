@@ -46,8 +46,8 @@ async def share(coord: Coordinator, units: Mapping[str, dict[str, Any]], index: 
 
 
 async def shared(coord: Coordinator) -> dict[int, Any]:
-    """The primary, once every process reported its writes done: what each :func:`share` d
-    (nothing with one process)."""
+    """The primary, once every process reported its writes done: what each other process
+    published with :func:`share` (nothing with one process)."""
     return await coord.shared() if coord.active else {}
 
 
