@@ -83,15 +83,24 @@ def contexts(aes128: bool) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     return server, client
 
 
+def open_end(
+    sock: socket.socket, way: str, ctx: ssl.SSLContext, server_side: bool
+) -> tuple[TLSStream | None, float]:
+    """One end of a connection made for ``way``: its TLS stream (None: the bare socket)
+    after the handshake, and the deadline of every call on it."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    deadline = time.monotonic() + 600
+    if way == "clear":
+        return None, deadline
+    stream = TLSStream(sock, ctx, server_side=server_side)
+    stream.handshake(deadline)
+    return stream, deadline
+
+
 def sender(lsock: socket.socket, way: str, server: ssl.SSLContext, total: int) -> None:
     """The forked end: accept one connection, send ``total`` bytes, report its CPU."""
     sock, _ = lsock.accept()
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    deadline = time.monotonic() + 600
-    stream = None
-    if way != "clear":
-        stream = TLSStream(sock, server, server_side=True)
-        stream.handshake(deadline)
+    stream, deadline = open_end(sock, way, server, server_side=True)
     buf = bytearray(os.urandom(1 << 20) * (MSG >> 20))
     prewarm(MSG)
     sock.recv(1)  # the receiver is ready
@@ -119,15 +128,10 @@ def one(way: str, ctxs: dict[str, tuple[ssl.SSLContext, ssl.SSLContext]], mib: i
             sender(lsock, way, server, total)
         finally:
             os._exit(0)
-    lsock_addr = lsock.getsockname()
-    sock = socket.create_connection(lsock_addr)
+    sock = socket.create_connection(lsock.getsockname())
     lsock.close()
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    deadline = time.monotonic() + 600
-    stream = None
-    if way != "clear":
-        stream = TLSStream(sock, client, server_side=False)
-        stream.handshake(deadline)
+    stream, deadline = open_end(sock, way, client, server_side=False)
+    if stream is not None:
         suite = stream.tls.cipher()[0]  # type: ignore[index]
         if way == "tls-aes128" and suite != AES128.decode():
             raise RuntimeError(f"negotiated {suite}, not {AES128.decode()}")
@@ -161,7 +165,8 @@ def main() -> None:
     ap.add_argument("--aes128", action="store_true", help="add the AES-128-GCM experiment")
     args = ap.parse_args()
     mib = max(16, args.mib // 16 * 16)
-    ctxs = {"tls": contexts(False), "clear": contexts(False)}
+    plain = contexts(False)
+    ctxs = {"tls": plain, "clear": plain}  # (the bare socket uses none)
     if args.aes128:
         ctxs["tls-aes128"] = contexts(True)
     ways = list(ctxs)
