@@ -67,3 +67,12 @@ def test_an_entry_of_another_save_or_process_stops_the_commit(bad: Any) -> None:
         MultiProcessError, match=r"process 1 shared a chunk-index entry that is not"
     ):
         index_entries(primary(2), TXID, entry(0), {1: {"index": bad}}, URL)
+
+
+def test_a_malformed_entry_of_this_process_stops_the_commit_too() -> None:
+    with pytest.raises(
+        MultiProcessError, match=r"process 0 shared a chunk-index entry that is not"
+    ):
+        index_entries(
+            primary(2), TXID, entry(0, txid="fedcba9876543210"), {1: {"index": None}}, URL
+        )

@@ -60,7 +60,7 @@ def index_entries(
     out = []
     for p in range(coord.count):
         if p == coord.index:
-            entry = own
+            given = own
         else:
             value = got.get(p)
             if not isinstance(value, Mapping) or "index" not in value:
@@ -68,27 +68,35 @@ def index_entries(
                     f"{url}: process {p} reported its writes done without its chunk-index "
                     "entry; nothing is committed"
                 )
-            entry = value["index"]
-        if entry is None:  # a process that owned no chunk wrote no index
+            given = value["index"]
+        if given is None:  # a process that owned no chunk wrote no index
             continue
         try:
-            (entry,) = check_entries([entry], url)
+            (entry,) = check_entries([given], url)
         except CorruptCheckpointError:
             entry = None
         if entry is None or entry["txid"] != txid or entry["process"] != p:
             raise MultiProcessError(
                 f"{url}: process {p} shared a chunk-index entry that is not one of process "
-                f"{p}'s for this save ({str(value)[:200]!r}); nothing is committed"
+                f"{p}'s for this save ({str(given)[:200]!r}); nothing is committed"
             )
         out.append(entry)
     return out or None
 
 
-async def prepared_indexes(prep: PreparedSave, url: str) -> list[dict[str, Any]] | None:
+def _indexes_of(
+    prep: PreparedSave, got: Mapping[int, Any], url: str
+) -> list[dict[str, Any]] | None:
     """The ``indexes`` of ``prep``'s commit record (None: format v1, or no chunk)."""
     if prep.layout != "packed":
         return None
-    return index_entries(prep.coord, prep.txid, prep.index, await shared(prep.coord), url)
+    return index_entries(prep.coord, prep.txid, prep.index, got, url)
+
+
+async def prepared_indexes(prep: PreparedSave, url: str) -> list[dict[str, Any]] | None:
+    """The ``indexes`` of ``prep``'s commit record, with what the others shared (the
+    partial-save journal's version record)."""
+    return _indexes_of(prep, await shared(prep.coord), url)
 
 
 async def build_record(
@@ -104,14 +112,13 @@ async def build_record(
     got = await shared(prep.coord)
     records = {p: v.get("records") for p, v in got.items() if isinstance(v, Mapping)}
     units = _checkpointables.gather_records(prep.coord, units, url, records)
-    packed = prep.layout == "packed"
     return _records.build(
         units=units,
         txids=[prep.txid],
         metadata=dict(metadata or {}),
         process_count=prep.coord.count,
         extra={"plugins": plugin_sources(units)},
-        indexes=index_entries(prep.coord, prep.txid, prep.index, got, url) if packed else None,
+        indexes=_indexes_of(prep, got, url),
     )
 
 
