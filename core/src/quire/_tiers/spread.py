@@ -333,8 +333,9 @@ class Spread:
         if digest is None:  # the persistent tier's record: local holders of it help
             raw = (await _commit.read(pb, purl)).raw
             digest = record_digest(raw)
-            if not any(h for h in holders(views, s, digest).values()):
-                return False
+        held = holders(views, s, digest)
+        if raw is not None and not any(held.values()):  # read from the persistent tier
+            return False
         src = sources(views, s, digest)
         has_rec = [p for p, v in enumerate(views) if v["steps"].get(str(s), {}).get("d") == digest]
         key = f"{self.name}/restore/{self._seq}/{s}"
@@ -359,7 +360,6 @@ class Spread:
             if raw is None:
                 raw = (await _commit.read(backend, url)).raw
         doc = agreed_doc(raw, digest, url, s)
-        held = holders(views, s, digest)
         for j, who in sorted(src.items()):
             lacking = [p for p in range(self.count) if p not in held.get(j, [])]
             if not lacking:
@@ -413,10 +413,10 @@ class Spread:
         if digest is None:  # the persistent tier's record: local holders of it help
             raw = praw = (await _commit.read(pb, purl)).raw
             digest = record_digest(raw)
-            if not any(h for h in holders(views, s, digest).values()):
-                return None
-        has_rec = [p for p, v in enumerate(views) if v["steps"].get(str(s), {}).get("d") == digest]
         held = holders(views, s, digest)
+        if praw is not None and not any(held.values()):
+            return None
+        has_rec = [p for p, v in enumerate(views) if v["steps"].get(str(s), {}).get("d") == digest]
         slots = {h: Holder(copies, h) for h in range(self.count)}
         # Per owner, the peers to ask, in order (rotated per process and owner, so that
         # processes spread over them).  The first of each owner this process does not
