@@ -675,12 +675,12 @@ def test_configuration_the_fsspec_way(moto: MotoS3, gcs: FakeGcs, tmp_path: Path
 def test_s3_url_without_the_plugin_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     from quire._runtime import registry as _registry
 
-    real = _registry.entry_points
+    real = _registry.installed
 
-    def without_s3(**kw: Any) -> Any:
-        return [ep for ep in real(**kw) if not ep.value.startswith("quire_s3")]
+    def without_s3(group: str) -> Any:
+        return [ep for ep in real(group) if not ep.value.startswith("quire_s3")]
 
-    monkeypatch.setattr(_registry, "entry_points", without_s3)
+    monkeypatch.setattr(_registry, "installed", without_s3)
     _registry.clear_caches()
     try:
         with pytest.raises(quire.errors.PluginError, match=r"pip install quire-s3"):

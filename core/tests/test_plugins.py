@@ -113,6 +113,36 @@ def test_builtins_come_through_entry_points() -> None:
         assert leaf_handlers.distribution(name) == "quire"
 
 
+def test_one_pass_over_the_installed_distributions_serves_every_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each group's registry used to read every installed distribution's metadata again
+    (~15 ms each in a large environment; a first save or load touched two or three)."""
+    from quire._handlers.codecs import distribution
+    from quire._runtime import registry as _registry
+
+    passes: list[dict[str, Any]] = []
+    real = _registry.entry_points
+
+    def counting(**kw: Any) -> Any:
+        passes.append(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(_registry, "entry_points", counting)
+    clear_caches()
+    try:
+        groups = {g: r.names() for g, r in registries.items()}
+        assert distribution("no-such-codec") is None  # zarr's groups: the same snapshot
+        assert len(passes) == 1, passes
+        assert "numpy" in groups["quire.leaf_handlers"] and "file" in groups["quire.backends"]
+        codecs.clear_cache()  # one registry's clear takes a new snapshot
+        assert "zstd" in codecs.names()
+        assert len(passes) == 2
+    finally:
+        monkeypatch.undo()
+        clear_caches()
+
+
 def test_a_plugin_is_imported_only_when_used(install: Callable[..., None], tmp_path: Path) -> None:
     install(
         "quire-lazy",

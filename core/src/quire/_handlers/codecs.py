@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import warnings
-from importlib.metadata import entry_points
 from typing import Any
 
 from quire._format.codecrecord import OBJECT_CODEC_IDS, PLACED_BY_QUIRE, is_object_codec
 from quire._runtime import registry as _registries
-from quire._runtime.registry import canonical
+from quire._runtime.registry import canonical, installed
 from quire._runtime.registry import codecs as _registry
 from quire.errors import CodecError, PluginError
 
@@ -273,7 +272,7 @@ def distribution(name: str) -> str | None:
     if dist is not None or name in _registry.names():
         return dist
     for group in ("zarr.codecs", f"zarr.codecs.{name}"):
-        for ep in entry_points(group=group):
+        for ep in installed(group):
             if group == "zarr.codecs" and ep.name != name:
                 continue
             d = getattr(ep, "dist", None)

@@ -1,4 +1,4 @@
-"""Entry-point registries: read once per group, loaded lazily one name at a time.
+"""Entry-point registries: every group read in one pass, loaded lazily one name at a time.
 
 A plugin that fails to import never breaks ``import quire``: the failure is recorded
 (``quire plugins`` shows it) and raised as :class:`PluginError` only when that name is
@@ -93,6 +93,29 @@ def _dist_name(d: Any) -> tuple[str, str]:
     return (d.metadata["Name"] or "<unknown>", d.version or "")
 
 
+_installed_lock = threading.Lock()
+_installed: Any = None  # every group's installed entry points, read in one pass
+
+
+def installed(group: str) -> list[EntryPoint]:
+    """The entry points installed in ``group``.  Every group comes from one snapshot of
+    the installed distributions (:func:`importlib.metadata.entry_points` reads each one's
+    metadata: one pass, ~15 ms in a large environment, where each registry used to make
+    its own); :func:`clear_caches` and ``Registry.clear_cache`` take a new one."""
+    global _installed
+    with _installed_lock:
+        if _installed is None:
+            _installed = entry_points()
+        snapshot = _installed
+    return list(snapshot.select(group=group))
+
+
+def _forget_installed() -> None:
+    global _installed
+    with _installed_lock:
+        _installed = None
+
+
 class Registry:
     """The plugins of one entry-point group, plus run-time registrations."""
 
@@ -110,7 +133,7 @@ class Registry:
             if self._eps is None:
                 found: dict[str, list[EntryPoint]] = {}
                 seen: set[tuple[str, str, str]] = set()
-                for ep in entry_points(group=self.group):
+                for ep in installed(self.group):
                     ident = (ep.name, ep.value, canonical(_dist(ep)[0]))
                     if ident in seen:  # same distribution visible twice on sys.path
                         continue
@@ -123,6 +146,7 @@ class Registry:
 
     def clear_cache(self) -> None:
         """Forget the scanned entry points and everything loaded (not run-time objects)."""
+        _forget_installed()
         with self._lock:
             self._eps = None
             self._loaded.clear()
