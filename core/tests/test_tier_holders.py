@@ -233,3 +233,24 @@ def test_a_pooled_connection_dropped_while_idle_is_replaced(tmp_path: Path) -> N
         n = link.fetch_into(server.address, "f", me, 5, [memoryview(buf)], 3, pool=pool)
         assert (n, bytes(buf)) == (5, b"34567")
         assert pool.connections == 2
+
+
+def test_opening_ahead_counts_the_connections_already_open(step: dict[str, Any]) -> None:
+    """A lost process fetches the step's record from a holder while its connections open
+    ahead (``Holder.warm``): the record's connection is one of the ``PEER_STREAMS``, not a
+    handshake more for both ends."""
+    with link.PeerServer(step["holders"][0], CREDS) as server:
+        holder = restore_reader.Holder(Link({1: server.address}), 1)  # type: ignore[arg-type]
+
+        async def go() -> bytes:
+            raw = await holder.record("s")  # opens a connection, left idle in the pool
+            holder.warm()
+            assert holder._warming is not None
+            await holder._warming
+            return raw  # type: ignore[no-any-return]
+
+        try:
+            assert asyncio.run(go()) == step["raw"]
+            assert holder.connections == restore_reader.PEER_STREAMS
+        finally:
+            holder.close()

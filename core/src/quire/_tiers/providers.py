@@ -109,18 +109,22 @@ class Holder:
         first reads find them open (the load plans its reads meanwhile): one, then, once
         it is open, the others at once (a holder that does not answer holds one of the
         I/O threads, not ``streams``).  Not one of the reads in flight: a read that comes
-        first opens its own.  A failure here is only logged: the reads meet it
-        themselves (and route to the next holder)."""
+        first opens its own, and counts: no more than ``streams`` are opened in all when
+        the reads' handshakes end first.  A failure here is only logged: the reads meet
+        it themselves (and route to the next holder)."""
         if self._warming is None:
             self._warming = asyncio.ensure_future(self._open_ahead())
             self._warming.add_done_callback(self._warmed)
 
     async def _open_ahead(self) -> None:
         pool = await self.pool()
+        if pool.connections >= self.streams:
+            return
         await run_blocking(pool.connect, self.copies.timeout)
-        if not self._closed:
+        if not self._closed:  # counting those the reads opened meanwhile (the record's)
             more = [
-                run_blocking(pool.connect, self.copies.timeout) for _ in range(self.streams - 1)
+                run_blocking(pool.connect, self.copies.timeout)
+                for _ in range(self.streams - pool.connections)
             ]
             for got in await asyncio.gather(*more, return_exceptions=True):
                 if isinstance(got, BaseException):
