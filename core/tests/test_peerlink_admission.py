@@ -7,9 +7,11 @@ passing, against an oracle that keeps its own count of who holds what.
   other addresses arrive, in whatever order (the invariant ``docs/peers.md`` states).
 * No pool holds more than its slots; no address more shared slots than its share.
 * A refusal is fair: in each pool the newcomer may use, no address holds two more than the
-  newcomer's with a handshake past the grace period.
-* A cut handshake is the oldest (past the grace) of an address holding two more than the
-  newcomer's; its socket is shut down.
+  newcomer's with a handshake past the grace period, nor two more and above a fair share
+  (the pool's slots over the addresses holding one, the newcomer's counted).
+* A cut handshake is of an address holding two more than the newcomer's: its oldest past
+  the grace, or (none past it, the address above its fair share) its oldest; its socket is
+  shut down.
 """
 
 from __future__ import annotations
@@ -52,9 +54,19 @@ FLOOD = (
 )
 
 
+YOUNG_FLOOD = (  # handshakes never past the grace period
+    [("arrive", "10.0.0.2")] * 4  # the run's slots, all from one host of the run
+    + [("arrive", "192.0.2.1")] * 2
+    + [("arrive", "192.0.2.2")] * 2  # the shared ones
+    + [("tick", 0.3), ("arrive", "10.0.0.1")]  # cuts one of 10.0.0.2's however young
+    + [("arrive", "192.0.2.3")]  # refused: nobody above a fair share of 4 / 3
+)
+
+
 @settings(max_examples=100, deadline=None)
 @given(events)
 @example(FLOOD)
+@example(YOUNG_FLOOD)
 def test_the_run_always_finds_its_slots_and_every_pool_is_shared_fairly(
     script: list[tuple[str, Any]],
 ) -> None:
@@ -118,24 +130,33 @@ def refused_fairly(before: list[Shake], addr: str, now: float) -> None:
         if pool == SHARED and mine >= PER_ADDRESS:
             continue
         assert len(in_pool) >= size  # no free slot it could take
+        fair = -(-size // len(set(by_addr) | {addr}))
         for h in in_pool:  # and none it could fairly take
-            assert by_addr[h.addr] < mine + 2 or now - h.since < GRACE
+            assert by_addr[h.addr] < mine + 2 or (
+                now - h.since < GRACE and by_addr[h.addr] <= fair
+            )
 
 
 def cutting_was_fair(before: list[Shake], victim: Shake, newcomer: Shake, now: float) -> bool:
+    """The victim is of the address holding the most, two more than the newcomer's: its
+    oldest past the grace period, or, when none is and that address holds more than a
+    fair share (the pool's slots over the addresses in it, the newcomer's counted), its
+    oldest."""
     in_pool = [h for h in before if h.pool == newcomer.pool]
     by_addr = collections.Counter(h.addr for h in in_pool)
     top = max(by_addr.values())
-    older = [
-        h
-        for h in in_pool
-        if by_addr[h.addr] == top and now - h.since >= GRACE and h.since < victim.since
-    ]
+    tops = [h for h in in_pool if by_addr[h.addr] == top]
+    aged = [h for h in tops if now - h.since >= GRACE]
+    size = RESERVED if newcomer.pool == RUN else SHARED_SLOTS
+    fair = -(-size // len(set(by_addr) | {newcomer.addr}))
+    if aged:
+        ok = now - victim.since >= GRACE and not [h for h in aged if h.since < victim.since]
+    else:
+        ok = top > fair and not [h for h in tops if h.since < victim.since]
     return (
         victim.pool == newcomer.pool
         and by_addr[victim.addr] == top >= by_addr[newcomer.addr] + 2
-        and now - victim.since >= GRACE
-        and not older
+        and ok
     )
 
 

@@ -44,6 +44,7 @@ import pytest
 from peer_helpers import BIG, fake_peer, flip_at, make_tier, read_exact, relay, run_of, tls_connect
 
 from quire._peers import link
+from quire._peers.admission import GRACE
 from quire._peers.server import _Warnings
 from quire._peers.tls import Credentials, Identity
 from quire._peers.wire import ANS, REQ
@@ -224,18 +225,27 @@ def test_slow_handshakes_hold_few_slots_briefly_and_a_fetch_still_succeeds(
     assert "too many handshakes from its address" in caplog.text  # (the rest held back)
 
 
-def silent(address: tuple[str, int], source: str, stop: threading.Event, opened: list[int]) -> None:
+def silent(
+    address: tuple[str, int],
+    source: str,
+    stop: threading.Event,
+    opened: list[int],
+    age: float | None = None,
+) -> None:
     """Keep a connection from ``source`` open without a byte, re-opening it as soon as the
-    server drops it, until ``stop``; count each one opened in ``opened``."""
+    server drops it (or, with ``age``, closing it after ``age`` seconds and opening
+    another at once: never an old handshake), until ``stop``; count each one opened in
+    ``opened``."""
     while not stop.is_set():
         try:
             sock = socket.create_connection(address, timeout=2, source_address=(source, 0))
         except OSError:
             continue
         opened.append(1)
+        until = time.monotonic() + (age if age is not None else float("inf"))
         with sock:
-            sock.settimeout(0.1)
-            while not stop.is_set():
+            sock.settimeout(0.05)
+            while not stop.is_set() and time.monotonic() < until:
                 try:
                     if sock.recv(1) == b"":
                         break  # dropped: again
@@ -246,14 +256,16 @@ def silent(address: tuple[str, int], source: str, stop: threading.Event, opened:
 
 
 @contextlib.contextmanager
-def flood(address: tuple[str, int], sources: list[str], each: int) -> Iterator[list[int]]:
+def flood(
+    address: tuple[str, int], sources: list[str], each: int, age: float | None = None
+) -> Iterator[list[int]]:
     """``each`` threads per address of ``sources`` keeping a silent connection open,
-    re-opened as soon as the server drops it (:func:`silent`); yields once every thread
-    has opened one, the list that counts them."""
+    re-opened as soon as the server drops it (or after ``age`` seconds: :func:`silent`);
+    yields once every thread has opened one, the list that counts them."""
     stop = threading.Event()
     opened: list[int] = []
     threads = [
-        threading.Thread(target=silent, args=(address, src, stop, opened), daemon=True)
+        threading.Thread(target=silent, args=(address, src, stop, opened, age), daemon=True)
         for src in sources
         for _ in range(each)
     ]
@@ -322,6 +334,22 @@ def test_a_host_of_the_run_that_floods_keeps_out_only_its_own(
             took = timed_fetches(s)
     assert max(took) < 2.0, took
     assert "to give its slot to one from 127.0.0.1: 127.0.0.2 held the most" in caplog.text
+
+
+@pytest.mark.parametrize("run_hosts", [["127.0.0.1", "127.0.0.2"], []])
+def test_handshakes_kept_young_do_not_keep_another_address_out(
+    tier: Path, run_hosts: list[str]
+) -> None:
+    """A flood that closes each silent connection before the grace period a handshake
+    gets (and opens another at once) leaves no handshake old enough to be cut: it must not
+    keep a host of the run out of the run's slots (another host of the run floods them),
+    nor a third address out of the shared slots (two addresses flood them)."""
+    sources = ["127.0.0.2", "127.0.0.3"]
+    with link.PeerServer(tier, P0) as s:
+        s.reserve_for(run_hosts)
+        with flood(s.address, sources, 12, age=0.6 * GRACE):
+            took = timed_fetches(s)
+    assert max(took) < 2.0, took
 
 
 def test_a_connection_without_a_client_hello_is_closed_at_the_hello_deadline(

@@ -11,10 +11,13 @@ nobody knows whether it is a process of the run.  They are kept in two pools:
 * the **shared** slots (the others): any address, at most ``per_address`` of them each.
 
 A new connection takes a free slot of the first pool it may use (the run's first).  When
-those are all taken, it takes the slot of the oldest handshake of the address holding the
-most slots of that pool, when that address holds at least two more than the newcomer's and
-that handshake has run for :data:`GRACE` seconds (a process of the run needs far less to
-finish one): that handshake is cut (its socket shut down).  Otherwise it is refused.
+those are all taken, it takes the slot of a handshake of the address holding the most slots
+of that pool, when that address holds at least two more than the newcomer's: its oldest that
+has run for :data:`GRACE` seconds (a process of the run needs far less to finish one), else,
+when that address holds more than a fair share of the pool (its slots over the addresses
+holding one, the newcomer's counted), its oldest however young (so that a flood closing
+each connection before the grace period and opening another keeps no one out): that
+handshake is cut (its socket shut down).  Otherwise it is refused.
 
 So the invariant: **a connection from a host of the run finds a slot of the run at once,
 however many connections arrive from other addresses** (they never hold one); within each
@@ -147,7 +150,7 @@ class Admission:
                     continue
                 victim = None
                 if full or len(held) >= self.sizes[pool]:
-                    victim = self._victim(held, mine, now)
+                    victim = self._victim(held, self.sizes[pool], addr, mine, now)
                     if victim is None:
                         continue
                 shake = Shake(sock, addr, now, pool)
@@ -163,18 +166,29 @@ class Admission:
                 )
         return None, why
 
-    def _victim(self, held: list[Shake], mine: int, now: float) -> Shake | None:
-        """The handshake a newcomer holding ``mine`` of ``held`` takes the slot of: the
-        oldest (past :data:`GRACE`) of the address holding the most, if that is at least
-        two more than ``mine``."""
+    def _victim(
+        self, held: list[Shake], size: int, addr: str, mine: int, now: float
+    ) -> Shake | None:
+        """The handshake a newcomer from ``addr`` holding ``mine`` of ``held`` (a pool of
+        ``size`` slots) takes the slot of, from the address holding the most, if that is
+        at least two more than ``mine``: its oldest past :data:`GRACE`; else, when that
+        address holds more than a fair share (the slots over the addresses holding one,
+        the newcomer's counted), its oldest however young: handshakes kept younger than
+        the grace period (closed and opened again) never keep another address out."""
         by_addr = collections.Counter(h.addr for h in held)
         if not by_addr:
             return None
         top = max(by_addr.values())
         if top < mine + 2:
             return None
-        old = [h for h in held if by_addr[h.addr] == top and now - h.since >= GRACE]
-        return min(old, key=lambda h: h.since, default=None)
+        tops = [h for h in held if by_addr[h.addr] == top]
+        old = [h for h in tops if now - h.since >= GRACE]
+        if not old:
+            fair = -(-size // len(set(by_addr) | {addr}))
+            if top <= fair:
+                return None
+            old = tops
+        return min(old, key=lambda h: h.since)
 
     def _cut(self, victim: Shake) -> None:
         # under the lock: its thread closes the socket only once it is out of _shaking
