@@ -368,3 +368,38 @@ def test_plain_checkpointer_prunes_an_incremental_root_safely(tmp_path: Path) ->
     assert list((tmp_path / name(0)).rglob("p00000-00000"))  # step 2 borrows from it
     assert same(quire.load(str(tmp_path / name(2))), trees[2])
     assert same(quire.load(str(tmp_path / name(3))), t)
+
+
+@pytest.mark.parametrize("how", ["save", "cp", "plain checkpointer"])
+def test_replacing_a_step_others_borrow_from_keeps_their_bytes(tmp_path: Path, how: str) -> None:
+    """A step of an incremental root replaced by an overwrite from outside the incremental
+    Checkpointer (``quire.save(..., overwrite=True)``, ``quire cp --overwrite``, a plain
+    Checkpointer's ``save(force=True)``) leaves the bytes of the step it replaces to the
+    root's gc: later steps borrow them."""
+    frozen = frozen_tree()
+    trees = [{"frozen": frozen, "lora": jnp.asarray(rand(s))} for s in range(3)]
+    steps_bytes(tmp_path / "run", trees, incremental=True)
+    new = {"frozen": {k: v + 1 for k, v in frozen.items()}, "lora": jnp.asarray(rand(7))}
+    step0 = tmp_path / "run" / name(0)
+    if how == "save":
+        quire.save(str(step0), new, overwrite=True)
+    elif how == "cp":
+        quire.save(str(tmp_path / "other"), new)
+        assert cli(["cp", str(tmp_path / "other"), str(step0), "--overwrite"]) == 0
+    else:
+        with quire.Checkpointer(tmp_path / "run") as ck:
+            ck.save(0, new, force=True)
+            ck.wait()
+    assert same(quire.load(str(step0)), new)
+    for s in (1, 2):
+        assert same(quire.load(str(tmp_path / "run" / name(s))), trees[s])
+        assert quire.verify(str(tmp_path / "run" / name(s))).ok
+    # the root's gc frees what nobody uses once the borrowers are gone
+    for s in (1, 2):
+        (tmp_path / "run" / name(s) / "quire.json").unlink()
+    for p in (tmp_path / "run").rglob("*"):
+        os.utime(p, (0, 0))
+    assert cli(["gc", str(tmp_path / "run"), "--yes", "--grace", "0"]) == 0
+    packs = sorted(p.name for p in step0.rglob("p00000-*"))
+    assert len(packs) == 1, packs  # the replaced step's pack is gone, the new one stays
+    assert same(quire.load(str(step0)), new)

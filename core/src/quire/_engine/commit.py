@@ -39,11 +39,13 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from quire._engine.incremental import MARKER
 from quire._format import record as _records
 from quire._format.paths import is_safe_location
 from quire._format.root import root_hint
 from quire._format.tree import from_json, keystr
 from quire._store.base import Backend, PreconditionFailed
+from quire._store.url import open_backend
 from quire.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -297,8 +299,31 @@ async def publish(
             ) from None
     if coord is not None and coord.active and coord.is_primary:
         await coord.decide("ok:null")
-    if not keep_superseded:
-        await drop_txids(backend, url, sorted(old - mine))
+    stale = sorted(old - mine)
+    if stale and not keep_superseded and await in_incremental_root(backend, url):
+        log.info(
+            "%s: the data of the replaced checkpoint is left to the root's gc "
+            "(`quire gc ROOT`): it is a step of an incremental root, whose later steps may "
+            "borrow its bytes",
+            url,
+        )
+    elif not keep_superseded:
+        await drop_txids(backend, url, stale)
+
+
+async def in_incremental_root(backend: Backend, url: str) -> bool:
+    """Whether ``url`` is a step of a Checkpointer root that has held incremental steps
+    (its ``leases/incremental.json``): later steps may borrow its bytes, so only the
+    root's mark-and-sweep gc deletes them."""
+    head, sep, _ = url.rstrip("/").rpartition("/")
+    if not sep or not head or head.endswith(":/"):
+        return False
+    try:
+        root = open_backend(head, backend.storage_options)
+        return await root.exists(MARKER)
+    except Exception as e:  # cannot tell: keep the bytes (garbage, never a broken step)
+        log.debug("%s: could not look for %s in %s: %s", url, MARKER, head, e)
+        return True
 
 
 async def _txids_at(backend: Backend, url: str) -> set[str]:
