@@ -95,14 +95,25 @@ def test_storage_options_forms(tmp_path: Path, capsys: pytest.CaptureFixture[str
     ],
     ids=lambda a: " ".join(a),
 )
+@pytest.mark.parametrize("at_url", ["nothing", "a regular file"])
 def test_every_command_exits_2_when_nothing_is_at_the_url(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], at_url: str
 ) -> None:
     missing = str(tmp_path / "missing")
+    if at_url == "a regular file":  # not a checkpoint either (exit 1 would say "damaged")
+        (tmp_path / "missing").write_text("notes")
     args = [missing if a == "M" else str(tmp_path / "dst") if a == "D" else a for a in argv]
     assert cli(args) == 2
     assert missing in capsys.readouterr().err
     assert not (tmp_path / "dst").exists()
+
+
+def test_a_regular_file_is_no_checkpoint(tmp_path: Path) -> None:
+    f = tmp_path / "notes.txt"
+    f.write_text("notes")
+    for fn in (quire.load, quire.verify, quire.metadata, quire.partial.load):
+        with pytest.raises(quire.CheckpointNotFoundError, match="notes.txt"):
+            fn(str(f))
 
 
 # ----------------------------------------------------------------------------- ls / info

@@ -124,10 +124,14 @@ async def _read(backend: Backend, url: str, *, under: str, missing_ok: bool) -> 
     where = f"{url}/{under}" if under else url
     try:
         raw = await backend.get(base + RECORD)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError) as e:  # the latter: the URL is a file
         if missing_ok:
             return None
-        hint = ""
+        hint = (
+            " It is a file, not a checkpoint's directory."
+            if isinstance(e, NotADirectoryError)
+            else ""
+        )
         try:
             if await backend.list(base + JOURNAL_DIR):
                 hint = (
