@@ -236,3 +236,25 @@ def test_any_mesh_round_trips_with_and_without_an_eval_shape_target(
         assert np.array_equal(np.asarray(out["x"]), np.asarray(x))
         assert got.mesh.axis_types == types and got.mesh.shape == mesh.shape
         assert got.is_equivalent_to(x.sharding, 2)
+
+
+def test_a_target_sharding_that_does_not_divide_a_shape_names_the_leaf(tmp_path: Path) -> None:
+    """Before anything is read, as partition rules do: the key path, shape, sharding and
+    the URL, for a target sharding and for ``shardings=`` alike."""
+    url = str(tmp_path / "ckpt")
+    tree = {"layers": {f"k{i}": np.zeros((8, 3), np.float32) for i in range(3)}}
+    tree["layers"]["k1"] = np.zeros((10, 3), np.float32)
+    quire.save(url, tree)
+    mesh = jax.make_mesh((4,), ("a",))
+    sh = NamedSharding(mesh, P("a"))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tree)
+    for load in (lambda: quire.load(url, abstract), lambda: quire.load(url, shardings=sh)):
+        with pytest.raises(quire.TreeMismatchError) as ei:
+            load()
+        msg = str(ei.value)
+        (bad,) = ei.value.mismatched
+        assert bad.startswith("'layers/k1'"), msg
+        assert url in msg and "(10, 3)" in msg and "does not divide" in msg
+    abstract["layers"]["k1"] = jax.ShapeDtypeStruct((10, 3), np.float32)  # the fix: replicated
+    got = quire.load(url, abstract)
+    assert got["layers"]["k0"].sharding == sh and got["layers"]["k1"].shape == (10, 3)

@@ -14,7 +14,7 @@ import jax
 
 from quire._engine import commit as _commit
 from quire._engine.metadata import rebuild_saved
-from quire._engine.pairing import pair_with_target
+from quire._engine.pairing import pair_with_target, sharding_misfit
 from quire._engine.shared_reads import plan_shared, prefetch_shared
 from quire._format import packedreader as _packedreader
 from quire._format.record import PYTREE
@@ -157,6 +157,10 @@ async def _load_tree(
             h = handler_cache.get(rec["handler"]) or _selection.get(rec["handler"], url=url)
             handler_cache[rec["handler"]] = h
             why = h.check(LoadEntry(t.path, rec, target))
+            if why is None and not isinstance(target, type):
+                why = sharding_misfit(
+                    getattr(target, "sharding", None), getattr(target, "shape", None)
+                )
             return why
 
         pairing = pair_with_target(

@@ -105,6 +105,29 @@ class _Shape:
         return any(path[:i] in self.empties for i in range(len(path)))
 
 
+def sharding_misfit(sharding: Any, shape: Any) -> str | None:
+    """Why an array of ``shape`` cannot take ``sharding`` (an axis split into a number of
+    parts that does not divide it), or None (also for no sharding or no shape)."""
+    if sharding is None or shape is None or not hasattr(sharding, "shard_shape"):
+        return None
+    try:
+        sharding.shard_shape(tuple(shape))
+    except ValueError as e:  # jax's IndivisibleError
+        return (
+            f"target shape {tuple(shape)}: its sharding does not divide it ({e}); give this "
+            "leaf a sharding whose mesh axes divide each axis they split, or replicate it"
+        )
+    return None
+
+
+def refuse_misfits(subject: str, bad: list[str], transform: bool = False) -> None:
+    """A :class:`TreeMismatchError` for the leaves ``bad`` (``'key': why``), if any."""
+    if bad:
+        raise TreeMismatchError(
+            _diff_message(subject, [], [], bad, transform), missing=[], extra=[], mismatched=bad
+        )
+
+
 def pair_with_target(
     saved: Node,
     abstract: Any,

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from quire._engine.pairing import pair_with_target
+from quire._engine.pairing import pair_with_target, refuse_misfits, sharding_misfit
 from quire._format.tree import KeyPath, Node, keystr, walk
 from quire._handlers import casting as _casting
 from quire._handlers.meshes import Placer, is_abstract
@@ -339,14 +339,28 @@ async def materialize_tree(
     budget = ByteBudget(current().byte_budget)
     results: dict[int, Any] = {}
 
-    async def one(node: Node, v: Any, target: Any) -> None:
+    def placement(node: Node, v: Any, target: Any) -> tuple[Any, Any, str]:
+        """(dtype, sharding, kind) of the leaf's result: the target's, else ``shardings=``'s."""
         dtype, sharding, kind = _target_of(target) if abstract is not None else (None, None, "")
-        how = castings.get(id(node), "unsafe")
         shape = getattr(v, "shape", None)
         if sharding is None and shape is not None and kind != "numpy":
             sharding = sharding_for(table, node.path, tuple(shape))
             if sharding is not None:
                 kind = "jax"
+        return dtype, sharding, kind
+
+    # Before anything is read: every sharding that does not divide its leaf's shape.
+    misfits = []
+    for node, v, target in pairs:
+        why = sharding_misfit(placement(node, v, target)[1], getattr(v, "shape", None))
+        if why is not None:
+            misfits.append(f"{keystr(node.path)!r}: {why}")
+    refuse_misfits(subject or f"the {what}", misfits, transform)
+
+    async def one(node: Node, v: Any, target: Any) -> None:
+        dtype, sharding, kind = placement(node, v, target)
+        how = castings.get(id(node), "unsafe")
+        shape = getattr(v, "shape", None)
         try:
             if isinstance(v, LazyValue):
                 out = await materialize_leaf(v, dtype, sharding, budget, how, node.path)
