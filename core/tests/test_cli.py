@@ -112,7 +112,7 @@ def test_a_regular_file_is_no_checkpoint(tmp_path: Path) -> None:
     f = tmp_path / "notes.txt"
     f.write_text("notes")
     for fn in (quire.load, quire.verify, quire.metadata, quire.partial.load):
-        with pytest.raises(quire.CheckpointNotFoundError, match="notes.txt"):
+        with pytest.raises(quire.CheckpointNotFoundError, match=r"notes\.txt"):
             fn(str(f))
 
 
