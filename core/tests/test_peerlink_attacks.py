@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import itertools
 import logging
 import os
 import socket
@@ -356,7 +357,7 @@ def test_a_connection_without_a_client_hello_is_closed_at_the_hello_deadline(
     tier: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="quire")
-    with link.PeerServer(tier, P0, hello_timeout=0.3) as s:
+    with link.PeerServer(tier, P0, hello_timeout=0.3, handshake_timeout=6.0) as s:
         t = time.monotonic()
         with socket.create_connection(s.address, timeout=5) as silent:
             assert silent.recv(10) == b""
@@ -364,22 +365,47 @@ def test_a_connection_without_a_client_hello_is_closed_at_the_hello_deadline(
         with socket.create_connection(s.address, timeout=5) as slow:
             slow.sendall(bytes([0x16, 3, 1, 2, 0]) + b"\0" * 100)  # 100 of 512 bytes
             assert drain(slow) == b""  # (reset: its bytes were left unread)
+        # A whole first record that holds only the first byte of a ClientHello (TLS lets one
+        # span records), then nothing: the ClientHello is not whole at the hello deadline.
+        t = time.monotonic()
+        with socket.create_connection(s.address, timeout=8) as piece:
+            piece.sendall(bytes([0x16, 3, 1, 0, 1, 1]))
+            assert drain(piece) == b""
+        assert time.monotonic() - t < 2.5
         assert s.handshakes == 0
-    assert caplog.text.count("no TLS ClientHello within 0.3s") == 2
+    assert caplog.text.count("no TLS ClientHello within 0.3s") == 3
 
 
-def test_a_client_hello_in_pieces_within_the_deadline_is_waited_for(tier: Path) -> None:
-    """The server waits for the whole first record, however it arrives (here the
-    ClientHello in three TCP segments over 0.4 s, a hello deadline of 1 s)."""
+def records(hello: bytes, cuts: tuple[int, ...]) -> list[bytes]:
+    """The handshake record ``hello`` (one record) as several records, its payload cut at
+    ``cuts``."""
+    head, body = hello[:5], hello[5:]
+    assert head[0] == 0x16 and int.from_bytes(head[3:5], "big") == len(body)
+    bounds = [0, *cuts, len(body)]
+    return [
+        head[:3] + (b - a).to_bytes(2, "big") + body[a:b] for a, b in itertools.pairwise(bounds)
+    ]
+
+
+@pytest.mark.parametrize("split", ["TCP segments", "TLS records"])
+def test_a_client_hello_in_pieces_within_the_deadline_is_waited_for(
+    tier: Path, split: str
+) -> None:
+    """The server waits for the whole ClientHello, however it arrives (here in three TCP
+    segments, or in three TLS records, over 0.4 s; a hello deadline of 1 s)."""
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     tls = P1.client_context.wrap_bio(incoming, outgoing)
     with pytest.raises(ssl.SSLWantReadError):
         tls.do_handshake()
     hello = outgoing.read()
+    if split == "TCP segments":
+        pieces = [hello[:3], hello[3:40], hello[40:]]
+    else:
+        pieces = records(hello, (1, 40))
     with link.PeerServer(tier, P0, hello_timeout=1.0) as s:
         sock = socket.create_connection(s.address, timeout=5)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for piece in (hello[:3], hello[3:40], hello[40:]):
+        for piece in pieces:
             sock.sendall(piece)
             time.sleep(0.2)
         while True:  # the rest of the handshake, then one request

@@ -422,17 +422,46 @@ class _HelloTimeout(TimeoutError):
 
 
 _RECORD = 5  # a TLS record's header: type, version, length
-_HANDSHAKE = 0x16
+_HANDSHAKE, _CLIENT_HELLO = 0x16, 1
 _MAX_RECORD = _RECORD + (1 << 14)  # TLS refuses a longer plaintext record itself
+_MAX_HELLO = 1 << 16  # bytes of records waited for; a longer ClientHello goes to TLS as is
+
+
+def _hello_needs(got: bytes) -> int:
+    """How many bytes from the stream's start hold the whole ClientHello, given its first
+    ``got`` bytes: more than ``len(got)`` while it is incomplete (at least the next record
+    header, or that whole record), else 0 (whole, or not a ClientHello the wait is for:
+    not a handshake record, a record or a message TLS refuses for its length — the
+    handshake then refuses it)."""
+    at, body = 0, b""  # the records' payloads so far: the handshake message
+    while True:
+        if len(got) < at + _RECORD:
+            return at + _RECORD
+        if got[at] != _HANDSHAKE:
+            return 0
+        length = int.from_bytes(got[at + 3 : at + 5], "big")
+        if length == 0 or _RECORD + length > _MAX_RECORD:
+            return 0
+        end = at + _RECORD + length
+        if end > _MAX_HELLO:
+            return 0
+        if len(got) < end:
+            return end
+        body += got[at + _RECORD : end]
+        if len(body) >= 4 and (
+            body[0] != _CLIENT_HELLO or 4 + int.from_bytes(body[1:4], "big") <= len(body)
+        ):
+            return 0
+        at = end
 
 
 def _hello(sock: socket.socket, deadline: float) -> None:
-    """Wait until the connection's first TLS record (the ClientHello) has arrived whole,
-    without reading it (``MSG_PEEK``, with ``SO_RCVLOWAT`` its length: no busy loop).
-    Returns at once for bytes that are not a TLS handshake record, a record longer than
-    TLS allows, or the end of the stream (the handshake then refuses them);
-    :class:`_HelloTimeout` when the record is not whole at ``deadline`` (a ClientHello
-    already there is taken however late this thread looks)."""
+    """Wait until the connection's ClientHello has arrived whole (in one TLS record, or
+    over several), without reading it (``MSG_PEEK``, with ``SO_RCVLOWAT`` the bytes it
+    needs: no busy loop).  Returns at once for bytes that are not a TLS handshake record,
+    a record or ClientHello longer than TLS allows, or the end of the stream (the
+    handshake then refuses them); :class:`_HelloTimeout` when the ClientHello is not whole
+    at ``deadline`` (one already there is taken however late this thread looks)."""
     need = _RECORD
     try:
         while True:
@@ -443,16 +472,17 @@ def _hello(sock: socket.socket, deadline: float) -> None:
                 got = sock.recv(need, socket.MSG_PEEK)
             except (TimeoutError, BlockingIOError):
                 raise _HelloTimeout("no ClientHello in time") from None
-            if not got or got[0] != _HANDSHAKE:
-                return  # the end of the stream, or not TLS: the handshake refuses it
-            if len(got) < need:
-                if left <= 0:
-                    raise _HelloTimeout("no ClientHello in time")
-                return  # a waiting peek returns short only at the end of the stream
-            total = _RECORD + int.from_bytes(got[3:5], "big")
-            if total <= need or total > _MAX_RECORD:
+            if not got:
+                return  # the end of the stream: the handshake refuses it
+            more = _hello_needs(got)
+            if not more:
                 return
-            need = total
+            if len(got) >= need and more > need:
+                need = more  # the next record's header, or the rest of its record
+                continue
+            if left <= 0:
+                raise _HelloTimeout("no ClientHello in time")
+            return  # a waiting peek returns short only at the end of the stream
     finally:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
