@@ -609,3 +609,18 @@ def test_cli_gc(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (root / "checkpointer.json").write_text("not json")
     assert cli(["gc", str(root)]) == 1  # damage found (docs/cli.md: exit status)
     assert "CorruptCheckpointError" in capsys.readouterr().err
+
+
+def test_a_step_is_an_int_not_a_bool_or_a_float(tmp_path: Path) -> None:
+    """``save(True, ...)`` is an argument slip, not step 1 (as ``EveryNSteps(True)`` is)."""
+    with quire.Checkpointer(tmp_path) as ck:
+        for bad in (True, False, 3.0, "5"):
+            with pytest.raises(TypeError, match="a step must be an int"):
+                ck.save(bad, {"x": np.zeros(2)})  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="non-negative"):
+            ck.save(-1, {"x": np.zeros(2)})
+        ck.save(np.int64(2), {"x": np.zeros(2)})
+        ck.wait()
+        assert ck.steps() == [2]
+        with pytest.raises(TypeError, match="a step must be an int"):
+            ck.load(True)

@@ -24,8 +24,11 @@ log = logging.getLogger("quire")
 
 
 def as_step(step: Any) -> int:
-    """``step`` as a non-negative int (``TypeError`` / ``ValueError`` otherwise)."""
+    """``step`` as a non-negative int (``TypeError`` / ``ValueError`` otherwise; a bool is
+    an argument slip, not step 0 or 1)."""
     try:
+        if isinstance(step, bool):  # (numpy's bool has no __index__)
+            raise TypeError
         s = operator.index(step)
     except TypeError:
         raise TypeError(f"a step must be an int, got {type(step).__name__} {step!r}") from None
