@@ -425,3 +425,70 @@ def test_a_step_saved_as_units_loads_or_names_the_units_call(tmp_path: Path) -> 
         assert "Checkpointer.load_checkpointables(step, " in msg
         got = ck.load_checkpointables(2, {"state": {"w": np.zeros(3)}, "config": None})
         assert got["state"]["w"].tolist() == [0.0, 1.0, 2.0] and got["config"] == {"epoch": 2}
+
+
+def test_a_64_bit_jax_target_with_x64_off_holds_only_what_fits_32_bits(tmp_path: Path) -> None:
+    """With jax_enable_x64 off (JAX's default, and here) a jax.Array of int64 / float64 is
+    int32 / float32: the cast rule sees that dtype, not the one the target names.  A
+    ShapeDtypeStruct of int64 over saved int64 values past int32 wrapped them (2**40+7 -> 7)
+    and float64 1e300 became float32 inf, with no error (the hunt's finding 1), while an
+    explicit int32 target was refused.  Values that fit load as the 32-bit type."""
+    assert not jax.config.jax_enable_x64
+    url = str(tmp_path / "ckpt")
+    big = np.array([2**40 + 7, -5], np.int64)
+    huge = np.array([1e300, 0.5], np.float64)
+    quire.save(url, {"i": big, "f": huge, "n": 2**40 + 7, "ok": np.array([7, -5], np.int64)})
+    mesh = jax.make_mesh((2,), ("d",))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    sds = jax.ShapeDtypeStruct
+
+    def refused(target: dict[str, Any], key: str, named: str, real: str, **kw: Any) -> None:
+        with pytest.raises(LossyCastError) as ei:
+            quire.load(url, target, partial=True, **kw)
+        msg = str(ei.value)
+        assert url in msg and f"'{key}'" in msg and named in msg and real in msg, msg
+        assert "jax_enable_x64" in msg and "numpy" in msg and ei.value.mismatched, msg
+
+    for key, named, real in (("i", "int64", "int32"), ("f", "float64", "float32")):
+        for s in (None, sh):
+            t = sds((2,), np.dtype(named), sharding=s)
+            refused({key: t}, key, named, real)  # quire.load
+        # the lazy path (a jax.Array where the target has a sharding)
+        refused(
+            {key: sds((2,), np.dtype(named), sharding=sh)},
+            key,
+            named,
+            real,
+            transform=lambda tr: tr,
+        )
+        refused({key: jax.Array}, key, named, real)  # "as saved", as a jax.Array
+        with pytest.raises(LossyCastError, match="jax_enable_x64"):
+            quire.open(url).tree[key].read(sharding=sh)
+        with pytest.raises(LossyCastError, match="jax_enable_x64"):
+            quire.open(url).tree[key].read(dtype=np.dtype(named), sharding=sh)
+        # numpy holds 64 bits whatever JAX's setting: the saved values, exactly.
+        got = quire.load(url, {key: np.zeros(2, np.dtype(named))}, partial=True)[key]
+        assert got.dtype == np.dtype(named) and got.tolist() == {"i": big, "f": huge}[key].tolist()
+    refused({"n": sds((), np.int64)}, "n", "int64", "int32")  # an inline Python int
+    refused({"i": sds((2,), np.int64)}, "i", "int64", "int32", shardings=sh)
+    # A 64-bit jax.Array cannot exist here: a concrete target is already 32 bits and
+    # refused by the ordinary rule.
+    concrete = jax.device_put(np.zeros(2, np.int64))
+    assert concrete.dtype == np.int32
+    with pytest.raises(LossyCastError, match="do not fit the target's int32"):
+        quire.load(url, {"i": concrete}, partial=True)
+    # A Checkpointer restores through the same rule.
+    ck = quire.Checkpointer(str(tmp_path / "root"))
+    ck.save(1, {"i": big})
+    ck.wait()
+    with pytest.raises(LossyCastError, match="jax_enable_x64"):
+        ck.load(1, {"i": sds((2,), np.int64)})
+    # What fits is loaded, as the 32-bit type a jax.Array holds here.
+    got = quire.load(url, {"ok": sds((2,), np.int64, sharding=sh)}, partial=True)["ok"]
+    assert got.dtype == np.int32 and np.asarray(got).tolist() == [7, -5]
+    lazy = {"ok": sds((2,), np.int64, sharding=sh)}
+    got = quire.load(url, lazy, partial=True, transform=lambda t: t)["ok"]
+    assert got.dtype == np.int32 and np.asarray(got).tolist() == [7, -5]
+    quire.save(url, {"f": np.array([0.5, 1e30], np.float64)}, overwrite=True)
+    got = quire.load(url, {"f": sds((2,), np.float64)})["f"]
+    assert got.dtype == np.float32 and np.asarray(got).tolist() == [0.5, np.float32(1e30)]

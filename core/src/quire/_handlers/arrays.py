@@ -25,7 +25,13 @@ from quire._handlers.arrayplan import (
 )
 from quire._handlers.arraysnap import snapshot_plans
 from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
-from quire._handlers.casting import check_cast, check_values, target_dtype
+from quire._handlers.casting import (
+    check_cast,
+    check_values,
+    jax_dtype,
+    target_dtype,
+    to_jax_dtype,
+)
 from quire._handlers.descriptions import describe_arrays
 from quire._handlers.meshes import saved_sharding
 from quire._handlers.zarr_io import (
@@ -332,10 +338,15 @@ class ArrayHandler:
             if want is not None:
                 check_cast(layout.dtype, want, e.casting, url=ctx.url, path=e.path)
 
+        # A jax.Array holds jax_dtype(out_dtype): 32 bits for 64 while jax_enable_x64 is off.
+        real = jax_dtype(out_dtype) if kind == "jax" else out_dtype
+
         def cast(a: np.ndarray) -> np.ndarray:
-            """``a`` as the target's dtype (aligned for the device); narrowed ints checked."""
+            """``a`` as the result's dtype (aligned for the device); narrowed ints checked."""
             check_values(a, out_dtype, e.casting, url=ctx.url, path=e.path)
-            return for_device(a, out_dtype)
+            if real != out_dtype:
+                a = to_jax_dtype(a, out_dtype, url=ctx.url, path=e.path, saved=layout.dtype)
+            return for_device(a, real)
 
         shape = layout.shape
         if kind in ("numpy", "python"):
@@ -364,7 +375,7 @@ class ArrayHandler:
         if not idx_map:
             # A mesh of other processes' devices: this process holds no shard of the result
             # (JAX needs the dtype given when there is no shard to take it from).
-            return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=out_dtype)
+            return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=real)
         regions: dict[tuple[tuple[int, int], ...], list[Any]] = {}
         for dev, idx in idx_map.items():
             norm = _norm_index(idx, shape) if shape else ()
@@ -416,7 +427,7 @@ class ArrayHandler:
             reg = tuple(slice(a, b) for a, b in key)
             nbytes = math.prod(b - a for a, b in key) * layout.dtype.itemsize
             # The host buffer lives until it is on the device: bounded by the byte budget.
-            need = nbytes * (1 if out_dtype == layout.dtype else 2)
+            need = nbytes * (1 if real == layout.dtype else 2)
             async with budget.hold(need):
                 # Aligned: on CPU, device_put adopts the buffer instead of copying it.
                 buf = aligned_empty(tuple(b - a for a, b in key), layout.dtype)

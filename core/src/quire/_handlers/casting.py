@@ -18,6 +18,13 @@ registered with numpy kind ``V``, so it calls ``float32 -> int4`` and ``complex6
 same-kind and ``bfloat16 -> float16`` not.  Here bfloat16 and the float8 types are floats and
 int2 / int4 (uint2 / uint4) signed (unsigned) ints, and ``same_kind`` follows the order above
 for every type, which is numpy's answer for numpy's own types.
+
+A ``jax.Array`` result holds the dtype JAX gives it, not always the one the target names:
+with ``jax_enable_x64`` off (JAX's default) a 64-bit type is its 32-bit one
+(:func:`jax_dtype`).  That narrowing is asked for by no one, so whatever ``casting`` says it
+is made only when every value fits (:func:`to_jax_dtype`: integers in range, floats and
+complex numbers finite where they were), else a :class:`~quire.errors.LossyCastError` that
+names the setting.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -43,12 +51,14 @@ __all__ = [
     "check_casting",
     "check_spec",
     "check_values",
+    "jax_dtype",
     "lossy",
     "narrowed",
     "python_dtype",
     "refusal",
     "stored_dtype",
     "target_dtype",
+    "to_jax_dtype",
     "value_dtype",
 ]
 
@@ -239,5 +249,60 @@ def check_values(a: Any, dst: np.dtype[Any], casting: str, *, url: str, path: Ke
     )
     raise LossyCastError(
         f"{url}: leaf {keystr(path)!r}: {why}. To fix: {allow_hint(src or np.dtype(np.int64))}",
+        mismatched=[f"{keystr(path)!r}: {why}"],
+    )
+
+
+def jax_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """The dtype a ``jax.Array`` of ``dtype`` really holds: a 64-bit type's 32-bit one while
+    ``jax_enable_x64`` is off (JAX's default), else ``dtype`` itself."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
+def to_jax_dtype(
+    a: np.ndarray, named: np.dtype[Any], *, url: str, path: KeyPath, saved: Any = None
+) -> np.ndarray:
+    """``a`` (values of the dtype ``named`` a target asks for, or that cast to it exactly)
+    as :func:`jax_dtype` of ``named``, the dtype its ``jax.Array`` will hold; refused
+    (:class:`~quire.errors.LossyCastError`) when a value does not fit it: an integer out of
+    its range, or a finite number that would become inf.  ``saved`` names the saved dtype in
+    the message (default: ``a``'s)."""
+    real = jax_dtype(named)
+    if a.dtype == real:
+        return a
+    if real == named:
+        return a.astype(real)
+    if a.dtype != named:
+        a = a.astype(named)
+    found = None
+    if kind(real) in ("u", "i"):
+        lo, hi = _range(real)
+        if a.size and (int(a.min()) < lo or int(a.max()) > hi):
+            found = f"{int(a.min())} to {int(a.max())}"
+            found += f" do not fit {real} (range {lo} to {hi})"
+        out = a.astype(real)
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = a.astype(real)
+        bad = ~np.isfinite(out)
+        if bad.any():
+            bad &= np.isfinite(a)
+        if bad.any():
+            found = f"{a[bad].flat[0]} (and any others past {np.finfo(real).max:g}) become inf in {real}"
+    if found is None:
+        return out
+    src = np.dtype(saved) if saved is not None else named
+    why = (
+        f"a jax.Array of {named} is {real} while jax_enable_x64 is off (JAX's default): "
+        f"saved {src} values {found}"
+    )
+    fix = (
+        "turn on 64-bit types in JAX before making any array "
+        "(jax.config.update('jax_enable_x64', True)), or load this leaf as numpy (a numpy "
+        f"target such as np.zeros(shape, {named})), or name {real} as the target's dtype "
+        + ("with casting='unsafe' to take the wrapped values" if kind(real) in ("u", "i") else "")
+    ).rstrip()
+    raise LossyCastError(
+        f"{url}: leaf {keystr(path)!r}: {why}. To fix: {fix}",
         mismatched=[f"{keystr(path)!r}: {why}"],
     )

@@ -14,7 +14,13 @@ from quire._format.describe import SCALAR_TYPES, scalar_type
 from quire._format.dtypes import dtype_from_name, dtype_name
 from quire._format.tree import keystr
 from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry, StoredObject
-from quire._handlers.casting import check_cast, check_values, target_dtype, value_dtype
+from quire._handlers.casting import (
+    check_cast,
+    check_values,
+    target_dtype,
+    to_jax_dtype,
+    value_dtype,
+)
 from quire.errors import CorruptCheckpointError, UnsupportedLeafError
 
 
@@ -102,7 +108,10 @@ def convert(
         return target.dtype.type(value)
     if hasattr(target, "dtype") and hasattr(target, "shape") and not isinstance(target, type):
         arr = np.asarray(value, dtype=target.dtype)
-        return arr if isinstance(target, np.ndarray) else _jax_scalar(arr, target)
+        if isinstance(target, np.ndarray):
+            return arr
+        # A jax.Array of a 64-bit dtype is 32 bits while jax_enable_x64 is off.
+        return _jax_scalar(to_jax_dtype(arr, arr.dtype, url=url, path=path, saved=src), target)
     try:
         return t(value)
     except Exception as e:

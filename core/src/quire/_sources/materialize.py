@@ -45,17 +45,23 @@ def _norm(idx: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
 
 
 class _Cast:
-    """The cast of one leaf's regions to ``dtype`` under ``casting``; the leaf at ``path`` of
-    ``url`` (for messages)."""
+    """The cast of one leaf's regions to ``named`` under ``casting``; the leaf at ``path`` of
+    ``url`` (for messages).  ``to_jax``: the regions go into a ``jax.Array``, whose dtype
+    (``dtype``) may be narrower than ``named`` (:func:`quire._handlers.casting.jax_dtype`)."""
 
-    def __init__(self, dtype: np.dtype[Any], casting: str, url: str, path: KeyPath) -> None:
-        self.dtype, self.casting, self.url, self.path = dtype, casting, url, path
+    def __init__(
+        self, named: np.dtype[Any], casting: str, url: str, path: KeyPath, to_jax: bool = False
+    ) -> None:
+        self.named, self.casting, self.url, self.path = named, casting, url, path
+        self.dtype = _casting.jax_dtype(named) if to_jax else named
 
     def __call__(self, a: np.ndarray) -> np.ndarray:
         """``a`` as the dtype; a narrowed integer's values checked first."""
         if a.dtype == self.dtype:
             return a
-        _casting.check_values(a, self.dtype, self.casting, url=self.url, path=self.path)
+        _casting.check_values(a, self.named, self.casting, url=self.url, path=self.path)
+        if self.dtype != self.named:
+            return _casting.to_jax_dtype(a, self.named, url=self.url, path=self.path, saved=a.dtype)
         return a.astype(self.dtype)
 
 
@@ -136,9 +142,9 @@ async def materialize_leaf(
     """
     out_dtype = np.dtype(dtype) if dtype is not None else v.dtype
     url = ", ".join(sorted({s.url for s in v.sources()})) or "a lazy value"
-    cast = _Cast(out_dtype, casting, url, getattr(v, "key_path", ()) if path is None else path)
+    at = getattr(v, "key_path", ()) if path is None else path
     if out_dtype != v.dtype:
-        _casting.check_cast(v.dtype, out_dtype, casting, url=url, path=cast.path)
+        _casting.check_cast(v.dtype, out_dtype, casting, url=url, path=at)
     budget = budget or ByteBudget(current().byte_budget)
     shape = v.shape
     if is_abstract(sharding):  # LazyArray.read(sharding=...) of an eval_shape target
@@ -146,6 +152,8 @@ async def materialize_leaf(
         if why is not None:
             where = ", ".join(sorted({f"{s.url}:{s.key}" for s in v.sources()})) or "a value"
             raise TreeMismatchError(f"reading {where}: {why}", mismatched=[why])
+    cast = _Cast(out_dtype, casting, url, at, to_jax=sharding is not None)
+    out_dtype = cast.dtype
     if sharding is None:
         a, need = await _read_cast(v, full_region(shape), cast, budget)
         await budget.release(need)  # handed to the caller
@@ -368,7 +376,7 @@ async def materialize_tree(
                     t = target if isinstance(target, type) else type(target)
                     out = t(np.asarray(out)[()])
             elif kind == "jax" and shape is not None:
-                host = _concrete(v, dtype, how, node.path)
+                host = _concrete(v, dtype, how, node.path, to_jax=True)
                 out = (
                     jax.device_put(host, sharding) if sharding is not None else jax.device_put(host)
                 )
@@ -396,14 +404,17 @@ async def materialize_tree(
     return rebuild(lambda n: results[id(n)])
 
 
-def _concrete(v: Any, dtype: Any, casting: str, path: KeyPath) -> np.ndarray:
+def _concrete(v: Any, dtype: Any, casting: str, path: KeyPath, to_jax: bool = False) -> np.ndarray:
     """A concrete value of a transform's result as a numpy array of ``dtype`` (its own when
-    None), the values of a narrowed integer checked."""
+    None), the values of a narrowed integer checked; ``to_jax``: of the dtype its
+    ``jax.Array`` will hold (:func:`quire._handlers.casting.jax_dtype`), values checked."""
     host = np.asarray(v)
-    if dtype is None or host.dtype == dtype:
-        return host
-    _casting.check_values(host, np.dtype(dtype), casting, url="a concrete value", path=path)
-    return host.astype(dtype)
+    named = host.dtype if dtype is None else np.dtype(dtype)
+    if host.dtype != named:
+        _casting.check_values(host, named, casting, url="a concrete value", path=path)
+    if to_jax and _casting.jax_dtype(named) != named:
+        return _casting.to_jax_dtype(host, named, url="a concrete value", path=path)
+    return host if host.dtype == named else host.astype(named)
 
 
 def load_and_transform(
