@@ -333,6 +333,64 @@ def test_casts_numpy_cannot_do_are_typed_errors(url: str, src: str, dst: str) ->
         assert str(url) in str(e.value)
 
 
+@pytest.mark.filterwarnings("ignore:Casting complex values to real:numpy.exceptions.ComplexWarning")
+def test_a_storage_cast_follows_the_load_side_casting_rule(url: str) -> None:
+    """``StorageOptions(dtype=...)`` cast with numpy's unsafe rule, silently: int64 300 was
+    stored as int8 44, -1 as uint8 255, 1.7 as int32 1, 1+2j as float32 1 (the hunt's finding
+    2).  The cast now follows the load side's rule (``casting="same_kind"``, an integer
+    narrowed only when every value fits): a lossy one is a LossyCastError naming the URL, the
+    leaf, both dtypes and the fix, before anything is committed; ``casting=`` opts in."""
+    u = str(url)
+    before = {"x": np.arange(3, dtype=np.int64)}
+    quire.save(u, before)
+    mesh = jax.make_mesh((4,), ("d",))
+    sharded = jax.device_put(
+        np.array([0, 1, 2, 40000], np.int32), jax.sharding.NamedSharding(mesh, P("d"))
+    )
+    lossy = [
+        (np.array([1, 300, -200], np.int64), np.int8, "values -200 to 300"),
+        (sharded, np.int16, "values 40000"),
+        (np.array([-1, 5], np.int32), np.uint8, "an int cast to an unsigned int"),
+        (np.array([1.7, -2.5], np.float32), np.int32, "a float cast to an int"),
+        (np.array([1 + 2j], np.complex64), np.float32, "a complex cast to a float"),
+    ]
+    saves = {
+        "save": quire.save,
+        "save_async": lambda *a, **k: quire.save_async(*a, **k).result(),
+    }
+    for x, to, why in lossy:
+        src, dst = np.dtype(x.dtype).name, np.dtype(to).name
+        for name, save in saves.items():
+            with pytest.raises(quire.errors.LossyCastError) as ei:
+                save(u, {"x": x}, storage=StorageOptions(dtype=to), overwrite=True)
+            msg = str(ei.value)
+            assert u in msg and "'x'" in msg and src in msg and dst in msg, (name, msg)
+            assert why in msg and "casting='unsafe'" in msg and "StorageOptions" in msg, msg
+            # Nothing was committed: the checkpoint there is the one saved before.
+            assert np.array_equal(quire.load(u)["x"], before["x"])
+    # Asked for by name, the lossy cast is made as numpy makes it.
+    opts = StorageOptions(dtype=np.int8, casting="unsafe")
+    quire.save(u, {"x": lossy[0][0]}, storage=opts, overwrite=True)
+    assert quire.load(u)["x"].tolist() == [1, 44, 56]
+    # An integer narrowed where every value fits, float32 -> bfloat16: made, as on load.
+    tree = {"i": np.array([1, 100, -100], np.int64), "w": np.array([0.5, 1.25], np.float32)}
+    to = {"i": np.int8, "w": ml_dtypes.bfloat16}
+    quire.save(u, tree, storage=lambda p, _: StorageOptions(dtype=to[p[0]]), overwrite=True)
+    assert quire.metadata(u).tree["i"].dtype == np.int8
+    got = quire.load(u, tree)
+    assert got["i"].tolist() == [1, 100, -100] and got["w"].tolist() == [0.5, 1.25]
+    # A float narrowed past its range: what the load side makes of the same cast (float8
+    # e4m3fn has no inf: 1000 becomes NaN), with casting "same_kind" on both sides.
+    f = np.array([1000.0, 2.0], np.float32)
+    f8 = ml_dtypes.float8_e4m3fn
+    quire.save(u, {"x": f}, overwrite=True)
+    on_load = quire.load(u, {"x": np.zeros(2, f8)})["x"]
+    quire.save(u, {"x": f}, storage=StorageOptions(dtype=f8), overwrite=True)
+    assert quire.load(u)["x"].tobytes() == on_load.tobytes()
+    with pytest.raises(ValueError, match="'same_kind'"):
+        StorageOptions(dtype=np.int8, casting="lossless")
+
+
 def test_strict_load_lists_every_difference(url: str) -> None:
     quire.save(
         url, {"params": {"w": np.ones((3, 4)), "b": np.ones(4)}, "step": 1, "opt": [np.ones(2)]}

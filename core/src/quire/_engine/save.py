@@ -40,13 +40,14 @@ from quire._handlers import select as _selection
 from quire._handlers import unit_ops as _checkpointables
 from quire._handlers.arrays import ArrayHandler
 from quire._handlers.base import SaveContext, SaveEntry
+from quire._handlers.casting import storage_cast_at
 from quire._handlers.replicas import plan_writers
 from quire._runtime.budget import ByteBudget
 from quire._runtime.config import current
 from quire._runtime.multihost import Coordinator
 from quire._store.base import Backend
 from quire._store.url import open_backend
-from quire.errors import UnsupportedLeafError
+from quire.errors import LossyCastError, UnsupportedLeafError
 from quire.options import StorageOptions, StorageSpec
 
 log = logging.getLogger("quire")
@@ -180,7 +181,10 @@ def prepare_save(
         _spread_replica_writes(groups, url)
     if copy:
         for hid, items in groups.items():
-            snap = _selection.get(hid).snapshot([e for _, e in items])
+            try:  # a storage cast is checked (and made) here
+                snap = _selection.get(hid).snapshot([e for _, e in items])
+            except LossyCastError as e:
+                raise storage_cast_at(url, e) from e
             groups[hid] = [(n, e) for (n, _), e in zip(items, snap)]
     if layout not in (None, "packed", "chunks"):
         raise ValueError(f'layout must be "packed" or "chunks", got {layout!r}')

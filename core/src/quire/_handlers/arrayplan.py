@@ -14,6 +14,7 @@ from quire._format.bounds import MAX_CLAIMED_BYTES
 from quire._format.dtypes import dtype_from_name, dtype_name
 from quire._format.tree import keystr
 from quire._handlers import chain as _chain
+from quire._handlers.casting import check_storage_cast
 from quire._handlers.meshes import sharding_json
 from quire._handlers.replicas import Writers, piece_source
 from quire._handlers.zarr_layout import ArrayLayout, inner_chunks_for
@@ -46,8 +47,15 @@ def _host(x: Any) -> Callable[[], np.ndarray]:
     return lambda: np.asarray(x)
 
 
-def _cast(f: Callable[[], np.ndarray], dtype: np.dtype[Any]) -> Callable[[], np.ndarray]:
-    return lambda: f().astype(dtype)
+def _cast(
+    f: Callable[[], np.ndarray], dtype: np.dtype[Any], casting: str, path: tuple[Any, ...]
+) -> Callable[[], np.ndarray]:
+    def cast() -> np.ndarray:
+        a = f()
+        check_storage_cast(a.dtype, dtype, casting, a, path=path)  # a narrowed int's values
+        return a.astype(dtype)
+
+    return cast
 
 
 def _check_not_held_by_one_other(value: jax.Array, path: tuple[Any, ...]) -> None:
@@ -151,8 +159,10 @@ def _plan(
                 "its types); cast the leaf yourself first (e.g. through float32), or store it "
                 "as another dtype"
             )
+        casting = getattr(storage, "casting", "same_kind")
+        check_storage_cast(plan.dtype, cast, casting, path=path)
         plan.source_dtype = dtype_name(plan.dtype)
-        plan.owned = [(c, _cast(f, cast)) for c, f in plan.owned]
+        plan.owned = [(c, _cast(f, cast, casting, path)) for c, f in plan.owned]
         plan.dtype = cast
         plan.allocates = True
     return plan

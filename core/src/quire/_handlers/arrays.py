@@ -29,6 +29,7 @@ from quire._handlers.casting import (
     check_cast,
     check_values,
     jax_dtype,
+    storage_cast_at,
     target_dtype,
     to_jax_dtype,
 )
@@ -46,7 +47,12 @@ from quire._runtime.config import current
 from quire._runtime.hostbuf import aligned_empty, for_device, is_aligned
 from quire._runtime.ioloop import run_blocking
 from quire._runtime.tasks import gather_cancelling
-from quire.errors import CorruptCheckpointError, QuireError, UnsupportedLeafError
+from quire.errors import (
+    CorruptCheckpointError,
+    LossyCastError,
+    QuireError,
+    UnsupportedLeafError,
+)
 
 
 def _phys_mem() -> int:
@@ -245,6 +251,8 @@ class ArrayHandler:
         async def guarded(e: SaveEntry) -> dict[str, Any]:
             try:
                 return await one(e)
+            except LossyCastError as err:  # a storage cast refused: the URL in front
+                raise storage_cast_at(ctx.url, err) from err
             except QuireError:
                 raise
             except Exception as err:

@@ -39,7 +39,7 @@ import numpy as np
 from quire._format.dtypes import ML_FLOAT_NAMES, ML_INT_NAMES, supported
 from quire._format.tree import KeyPath, keystr
 from quire.errors import LossyCastError
-from quire.options import CastingSpec
+from quire.options import CASTINGS, CastingSpec
 
 __all__ = [
     "CASTINGS",
@@ -50,19 +50,22 @@ __all__ = [
     "check_cast",
     "check_casting",
     "check_spec",
+    "check_storage_cast",
     "check_values",
+    "int_range",
     "jax_dtype",
     "lossy",
+    "misfit",
     "narrowed",
     "python_dtype",
     "refusal",
+    "storage_cast_at",
     "stored_dtype",
     "target_dtype",
     "to_jax_dtype",
     "value_dtype",
 ]
 
-CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
 DEFAULT = "same_kind"
 
 _ORDER = {"b": 0, "u": 1, "i": 2, "f": 3, "c": 4}
@@ -184,6 +187,39 @@ def check_cast(
     )
 
 
+def check_storage_cast(
+    src: np.dtype[Any], dst: np.dtype[Any], casting: str, a: Any = None, *, path: KeyPath
+) -> None:
+    """Refuse (:class:`~quire.errors.LossyCastError`) the cast ``StorageOptions(dtype=dst,
+    casting=casting)`` asks of a leaf of dtype ``src``, by the load side's rule: the dtypes
+    (``a`` None), or the values ``a`` (an integer narrowed past one of them).  The message
+    names the leaf, both dtypes and the fix; the save adds its URL in front."""
+    if a is None:
+        if not lossy(src, dst, casting):
+            return
+        why = f"{_why(src, dst)} loses information (casting={casting!r})"
+    else:
+        found = misfit(a, dst, casting)
+        if found is None:
+            return
+        why = (
+            f"values {found} do not fit {dst} ({int_range(dst)}); casting='same_kind' "
+            "narrows an integer only when every value fits"
+        )
+    why = f"StorageOptions(dtype={dst}) casts the leaf's {src} to {dst}: {why}"
+    raise LossyCastError(
+        f"leaf {keystr(path)!r}: {why}. To fix: store it as {src} (no dtype=) or as a dtype "
+        f"that holds it, or allow the cast: StorageOptions(dtype={dst}, casting='unsafe') "
+        "(a storage= callable (key_path, leaf) gives it to some leaves only)",
+        mismatched=[f"{keystr(path)!r}: {why}"],
+    )
+
+
+def storage_cast_at(url: str, err: LossyCastError) -> LossyCastError:
+    """``err`` (raised by :func:`check_storage_cast`) with the save's URL in front."""
+    return LossyCastError(f"{url}: {err}", mismatched=list(err.mismatched))
+
+
 def _why(src: np.dtype[Any], dst: np.dtype[Any]) -> str:
     a, b = kind(src), kind(dst)
     names = {"b": "a bool", "u": "an unsigned int", "i": "an int", "f": "a float", "c": "a complex"}
@@ -221,31 +257,46 @@ def narrowed(src: np.dtype[Any] | None, dst: np.dtype[Any], casting: str) -> boo
     return kind(src) in ("u", "i") and src != dst and not np.can_cast(src, dst, "safe")
 
 
-def check_values(a: Any, dst: np.dtype[Any], casting: str, *, url: str, path: KeyPath) -> None:
-    """Refuse (:class:`~quire.errors.LossyCastError`) the cast of ``a`` (an array, a numpy
-    scalar or a Python int) to ``dst`` when it narrows an integer past one of its values
-    under ``casting="same_kind"``."""
+def misfit(a: Any, dst: np.dtype[Any], casting: str) -> str | None:
+    """The values of ``a`` (an array, a numpy scalar or a Python int) that refuse its cast to
+    ``dst``, when that narrows an integer past one of them under ``casting="same_kind"``
+    (``"1 to 300"``: the least and the greatest); None when the cast is not refused."""
     py = type(a) is int
     src = None if py else np.asarray(a).dtype
     if not narrowed(src, dst, casting):
-        return
+        return None
     if py:
         lo = hi = int(a)
     else:
         arr = np.asarray(a)
         if arr.size == 0:
-            return
+            return None
         if arr.dtype.kind not in "ui":
             arr = arr.astype(np.int8)  # int2 / int4 / uint2 / uint4: each value fits an int8
         lo, hi = int(arr.min()), int(arr.max())
     bounds = _range(dst)
     if bounds[0] <= lo and hi <= bounds[1]:
+        return None
+    return f"{lo}" if lo == hi else f"{lo} to {hi}"
+
+
+def int_range(dst: np.dtype[Any]) -> str:
+    """``dst``'s range, for messages (``"range -128 to 127"``)."""
+    lo, hi = _range(dst)
+    return f"range {lo} to {hi}"
+
+
+def check_values(a: Any, dst: np.dtype[Any], casting: str, *, url: str, path: KeyPath) -> None:
+    """Refuse (:class:`~quire.errors.LossyCastError`) the cast of ``a`` (an array, a numpy
+    scalar or a Python int) to ``dst`` when it narrows an integer past one of its values
+    under ``casting="same_kind"``."""
+    found = misfit(a, dst, casting)
+    if found is None:
         return
-    found = f"{lo}" if lo == hi else f"{lo} to {hi}"
+    src = None if type(a) is int else np.asarray(a).dtype
     why = (
-        f"saved {src or 'int'} values {found} do not fit the target's {dst} (range "
-        f"{bounds[0]} to {bounds[1]}); casting='same_kind' narrows an integer only when every "
-        "value fits"
+        f"saved {src or 'int'} values {found} do not fit the target's {dst} ({int_range(dst)}); "
+        "casting='same_kind' narrows an integer only when every value fits"
     )
     raise LossyCastError(
         f"{url}: leaf {keystr(path)!r}: {why}. To fix: {allow_hint(src or np.dtype(np.int64))}",
