@@ -361,6 +361,52 @@ def test_ranges_past_the_end_reversed_or_longer_than_asked_are_refused(
     assert snapshot(tier.parent) == before and server.served == 0
 
 
+def test_arguments_a_request_cannot_carry_are_refused_before_connecting(
+    server: link.PeerServer, tier: Path, creds: Credentials
+) -> None:
+    """Numbers past the request's u64 fields, a negative start or limit, a path that is not
+    UTF-8: the caller's own mistakes, a ``ValueError`` before any connection (not a struct or
+    codec error from inside the conversation, after a handshake); a path longer than peers
+    serve: the ``PeerError`` of a refusal (the caller reads another holder), also before
+    connecting."""
+    me, u64, buf = creds.peer(0), 2**64, [memoryview(bytearray(4))]
+    dest = tier.parent / "dest"
+    bad: list[tuple[str, Any]] = [
+        ("max_bytes", lambda a, t: link.fetch(a, "d/tx/idx.json", me, t, u64)),
+        ("max_bytes", lambda a, t: link.fetch(a, "d/tx/idx.json", me, t, -1)),
+        ("max_bytes", lambda a, t: link.fetch_to(a, "d/tx/idx.json", me, t, u64, dest)),
+        ("bad range", lambda a, t: link.fetch(a, "d/tx/idx.json", me, t, 10, 0, u64)),
+        ("bad range", lambda a, t: link.fetch(a, "d/tx/idx.json", me, t, 10, -1, 3)),
+        ("bad range", lambda a, t: link.fetch_many(a, ["d/tx/p00000"], me, t, 1, [(u64, u64)])),
+        ("bad range", lambda a, t: link.fetch_into(a, "d/tx/idx.json", me, t, buf, -1)),
+        ("bad range", lambda a, t: link.fetch_into(a, "d/tx/idx.json", me, t, buf, u64 - 2)),
+        ("UTF-8", lambda a, t: link.fetch(a, "d/\ud800", me, t, 100)),
+        ("UTF-8", lambda a, t: link.fetch_many(a, ["d/tx/idx.json", "d/\udcff"], me, t, 100)),
+        ("UTF-8", lambda a, t: link.fetch_into(a, "d/\ud800", me, t, buf, 0)),
+        ("UTF-8", lambda a, t: link.fetch_to(a, "d/\ud800", me, t, 100, dest)),
+    ]
+    long = "d/" + "a" * MAX_PATH_BYTES
+    for what, call in bad:
+        with pytest.raises(ValueError, match=what) as e:
+            call(server.address, 5)
+        assert type(e.value) is ValueError, e.value
+    with pytest.raises(PeerError, match=f"at most {MAX_PATH_BYTES}") as p:
+        link.fetch_many(server.address, ["d/tx/idx.json", long], me, 5, 100)
+    assert f"{long!r}" in str(p.value) and "(process 0)" in str(p.value)
+    with socket.socket() as silent:  # where nothing answers: every call fails before it
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        for _, call in bad:
+            with pytest.raises(ValueError):
+                call(silent.getsockname(), 0.2)
+        with pytest.raises(PeerError, match=f"at most {MAX_PATH_BYTES}"):
+            link.fetch(silent.getsockname(), long, me, 0.2, 100)
+        silent.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            silent.accept()  # nobody connected
+    assert not dest.exists() and server.requests == 0
+
+
 def test_fetch_into_fills_the_callers_buffers(
     server: link.PeerServer, tier: Path, creds: Credentials
 ) -> None:

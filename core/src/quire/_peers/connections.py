@@ -17,7 +17,7 @@ from quire._peers.tls import Pinned
 from quire._peers.wire import ANS, BLOCK, MAX_PATH_BYTES, MAX_REASON, REQ, Closed, TLSStream
 from quire.errors import PeerError
 
-__all__ = ["Conversation", "LocalWrite", "Pool", "converse"]
+__all__ = ["Conversation", "LocalWrite", "Pool", "converse", "request_path"]
 
 log = logging.getLogger("quire")
 
@@ -52,11 +52,7 @@ class Conversation:
         self.current = rel
         self.answering = False
         sock, deadline, fail = self.sock, self.deadline, self.fail
-        raw = rel.encode("utf-8")
-        if len(raw) > MAX_PATH_BYTES:
-            raise fail(
-                f"path of {len(raw)} bytes", f"peers serve paths of at most {MAX_PATH_BYTES}"
-            )
+        raw = rel.encode("utf-8")  # checked by the caller (request_path)
         start, end = span if span is not None else (0, 0)
         op = b"G" if span is None else b"R"
         sock.send_all(REQ.pack(op, len(raw), max(0, limit), start, end) + raw, deadline)
@@ -99,6 +95,41 @@ class Conversation:
             except OSError as e:
                 raise LocalWrite() from e
         return n
+
+
+def request_path(address: tuple[str, int], peer: Pinned, rel: str) -> bytes:
+    """``rel`` as a request carries it, checked before any connection is made.
+
+    Raises
+    ------
+    ValueError
+        ``rel`` does not encode as UTF-8 (a lone surrogate): no file of any peer has
+        that name; the caller's mistake.
+    PeerError
+        It is longer than :data:`MAX_PATH_BYTES`: peers serve no such path, as when the
+        peer refused it (the caller reads another holder).
+    """
+    try:
+        raw = rel.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"peer file {rel!r} does not encode as UTF-8 ({e.reason}): a request names a "
+            "file by its UTF-8 path"
+        ) from None
+    if len(raw) > MAX_PATH_BYTES:
+        raise _error(
+            address,
+            peer,
+            rel,
+            f"path of {len(raw)} bytes",
+            f"peers serve paths of at most {MAX_PATH_BYTES}: read it from another holder",
+        )
+    return raw
+
+
+def _error(address: tuple[str, int], peer: Pinned, rel: str, why: str, fix: str) -> PeerError:
+    where = f"{address[0]}:{address[1]}"
+    return PeerError(f"peer {where} (process {peer.index}), file {rel!r}: {why}; {fix}")
 
 
 def _handshake(address: tuple[str, int], peer: Pinned, deadline: float, fail: Any) -> TLSStream:
@@ -172,7 +203,7 @@ def converse(
         current = conv.current if conv is not None and conv.current else first
         if hostile:  # not what a peer of this run does: say so
             log.warning("peer %s (process %d), file %r: %s", where, peer.index, current, why)
-        return PeerError(f"peer {where} (process {peer.index}), file {current!r}: {why}; {fix}")
+        return _error(address, peer, current, why, fix)
 
     def attempt(c: Conversation) -> None:
         nonlocal conv

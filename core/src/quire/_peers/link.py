@@ -38,7 +38,7 @@ from pathlib import Path
 
 import jax
 
-from quire._peers.connections import Conversation, LocalWrite, Pool, converse
+from quire._peers.connections import Conversation, LocalWrite, Pool, converse, request_path
 from quire._peers.files import FsspecFiles
 from quire._peers.server import PeerServer
 from quire._peers.tls import Credentials, Identity, PeerTLS, Pinned, fingerprint
@@ -205,6 +205,31 @@ def lookup_address(key: str, index: int, timeout: float) -> tuple[str, int]:
 
 
 # ====================================================================== the client
+#: The largest number a request's fields carry (u64: max bytes, a range's start and end).
+MAX_U64 = 2**64 - 1
+
+
+def _check_request(
+    what: str,
+    address: tuple[str, int],
+    peer: Pinned,
+    relpaths: Sequence[str],
+    max_bytes: int,
+    ranges: Sequence[tuple[int, int] | None] = (),
+) -> None:
+    """Refuse, before connecting, a call whose request cannot be sent: ``ValueError`` for a
+    number outside the u64 fields or a range that is not ``0 <= start <= end``, or a path
+    that is not UTF-8; ``PeerError`` for a path longer than peers serve
+    (:func:`request_path`)."""
+    if not 0 <= max_bytes <= MAX_U64:
+        raise ValueError(f"{what}: max_bytes {max_bytes} is not from 0 to 2**64 - 1")
+    for r in ranges:
+        if r is not None and not 0 <= r[0] <= r[1] <= MAX_U64:
+            raise ValueError(f"{what}: bad range {r} (0 <= start <= end < 2**64)")
+    for rel in relpaths:
+        request_path(address, peer, rel)
+
+
 def fetch(
     address: tuple[str, int],
     relpath: str,
@@ -240,7 +265,11 @@ def fetch(
     ------
     PeerError
         The peer refused, is not the process meant (its certificate), answered short
-        or not in time.
+        or not in time; or ``relpath`` is longer than :data:`MAX_PATH_BYTES`, which no peer
+        serves (raised before connecting).
+    ValueError
+        Before connecting: ``max_bytes``, ``start`` or ``end`` outside 0 to 2**64 - 1, or
+        ``start > end``; ``relpath`` does not encode as UTF-8.
     """
     if (start is None) != (end is None):
         raise ValueError("fetch: give both start and end, or neither")
@@ -266,9 +295,7 @@ def fetch_many(
     out: list[bytes] = []
     if ranges is not None and len(ranges) != len(relpaths):
         raise ValueError("fetch_many: one range (or None) per path")
-    for r in ranges or ():
-        if r is not None and not 0 <= r[0] <= r[1]:
-            raise ValueError(f"fetch_many: bad range {r}")
+    _check_request("fetch_many", address, peer, relpaths, max_bytes, ranges or ())
 
     def work(conv: Conversation) -> None:
         left = max_bytes
@@ -301,6 +328,7 @@ def fetch_into(
     """
     views = [memoryview(b) for b in buffers]
     total = sum(v.nbytes for v in views)
+    _check_request("fetch_into", address, peer, [relpath], total, [(start, start + total)])
     n = 0
 
     def work(conv: Conversation) -> None:
@@ -333,7 +361,10 @@ def fetch_to(
     ------
     PeerError
         As :func:`fetch`; ``dest`` is then untouched.
+    ValueError
+        As :func:`fetch`, before connecting.
     """
+    _check_request("fetch_to", address, peer, [relpath], max_bytes)
     target = Path(dest)
     part = target.with_name(f"{target.name}.part-{secrets.token_hex(4)}")
     n = 0
