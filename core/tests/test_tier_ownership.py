@@ -169,6 +169,15 @@ def test_a_malformed_marker_is_none_however_it_is_malformed(step: Any) -> None:
     assert tp.parse_marker(good.encode(), doc, 0) == {k: len(v) for k, v in objects.items()}
     for bad in (b"[" * 100_000, b"\xff", b"[]", b'{"owner": 0}', b'{"owner": 0, "objects": 1}'):
         assert tp.parse_marker(bad, doc, 0) is None
+    # a size no object has, or that the request's u64 fields (and the sum of a pull's
+    # sizes) could not carry: damaged, so the caller reads the next holder
+    key = next(iter(objects))
+    assert tp.parse_marker(
+        b'{"owner": 0, "objects": {"%s": %d}}' % (key.encode(), 2**63 - 1), doc, 0
+    )
+    for size in (b"-1", b"1.5", b"true", b"Infinity", b"1e300", b"%d" % 2**63, b"%d" % 2**64):
+        raw = b'{"owner": 0, "objects": {"%s": %s}}' % (key.encode(), size)
+        assert tp.parse_marker(raw, doc, 0) is None, size
 
 
 def test_a_published_view_is_checked_before_anything_uses_it() -> None:

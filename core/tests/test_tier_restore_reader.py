@@ -135,6 +135,36 @@ def test_ranges_from_the_live_holder_after_a_dead_one(roots: dict[str, Any]) -> 
         assert set(stats) == {"process 1"} and stats["process 1"][0] == holder.served
 
 
+@pytest.mark.parametrize("size", [2**63, 2**64, 2**70])
+def test_a_holder_whose_marker_gives_an_impossible_size_is_lost_and_the_next_one_read(
+    roots: dict[str, Any], tmp_path: Path, size: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A holder's marker is untrusted input: a size no object has (at least 2**63, past
+    what a request can carry from 2**64) makes the marker malformed and that holder lost
+    (``PeerError``) before anything else is asked of it; the next holder is read, not the
+    restore aborted."""
+    caplog.set_level(logging.WARNING, logger="quire")
+    one = roots["one"]
+    bad = tmp_path / "bad"
+    write(bad / "s", one, 1)
+    marker = bad / "s" / f"d/{TX}/%tier/p00001.json"
+    marker.write_text(json.dumps({"owner": 1, "objects": {UNIT: size}}))
+    with link.PeerServer(bad, CREDS) as b, link.PeerServer(roots["holder"], CREDS) as good:
+        copies = Link({1: b.address, 2: good.address})
+        slots = {h: asyncio.Semaphore(restore_reader.PEER_STREAMS) for h in (1, 2)}
+        sources = [
+            restore_reader.peer_provider(copies, h, "s", DOC, 1, slots[h])  # type: ignore[arg-type]
+            for h in (1, 2)
+        ]
+        r = restore_reader.RestoreReader(str(roots["mine"]), RAW, DOC, 1, {1: sources})
+        assert asyncio.run(r.get(UNIT)) == one[UNIT]
+        assert (b.requests, good.requests) == (1, 2)  # the markers; the object
+    good_marker = roots["holder"] / "s" / f"d/{TX}/%tier/p00001.json"
+    assert r.stats()["process 2"] == (good_marker.stat().st_size + len(one[UNIT]), 2)
+    assert "its marker for process 1 is malformed" in caplog.text
+    assert "past the end" not in caplog.text  # no range asked of the bad holder
+
+
 def test_the_persistent_tier_only_with_the_agreed_record(roots: dict[str, Any]) -> None:
     holder = link.PeerServer(roots["holder"], CREDS)
     holder.close()  # every holder of owner 1 is gone

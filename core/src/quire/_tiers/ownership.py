@@ -52,6 +52,7 @@ from quire._store.url import open_backend
 from quire.errors import CorruptCheckpointError
 
 __all__ = [
+    "MAX_OBJECT_BYTES",
     "TIER_DIR",
     "check_objects",
     "decode",
@@ -60,6 +61,7 @@ __all__ = [
     "fetch_owner",
     "holds",
     "is_safe_key",
+    "is_size",
     "is_unit_key",
     "mark_own",
     "marked",
@@ -259,16 +261,24 @@ async def _write_marker(backend: Backend, txid: str, owner: int, sizes: Mapping[
     await backend.sync()
 
 
+#: The largest size a marker may give (requests carry sizes, and a pull's sum, as u64).
+MAX_OBJECT_BYTES = 2**63 - 1
+
+
+def is_size(n: object) -> bool:
+    """Whether ``n`` (from a marker) is an int from 0 to :data:`MAX_OBJECT_BYTES`."""
+    return type(n) is int and 0 <= n <= MAX_OBJECT_BYTES
+
+
 def parse_marker(raw: bytes, doc: Mapping[str, Any], owner: int) -> dict[str, int] | None:
-    """The objects a marker for ``owner`` names with their sizes, or None (malformed, or
-    naming an object outside the step's txid)."""
+    """The objects a marker for ``owner`` names with their sizes, or None (malformed,
+    naming an object outside the step's txid, or a size no object has: :func:`is_size`)."""
     try:
         got = untrusted_json(raw)
         objs = got["objects"]
         ok = got["owner"] == owner and isinstance(objs, dict)
         ok = ok and all(
-            isinstance(k, str) and is_safe_key(k, doc) and isinstance(n, int) and n >= 0
-            for k, n in objs.items()
+            isinstance(k, str) and is_safe_key(k, doc) and is_size(n) for k, n in objs.items()
         )
     except (ValueError, KeyError, TypeError):
         return None
