@@ -178,6 +178,9 @@ def test_a_malformed_marker_is_none_however_it_is_malformed(step: Any) -> None:
     for size in (b"-1", b"1.5", b"true", b"Infinity", b"1e300", b"%d" % 2**63, b"%d" % 2**64):
         raw = b'{"owner": 0, "objects": {"%s": %s}}' % (key.encode(), size)
         assert tp.parse_marker(raw, doc, 0) is None, size
+    # a name no stored object has (not UTF-8 text)
+    lone = json.dumps({"owner": 0, "objects": {f"{key}\ud800": 1}}).encode()
+    assert tp.parse_marker(lone, doc, 0) is None
 
 
 def test_a_published_view_is_checked_before_anything_uses_it() -> None:
@@ -289,3 +292,37 @@ def test_pull_refuses_hostile_or_damaged_peers(tmp_path: Path, caplog: Any) -> N
     assert not (tmp_path / "mine").exists() or files(tmp_path / "mine") == []
     assert not (tmp_path / "outside").exists()
     assert any("refused the copy" in r.message for r in caplog.records)
+
+
+def test_pull_refuses_a_marker_with_sizes_or_names_no_object_has(
+    tmp_path: Path, caplog: Any
+) -> None:
+    """The holder's marker is untrusted input: a size that is no whole number of bytes below
+    2**63 (or sizes adding up past that), or a name that is not UTF-8 text, refuse the copy
+    with the ``CorruptCheckpointError`` ``after_commit`` logs before it goes on to its next
+    owner, not an OverflowError, struct.error or UnicodeEncodeError out of the save."""
+    root, _, doc = _holder(tmp_path)
+    (p0, p1), _ = run_of(2)
+    marker = root / "step_1" / "d" / doc["txids"][0] / "%tier" / "p00000.json"
+    good = json.loads(marker.read_bytes())
+    unit = next(k for k in good["objects"] if "/u/" in k)
+    loc = unit.rsplit("/", 1)[0]
+    big = 2**63 - 1
+    bodies = [
+        *(json.dumps({"owner": 0, "objects": {unit: n}}) for n in (float("inf"), 2**64, 2**63)),
+        *(json.dumps({"owner": 0, "objects": {unit: n}}) for n in (1e300, -1)),
+        *(json.dumps({"owner": 0, "objects": {unit: n}}) for n in ("80", 80.0, True, None)),
+        json.dumps({"owner": 0, "objects": {unit: big, f"{loc}/b": big, f"{loc}/c": big}}),
+        json.dumps({"owner": 0, "objects": {**good["objects"], f"{loc}/\ud800": 1}}),
+        json.dumps({"owner": 0, "objects": [unit]}),
+    ]
+    caplog.set_level(logging.WARNING, logger="quire")
+    for body in bodies:
+        marker.write_text(body)
+        with pytest.raises(CorruptCheckpointError, match="refused the copy of process 0") as e:
+            _pull(tmp_path, root, doc, p1, p0)
+        assert type(e.value) is CorruptCheckpointError, (body, e.value)
+    assert not (tmp_path / "mine").exists() or files(tmp_path / "mine") == []
+    marker.write_text(json.dumps(good))  # and the good marker still copies
+    _pull(tmp_path, root, doc, p1, p0)
+    assert run(tp.holds(open_backend(str(tmp_path / "mine" / "step_1")), doc, 0))

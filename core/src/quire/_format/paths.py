@@ -68,9 +68,15 @@ def assign_locations(paths: list[KeyPath], prefix: str) -> list[str]:
 
 
 def is_safe_location(loc: object) -> bool:
-    """Whether a location read from a record stays inside ``d/``."""
+    """Whether a location read from a record stays inside ``d/`` (and is UTF-8 text: no
+    stored object has a name with a lone surrogate)."""
     if not isinstance(loc, str) or not loc.startswith("d/") or "\x00" in loc or "\\" in loc:
         return False
+    if not loc.isascii():
+        try:
+            loc.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
     return all(part not in ("", ".", "..") for part in loc.split("/"))
 
 

@@ -218,15 +218,21 @@ class PeerCopies:
                 link.fetch, addr, f"{rel}/{marker}", peer, self.timeout, _MAX_MARKER
             )
             try:
-                listed = {str(k): int(n) for k, n in untrusted_json(raw)["objects"].items()}
+                listed = list(untrusted_json(raw)["objects"].items())
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ownership.refused(url, who, j, f"its marker is malformed ({e})") from e
-            for k, n in listed.items():
+            for k, n in listed:
                 if k in sizes or k in objects:
                     continue
-                if not ownership.owns_unit_key(k, doc, j, primary) or n < 0:
+                if not ownership.owns_unit_key(k, doc, j, primary):
                     raise ownership.refused(url, who, j, f"{k!r} is not an object of its part")
+                if not ownership.is_size(n):
+                    raise ownership.refused(
+                        url, who, j, f"its marker gives {k!r} the size {n!r:.40}, no object's"
+                    )
                 sizes[k] = n
+        if sum(sizes.values()) > ownership.MAX_OBJECT_BYTES:
+            raise ownership.refused(url, who, j, "its objects' sizes add up past 2**63 bytes")
         keys = sorted(sizes)
         if keys:
             datas = await run_blocking(
