@@ -35,7 +35,7 @@ from peer_helpers import (
 )
 
 from quire._peers import files, link
-from quire._peers.tls import Credentials
+from quire._peers.tls import Credentials, Identity
 from quire._peers.wire import ANS, MAX_PATH_BYTES, REQ
 from quire._runtime.collective import exchange, kv_exchange, ring_shift
 from quire.errors import MultiProcessError, PeerError
@@ -575,6 +575,34 @@ def test_a_malformed_published_certificate_is_a_peer_error(
     _, certs = run_of(2)
     kv.key_value_set("good/1", certs[1].decode())
     assert link.run_credentials("good", 1.0).processes == [0, 1]
+
+
+def test_each_published_certificate_is_trusted_as_itself_or_refused_naming_its_process(
+    kv: Any, monkeypatch: pytest.MonkeyPatch, tier: Path
+) -> None:
+    """A certificate published without its final newline passes the check and is pinned and
+    trusted as that certificate, and so is the next one (joined into one PEM text, it
+    spoiled it: ssl.SSLError); one followed by a character that is not ASCII is a
+    ``PeerError`` naming the process (it was a TypeError from ``ssl``)."""
+    monkeypatch.setattr(link.jax, "process_count", lambda: 3)  # 1 and 2: published below
+    ids = {j: Identity.ephemeral(j) for j in (1, 2)}
+    kv.key_value_set("bare/1", ids[1].cert_pem.decode().rstrip("\n"))
+    kv.key_value_set("bare/2", ids[2].cert_pem.decode())
+    got = link.run_credentials("bare", 1.0)  # process 0, in this process
+    assert got.processes == [0, 1, 2]
+    certs = {j: i.cert_pem for j, i in ids.items()}
+    certs[0] = kv.key_value_try_get("bare/0").encode()
+    others = {j: i.trust(certs) for j, i in ids.items()}
+    with link.PeerServer(tier, got) as mine:  # process 0 trusts 1 and 2 as clients ...
+        for j, creds in others.items():
+            assert link.fetch(mine.address, "d/tx/idx.json", creds.peer(0), 5, 8) == b'{"a": 1}'
+            with link.PeerServer(tier, creds) as theirs:  # ... and as servers
+                got_back = link.fetch(theirs.address, "d/tx/idx.json", got.peer(j), 5, 8)
+                assert got_back == b'{"a": 1}'
+    kv.key_value_set("accent/1", certs[1].decode() + "\u00e9")
+    kv.key_value_set("accent/2", certs[2].decode())
+    with pytest.raises(PeerError, match="process 1 published a malformed peer certificate"):
+        link.run_credentials("accent", 1.0)
 
 
 @pytest.mark.parametrize("value", ["not base64!", "abc", "QUJD\u00e9"])

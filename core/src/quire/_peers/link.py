@@ -87,7 +87,8 @@ def run_credentials(key: str, timeout: float, tls: PeerTLS | None = None) -> Cre
     MultiProcessError
         A process did not publish its certificate within ``timeout`` seconds.
     PeerError
-        A process published something that does not load as a PEM certificate.
+        A process published something that is not ASCII text or does not load as a PEM
+        certificate (the error names it).
     PluginError
         No ``tls`` and no ``cryptography`` to make the ephemeral certificate.
     """
@@ -117,10 +118,11 @@ MAX_CERTIFICATE_CHARS = 1 << 16
 
 
 def _published_certificate(raw: object, index: int, key: str) -> bytes:
-    """What process ``index`` published under ``key``, once it loads as PEM certificates."""
+    """What process ``index`` published under ``key``, once it loads as PEM certificates
+    (on its own, as :meth:`Identity.trust` loads it)."""
     try:
-        if not isinstance(raw, str) or len(raw) > MAX_CERTIFICATE_CHARS:
-            raise ValueError(f"not a string of at most {MAX_CERTIFICATE_CHARS} characters")
+        if not isinstance(raw, str) or len(raw) > MAX_CERTIFICATE_CHARS or not raw.isascii():
+            raise ValueError(f"not ASCII text of at most {MAX_CERTIFICATE_CHARS} characters")
         fingerprint(raw)  # ValueError unless its first certificate is PEM
         ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=raw)
     except (ValueError, ssl.SSLError) as e:

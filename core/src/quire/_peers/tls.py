@@ -248,8 +248,10 @@ class Identity:
         for ctx in (self._server, self._client):
             if self._ca is not None:
                 ctx.load_verify_locations(cafile=self._ca)
-            else:  # the run's self-signed certificates are the only trust anchors
-                ctx.load_verify_locations(cadata="".join(p.decode() for p in certs.values()))
+            else:  # the run's self-signed certificates are the only trust anchors, each
+                # loaded as published (joined, one without its last newline spoils the next)
+                for pem in certs.values():
+                    ctx.load_verify_locations(cadata=pem.decode())
         return Credentials(self.index, pins, self._server, self._client, self._ca is None)
 
 
