@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 from quire._checkpointer.keep_policies import KeepPolicy, StepInfo
 from quire._engine import garbage as _gc
-from quire._engine import incremental as _inc
 from quire._format import root as _root
 
 if TYPE_CHECKING:
@@ -85,7 +84,9 @@ class Retention:
         await self._ledger.fill(self.read_info)
         victims = self._ledger.choose_victims(lambda infos: keep.keep(infos, time.time()))
         # A root an incremental Checkpointer wrote may hold borrowed bytes, whoever prunes it.
-        borrowing = self._incremental or (bool(victims) and await self._backend.exists(_inc.MARKER))
+        borrowing = self._incremental or (
+            bool(victims) and await self._backend.exists(_root.INCREMENTAL_MARKER)
+        )
         for s in victims:
             name = self._fmt.name(s)
             if self._maintainer:

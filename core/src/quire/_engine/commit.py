@@ -39,10 +39,9 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from quire._engine.incremental import MARKER
 from quire._format import record as _records
 from quire._format.paths import is_safe_location
-from quire._format.root import root_hint
+from quire._format.root import INCREMENTAL_MARKER, root_hint
 from quire._format.tree import from_json, keystr
 from quire._store.base import Backend, PreconditionFailed
 from quire._store.url import open_backend
@@ -324,9 +323,9 @@ async def in_incremental_root(backend: Backend, url: str) -> bool:
         return False
     try:
         root = open_backend(head, backend.storage_options)
-        return await root.exists(MARKER)
+        return await root.exists(INCREMENTAL_MARKER)
     except Exception as e:  # cannot tell: keep the bytes (garbage, never a broken step)
-        log.debug("%s: could not look for %s in %s: %s", url, MARKER, head, e)
+        log.debug("%s: could not look for %s in %s: %s", url, INCREMENTAL_MARKER, head, e)
         return True
 
 

@@ -35,12 +35,13 @@ from typing import Any
 
 from quire._engine import commit as _commit
 from quire._engine import journal as _journal
-from quire._engine.incremental import LEASE_DIR, MARKER
 from quire._engine.step_reports import read_step_record
 from quire._format import record as _records
 from quire._format.borrow import borrowed_of, root_relative
 from quire._format.record import JOURNAL_DIR
 from quire._format.root import (
+    INCREMENTAL_MARKER,
+    LEASE_DIR,
     ROOT_RECORD,
     StepDir,
     StepFormat,
@@ -249,7 +250,7 @@ async def mark(
     stale = []
     now = time.time()
     for key in await backend.list(f"{LEASE_DIR}/"):
-        if key == MARKER:
+        if key == INCREMENTAL_MARKER:
             continue
         try:
             t = await backend.modified(key)

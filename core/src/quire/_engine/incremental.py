@@ -43,16 +43,13 @@ from quire._format import record as _records
 from quire._format.borrow import Previous, from_root, root_relative
 from quire._format.chunkid import Ref
 from quire._format.chunkindex import parse_index
+from quire._format.root import INCREMENTAL_MARKER, LEASE_DIR
 from quire._format.tree import KeyPath, from_json, keystr
 from quire._store.base import Backend
 from quire.options import StorageOptions
 
 log = logging.getLogger("quire")
 
-LEASE_DIR = "leases"
-#: Written by the first incremental save of a Checkpointer (never deleted): the root may
-#: hold borrowed bytes, so every Checkpointer's retention deletes records, not directories.
-MARKER = f"{LEASE_DIR}/incremental.json"
 
 #: Default of ``Checkpointer(compact_below=)`` (``quire._engine.compaction``).
 COMPACT_BELOW = 0.5
@@ -157,7 +154,7 @@ class Incremental:
         base = self.base
         assert base is not None
         if not self.marked:
-            await root.put(MARKER, [b'{"incremental": true}'])
+            await root.put(INCREMENTAL_MARKER, [b'{"incremental": true}'])
             self.marked = True
         self.lease_key = lease_key(step, txid, jax.process_index())
         doc = {"created": time.time(), "packs": base.previous.packs()}

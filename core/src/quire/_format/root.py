@@ -38,6 +38,12 @@ ROOT_FORMAT = "quire-checkpointer"
 ROOT_VERSION = 1
 DEFAULT_STEP_FORMAT = "step_{:08d}"
 METRICS_KEY = "quire.metrics"
+#: Incremental saves' leases (``quire._engine.incremental``), under the root.
+LEASE_DIR = "leases"
+#: Written by the first incremental save of a Checkpointer (never deleted): the root may
+#: hold borrowed bytes, so every Checkpointer's retention deletes records, not directories,
+#: and an overwrite of a step leaves the data it replaces to the root's gc.
+INCREMENTAL_MARKER = f"{LEASE_DIR}/incremental.json"
 _CONCURRENCY = 32
 
 
