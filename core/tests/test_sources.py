@@ -385,6 +385,16 @@ def test_lazy_operations_equal_numpy() -> None:
         la[::2]
 
 
+@pytest.mark.parametrize("index", [True, False, np.True_, (0, True), (Ellipsis, False)])
+def test_lazy_index_refuses_a_bool(index: Any) -> None:
+    """numpy takes a bool index as a mask that adds an axis (``a[True]`` has shape
+    ``(1, *a.shape)``), not as the row 0 or 1: a lazy array refuses one (a Python bool is an
+    int to ``operator.index``) rather than read the wrong row."""
+    la = as_lazy(np.arange(12, dtype=np.float32).reshape(3, 4))
+    with pytest.raises(IndexError, match="lazy arrays take ints, step-1 slices"):
+        la[index]
+
+
 def test_tree_helpers() -> None:
     tree = {"model": {"layers": {"0": {"w": 1}, "1": {"w": 2}}, "emb": 3}}
     flat = surgery.flatten(tree)

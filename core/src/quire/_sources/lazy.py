@@ -91,9 +91,9 @@ def _axis(axis: int, ndim: int) -> int:
 class LazyArray:
     """An array not yet read: a source's array, a view of one, or a lazy operation on them.
 
-    Slicing (``x[a:b, :, i]``, ``x[..., 0]``; ints, step-1 slices and Ellipsis) gives a
-    lazy view reading only what it covers; ``.T``, :meth:`astype`, :meth:`reshape` and the
-    operations of :mod:`quire.surgery` give lazy arrays too; :meth:`read` reads.
+    Slicing (``x[a:b, :, i]``, ``x[..., 0]``; ints, step-1 slices and Ellipsis, not bools)
+    gives a lazy view reading only what it covers; ``.T``, :meth:`astype`, :meth:`reshape` and
+    the operations of :mod:`quire.surgery` give lazy arrays too; :meth:`read` reads.
 
     ``LazyArray(shape, dtype, key_path, reader, url)`` makes a source's array (a
     :class:`SourceArray`, the only kind with a key path, URL and reader).
@@ -375,7 +375,7 @@ def _index(x: LazyArray, index: Any) -> LazyArray:
             keep.append(True)
         else:
             try:
-                j = operator.index(i)
+                j = operator.index(np.asarray(i) if isinstance(i, bool) else i)  # bool: a mask
             except TypeError:
                 raise IndexError(
                     f"lazy arrays take ints, step-1 slices and '...' as indices, not {i!r}"
