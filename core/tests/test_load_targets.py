@@ -328,6 +328,58 @@ def test_inline_numbers_follow_the_same_rule(tmp_path: Path) -> None:
     assert quire.load(url, {"f": int, "i": int, "s": float, "b": bool}, casting="unsafe")["f"] == 1
 
 
+_TYPED = {"i": 300, "t": "False", "b": b"\x01\x02", "a0": np.array(300)}
+
+
+@pytest.mark.parametrize("reader", ["load", "lazy"])
+@pytest.mark.parametrize(
+    ("key", "target"),
+    [
+        ("i", bytes),  # bytes(300): 300 zero bytes
+        ("i", str),
+        ("t", bool),  # bool("False") is True
+        ("t", float),
+        ("b", str),  # str(b"..."): "b'...'"
+        ("a0", bytes),  # a 0-d array's element goes the same way
+        ("a0", list),
+    ],
+)
+def test_a_type_target_is_not_applied_by_calling_it(
+    tmp_path: Path, reader: str, key: str, target: type
+) -> None:
+    """A Python type as the target of a scalar, str or bytes leaf converts only where the
+    value stays what was saved; calling the type made other data (``bytes(300)``, an
+    uninitialised ``np.ndarray(300)``, ``bool("False")``) with no error."""
+    url = str(tmp_path / "ckpt")
+    quire.save(url, _TYPED)
+    tf = None if reader == "load" else (lambda t: t)
+    with pytest.raises(quire.errors.UnsupportedLeafError) as ei:
+        quire.load(url, {key: target}, partial=True, transform=tf)
+    msg = str(ei.value)
+    assert url in msg and f"leaf {key!r}" in msg and "make the abstract leaf" in msg
+
+
+@pytest.mark.parametrize("reader", ["load", "lazy"])
+def test_a_type_target_that_keeps_the_value_converts(tmp_path: Path, reader: str) -> None:
+    """The conversions a type target makes: str to str, bytes to bytes / bytearray, a
+    number to a number type by the casting rule (a wrapping one refused), ``np.ndarray`` (the
+    type) a 0-d array of the saved dtype."""
+    url = str(tmp_path / "ckpt")
+    quire.save(url, _TYPED)
+    tf = None if reader == "load" else (lambda t: t)
+    targets = {"i": np.ndarray, "t": str, "b": bytearray, "a0": np.float32}
+    got = quire.load(url, targets, transform=tf)
+    assert got == {"i": 300, "t": "False", "b": bytearray(b"\x01\x02"), "a0": 300.0}
+    assert type(got["i"]) is np.ndarray and got["i"].shape == () and got["i"].dtype == np.int64
+    assert type(got["b"]) is bytearray and type(got["a0"]) is np.float32
+    got = quire.load(url, {"i": np.float32, "t": "", "b": bytes, "a0": int}, transform=tf)
+    assert got == {"i": 300.0, "t": "False", "b": b"\x01\x02", "a0": 300}
+    assert type(got["i"]) is np.float32 and type(got["a0"]) is int
+    # np.int8(np.int64(300)) wraps to 44: the type is a cast like any other.
+    with pytest.raises(LossyCastError, match="300"):
+        quire.load(url, {"a0": np.int8}, partial=True, transform=tf)
+
+
 def test_lazy_astype_and_read_dtype_are_casts_asked_for(tmp_path: Path) -> None:
     """A cast named in the transform (astype) or in LazyArray.read(dtype=) stays allowed."""
     url = str(tmp_path / "ckpt")

@@ -413,10 +413,10 @@ def load(
     abstract : pytree, optional
         The target: its structure is used for the result and its leaves say what each
         leaf becomes — ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` a ``jax.Array``
-        with that sharding, a numpy array a numpy array, a Python type or value that type;
-        a different dtype casts (see ``casting``).  Empty nodes (None, ``()``, ``{}``,
-        optax's ``EmptyState()``, any pytree node with no leaves) match each other.  Without
-        it, containers come back as dicts/lists/tuples and arrays as they were saved.
+        with that sharding, a numpy array a numpy array, a type or value that type (a str or
+        bytes only its own); a different dtype casts (see ``casting``).  Empty nodes (None,
+        ``()``, ``{}``, optax's ``EmptyState()``, any pytree node with no leaves) match each
+        other.  Without it, containers come back as dicts/lists/tuples and arrays as saved.
     partial : bool
         Load only the keys present in ``abstract`` (default: strict, every key must match).
     progress : bool or callable, optional

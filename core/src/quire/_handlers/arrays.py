@@ -34,6 +34,7 @@ from quire._handlers.casting import (
     to_jax_dtype,
 )
 from quire._handlers.descriptions import describe_arrays
+from quire._handlers.inline import convert
 from quire._handlers.meshes import saved_sharding
 from quire._handlers.zarr_io import (
     ArrayLayout,
@@ -367,14 +368,8 @@ class ArrayHandler:
             if out_dtype != layout.dtype:
                 check_values(buf, out_dtype, e.casting, url=ctx.url, path=e.path)
             arr = buf if out_dtype == layout.dtype else buf.astype(out_dtype)
-            if kind == "python":
-                t = target if isinstance(target, type) else type(target)
-                if arr.shape != ():
-                    raise UnsupportedLeafError(
-                        f"{ctx.url}: leaf {keystr(e.path)!r} is an array of shape {shape}; "
-                        f"it cannot load as a {t.__name__}: use an array as the abstract leaf"
-                    )
-                return t(arr[()])
+            if kind == "python":  # a 0-d array as a number type (or value); not by calling it
+                return convert(arr[()], target, e.path, e.casting, ctx.url)
             return arr
         sharding = getattr(target, "sharding", None) if target is not None else None
         if sharding is None or isinstance(target, type):

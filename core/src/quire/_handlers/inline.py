@@ -17,6 +17,7 @@ from quire._handlers.base import LoadContext, LoadEntry, SaveContext, SaveEntry,
 from quire._handlers.casting import (
     check_cast,
     check_values,
+    kind,
     target_dtype,
     to_jax_dtype,
     value_dtype,
@@ -94,16 +95,42 @@ class _Inline:
 def convert(
     value: Any, target: Any, path: tuple[Any, ...], casting: str = "same_kind", url: str = ""
 ) -> Any:
-    """An inline value as the abstract target asks: a type, or a value of that type; a cast
-    ``casting`` refuses raises :class:`~quire.errors.LossyCastError`."""
-    if target is None or (isinstance(target, type(value)) and not isinstance(target, type)):
+    """A value loaded inline (a number, a str or bytes; a 0-d array's element) as the
+    abstract target asks.
+
+    The conversions made: a None target keeps the value; a str goes to ``str`` (or a str),
+    bytes to ``bytes`` or ``bytearray`` (or a value of them); a number goes to a number
+    type (``bool``, ``int``, ``float``, ``complex``, a numpy scalar type), a value of one or
+    an array target (numpy, ``jax.ShapeDtypeStruct``, ``jax.Array``) of its dtype, a cast
+    that ``casting`` refuses raising :class:`~quire.errors.LossyCastError`, and to
+    ``np.ndarray`` (the type) as a 0-d array of its own dtype.  Any other pair (a number to
+    ``bytes``, a str to ``bool`` or ``float``, bytes to ``str``, a type such as ``list``) is
+    an :class:`~quire.errors.UnsupportedLeafError` naming the leaf and the targets that
+    work: calling the type would give other data (``bytes(300)`` is 300 zero bytes,
+    ``bool("False")`` is True).
+    """
+    if target is None:
         return value
-    src, dst = value_dtype(value), target_dtype(target)
-    if src is not None and dst is not None:
-        check_cast(src, dst, casting, url=url, path=path)
-        if target not in SCALAR_TYPES.values() and type(target) not in SCALAR_TYPES.values():
-            check_values(value, dst, casting, url=url, path=path)  # a Python int is unbounded
     t = target if isinstance(target, type) else type(target)
+    if isinstance(value, str | bytes):
+        if t is type(value):
+            return value
+        if t is bytearray and isinstance(value, bytes):
+            return bytearray(value)
+        raise _refused(value, t, path, url)
+    if np.ndim(value) != 0:
+        raise UnsupportedLeafError(
+            f"{_where(url)}leaf {keystr(path)!r} is an array of shape {np.shape(value)}; it "
+            f"cannot load as {_name(t)}: use an array as the abstract leaf"
+        )
+    src, dst = value_dtype(value), target_dtype(target)
+    if src is not None and target is np.ndarray:
+        return np.asarray(value)
+    if src is None or dst is None or kind(dst) is None:
+        raise _refused(value, t, path, url)
+    check_cast(src, dst, casting, url=url, path=path)
+    if target not in SCALAR_TYPES.values() and type(target) not in SCALAR_TYPES.values():
+        check_values(value, dst, casting, url=url, path=path)  # a Python int is unbounded
     if isinstance(target, np.generic):
         return target.dtype.type(value)
     if hasattr(target, "dtype") and hasattr(target, "shape") and not isinstance(target, type):
@@ -114,11 +141,38 @@ def convert(
         return _jax_scalar(to_jax_dtype(arr, arr.dtype, url=url, path=path, saved=src), target)
     try:
         return t(value)
-    except Exception as e:
-        raise UnsupportedLeafError(
-            f"leaf {'/'.join(map(str, path))!r}: cannot convert saved {type(value).__name__} "
-            f"to {t.__name__}; change the abstract leaf"
-        ) from e
+    except (TypeError, ValueError) as e:  # a complex to a float under casting="unsafe"
+        raise _refused(value, t, path, url) from e
+
+
+def _where(url: str) -> str:
+    return f"{url}: " if url else ""
+
+
+def _name(t: type) -> str:
+    mod = t.__module__.split(".")[0]
+    if mod == "builtins":
+        return t.__name__
+    if mod in ("jax", "jaxlib"):
+        return "jax.Array" if t.__name__ in ("Array", "ArrayImpl") else f"jax.{t.__name__}"
+    return f"{'np' if mod == 'numpy' else mod}.{t.__qualname__}"
+
+
+def _refused(value: Any, t: type, path: tuple[Any, ...], url: str) -> UnsupportedLeafError:
+    """The error for a saved inline value its target type cannot take without changing it."""
+    vt = type(value)
+    if vt in (str, bytes):
+        fix = f"{vt.__name__} (or a {vt.__name__} value)"
+    else:
+        types = dict.fromkeys([_name(vt), "int", "float", "np.float32"])
+        fix = (
+            f"a number type ({', '.join(types)}, ...), a value of one, or an array of shape "
+            "() (np.zeros((), dtype), jax.ShapeDtypeStruct((), dtype))"
+        )
+    return UnsupportedLeafError(
+        f"{_where(url)}leaf {keystr(path)!r} (a saved {_name(vt)}) cannot load as "
+        f"{_name(t)}; make the abstract leaf {fix}, or None to load it as saved"
+    )
 
 
 def _jax_scalar(arr: np.ndarray, target: Any) -> Any:

@@ -21,6 +21,7 @@ import numpy as np
 from quire._engine.pairing import pair_with_target, refuse_misfits, sharding_misfit
 from quire._format.tree import KeyPath, Node, keystr, walk
 from quire._handlers import casting as _casting
+from quire._handlers.inline import convert
 from quire._handlers.meshes import Placer, is_abstract
 from quire._runtime import ioloop as _io
 from quire._runtime.budget import ByteBudget
@@ -267,7 +268,8 @@ def call_transform(fn: Callable[..., Any], shaped: Any, opened: list[Source]) ->
 def _target_of(t: Any) -> tuple[Any, Any, str]:
     """(dtype, sharding, kind) asked for by an abstract leaf."""
     if isinstance(t, type):
-        return None, None, "python" if t in (bool, int, float, complex, str, bytes) else "numpy"
+        # np.ndarray / jax.Array: an array as saved; any other type: what inline.convert makes
+        return None, None, "numpy" if t is np.ndarray or t is jax.Array else "python"
     if isinstance(t, np.ndarray | np.generic):
         return t.dtype, None, "numpy"
     if isinstance(t, jax.ShapeDtypeStruct | jax.Array):
@@ -346,6 +348,7 @@ async def materialize_tree(
 
     budget = ByteBudget(current().byte_budget)
     results: dict[int, Any] = {}
+    where = subject or f"the {what}"
 
     def placement(node: Node, v: Any, target: Any) -> tuple[Any, Any, str]:
         """(dtype, sharding, kind) of the leaf's result: the target's, else ``shardings=``'s."""
@@ -373,8 +376,7 @@ async def materialize_tree(
             if isinstance(v, LazyValue):
                 out = await materialize_leaf(v, dtype, sharding, budget, how, node.path)
                 if kind == "python" and target is not None:
-                    t = target if isinstance(target, type) else type(target)
-                    out = t(np.asarray(out)[()])
+                    out = convert(np.asarray(out)[()], target, node.path, how, where)
             elif kind == "jax" and shape is not None:
                 host = _concrete(v, dtype, how, node.path, to_jax=True)
                 out = (
@@ -383,8 +385,9 @@ async def materialize_tree(
             elif kind == "numpy" and v is not None:
                 out = _concrete(v, dtype, how, node.path)
             elif kind == "python" and target is not None and v is not None:
-                t = target if isinstance(target, type) else type(target)
-                out = t(np.asarray(v)[()]) if shape is not None else t(v)
+                out = convert(
+                    np.asarray(v)[()] if shape is not None else v, target, node.path, how, where
+                )
             else:
                 out = v
         except QuireError:
