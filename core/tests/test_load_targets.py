@@ -380,6 +380,38 @@ def test_a_type_target_that_keeps_the_value_converts(tmp_path: Path, reader: str
         quire.load(url, {"a0": np.int8}, partial=True, transform=tf)
 
 
+@pytest.mark.parametrize("reader", ["load", "lazy"])
+@pytest.mark.parametrize(
+    ("key", "target", "why"),
+    [
+        ("name", np.zeros((), np.float32), "str, target float32 array of shape ()"),
+        ("name", jax.ShapeDtypeStruct((), np.float32), "str, target float32 array"),
+        ("lr", np.zeros((), np.float32), "str, target float32 array"),  # it parsed as 0.001
+        ("lr", np.float32(0), "str, target float32 array"),
+        ("blob", np.zeros((), np.uint8), "bytes, target uint8 array"),
+        ("n", np.zeros(3, np.int64), "int, target int64 array of shape (3,)"),
+        ("n", jax.ShapeDtypeStruct((3,), np.int32), "int, target int32 array of shape (3,)"),
+    ],
+)
+def test_a_str_or_scalar_leaf_into_an_array_target_is_a_mismatch(
+    tmp_path: Path, reader: str, key: str, target: Any, why: str
+) -> None:
+    """A saved str or bytes has no array to give an array target, and a scalar none of
+    another shape: each is a TreeMismatchError naming the key path and both sides (a str
+    was a bare ValueError, or parsed as a number when it could be; a scalar came back 0-d
+    into a target of shape (3,))."""
+    url = str(tmp_path / "ckpt")
+    quire.save(url, {"cfg": {"name": "abc", "lr": "0.001", "blob": b"\x01", "n": 3}})
+    tf = None if reader == "load" else (lambda t: t)
+    with pytest.raises(TreeMismatchError) as ei:
+        quire.load(url, {"cfg": {key: target}}, partial=True, transform=tf)
+    assert url in str(ei.value) and why in str(ei.value)
+    assert [m.split(":")[0] for m in ei.value.mismatched] == [f"'cfg/{key}'"]
+    # Into their own kind they load, a scalar into an array of shape () too.
+    own = {"name": "", "lr": str, "blob": bytes, "n": np.zeros((), np.int64)}
+    assert quire.load(url, {"cfg": own}, transform=tf)["cfg"]["n"] == np.int64(3)
+
+
 def test_lazy_astype_and_read_dtype_are_casts_asked_for(tmp_path: Path) -> None:
     """A cast named in the transform (astype) or in LazyArray.read(dtype=) stays allowed."""
     url = str(tmp_path / "ckpt")

@@ -67,7 +67,8 @@ class _Inline:
         raise NotImplementedError
 
     def check(self, entry: LoadEntry) -> str | None:
-        return None
+        """Why an array target cannot take this leaf (see :func:`mismatch`), or None."""
+        return mismatch(self.id, entry.target)
 
     async def load(self, entries: Sequence[LoadEntry], ctx: LoadContext) -> list[Any]:
         out = []
@@ -175,6 +176,23 @@ def _refused(value: Any, t: type, path: tuple[Any, ...], url: str) -> Unsupporte
     )
 
 
+def mismatch(held: str, target: Any, saved: str = "saved") -> str | None:
+    """Why an array target (numpy, ``jax.ShapeDtypeStruct``, ``jax.Array``, a numpy scalar)
+    cannot take an inline leaf holding ``held`` (a type's name): a str or bytes has no array
+    to give, a number none of a shape other than (); None where it can (or for other
+    targets, which :func:`convert` answers)."""
+    shape = getattr(target, "shape", None)
+    if shape is None or isinstance(target, type) or not hasattr(target, "dtype"):
+        return None
+    if held in ("str", "bytes"):
+        fix = f"make the target {held} (or None)"
+    elif tuple(shape) != ():
+        fix = "a scalar has shape ()"
+    else:
+        return None
+    return f"{saved} {held}, target {target.dtype} array of shape {tuple(shape)}: {fix}"
+
+
 def _jax_scalar(arr: np.ndarray, target: Any) -> Any:
     import jax
 
@@ -246,6 +264,11 @@ class ScalarHandler(_Inline):
         if t == "complex":
             return complex(_dec_float(v[0]), _dec_float(v[1]))
         raise ValueError(f"unknown scalar type {t!r}")
+
+    def check(self, entry: LoadEntry) -> str | None:
+        """Why an array target cannot take this number (one of another shape), or None."""
+        t = scalar_type(entry.record)
+        return mismatch(t.__name__ if t else str(entry.record.get("dtype")), entry.target)
 
     def metadata(self, records: Sequence[Mapping[str, Any]]) -> list[Any]:
         out: list[Any] = []

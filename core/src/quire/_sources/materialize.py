@@ -21,7 +21,7 @@ import numpy as np
 from quire._engine.pairing import pair_with_target, refuse_misfits, sharding_misfit
 from quire._format.tree import KeyPath, Node, keystr, walk
 from quire._handlers import casting as _casting
-from quire._handlers.inline import convert
+from quire._handlers.inline import convert, mismatch
 from quire._handlers.meshes import Placer, is_abstract
 from quire._runtime import ioloop as _io
 from quire._runtime.budget import ByteBudget
@@ -320,6 +320,8 @@ async def materialize_tree(
             if v is None and t.value is not None:
                 asked = f"target shape {tuple(want)}" if want is not None else f"target {t.value!r}"
                 return f"the {what} holds None here, the {asked}"
+            if got is None and not isinstance(v, LazyValue):  # a number, a str or bytes
+                return mismatch(type(v).__name__, t.value, what)
             if (
                 want is not None
                 and not isinstance(t.value, type)
