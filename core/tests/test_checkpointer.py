@@ -122,6 +122,14 @@ def test_step_format() -> None:
     for bad in ("step", "{}/{}", "a/{}", "{name}", "{!r}", "{:s}", "{0}{0}"):
         with pytest.raises(ValueError):
             _root.StepFormat(bad)
+    # names that do not parse back to their step (1,000; c for 12): steps that vanish after
+    # a restart, and whose borrowed bytes an incremental root's retention would delete
+    for bad in ("{:,}", "{:_}", "{:x}", "{:o}", "{:b}", "{:X}", "s{:#x}", "{:e}", "{:%}", "{:_>9}"):
+        with pytest.raises(ValueError, match="parse back"):
+            _root.StepFormat(bad)
+    for good in ("{:08d}", "{:d}", "{:>8}", "{: >8}", "{:+d}", "{:08}", "r{:03d}.x"):
+        f = _root.StepFormat(good)
+        assert all(f.parse(f.name(n)) == n for n in (0, 7, 999, 1000, 10**9)), good
 
 
 # ============================================================================= basics

@@ -69,8 +69,9 @@ class Checkpointer:
         (the local tier's own is ``LocalTier(keep=...)``).
     step_format : str, optional
         Directory name of a step, a ``str.format`` pattern with one int field; default
-        the root's recorded one, else ``"step_{:08d}"``.  Names that do not parse back to
-        a step are ignored.
+        the root's recorded one, else ``"step_{:08d}"``; a pattern whose names do not
+        parse back to their step (``"{:x}"``, ``"{:,}"``) is a ``ValueError``.  Names that do
+        not parse back to a step are ignored.
     storage_options : dict, optional
         fsspec options for the backend.
     metadata : dict, optional

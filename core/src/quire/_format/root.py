@@ -78,6 +78,13 @@ class StepFormat:
                 f"step_format {pattern!r} must give one plain directory name per step "
                 "(no '/', not empty, the step number in it)"
             )
+        lost = [n for n in (0, 7, 12, 999, 1000, 12345, 10**9) if self.parse(self.name(n)) != n]
+        if lost:  # a step saved under such a name would vanish from the next listing
+            raise ValueError(
+                f"step_format {pattern!r}: step {lost[0]}'s name {self.name(lost[0])!r} does not "
+                "parse back to the step (use decimal digits, e.g. 'step_{:08d}', without "
+                "separators or another base)"
+            )
 
     def name(self, step: int) -> str:
         """The directory name of ``step``."""
