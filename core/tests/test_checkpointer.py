@@ -22,6 +22,7 @@ import quire
 from quire import _api
 from quire._cli.main import main as cli
 from quire._format import root as _root
+from quire._format.record import record_checksum
 from quire._store.local import LocalBackend
 from quire._store.memory import MemoryBackend
 from quire.errors import CheckpointNotFoundError
@@ -632,3 +633,29 @@ def test_a_step_is_an_int_not_a_bool_or_a_float(tmp_path: Path) -> None:
         assert ck.steps() == [2]
         with pytest.raises(TypeError, match="a step must be an int"):
             ck.load(True)
+
+
+def test_metrics_no_float_holds_are_stored_as_null_and_retention_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A metric an int too large for a float (10**400) or ±inf is stored as null with a
+    warning, like NaN: BestN passes over it and keeps working, in this process and the next
+    (a root written before, with such an int in its records, too)."""
+    keep = BestN(1, metric="loss", mode="min") | LatestN(1)
+    with quire.Checkpointer(tmp_path, keep=keep) as c:
+        c.save(1, tree(1), metrics={"loss": 1.0})
+        c.save(2, tree(2), metrics={"loss": 10**400, "reward": float("inf")})
+        c.save(3, tree(3), metrics={"loss": 2.0})
+        c.wait()
+        assert c.steps() == [1, 3] and c.best_step("loss", mode="min") == 1
+    assert "stored as null" in caplog.text
+    # a record of an earlier version holding the int itself: no metric, not an OverflowError
+    rec = tmp_path / "step_00000003" / "quire.json"
+    doc = json.loads(rec.read_text())
+    doc["metadata"]["quire.metrics"]["loss"] = 10**400
+    doc["checksum"] = record_checksum(doc)
+    rec.write_text(json.dumps(doc))
+    with quire.Checkpointer(tmp_path, keep=keep) as c:
+        c.save(4, tree(4), metrics={"loss": 3.0})
+        c.wait()
+        assert c.best_step("loss", mode="min") == 1 and c.steps() == [1, 4]

@@ -108,16 +108,21 @@ class LatestN(KeepPolicy):
 
 def _metric_value(info: StepInfo, metric: str) -> float | None:
     v = info.metrics.get(metric)
-    if isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v):
+    if isinstance(v, bool) or not isinstance(v, int | float):
         return None
-    return float(v)
+    try:
+        f = float(v)  # a record of an earlier version may hold an int no float holds
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
 
 
 class BestN(KeepPolicy):
     """Keep the ``n`` steps with the best value of ``metric`` (``mode`` "max" or "min").
 
-    Steps saved without that metric (or with NaN) are not kept by this policy; ties go
-    to the later step.
+    Steps saved without that metric (or with one that was not a finite number: NaN, ±inf,
+    an int no float holds, all stored as null) are not kept by this policy; ties go to the
+    later step.
 
     Parameters
     ----------

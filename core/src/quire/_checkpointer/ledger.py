@@ -14,6 +14,7 @@ import collections
 import logging
 import math
 import operator
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
@@ -37,8 +38,13 @@ def as_step(step: Any) -> int:
     return s
 
 
+_MAX_FLOAT = int(sys.float_info.max)
+
+
 def clean_metrics(metrics: Mapping[str, Any] | None, step: int) -> dict[str, Any]:
-    """Metrics as JSON: numbers (numpy / JAX scalars included) become Python numbers."""
+    """Metrics as JSON: numbers (numpy / JAX scalars included) become Python numbers; one
+    that is not a finite float (NaN, ±inf, an int past float's range) is stored as null,
+    with a warning."""
     if metrics is None:
         return {}
     if not isinstance(metrics, Mapping):
@@ -52,14 +58,14 @@ def clean_metrics(metrics: Mapping[str, Any] | None, step: int) -> dict[str, Any
             continue
         if hasattr(v, "item") and getattr(v, "size", 1) == 1:
             v = v.item()  # numpy / JAX scalars
-        if isinstance(v, int):
+        if (isinstance(v, int) and abs(v) <= _MAX_FLOAT) or (
+            isinstance(v, float) and math.isfinite(v)
+        ):
             out[k] = v
-        elif isinstance(v, float):
-            if not math.isfinite(v):
-                log.warning("step %d: metric %r is %r; stored as null", step, k, v)
-                out[k] = None
-            else:
-                out[k] = v
+        elif isinstance(v, int | float):  # NaN, ±inf, an int no float holds
+            what = f"an int of {v.bit_length()} bits" if isinstance(v, int) else repr(v)
+            log.warning("step %d: metric %r is %s; stored as null", step, k, what)
+            out[k] = None
         else:
             raise TypeError(
                 f"metric {k!r} must be a number (or str, bool, None), got {type(v).__name__}"
