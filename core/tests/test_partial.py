@@ -594,3 +594,17 @@ def main_verify(url: str) -> int:
     from quire._cli.main import main
 
     return main(["verify", url])
+
+
+def test_a_plain_save_does_not_replace_an_unfinalized_partial_save(url: str) -> None:
+    """Without ``overwrite=True`` a save (or a Checkpointer's save of that step) refuses a
+    URL that holds a journal: committing over it lost the partial save (its versions read
+    as the new checkpoint, and ``quire gc`` then deleted the journal)."""
+    partial.save(url, {"a": np.arange(10)})
+    partial.save(url, {"b": np.ones(3)})
+    with pytest.raises(quire.errors.CheckpointExistsError, match="unfinalized partial save"):
+        quire.save(url, {"z": np.zeros(2)})
+    assert [v.version for v in partial.versions(url)] == [1, 2]
+    assert sorted(partial.load(url)) == ["a", "b"]
+    quire.save(url, {"z": np.zeros(2)}, overwrite=True)  # asked for: replaced
+    assert sorted(quire.load(url)) == ["z"]

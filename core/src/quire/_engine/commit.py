@@ -187,10 +187,17 @@ async def _refuse_incomplete(
 
 
 async def ensure_absent(backend: Backend, url: str, fix: str) -> None:
-    """Fail early (before any data is written) when a checkpoint is already at ``url``;
-    the conditional create at the commit point is what actually decides."""
+    """Fail early (before any data is written) when a checkpoint is already at ``url``, or
+    an unfinalized partial save (its journal); the conditional create at the commit point
+    is what actually decides."""
     if await backend.exists(RECORD):
         raise CheckpointExistsError(f"a checkpoint already exists at {url}; {fix}")
+    if await backend.list(JOURNAL_DIR):  # a save over it would lose the partial save
+        raise CheckpointExistsError(
+            f"{url} holds an unfinalized partial save ({JOURNAL_DIR}/): commit it with "
+            f"quire.partial.finalize(url) or remove it with quire.partial.discard(url) "
+            f"first; or {fix}"
+        )
 
 
 # ----------------------------------------------------------------------------- writing
