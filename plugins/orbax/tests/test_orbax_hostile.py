@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -174,3 +175,27 @@ def test_a_fifo_as_orbax_metadata_is_refused_without_blocking(tmp_path: Path) ->
         quire.open(str(step), format="orbax")
     with pytest.raises(quire.CheckpointNotFoundError, match="no installed quire source"):
         quire.open(str(step))
+
+
+@pytest.mark.parametrize(
+    ("impl", "match"),
+    [
+        ("no_such_prng", "which this JAX does not know"),
+        (["threefry2x32"], "which this JAX does not know"),
+        ("rbg", r"uint32 ending in shape \(4,\)"),  # threefry's (2,) key data
+    ],
+)
+def test_a_forged_prng_key_record_is_typed(
+    tmp_path: Path, impl: Any, match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """array_metadatas names the PRNG implementation a uint32 leaf is wrapped with: an
+    unknown name, or key data of another shape, is damage (not a crash in jax)."""
+    ckpt = tmp_path / "ck"
+    with ocp.PyTreeCheckpointer() as ck:
+        ck.save(ckpt, {**TREE, "rng": jax.random.key(3)})
+    meta_path = ckpt / "array_metadatas" / "process_0"
+    meta = json.loads(meta_path.read_text())
+    (entry,) = [e for e in meta["array_metadatas"] if e["array_metadata"]["param_name"] == "rng"]
+    entry["array_metadata"]["ext_metadata"]["random_key_impl"] = impl
+    meta_path.write_text(json.dumps(meta))
+    _refused(ckpt, rf"leaf rng .*{match}", capsys)

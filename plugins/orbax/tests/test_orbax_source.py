@@ -233,6 +233,45 @@ def test_strings_none_and_empty_containers(tmp_path: Path) -> None:
         same(read_all(src.tree), expected)  # orbax restores the tuple as a list; so does quire
 
 
+def _key_state() -> dict[str, Any]:
+    return {
+        "w": np.arange(3, dtype=np.float32),
+        "rng": jax.random.key(42),
+        "keys": jax.random.split(jax.random.key(7, impl="rbg"), 4),
+    }
+
+
+@pytest.mark.parametrize("ocdbt", [True, False])
+def test_typed_prng_keys_load_as_keys(tmp_path: Path, ocdbt: bool) -> None:
+    """Orbax saves a typed key as its uint32 data and records its impl in array_metadatas;
+    it restores a key, and so does quire: as a value, into a key target, through quire cp."""
+    state = _key_state()
+    path = str(tmp_path / "keys")
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt)) as ck:
+        ck.save(path, state)
+        assert str(jax.random.key_impl(ck.restore(path)["keys"])) == "rbg"
+
+    def same_keys(got: Any) -> None:
+        for name in ("rng", "keys"):
+            assert jax.dtypes.issubdtype(got[name].dtype, jax.dtypes.prng_key), name
+            assert jax.random.key_impl(got[name]) == jax.random.key_impl(state[name])
+            assert got[name].shape == state[name].shape
+            np.testing.assert_array_equal(
+                jax.random.key_data(got[name]), jax.random.key_data(state[name])
+            )
+
+    same_keys(quire.load(path))
+    target = jax.eval_shape(lambda: state)
+    same_keys(quire.load(path, target))
+    dst = str(tmp_path / "converted")
+    assert _quire_cli("cp", path, dst, "-q") == 0
+    assert quire.metadata(dst).tree["keys"].handler == "prng_key"
+    same_keys(quire.load(dst, target))
+    # Key data into a key target (or keys into a uint32 one) is refused with the fix named.
+    with pytest.raises(quire.TreeMismatchError, match=r"jax\.random\.key_data"):
+        quire.load(path, {**target, "rng": jax.ShapeDtypeStruct((2,), np.uint32)})
+
+
 def test_sequence_root(tmp_path: Path) -> None:
     path = str(tmp_path / "list_root")
     with ocp.PyTreeCheckpointer() as ck:

@@ -37,6 +37,38 @@ def key_impl_name(value: Any) -> str | None:
     return str(name) if name is not None else None
 
 
+def key_mismatch(value: Any, target: Any, what: str) -> str | None:
+    """Why a value (a source's leaf, a transform's result) cannot fill ``target`` as keys or
+    as key data, or None: typed PRNG keys go only into typed keys of their implementation and
+    shape, and only keys fill a typed key target (a Python type as target: None)."""
+    if isinstance(target, type) or getattr(target, "shape", None) is None:
+        return None
+    saved, want = key_impl_name(value), key_impl_name(target)
+    if saved is None and want is None:
+        return None
+    shape, tshape = tuple(getattr(value, "shape", ())), tuple(target.shape)
+    if want is None:
+        return (
+            f"{what} holds {saved} PRNG keys of shape {shape}, target {target.dtype} of shape "
+            f"{tshape}, not a typed key: make the target a key (jax.random.key(0, "
+            f"impl={saved!r}) or its jax.eval_shape), or take jax.random.key_data in transform="
+        )
+    if saved is None:
+        return (
+            f"{what} holds {getattr(value, 'dtype', type(value).__name__)} of shape {shape}, "
+            f"target {want} PRNG keys of shape {tshape}: wrap key data into keys with "
+            f"jax.random.wrap_key_data(data, impl={want!r}) in transform="
+        )
+    if saved != want:
+        return (
+            f"{what} holds {saved} PRNG keys, target {want} keys: a key's bits mean nothing to "
+            f"another implementation; make the target {saved} keys or start from fresh keys"
+        )
+    if shape != tshape:
+        return f"{what} holds {saved} PRNG keys of shape {shape}, target keys of shape {tshape}"
+    return None
+
+
 class JaxArrayHandler(ArrayHandler):
     """``jax.Array`` leaves with any sharding over the process's devices."""
 

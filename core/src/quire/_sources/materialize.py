@@ -22,6 +22,7 @@ from quire._engine.pairing import pair_with_target, refuse_misfits, sharding_mis
 from quire._format.tree import KeyPath, Node, keystr, walk
 from quire._handlers import casting as _casting
 from quire._handlers.inline import convert, mismatch
+from quire._handlers.jax_arrays import key_impl_name, key_mismatch
 from quire._handlers.meshes import Placer, is_abstract
 from quire._runtime import ioloop as _io
 from quire._runtime.budget import ByteBudget
@@ -322,6 +323,9 @@ async def materialize_tree(
                 return f"the {what} holds None here, the {asked}"
             if got is None and not isinstance(v, LazyValue):  # a number, a str or bytes
                 return mismatch(type(v).__name__, t.value, what)
+            why = key_mismatch(v, t.value, what)
+            if why is not None:
+                return why
             if (
                 want is not None
                 and not isinstance(t.value, type)
@@ -379,6 +383,8 @@ async def materialize_tree(
                 out = await materialize_leaf(v, dtype, sharding, budget, how, node.path)
                 if kind == "python" and target is not None:
                     out = convert(np.asarray(out)[()], target, node.path, how, where)
+            elif key_impl_name(v) is not None:  # typed keys (checked against the target)
+                out = jax.device_put(v, sharding) if sharding is not None else v
             elif kind == "jax" and shape is not None:
                 host = _concrete(v, dtype, how, node.path, to_jax=True)
                 out = (

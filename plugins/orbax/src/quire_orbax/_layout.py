@@ -18,6 +18,10 @@ What orbax-checkpoint writes (facts this module relies on):
   ``save_pytree`` / ``save``, whose pytree is the checkpointable ``state``, or ``pytree`` in
   earlier v1 releases; v1 also drops an empty ``orbax.checkpoint`` marker file).
 * ``JsonCheckpointHandler`` items are one JSON file ``<item>/metadata``.
+* A typed PRNG key (``jax.random.key``) is saved as its uint32 key data, a ``jax.Array`` leaf;
+  ``<item>/array_metadatas/process_<N>`` (JSON, one per writing process, alike) records
+  ``{"array_metadatas": [{"array_metadata": {"param_name", ..., "ext_metadata":
+  {"random_key_impl": "threefry2x32"}}}]}`` for it, and orbax restores it as a key.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 V1_MARKER = "orbax.checkpoint"
 STRINGS = "_strings.json"
 JSON_ITEM_FILE = "metadata"
+ARRAY_METADATAS = "array_metadatas"
+RANDOM_KEY_IMPL = "random_key_impl"
 # Item names that stand for "the" pytree of a checkpoint: the tree is shown unwrapped.
 DEFAULT_ITEMS = ("default", "state", "pytree")
 ARRAY_TYPES = ("jax.Array", "np.ndarray")
@@ -243,6 +249,44 @@ def read_strings(store: Store, item: PytreeItem, url: str) -> dict[str, Any]:
             f"{url}: {STRINGS} is missing or not a JSON object, but _METADATA lists string leaves"
         )
     return data
+
+
+def read_key_impls(store: Store, item: PytreeItem, url: str) -> dict[str, Any]:
+    """Param name -> PRNG implementation name (as recorded: untrusted, any JSON value) of the
+    item's typed key leaves, from the lowest-numbered ``array_metadatas/process_<N>`` (as
+    orbax reads it; every process records the same keys).  Empty when there is none."""
+    if not any(leaf.value_type == "jax.Array" for leaf in item.leaves):
+        return {}
+    folder = _join(item.path, ARRAY_METADATAS)
+    try:
+        names = store.listdir(folder) if store.isdir(folder) else []
+    except (FileNotFoundError, NotADirectoryError):
+        names = []
+    files = sorted(
+        (int(n[len("process_") :]), n) for n in names if re.fullmatch(r"process_\d{1,9}", n)
+    )
+    if not files:
+        return {}
+    what = f"{ARRAY_METADATAS}/{files[0][1]}"
+    data = _json(store, _join(folder, files[0][1]), url, what)
+    entries = data.get("array_metadatas") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise CorruptCheckpointError(
+            f"{url}: {what} has no 'array_metadatas' list; the checkpoint is damaged"
+        )
+    impls: dict[str, Any] = {}
+    for entry in entries:
+        meta = entry.get("array_metadata") if isinstance(entry, dict) else None
+        ext = meta.get("ext_metadata") if isinstance(meta, dict) else None
+        if not isinstance(ext, dict) or RANDOM_KEY_IMPL not in ext:
+            continue
+        param = meta.get("param_name")  # type: ignore[union-attr]
+        if not isinstance(param, str):
+            raise CorruptCheckpointError(
+                f"{url}: {what} records a PRNG key without a string param_name ({param!r:.200})"
+            )
+        impls[param] = ext[RANDOM_KEY_IMPL]
+    return impls
 
 
 def read_layout(url: str, store: Store) -> Layout:

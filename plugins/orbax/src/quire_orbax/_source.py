@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import jax
 import numpy as np
 
 from quire.errors import (
@@ -93,6 +94,29 @@ def storage_error(e: Exception, what: str) -> Exception:
     return CorruptCheckpointError(f"{msg}; the checkpoint is damaged or incomplete")
 
 
+def _key_data_shape(impl: Any, where: str, key: str, shape: tuple[int, ...], dtype: Any) -> None:
+    """Refuse a recorded PRNG key that no key could be: an implementation this JAX does not
+    know, or key data that is not uint32 ending in that implementation's key shape."""
+    try:
+        if not isinstance(impl, str):
+            raise ValueError(f"not a string: {impl!r:.200}")
+        want = tuple(
+            jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape
+        )
+    except (ValueError, TypeError, KeyError) as e:
+        raise CorruptCheckpointError(
+            f"{where}: leaf {key} is recorded as a PRNG key of implementation {impl!r:.200} in "
+            f"{_layout.ARRAY_METADATAS}, which this JAX does not know ({e}); the checkpoint is "
+            "damaged or forged"
+        ) from None
+    if np.dtype(dtype) != np.uint32 or shape[len(shape) - len(want) :] != want:
+        raise CorruptCheckpointError(
+            f"{where}: leaf {key} is recorded as {impl} PRNG keys, whose data is uint32 ending "
+            f"in shape {want}, but it holds {np.dtype(dtype)} of shape {shape}; the checkpoint "
+            "is damaged or forged"
+        )
+
+
 def _keystr(key_path: tuple[str | int, ...]) -> str:
     return "/".join(str(k) for k in key_path)
 
@@ -136,7 +160,8 @@ class OrbaxSource(Source):
 
     Open it with ``quire.open(path)`` (or ``format="orbax"``).  ``tree`` mirrors what orbax
     restores without a target: dicts, lists (orbax restores tuples as lists), a
-    :class:`quire.sources.LazyArray` per ``jax.Array`` / ``np.ndarray`` leaf, Python scalars and
+    :class:`quire.sources.LazyArray` per ``jax.Array`` / ``np.ndarray`` leaf, a typed PRNG key
+    array per key orbax saved (by the implementation it records), Python scalars and
     strings as values, empty containers and None as saved.  A composite checkpoint (a
     ``CheckpointManager`` step with named items) is ``{item: tree}``; a single item named
     ``default`` (CheckpointManager) or ``state`` / ``pytree`` (v1 ``save_pytree``) is shown
@@ -233,6 +258,7 @@ def _open_item(location: Store, item: PytreeItem | Any, url: str, ts: Any, conte
         return item  # a JSON item's value
     where = url if item.name is None else f"{url} (item {item.name!r})"
     strings = _layout.read_strings(location, item, where)
+    key_impls = _layout.read_key_impls(location, item, where)
     stored = [leaf for leaf in item.leaves if leaf.value_type in (*ARRAY_TYPES, "scalar")]
     # Open every array at once (each reads its zarr metadata only), then collect.
     futures = [
@@ -249,15 +275,38 @@ def _open_item(location: Store, item: PytreeItem | Any, url: str, ts: Any, conte
         if any(int(m) != 0 for m in store.domain.inclusive_min):
             store = store.translate_to[(0,) * store.rank]
         stores[leaf.param] = store
-    scalars = {
-        leaf.param: stores[leaf.param].read() for leaf in stored if leaf.value_type == "scalar"
+    keys = {leaf.param for leaf in stored if leaf.value_type == "jax.Array"} & set(key_impls)
+    for leaf in stored:
+        if leaf.param in keys:
+            store = stores[leaf.param]
+            shape = tuple(int(n) for n in store.shape)
+            _key_data_shape(
+                key_impls[leaf.param],
+                where,
+                _keystr(leaf.key_path),
+                shape,
+                store.dtype.numpy_dtype,
+            )
+    # Scalars and typed PRNG keys are values, read now (all at once); arrays stay lazy.
+    eager = {
+        leaf.param: stores[leaf.param].read()
+        for leaf in stored
+        if leaf.value_type == "scalar" or leaf.param in keys
     }
     root: dict[Any, Any] = {}
     for leaf in item.leaves:
         key = _keystr(leaf.key_path)
-        if leaf.value_type in ARRAY_TYPES:
+        value: Any
+        if leaf.param in keys:
+            try:
+                data = np.asarray(eager[leaf.param].result())
+            except Exception as e:
+                raise storage_error(e, f"{where}: reading {key}") from e
+            # As orbax restores it: a typed key array, which quire saves as one.
+            value = jax.random.wrap_key_data(jax.numpy.asarray(data), impl=key_impls[leaf.param])
+        elif leaf.value_type in ARRAY_TYPES:
             store = stores[leaf.param]
-            value: Any = LazyArray(
+            value = LazyArray(
                 tuple(int(n) for n in store.shape),
                 np.dtype(store.dtype.numpy_dtype),
                 leaf.key_path,
@@ -266,7 +315,7 @@ def _open_item(location: Store, item: PytreeItem | Any, url: str, ts: Any, conte
             )
         elif leaf.value_type == "scalar":
             try:
-                value = np.asarray(scalars[leaf.param].result()).item()
+                value = np.asarray(eager[leaf.param].result()).item()
             except Exception as e:
                 raise CorruptCheckpointError(
                     f"{where}: reading scalar {key} failed ({type(e).__name__}: {e})"
