@@ -199,3 +199,16 @@ def test_a_forged_prng_key_record_is_typed(
     entry["array_metadata"]["ext_metadata"]["random_key_impl"] = impl
     meta_path.write_text(json.dumps(meta))
     _refused(ckpt, rf"leaf rng .*{match}", capsys)
+
+
+@pytest.mark.parametrize("forged", [123, 1.5, {"x": [1, 2]}, [1, 2], None, True])
+def test_a_string_leaf_that_is_not_a_string_is_typed(
+    tmp_path: Path, forged: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """_METADATA types the leaf a string: any other JSON value in _strings.json (a dict would
+    become a subtree of the loaded tree) is damage, never returned as is."""
+    ckpt = tmp_path / "ck"
+    with ocp.PyTreeCheckpointer() as ck:
+        ck.save(ckpt, {**TREE, "name": "run-7"})
+    (ckpt / "_strings.json").write_text(json.dumps({"name": forged}))
+    _refused(ckpt, r"string leaf name .*_strings\.json holds a .*, not a string", capsys)

@@ -326,6 +326,12 @@ def _open_item(location: Store, item: PytreeItem | Any, url: str, ts: Any, conte
                     f"{where}: string leaf {key} is missing from {_layout.STRINGS}"
                 )
             value = strings[leaf.param]
+            if not isinstance(value, str):
+                # Orbax would restore str(value); a dict would be a subtree here: refuse both.
+                raise CorruptCheckpointError(
+                    f"{where}: string leaf {key} in {_layout.STRINGS} holds a "
+                    f"{type(value).__name__}, not a string; the checkpoint is damaged or forged"
+                )
         else:
             value = _layout.EMPTY[leaf.value_type]()
         if not leaf.key_path:
