@@ -105,6 +105,42 @@ def test_duplicate_names_in_an_hf_index_are_refused(
     _refused(d, "appears twice", capsys)
 
 
+def _two_shards(root: Path, weight_map: dict[str, str]) -> Path:
+    """An HF directory of two shards that both hold ``a.w`` (s1 also ``c``, s2 also ``b``)."""
+    root.mkdir(parents=True)
+    save_file({"a.w": np.zeros(2, np.float32), "c": np.full(2, 7, np.float32)}, str(root / "s1"))
+    save_file({"a.w": np.ones(2, np.float32), "b": np.ones(1, np.float32)}, str(root / "s2"))
+    (root / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return root
+
+
+def test_a_tensor_two_shards_hold_is_refused_though_the_index_picks_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Which copy is the weight is not knowable (a loader reading every shard would keep the
+    last): the directory is refused, naming both files."""
+    d = _two_shards(tmp_path / "hf", {"a.w": "s1", "b": "s2", "c": "s1"})
+    _refused(d, r"tensor 'a\.w' appears in two files, s1 and s2", capsys)
+
+
+def test_a_tensor_a_shard_holds_but_the_index_omits_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Following the index alone would drop ``c`` without a word."""
+    d = _two_shards(tmp_path / "hf", {"a.w": "s1", "b": "s2"})
+    (d / "s2").unlink()
+    save_file({"b": np.ones(1, np.float32)}, str(d / "s2"))
+    _refused(d, rf"shard s1 holds tensor 'c', which {INDEX} does not list", capsys)
+
+
+def test_an_index_that_names_no_tensor_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It would convert to an empty checkpoint, whatever the shards hold."""
+    d = _hf(tmp_path / "hf", {})
+    _refused(d, "weight_map names no tensor", capsys)
+
+
 # ----------------------------------------------------------------------------- shard names
 @pytest.mark.parametrize(
     "name",

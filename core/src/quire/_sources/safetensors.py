@@ -7,7 +7,8 @@ then the data, offsets relative to byte ``8 + N``, each tensor C-contiguous litt
 Every header is validated before anything is allocated (JSON nested too deeply, a name
 given twice, ``__metadata__`` values that are not strings, offsets outside the data: all
 refused, as the reference ``safetensors`` library refuses them).  An index's shard names must
-name files of the directory; a local file must be a regular file, and a symbolic link is
+name files of the directory, and the index and the headers of the shards it names must agree
+(each tensor in exactly one header, the one the index maps it to: nothing is dropped); a local file must be a regular file, and a symbolic link is
 followed only where ``quire._sources.symlinks`` allows (a hub cache snapshot's blobs).
 Tensors are read with byte-range requests covering only the region asked for.
 
@@ -330,6 +331,7 @@ class SafetensorsSource(Source):
         headers = await asyncio.gather(*(cls._header(src, backend, url, f) for f in files))
         flat: dict[str, SourceArray] = {}
         merged: dict[str, str] = {}
+        held: dict[str, str] = {}  # tensor name -> the first file whose header holds it
         for f, (fb, key, start, doc) in zip(files, headers):
             merged.update(
                 {k: v for k, v in (doc.get("__metadata__") or {}).items() if k not in merged}
@@ -337,10 +339,20 @@ class SafetensorsSource(Source):
             for name, info in doc.items():
                 if name == "__metadata__":
                     continue
-                if weight_map is not None and weight_map.get(name) != f:
-                    continue  # the index says another shard holds it
-                if name in flat:
-                    raise CorruptCheckpointError(f"{url}: tensor {name!r} appears in two files")
+                if name in held:  # even where the index picks one: which is the weight?
+                    raise CorruptCheckpointError(
+                        f"{url}: tensor {name!r} appears in two files, {held[name]} and {f}; "
+                        "the directory is inconsistent, re-download it"
+                    )
+                held[name] = f
+                if weight_map is not None and name not in weight_map:
+                    raise CorruptCheckpointError(
+                        f"{url}: shard {f} holds tensor {name!r}, which {INDEX} does not list "
+                        "(following the index would drop it); the directory is inconsistent, "
+                        "re-download it"
+                    )
+                if weight_map is not None and weight_map[name] != f:
+                    continue  # the index names a shard whose header lacks it: refused below
                 dt = DTYPES[info["dtype"]]
                 shape = tuple(info["shape"])
                 reader = _Reader(src, fb, key, start + info["data_offsets"][0], shape, dt)
@@ -379,6 +391,11 @@ class SafetensorsSource(Source):
             isinstance(k, str) and isinstance(v, str) for k, v in wm.items()
         ):
             raise CorruptCheckpointError(f"{where}: no weight_map of name → file; re-download it")
+        if not wm:
+            raise CorruptCheckpointError(
+                f"{where}: its weight_map names no tensor (the directory would load as an "
+                "empty tree); the index is damaged, re-download it"
+            )
         files = sorted(set(wm.values()))
         for f in files:
             why = bad_shard_name(f)
