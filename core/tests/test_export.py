@@ -129,3 +129,64 @@ def test_cli_cp_from_safetensors_and_export(
     np.testing.assert_array_equal(quire.load(tmp_path / "ck2")["c"], t["c"])
     assert main(["export", str(ck), str(tmp_path / "e.safetensors"), "-q"]) == 0
     assert set(load_file(str(tmp_path / "e.safetensors"))) == {"a.b", "c"}
+
+
+def _hf_two_shards(d: Path) -> None:
+    d.mkdir()
+    save_file({"a": np.arange(300, dtype=np.float32)}, str(d / "model-00001-of-00002.safetensors"))
+    save_file({"b": np.arange(300, dtype=np.float32)}, str(d / "model-00002-of-00002.safetensors"))
+    wm = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+
+
+def test_export_onto_its_own_source_is_refused_before_writing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f = tmp_path / "model.safetensors"
+    save_file({"x": np.arange(4, dtype=np.float32)}, str(f))
+    before = f.read_bytes()
+    hf = tmp_path / "hf"
+    _hf_two_shards(hf)
+    shards = {p.name: p.read_bytes() for p in hf.iterdir()}
+    (tmp_path / "link").symlink_to(hf)
+    # The file onto itself, its directory (which would write model.safetensors there), an HF
+    # directory into itself (by another spelling, and through a symlink), even overwrite=True.
+    cases = [(f, f), (f, tmp_path), (hf, hf), (hf, f"{hf}/"), (hf, tmp_path / "link")]
+    for src, dst in cases:
+        for overwrite in (False, True):
+            with pytest.raises(quire.CheckpointExistsError, match="is the source") as e:
+                quire.export(src, dst, max_shard_bytes=1000, overwrite=overwrite)
+            assert "another destination" in str(e.value)
+    assert main(["export", str(hf), str(hf), "--max-shard-bytes", "1000", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("quire export: CheckpointExistsError:") and err.count("\n") == 1, err
+    assert f.read_bytes() == before
+    assert {p.name: p.read_bytes() for p in hf.iterdir()} == shards
+    assert quire.load(hf)["b"].sum() == 44850
+
+
+def test_export_onto_an_existing_destination_needs_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "src.safetensors"
+    save_file({"x": np.arange(4, dtype=np.float32)}, str(src))
+    other = tmp_path / "other.safetensors"
+    save_file({"keep": np.ones(3, np.float32)}, str(other))
+    with pytest.raises(quire.CheckpointExistsError, match="overwrite=True"):
+        quire.export(src, other)
+    assert main(["export", str(src), str(other), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("quire export: CheckpointExistsError:") and "--overwrite" in err
+    assert set(load_file(str(other))) == {"keep"}
+    assert main(["export", str(src), str(other), "-q", "--overwrite"]) == 0
+    assert set(load_file(str(other))) == {"x"}
+    # A directory holding an export: refused, then replaced whole (no stale index or shard
+    # of the old export is left for a reader to find).
+    hf = tmp_path / "hf"
+    _hf_two_shards(hf)
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(quire.CheckpointExistsError, match="overwrite=True"):
+        quire.export(src, hf)
+    assert quire.export(src, hf, overwrite=True) == [str(hf / "model.safetensors")]
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]
+    assert quire.load(hf)["x"].tolist() == [0, 1, 2, 3]

@@ -31,6 +31,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             max_shard_bytes=args.max_shard_bytes,
             storage_options=dst_opts,
             progress=rep,
+            overwrite=args.overwrite,
         )
     if not args.quiet:
         print(

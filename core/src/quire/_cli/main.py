@@ -164,6 +164,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("src")
     p.add_argument("dst", help="a .safetensors URL, or a directory / prefix")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an export at DST (a .safetensors file, or a directory's "
+        "model.safetensors, shards and index)",
+    )
     p.add_argument("--select", metavar="REGEX", help="only tensors whose dotted name matches")
     p.add_argument("--dtype", help="cast floating-point tensors, e.g. bfloat16")
     p.add_argument(

@@ -27,10 +27,12 @@ from quire._runtime.progress import _current, advance, reporting
 from quire._sources.base import Source
 from quire._sources.lazy import LazyValue, as_lazy, full_region
 from quire._sources.opening import opened
-from quire._sources.safetensors import INDEX, dtype_code
+from quire._sources.safetensors import INDEX, SINGLE, dtype_code
 from quire._sources.surgery import astype
 from quire._store.base import QUIRE_STORAGE_OPTIONS
-from quire._store.url import normalize
+from quire._store.local import local_path
+from quire._store.url import normalize, protocol_of
+from quire.errors import CheckpointExistsError
 
 __all__ = ["export"]
 
@@ -228,6 +230,69 @@ async def _write_all(
         await run_blocking(fs.pipe_file, path, json.dumps(doc, indent=2).encode())
 
 
+def _resolved(url: str) -> str:
+    """``url`` with a local path's symlinks resolved (the file a write would reach)."""
+    if protocol_of(url) == "file":
+        return os.path.realpath(local_path(url))
+    return url.rstrip("/")
+
+
+def _within(url: str, root: str) -> bool:
+    """Whether ``url`` is ``root`` or under it (both resolved)."""
+    return url == root or url.startswith(root.rstrip("/") + "/")
+
+
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _check_destination(
+    source: Source, d: str, written: list[str], opts: dict[str, Any], overwrite: bool
+) -> list[str]:
+    """Refuse, before anything is written, a destination that is the source or holds one
+    of its files (whatever ``overwrite`` says), and an existing export at ``d`` unless
+    ``overwrite``; the files of an old export at ``d`` to remove once the new one is
+    written (a stale index or shard a reader of the directory would find)."""
+    import fsspec
+
+    src = _resolved(source.url)
+    for url in [d, *written]:
+        if _within(_resolved(url), src):
+            raise CheckpointExistsError(
+                f"export {source.url} -> {d}: the destination is the source or one of its "
+                f"files ({url}); writing it would destroy the source. To fix: export to "
+                "another destination"
+            )
+    fs, path = fsspec.core.url_to_fs(d, **opts)
+    if d.endswith(".safetensors"):
+        existing, stale = [d] if fs.exists(path) else [], []
+    else:
+        names = {u.rsplit("/", 1)[-1] for u in written}
+        try:
+            there = {str(p).rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+        except (FileNotFoundError, NotADirectoryError):
+            there = set()
+        old = {n for n in there if n in (INDEX, SINGLE) or _SHARD.fullmatch(n)}
+        existing = sorted(f"{d}/{n}" for n in old | (names & there))
+        stale = [
+            u for u in (f"{d}/{n}" for n in sorted(old - names))
+            if not _within(_resolved(u), src)
+        ]  # fmt: skip
+    if existing and not overwrite:
+        raise CheckpointExistsError(
+            f"export to {d}: {existing[0]} already exists. To fix: pass overwrite=True "
+            "(quire export --overwrite) to replace it, or export to another destination"
+        )
+    return stale
+
+
+def _remove(urls: list[str], opts: dict[str, Any]) -> None:
+    import fsspec
+
+    for url in urls:
+        fs, path = fsspec.core.url_to_fs(url, **opts)
+        fs.rm(path)
+
+
 def _source_meta(src: Source) -> dict[str, str]:
     m = src.metadata.get("__metadata__") if isinstance(src.metadata, dict) else None
     return {str(k): str(v) for k, v in (m or {}).items()}
@@ -245,6 +310,7 @@ def export(
     metadata: Mapping[str, str] | None = None,
     storage_options: dict[str, Any] | None = None,
     progress: Any = None,
+    overwrite: bool = False,
 ) -> list[str]:
     """Write any source (a quire checkpoint, safetensors, Orbax...) as safetensors.
 
@@ -269,18 +335,29 @@ def export(
         A progress bar (True), a callback taking a :class:`quire.progress.ProgressEvent`,
         or a :class:`quire.progress.Progress` (see :func:`quire.save`); the operation is
         ``"export"``, one object per tensor.
+    overwrite : bool
+        Replace an existing export at ``dst`` (the ``.safetensors`` file, or a directory's
+        ``model.safetensors``, shards and index: those the new export does not write are
+        removed once it is written; other files stay).  Without it an existing one is a
+        :class:`~quire.CheckpointExistsError`, raised before anything is written.
 
     Returns
     -------
     list of str
         The URLs written (the index last).
+
+    Raises
+    ------
+    quire.CheckpointExistsError
+        ``dst`` is the source or holds one of its files (symlinks resolved; whatever
+        ``overwrite`` says), or an export exists at ``dst`` and ``overwrite`` is False.
     """
     if format != "safetensors":
         raise ValueError(f"export: unknown format {format!r}; quire exports 'safetensors'")
     with opened(src, storage_options) as source:
         return _export(
             source, normalize(dst), select, rename, dtype, max_shard_bytes, metadata,
-            storage_options, progress,
+            storage_options, progress, overwrite,
         )  # fmt: skip
 
 
@@ -294,14 +371,18 @@ def _export(
     metadata: Mapping[str, str] | None,
     storage_options: dict[str, Any] | None,
     progress: Any,
+    overwrite: bool,
 ) -> list[str]:
     tensors = _plan(source, select, rename, dtype)
     limit = DEFAULT_SHARD if max_shard_bytes is None else int(max_shard_bytes)
     files = _files(d, _shards(tensors, limit), limit)
     index = f"{d.rstrip('/')}/{INDEX}" if len(files) > 1 else None
     opts = {k: v for k, v in (storage_options or {}).items() if k not in QUIRE_STORAGE_OPTIONS}
+    written = [u for u, _ in files] + ([index] if index else [])
+    stale = _check_destination(source, d, written, opts, overwrite)
     meta = dict(metadata if metadata is not None else _source_meta(source))
     total = sum(t.nbytes for t in tensors)
     with reporting(progress, "export", d, bytes_total=total, objects_total=len(tensors)):
         submit(_write_all(files, meta, opts, index)).result()
-    return [u for u, _ in files] + ([index] if index else [])
+    _remove(stale, opts)
+    return written
