@@ -190,3 +190,53 @@ def test_export_onto_an_existing_destination_needs_overwrite(
     assert quire.export(src, hf, overwrite=True) == [str(hf / "model.safetensors")]
     assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]
     assert quire.load(hf)["x"].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.filterwarnings("ignore:.*encountered in cast:RuntimeWarning")  # unsafe
+def test_export_dtype_follows_the_cast_rule_of_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    x = np.array([0.5, 1.7, 300.0, -1e9, np.nan], np.float32)
+    src = tmp_path / "f.safetensors"
+    save_file({"m.x": x, "n": np.array([1, 2], np.int32)}, str(src))
+    for want in ("int8", np.uint8, "bool"):
+        with pytest.raises(quire.errors.LossyCastError) as e:
+            quire.export(src, tmp_path / "i.safetensors", dtype=want)
+        msg = str(e.value)
+        assert "'m.x'" in msg and "float32" in msg and str(np.dtype(want)) in msg, msg
+        assert "casting='unsafe'" in msg and "a float dtype" in msg, msg
+        assert e.value.mismatched and not (tmp_path / "i.safetensors").exists()
+    assert main(["export", str(src), str(tmp_path / "u.safetensors"), "--dtype", "uint8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("quire export: LossyCastError:") and err.count("\n") == 1, err
+    assert "--casting unsafe" in err
+    # The cast asked for is made; floats narrow within their kind; ints stay as they are.
+    quire.export(src, tmp_path / "u.safetensors", dtype="int8", casting="unsafe")
+    assert load_file(str(tmp_path / "u.safetensors"))["m.x"].dtype == np.int8
+    assert main(["export", str(src), str(tmp_path / "h.safetensors"), "--dtype", "float16"]) == 0
+    got = load_file(str(tmp_path / "h.safetensors"))
+    assert got["m.x"].dtype == np.float16 and got["n"].dtype == np.int32
+
+
+def test_cli_export_bad_arguments_are_one_line_usage_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "f.safetensors"
+    save_file({"x": np.ones(2, np.float32)}, str(src))
+    (tmp_path / "plain.txt").write_text("x")
+    out = str(tmp_path / "o.safetensors")
+    cases = [
+        ([out, "--dtype", "nonsense"], "--dtype"),
+        ([out, "--select", "("], "--select"),
+        ([str(tmp_path / "plain.txt" / "x.safetensors")], "plain.txt"),
+    ]
+    for args, named in cases:
+        assert main(["export", str(src), *args, "-q"]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("quire export: ") and err.count("\n") == 1, err
+        assert named in err and "Traceback" not in err, err
+    assert not Path(out).exists()
+    with pytest.raises(ValueError, match="nonsense"):
+        quire.export(src, out, dtype="nonsense")
+    with pytest.raises(ValueError, match="regular expression"):
+        quire.export(src, out, select="(")

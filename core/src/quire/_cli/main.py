@@ -171,7 +171,17 @@ def parser() -> argparse.ArgumentParser:
         "model.safetensors, shards and index)",
     )
     p.add_argument("--select", metavar="REGEX", help="only tensors whose dotted name matches")
-    p.add_argument("--dtype", help="cast floating-point tensors, e.g. bfloat16")
+    p.add_argument(
+        "--dtype",
+        help="cast floating-point tensors, e.g. bfloat16 (other tensors stay as they are)",
+    )
+    p.add_argument(
+        "--casting",
+        choices=["same_kind", "unsafe", "safe", "equiv", "no"],
+        default="same_kind",
+        help="which casts --dtype may make (default same_kind: a float to an int or a bool "
+        "is refused, as on load; unsafe makes it)",
+    )
     p.add_argument(
         "--max-shard-bytes", type=int, default=None, help="largest shard (default 5 GiB)"
     )

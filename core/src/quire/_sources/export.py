@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from quire._format.dtypes import dtype_from_name
+from quire._handlers.casting import check_casting, kind, lossy, refusal
 from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking, submit
 from quire._runtime.progress import _current, advance, reporting
@@ -32,9 +33,9 @@ from quire._sources.surgery import astype
 from quire._store.base import QUIRE_STORAGE_OPTIONS
 from quire._store.local import local_path
 from quire._store.url import normalize, protocol_of
-from quire.errors import CheckpointExistsError
+from quire.errors import CheckpointExistsError, LossyCastError
 
-__all__ = ["export"]
+__all__ = ["cast_dtype", "export", "selector"]
 
 DEFAULT_SHARD = 5 * 1024**3
 
@@ -51,13 +52,17 @@ class _Tensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _selector(select: Any) -> Callable[[str], bool]:
+def selector(select: Any) -> Callable[[str], bool]:
+    """Whether to write the tensor of a dotted name; ``ValueError`` for a bad regex."""
     if select is None:
         return lambda _n: True
     if callable(select):
         return lambda n: bool(select(n))
     if isinstance(select, str):
-        pat = re.compile(select)
+        try:
+            pat = re.compile(select)
+        except re.error as e:
+            raise ValueError(f"export: select={select!r} is not a regular expression: {e}") from e
         return lambda n: bool(pat.search(n))
     names = set(select)
     return lambda n: n in names
@@ -82,8 +87,46 @@ def _renamer(rename: Any) -> Callable[[str], str | None]:
     return by_rules
 
 
-def _plan(src: Source, select: Any, rename: Any, dtype: Any) -> list[_Tensor]:
-    keep, new_name = _selector(select), _renamer(rename)
+def cast_dtype(want: Any) -> np.dtype[Any]:
+    """The dtype ``want`` (a name such as ``"bfloat16"``, or a dtype) names; ``ValueError``
+    when it names none."""
+    if isinstance(want, str):
+        try:
+            return dtype_from_name(want)
+        except KeyError:
+            pass
+    try:
+        return np.dtype(want)
+    except TypeError as e:
+        raise ValueError(
+            f"export: dtype={want!r} is no dtype quire knows (e.g. 'bfloat16', 'float16')"
+        ) from e
+
+
+def _cast(v: LazyValue, want: Any, casting: str, url: str, path: str, name: str) -> LazyValue:
+    """``v`` cast to ``want`` when it is a floating-point tensor (others stay as they are),
+    by the rule of a load's ``casting=``: a lossy cast is a LossyCastError."""
+    if want is None or kind(v.dtype) not in ("f", "c"):
+        return v
+    dt = cast_dtype(want)
+    if dt == v.dtype:
+        return v
+    if lossy(v.dtype, dt, casting):
+        why = refusal(v.dtype, dt, casting).replace("saved", "source", 1)
+        raise LossyCastError(
+            f"export {url}: tensor {name!r} (key path {path!r}): {why}. To fix: give a float "
+            f"dtype (dtype='bfloat16'), a callable dtype=(name, dtype) -> dtype | None that "
+            "casts only some tensors, or allow the cast: casting='unsafe' (quire export "
+            "--casting unsafe)",
+            mismatched=[f"{name!r}: {why}"],
+        )
+    return astype(v, dt)
+
+
+def _plan(
+    src: Source, select: Any, rename: Any, dtype: Any, casting: str = "same_kind"
+) -> list[_Tensor]:
+    keep, new_name = selector(select), _renamer(rename)
     out: list[_Tensor] = []
     seen: dict[str, str] = {}
     for path, leaf in src.leaves():
@@ -104,13 +147,9 @@ def _plan(src: Source, select: Any, rename: Any, dtype: Any) -> list[_Tensor]:
                 f"export: {seen[target]!r} and {name!r} are both renamed to {target!r}"
             )
         seen[target] = name
-        want = dtype(name, v.dtype) if callable(dtype) else dtype
-        if (want is not None and np.issubdtype(v.dtype, np.inexact)) or (
-            want is not None and v.dtype.kind == "V"
-        ):
-            dt = dtype_from_name(want) if isinstance(want, str) else np.dtype(want)
-            if dt != v.dtype:
-                v = astype(v, dt)
+        # a type (np.float16, ml_dtypes.bfloat16) is callable too, but names a dtype
+        want = dtype(name, v.dtype) if callable(dtype) and not isinstance(dtype, type) else dtype
+        v = _cast(v, want, casting, src.url, path, name)
         dtype_code(v.dtype)  # fail early on dtypes safetensors lacks
         out.append(_Tensor(target, v, v.dtype, v.shape))
     return out
@@ -311,6 +350,7 @@ def export(
     storage_options: dict[str, Any] | None = None,
     progress: Any = None,
     overwrite: bool = False,
+    casting: str = "same_kind",
 ) -> list[str]:
     """Write any source (a quire checkpoint, safetensors, Orbax...) as safetensors.
 
@@ -326,7 +366,8 @@ def export(
     rename : dict, list of (regex, replacement), or callable(name) -> str | None
         New dotted names (None drops the tensor).
     dtype : dtype, name or callable(name, dtype) -> dtype, optional
-        Cast floating-point tensors (e.g. ``"bfloat16"``).
+        Cast floating-point tensors (e.g. ``"bfloat16"``); other tensors stay as they are.
+        The cast follows ``casting``, as a load's does (docs/jax-libraries.md, "Casts").
     max_shard_bytes : int, optional
         Largest shard (default 5 GiB, as HF writes).
     metadata : dict of str, optional
@@ -335,6 +376,11 @@ def export(
         A progress bar (True), a callback taking a :class:`quire.progress.ProgressEvent`,
         or a :class:`quire.progress.Progress` (see :func:`quire.save`); the operation is
         ``"export"``, one object per tensor.
+    casting : {"same_kind", "unsafe", "safe", "equiv", "no"}
+        Which casts ``dtype`` may make (numpy's values): by default within a kind or up
+        (float32 -> bfloat16, float -> complex); a cast that loses information (float -> int
+        or bool, complex -> real) is a :class:`~quire.errors.LossyCastError` naming the
+        tensor, both dtypes and the fix, raised before anything is written.
     overwrite : bool
         Replace an existing export at ``dst`` (the ``.safetensors`` file, or a directory's
         ``model.safetensors``, shards and index: those the new export does not write are
@@ -348,16 +394,19 @@ def export(
 
     Raises
     ------
+    quire.errors.LossyCastError
+        ``dtype`` asks for a cast ``casting`` refuses.
     quire.CheckpointExistsError
         ``dst`` is the source or holds one of its files (symlinks resolved; whatever
         ``overwrite`` says), or an export exists at ``dst`` and ``overwrite`` is False.
     """
     if format != "safetensors":
         raise ValueError(f"export: unknown format {format!r}; quire exports 'safetensors'")
+    check_casting(casting)
     with opened(src, storage_options) as source:
         return _export(
             source, normalize(dst), select, rename, dtype, max_shard_bytes, metadata,
-            storage_options, progress, overwrite,
+            storage_options, progress, overwrite, casting,
         )  # fmt: skip
 
 
@@ -372,8 +421,9 @@ def _export(
     storage_options: dict[str, Any] | None,
     progress: Any,
     overwrite: bool,
+    casting: str,
 ) -> list[str]:
-    tensors = _plan(source, select, rename, dtype)
+    tensors = _plan(source, select, rename, dtype, casting)
     limit = DEFAULT_SHARD if max_shard_bytes is None else int(max_shard_bytes)
     files = _files(d, _shards(tensors, limit), limit)
     index = f"{d.rstrip('/')}/{INDEX}" if len(files) > 1 else None
