@@ -240,3 +240,27 @@ def test_cli_export_bad_arguments_are_one_line_usage_errors(
         quire.export(src, out, dtype="nonsense")
     with pytest.raises(ValueError, match="regular expression"):
         quire.export(src, out, select="(")
+
+
+def test_export_keys_joining_to_one_name_is_a_typed_error_naming_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    q = tmp_path / "q"
+    quire.save(q, {"a.b": np.zeros(2, np.float32), "a": {"b": np.ones(2, np.float32)}})
+    out = tmp_path / "o.safetensors"
+    with pytest.raises(quire.TreeMismatchError) as e:
+        quire.export(q, out)
+    msg = str(e.value)
+    assert "('a.b',)" in msg and "('a', 'b')" in msg and "'a.b'" in msg, msg
+    assert "quire.surgery.rename" in msg and e.value.mismatched, msg
+    quire.save(tmp_path / "l", {"l": [np.ones(1)], "m": np.ones(1)})
+    with pytest.raises(quire.TreeMismatchError, match=r"\('l', 0\).*\('m',\).*rename="):
+        quire.export(tmp_path / "l", out, rename={"m": "l.0"})
+    assert main(["export", str(q), str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("quire export: TreeMismatchError:") and err.count("\n") == 1, err
+    assert not out.exists()
+    # The fix the message gives works.
+    quire.save(q, quire.surgery.rename(quire.load(q), {"a.b": "a_b"}), overwrite=True)
+    quire.export(q, out)
+    assert sorted(load_file(str(out))) == ["a.b", "a_b"]

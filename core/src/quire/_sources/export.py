@@ -21,11 +21,12 @@ from typing import Any
 import numpy as np
 
 from quire._format.dtypes import dtype_from_name
+from quire._format.tree import KeyPath, keystr, walk
 from quire._handlers.casting import check_casting, kind, lossy, refusal
 from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking, submit
 from quire._runtime.progress import _current, advance, reporting
-from quire._sources.base import Source
+from quire._sources.base import Source, _is_source_leaf
 from quire._sources.lazy import LazyValue, as_lazy, full_region
 from quire._sources.opening import opened
 from quire._sources.safetensors import INDEX, SINGLE, dtype_code
@@ -33,7 +34,7 @@ from quire._sources.surgery import astype
 from quire._store.base import QUIRE_STORAGE_OPTIONS
 from quire._store.local import local_path
 from quire._store.url import normalize, protocol_of
-from quire.errors import CheckpointExistsError, LossyCastError
+from quire.errors import CheckpointExistsError, LossyCastError, TreeMismatchError
 
 __all__ = ["cast_dtype", "export", "selector"]
 
@@ -123,13 +124,33 @@ def _cast(v: LazyValue, want: Any, casting: str, url: str, path: str, name: str)
     return astype(v, dt)
 
 
+def _collision(url: str, a: KeyPath, b: KeyPath, name: str, renamed: bool) -> Exception:
+    """Two leaves that would be written under one tensor name (safetensors names are flat)."""
+    if renamed:
+        why = f"key paths {a!r} and {b!r} are both renamed to the tensor name {name!r}"
+        fix = "give them different names with rename=, or leave one out with select="
+    else:
+        why = f"key paths {a!r} and {b!r} both join to the tensor name {name!r}"
+        fix = (
+            "rename one of the keys in the tree and save it again (quire.surgery.rename on the "
+            "loaded tree, '/'-joined paths), then export; rename= and select= see only the "
+            "joined name"
+        )
+    return TreeMismatchError(
+        f"export {url}: {why}; a safetensors file holds one tensor per name. To fix: {fix}",
+        mismatched=[why],
+    )
+
+
 def _plan(
     src: Source, select: Any, rename: Any, dtype: Any, casting: str = "same_kind"
 ) -> list[_Tensor]:
     keep, new_name = selector(select), _renamer(rename)
     out: list[_Tensor] = []
-    seen: dict[str, str] = {}
-    for path, leaf in src.leaves():
+    seen_at: dict[str, tuple[KeyPath, str]] = {}
+    for node in walk(src.tree, _is_source_leaf, what=f"source {src.url}").leaves():
+        key, leaf = node.path, node.value
+        path = keystr(key)
         name = path.replace("/", ".")
         if not keep(name):
             continue
@@ -142,11 +163,10 @@ def _plan(
         target = new_name(name)
         if target is None:
             continue
-        if target in seen:
-            raise ValueError(
-                f"export: {seen[target]!r} and {name!r} are both renamed to {target!r}"
-            )
-        seen[target] = name
+        if target in seen_at:
+            first, first_name = seen_at[target]
+            raise _collision(src.url, first, key, target, renamed=first_name != name)
+        seen_at[target] = key, name
         # a type (np.float16, ml_dtypes.bfloat16) is callable too, but names a dtype
         want = dtype(name, v.dtype) if callable(dtype) and not isinstance(dtype, type) else dtype
         v = _cast(v, want, casting, src.url, path, name)
@@ -396,6 +416,9 @@ def export(
     ------
     quire.errors.LossyCastError
         ``dtype`` asks for a cast ``casting`` refuses.
+    quire.TreeMismatchError
+        Two tensors would be written under one name (key paths that join to it, or that
+        ``rename`` gives it); the message names both key paths.
     quire.CheckpointExistsError
         ``dst`` is the source or holds one of its files (symlinks resolved; whatever
         ``overwrite`` says), or an export exists at ``dst`` and ``overwrite`` is False.
