@@ -264,3 +264,18 @@ def test_export_keys_joining_to_one_name_is_a_typed_error_naming_both(
     quire.save(q, quire.surgery.rename(quire.load(q), {"a.b": "a_b"}), overwrite=True)
     quire.export(q, out)
     assert sorted(load_file(str(out))) == ["a.b", "a_b"]
+
+
+def test_export_of_safetensors_names_round_trips_them(tmp_path: Path) -> None:
+    # docs/surgery.md: names are split on "." only, so they round-trip exactly, "/" included.
+    t = {"e/f": np.ones(2, np.float32), "g.h": np.zeros(3, np.int8), "i/j.k": np.ones(1)}
+    src = tmp_path / "m.safetensors"
+    save_file(t, str(src))
+    quire.export(src, tmp_path / "o.safetensors")
+    assert sorted(load_file(str(tmp_path / "o.safetensors"))) == sorted(t)
+    hf = tmp_path / "hf"
+    quire.export(src, hf, max_shard_bytes=8)
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(t)
+    with quire.open(hf) as back, quire.open(src) as orig:
+        assert back.tree.keys() == orig.tree.keys() == {"e/f", "g", "i/j"}

@@ -151,7 +151,8 @@ def _plan(
     for node in walk(src.tree, _is_source_leaf, what=f"source {src.url}").leaves():
         key, leaf = node.path, node.value
         path = keystr(key)
-        name = path.replace("/", ".")
+        # dotted, each key as it is: a safetensors name ("e/f", "g.h") comes back unchanged
+        name = ".".join(map(str, key)) if key else path
         if not keep(name):
             continue
         if isinstance(leaf, LazyValue):
