@@ -263,3 +263,27 @@ def test_bool_int_and_0d_leaves(tmp_path: Path) -> None:
     assert set(lines) == {"m", "i"} and "1 of 2 values differ" in lines["m"]
     assert "5 of 5 values differ (max |a-b| 1.09951e+12" in lines["i"]
     assert not list(itertools.chain(r.only_a, r.only_b, r.metadata))
+
+
+def test_a_key_holding_a_slash_is_its_own_leaf(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # hunt 2 finding 2: "/"-joined names made {"a/b": x} and {"a": {"b": y}} one leaf
+    one, two = np.array([1.0], np.float32), np.array([2.0], np.float32)
+    quire.save(tmp_path / "a", {"a/b": one, "a": {"b": two}})
+    quire.save(tmp_path / "b", {"a/b": one + 554, "a": {"b": two}})
+    r = quire.diff(tmp_path / "a", tmp_path / "b", values=True)
+    assert r.leaves == r.values_compared == 2
+    (line,) = r.changed
+    assert line.startswith("'a/b': 1 of 1 values differ (max |a-b| 554")
+    assert cli(["diff", "--values", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    assert "~ 'a/b': 1 of 1 values differ" in capsys.readouterr().out
+
+    quire.save(tmp_path / "c", {"a/b": one, "a": {"b": two + 1}})
+    r = quire.diff(tmp_path / "a", tmp_path / "c", values=True)
+    assert [s.split(":")[0] for s in r.changed] == ["a/b"]  # the nested leaf, plainly named
+
+    quire.save(tmp_path / "flat", {"a/b": one})
+    quire.save(tmp_path / "nested", {"a": {"b": one}})
+    r = quire.diff(tmp_path / "flat", tmp_path / "nested", values=True)
+    assert r.only_a == ["'a/b'"] and r.only_b == ["a/b"] and not r.same

@@ -45,7 +45,8 @@ class DiffReport:
     leaves : int
         Leaves present on both sides.
     only_a, only_b : list of str
-        Key paths (``"/"``-joined) of leaves present on one side only.
+        Key paths of leaves present on one side only, ``"/"``-joined (a key that holds
+        ``/`` or could otherwise read as more than one is quoted: ``'a/b'``).
     changed : list of str
         One line per difference on a common path: container kind, leaf kind, shape, dtype,
         and (when values were compared) the number of differing values with the largest
@@ -168,24 +169,37 @@ def diff(
 
 
 # ----------------------------------------------------------------------------- structure
-def _key(path: Sequence[Any]) -> str:
-    return "/".join(str(k) for k in path) if path else "<root>"
+Path = tuple[Any, ...]  # a leaf's key path, int keys as str (a list index matches a "0" key)
 
 
-def _flatten(tree: Any) -> tuple[dict[str, Any], dict[str, str]]:
-    """({key: leaf}, {key: container kind}) of a source tree."""
-    leaves: dict[str, Any] = {}
-    containers: dict[str, str] = {}
+def _key(path: Path) -> str:
+    """The printed form of a key path: ``"/"``-joined, a key that could read as more
+    than one (holding ``/``, empty, or starting with a quote, ``[`` or ``<``) quoted as
+    Python does, an int key that a str key of its dict shadows as ``[n]``."""
+    return "/".join(_part(k) for k in path) if path else "<root>"
 
-    def rec(node: Any, path: tuple[Any, ...]) -> None:
+
+def _part(k: Any) -> str:
+    if not isinstance(k, str):
+        return f"[{k}]"
+    return repr(k) if not k or "/" in k or k[0] in "'\"[<" else k
+
+
+def _flatten(tree: Any) -> tuple[dict[Path, Any], dict[Path, str]]:
+    """({key path: leaf}, {key path: container kind}) of a source tree."""
+    leaves: dict[Path, Any] = {}
+    containers: dict[Path, str] = {}
+
+    def rec(node: Any, path: Path) -> None:
         if isinstance(node, LazyValue) or not isinstance(node, dict | list | tuple):
-            leaves[_key(path)] = node
+            leaves[path] = node
             return
         kind = "dict" if isinstance(node, dict) else "list" if isinstance(node, list) else "tuple"
-        containers[_key(path)] = kind
-        items = node.items() if isinstance(node, dict) else enumerate(node)
+        containers[path] = kind
+        items = list(node.items() if isinstance(node, dict) else enumerate(node))
+        names = {k for k, _ in items if isinstance(k, str)}
         for k, v in items:
-            rec(v, (*path, k))
+            rec(v, (*path, k if isinstance(k, str) or str(k) in names else str(k)))
 
     rec(tree, ())
     return leaves, containers
@@ -228,18 +242,18 @@ def _compare(
     r = DiffReport(sa.url, sb.url, (sa.format, sb.format))
     la, ca = _flatten(sa.tree)
     lb, cb = _flatten(sb.tree)
-    r.only_a = sorted(set(la) - set(lb))
-    r.only_b = sorted(set(lb) - set(la))
-    for k in sorted(set(ca) & set(cb)):
+    r.only_a = sorted(_key(k) for k in set(la) - set(lb))
+    r.only_b = sorted(_key(k) for k in set(lb) - set(la))
+    for k in set(ca) & set(cb):
         if ca[k] != cb[k]:
-            r.changed.append(f"{k}: {ca[k]} vs {cb[k]}")
+            r.changed.append(f"{_key(k)}: {ca[k]} vs {cb[k]}")
     common = [k for k in la if k in lb]
     r.leaves = len(common)
-    same_kind: list[str] = []
+    same_kind: list[Path] = []
     for k in common:
         da, db = _describe(la[k]), _describe(lb[k])
         if da != db:
-            r.changed.append(f"{k}: {_show(da)} vs {_show(db)}")
+            r.changed.append(f"{_key(k)}: {_show(da)} vs {_show(db)}")
         else:
             same_kind.append(k)
     if metadata is None:
@@ -257,8 +271,9 @@ def _compare(
             if va != vb:
                 r.metadata.append(f"{key}: {va!r} vs {vb!r}")
     if values:
-        _values(r, [(k, la[k], lb[k]) for k in same_kind], atol, rtol, block_bytes, progress)
-    r.changed.sort(key=lambda line: line.split(":", 1)[0])
+        _values(r, [(_key(k), la[k], lb[k]) for k in same_kind], atol, rtol, block_bytes,
+                progress)  # fmt: skip
+    r.changed.sort(key=lambda line: line.split(": ", 1)[0])
     return r
 
 
