@@ -287,3 +287,27 @@ def test_a_key_holding_a_slash_is_its_own_leaf(
     quire.save(tmp_path / "nested", {"a": {"b": one}})
     r = quire.diff(tmp_path / "flat", tmp_path / "nested", values=True)
     assert r.only_a == ["'a/b'"] and r.only_b == ["a/b"] and not r.same
+
+
+def test_ints_compare_without_float_rounding_and_max_diff_is_exact(tmp_path: Path) -> None:
+    # hunt 2 finding 3: int64/uint64 went through float64, so 2**62+1 vs 2**62+2 was "equal"
+    a = {"i": np.array([2**62 + 1, -(2**63), 7], np.int64), "u": np.array([2**63 + 1], np.uint64),
+         "m": np.array([True, True]), "f": np.array([np.inf, 1.0], np.float32)}  # fmt: skip
+    b = {"i": np.array([2**62 + 2, 2**63 - 1, 9], np.int64), "u": np.array([2**63 + 2], np.uint64),
+         "m": np.array([True, False]), "f": np.array([-np.inf, 1.0], np.float32)}  # fmt: skip
+    quire.save(tmp_path / "a", a)
+    quire.save(tmp_path / "b", b)
+    for kw in ({"values": True}, {"atol": 0}, {"atol": 0.5}, {"rtol": 1e-30}):
+        r = quire.diff(tmp_path / "a", tmp_path / "b", **kw)  # type: ignore[arg-type]
+        lines = {line.split(":")[0]: line for line in r.changed}
+        assert set(lines) == {"i", "u", "m", "f"}, (kw, r.lines())
+        assert "3 of 3 values differ" in lines["i"] and "(max |a-b| 1.84467e+19," in lines["i"]
+        assert "(max |a-b| 1, first at [0])" in lines["u"]
+        assert "1 of 2 values differ" in lines["m"] and "(max |a-b| 1, first at [1])" in lines["m"]
+        assert "(max |a-b| inf, first at [0])" in lines["f"]
+    # a tolerance still applies to ints, in exact arithmetic: |a-b| <= atol + rtol*|b|
+    r = quire.diff(tmp_path / "a", tmp_path / "b", atol=2)
+    line = next(s for s in r.changed if s.startswith("i:"))
+    assert "1 of 3 values differ beyond atol=2" in line and "first at [1]" in line  # 7 vs 9 within
+    assert not any(s.startswith("u:") for s in r.changed)
+    assert any(s.startswith("m:") for s in r.changed)  # bools compare exactly

@@ -126,8 +126,9 @@ def diff(
         agree. Implied by ``atol`` or ``rtol``.
     atol, rtol : float, optional
         Compare values with this tolerance, as :func:`numpy.isclose` does
-        (``|a - b| <= atol + rtol * |b|``, in float64); without either, values must be
-        equal (NaNs at the same places count as equal).
+        (``|a - b| <= atol + rtol * |b|``, in float64 for floats; for ints in exact integer
+        arithmetic); without either, values must be equal (NaNs at the same places count
+        as equal). Bools always compare exactly.
     metadata : bool, optional
         Compare the sides' user metadata (a quire checkpoint's ``metadata=``, a
         safetensors ``__metadata__``, an Orbax checkpoint's ``custom_metadata``, another
@@ -385,6 +386,21 @@ def _numeric(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float64)
 
 
+def _int_gap(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``|x - y|`` of two int arrays, exact as uint64 (no int64 wrap, no float rounding)."""
+    if x.dtype.kind == "b":
+        return (x != y).astype(np.uint64)
+    big, small = np.maximum(x, y), np.minimum(x, y)
+    return big.astype(np.uint64) - small.astype(np.uint64)  # wraps to the true gap < 2**64
+
+
+def _int_beyond(gap: np.ndarray, y: np.ndarray, atol: float, rtol: float) -> np.ndarray:
+    """``gap > atol + rtol * |y|`` decided exactly for an integer gap."""
+    limit = np.floor(atol + rtol * np.abs(y.astype(np.float64)))
+    huge = limit >= 2.0**64
+    return ~huge & (gap > np.where(huge, 0, limit).astype(np.uint64))
+
+
 async def _compare_array(
     r: DiffReport, k: str, x: Any, y: Any, atol: float | None, rtol: float | None,
     block_bytes: int, rep: Any,
@@ -393,27 +409,29 @@ async def _compare_array(
     size = math.prod(shape)
     tol = atol is not None or rtol is not None
     unit = _chunk_shape(x) or _chunk_shape(y)
-    ndiff, worst, first = 0, 0.0, None
+    ndiff: int = 0
+    worst: float | int = 0
+    first = None
     for region in blocks(shape, _itemsize(x), block_bytes, unit):
         xa, ya = await asyncio.gather(_read(x, region), _read(y, region))
         r.bytes_compared += xa.nbytes
         if rep is not None:
             rep.advance(xa.nbytes, 0)
         kind = xa.dtype.kind
-        fx: np.ndarray | None = None
-        fy: np.ndarray | None = None
-        numeric = kind in "fciu" or (
-            kind == "V" and xa.dtype.names is None and xa.dtype.itemsize <= 8
-        )
-        if kind in "fc" or (numeric and kind not in "iu"):
+        gap: np.ndarray | None = None
+        if kind in "biu":  # ints and bools: exact integer arithmetic, never float64
+            gap = _int_gap(xa, ya)
+            bad = gap > 0
+            if tol and kind != "b":
+                bad &= _int_beyond(gap, ya, atol or 0.0, rtol or 0.0)
+        elif kind in "fc" or (kind == "V" and xa.dtype.names is None and xa.dtype.itemsize <= 8):
             fx, fy = _numeric(xa), _numeric(ya)
             if tol:
                 bad = ~np.isclose(fx, fy, atol=atol or 0.0, rtol=rtol or 0.0, equal_nan=True)
             else:
                 bad = (fx != fy) & ~(np.isnan(fx) & np.isnan(fy))
-        elif tol and kind in "iu":
-            fx, fy = _numeric(xa), _numeric(ya)
-            bad = ~np.isclose(fx, fy, atol=atol or 0.0, rtol=rtol or 0.0)
+            with np.errstate(invalid="ignore"):  # inf - inf is NaN; opposite infs: inf
+                gap = np.where(np.isinf(fx) & np.isinf(fy) & (fx != fy), np.inf, abs(fx - fy))
         else:
             bad = np.asarray(xa != ya)
         if not bad.any():
@@ -424,13 +442,11 @@ async def _compare_array(
             # (a PRNG key's data has a trailing axis the region does not cover)
             starts = [s.start for s in region] + [0] * (len(idx) - len(region))
             first = [int(i) + o for i, o in zip(idx, starts)]
-        if numeric:
-            if fx is None or fy is None:
-                fx, fy = _numeric(xa), _numeric(ya)
-            err = np.abs(fx - fy)[bad]
-            err = err[np.isfinite(err)]
+        if gap is not None:
+            err = gap[bad]
+            err = err[~np.isnan(err)] if err.dtype.kind == "f" else err  # NaN vs a number
             if err.size:
-                worst = max(worst, float(err.max()))
+                worst = max(worst, err.max().item())
     if not ndiff:
         return None
     how = f" beyond atol={atol or 0.0} rtol={rtol or 0.0}" if tol else ""
