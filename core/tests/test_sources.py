@@ -352,6 +352,16 @@ def test_quire_source_and_merging_two_checkpoints(
         quire.load([a, b], None, transform=broken)
     notes = " ".join(getattr(ei.value, "__notes__", []))
     assert a in notes and b in notes
+    # no transform: one tree per source, a list for a sequence as a dict for a dict (hunt 2
+    # finding 4: a list gave the first source's tree only and dropped the rest silently)
+    both = quire.load([a, b])
+    assert isinstance(both, list) and len(both) == 2
+    assert both[0]["step"] == 3 and both[1]["step"] == 9
+    np.testing.assert_array_equal(both[1]["head"], np.full((4, 2), 5.0))
+    assert [t["step"] for t in quire.load((b,))] == [9]
+    assert quire.load({"ft": b})["ft"]["step"] == 9
+    with pytest.raises(quire.TreeMismatchError):  # b's leaves are in no target: strict refuses
+        quire.load([a, b], {"head": np.zeros((4, 2)), "step": 0}, partial=False)
     # Checkpointer.load takes transform and shardings.
     ck = quire.Checkpointer(str(tmp_path / "run"))
     ck.save(1, {"w": np.arange(8.0)})

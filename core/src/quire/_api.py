@@ -407,7 +407,7 @@ def load(
         positionally for a sequence, as keywords for a dict (``docs/surgery.md``).
     transform : callable, optional
         Model surgery: gets each source's lazy tree and returns the tree to load; only what
-        it returns is read.  Identity when omitted.
+        it returns is read.  Omitted: a list of trees for a sequence, a dict for a dict.
     shardings : tree of shardings or quire.surgery.partition_rules(...), optional
         Shardings for leaves whose abstract leaf carries none (or with no ``abstract``).
     abstract : pytree, optional

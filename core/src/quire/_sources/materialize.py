@@ -449,7 +449,8 @@ def load_and_transform(
         The target (as for :func:`quire.load`); None: the transform's structure.
     transform_fn : callable, optional
         Returns a tree whose leaves are LazyArrays (or slices), :mod:`quire.surgery` lazy
-        operations, concrete arrays or values, or None.  Identity when omitted.
+        operations, concrete arrays or values, or None.  Identity when omitted: the one
+        source's tree, a list of trees for a sequence, a dict of them for a dict.
     shardings : tree of shardings, :func:`quire.surgery.partition_rules`, or a Sharding
         For leaves whose abstract leaf carries no sharding.
     partial : bool
@@ -469,7 +470,10 @@ def load_and_transform(
     """
     _casting.check_spec(casting)
     shaped, opened = open_sources(sources, storage_options)
-    fn = transform_fn or (lambda *a, **k: a[0] if a else k)
+    # Identity: the sources' trees in the sources' own shape (a list for a sequence, as a
+    # dict for a dict), so a strict load never drops a source silently.
+    fn = transform_fn or (lambda *a, **k: k if isinstance(shaped, Mapping) else
+                          a[0] if isinstance(shaped, Source) else list(a))  # fmt: skip
     result = call_transform(fn, shaped, opened)
     urls = ", ".join(s.url for s in opened)
     if transform_fn is None:
