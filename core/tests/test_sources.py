@@ -425,6 +425,23 @@ def test_tree_helpers() -> None:
         surgery.unflatten({"a.b": 1, "a.b.c": 2})
 
 
+def test_flatten_and_rename_refuse_two_key_paths_that_join_to_one_name() -> None:
+    # hunt 2 finding 5: the second leaf silently replaced the first
+    both = r"key paths \('a\.b',\) and \('a', 'b'\) both join to 'a\.b'"
+    with pytest.raises(ValueError, match=both):
+        surgery.flatten({"a.b": 1, "a": {"b": 2}})
+    with pytest.raises(ValueError, match=r"\(0,\) and \('0',\) both join to '0'"):
+        surgery.flatten({0: 1, "0": 2})
+    slash = {"a/b": 1, "a": {"b": 2}}
+    for mapping in ({}, {"a/b": "c"}, [(r"a/b", "c")], lambda name: name):
+        with pytest.raises(ValueError, match=r"\('a/b',\) and \('a', 'b'\) both join to 'a/b'"):
+            surgery.rename(slash, mapping)  # type: ignore[arg-type]
+    assert surgery.rename(slash, {}, sep=".") == {"a/b": 1, "a": {"b": 2}}  # another sep
+    assert surgery.flatten({"a.b": 1, "a": {"c": 2}}) == {"a.b": 1, "a.c": 2}
+    with pytest.raises(ValueError, match="rename: 'x' and 'y' are both renamed to 'z'"):
+        surgery.rename({"x": 1, "y": 2}, {"x": "z", "y": "z"})
+
+
 # -- the conformance suite, run against both first-party sources -------------------------------
 class TestQuireSourceSuite(SourceSuite):
     source_format = "quire"

@@ -163,18 +163,29 @@ def flatten(tree: Any, sep: str = ".") -> dict[str, Any]:
     -------
     dict
         Joined key path -> leaf.
+
+    Raises
+    ------
+    ValueError
+        Two key paths join to one name (``("a.b",)`` and ``("a", "b")`` with ``sep="."``).
     """
     out: dict[str, Any] = {}
+    paths: dict[str, tuple[Any, ...]] = {}
 
-    def go(x: Any, prefix: str) -> None:
+    def go(x: Any, prefix: str, path: tuple[Any, ...]) -> None:
         if _is_leaf(x):
-            out[prefix] = x
+            if prefix in paths:
+                raise ValueError(
+                    f"key paths {paths[prefix]!r} and {path!r} both join to {prefix!r} with "
+                    f"sep={sep!r}; pick a sep no key holds, or rename one key in the tree"
+                )
+            out[prefix], paths[prefix] = x, path
             return
         items = x.items() if isinstance(x, dict) else enumerate(x)
         for k, v in items:
-            go(v, f"{prefix}{sep}{k}" if prefix else str(k))
+            go(v, f"{prefix}{sep}{k}" if prefix else str(k), (*path, k))
 
-    go(tree, "")
+    go(tree, "", ())
     return out
 
 
@@ -257,9 +268,16 @@ def rename(
     -------
     dict
         The renamed tree, nested by ``sep``.
+
+    Raises
+    ------
+    ValueError
+        Two key paths join to one name before renaming (a key holding ``sep``), or two
+        leaves are renamed to one name.
     """
     flat = flatten(tree, sep)
     out: dict[str, Any] = {}
+    old_of: dict[str, str] = {}
     for name, leaf in flat.items():
         new: str | None
         if callable(mapping):
@@ -280,8 +298,8 @@ def rename(
         if new is None:
             continue
         if new in out:
-            raise ValueError(f"rename: two leaves renamed to {new!r}")
-        out[new] = leaf
+            raise ValueError(f"rename: {old_of[new]!r} and {name!r} are both renamed to {new!r}")
+        out[new], old_of[new] = leaf, name
     return unflatten(out, sep)
 
 
