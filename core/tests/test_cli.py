@@ -219,6 +219,34 @@ def test_verify_and_cp_count_alike_and_exit_codes(
     assert cli(["verify", str(tmp_path / "nothing")]) == 2
 
 
+def test_cp_onto_its_own_source_is_a_one_line_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # hunt 2 finding 6: a builtin ValueError (a traceback, exit 1) for a quire checkpoint and
+    # an unclear "[Errno 17] File exists" for a converted source
+    from safetensors.numpy import save_file
+
+    q, f = tmp_path / "q", tmp_path / "a.safetensors"
+    quire.save(q, {"x": np.arange(4.0)})
+    save_file({"x": np.arange(4.0)}, str(f))
+    for src, dst in (
+        (q, q),
+        (q, f"{q}/"),
+        (q, f"{q}/../q"),
+        (f, f),
+        (f, f"{tmp_path}/./a.safetensors"),
+    ):
+        for extra in ([], ["--overwrite"]):
+            assert cli(["cp", str(src), str(dst), *extra]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "CheckpointExistsError" in err, err
+            assert "is the source" in err and "copy to another URL" in err, err
+        with pytest.raises(quire.CheckpointExistsError, match="is the source"):
+            quire.copy(src, dst, overwrite=True)
+    np.testing.assert_array_equal(quire.load(q)["x"], np.arange(4.0))  # both left intact
+    np.testing.assert_array_equal(quire.load(f)["x"], np.arange(4.0))
+
+
 @pytest.mark.parametrize("layout", ["packed", "chunks"])
 def test_info_verify_and_cp_progress_count_the_same_chunks(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], layout: str

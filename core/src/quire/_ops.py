@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from quire._engine.copying import CopyResult, copy_checkpoint
+from quire._engine.copying import CopyResult, copy_checkpoint, same_checkpoint
 from quire._engine.verify import VerifyProblem, stored
 from quire._engine.verify import verify as verify_objects
 from quire._format import describe as _describe
@@ -17,7 +17,7 @@ from quire._sources.convert import convert
 from quire._sources.native import QuireSource
 from quire._sources.opening import open as open_source
 from quire._store.url import normalize
-from quire.errors import CorruptCheckpointError
+from quire.errors import CheckpointExistsError, CorruptCheckpointError
 
 __all__ = ["CopyResult", "VerifyProblem", "VerifyReport", "copy", "verify"]
 
@@ -160,12 +160,15 @@ def copy(
     Raises
     ------
     CheckpointExistsError
-        ``dst`` holds a checkpoint and ``overwrite`` is False.
+        ``dst`` holds a checkpoint and ``overwrite`` is False, or ``dst`` is ``src``
+        (whatever ``overwrite``).
     CorruptCheckpointError
         An object of ``src`` failed its check (nothing is committed at ``dst``).
     """
 
     s, d = normalize(src), normalize(dst)
+    if s == d:  # a quire checkpoint or a converted source alike; before anything is opened
+        raise CheckpointExistsError(same_checkpoint(d))
     so = storage_options
     do = dst_options if dst_options is not None else storage_options
     t0 = time.perf_counter()

@@ -40,7 +40,7 @@ from quire._runtime.config import current
 from quire._runtime.ioloop import run_blocking
 from quire._store.base import NOT_DATA, Backend
 from quire._store.url import normalize, open_backend
-from quire.errors import CorruptCheckpointError
+from quire.errors import CheckpointExistsError, CorruptCheckpointError
 
 __all__ = ["CopyResult", "copy_checkpoint"]
 
@@ -166,6 +166,11 @@ async def plan(backend: Backend, url: str, doc: dict[str, Any]) -> list[_Item]:
 
 
 # ----------------------------------------------------------------------------- copying
+def same_checkpoint(dst: str) -> str:
+    """The message refusing a copy onto its own source (``--overwrite`` does not apply)."""
+    return f"{dst}: the destination is the source; copy to another URL (--overwrite does not apply)"
+
+
 async def copy_checkpoint(
     src: str,
     dst: str,
@@ -196,14 +201,14 @@ async def copy_checkpoint(
         No checkpoint at ``src``.
     CheckpointExistsError
         A checkpoint is at ``dst`` and ``overwrite`` is False (checked first, and again
-        by the conditional create of the record).
+        by the conditional create of the record), or ``dst`` is ``src``.
     CorruptCheckpointError
         An object of ``src`` is missing or fails its checksum (nothing is committed).
     """
     t0 = time.perf_counter()
     src, dst = normalize(src), normalize(dst)
     if src == dst:
-        raise ValueError(f"source and destination are the same checkpoint: {src}")
+        raise CheckpointExistsError(same_checkpoint(dst))
     sb = open_backend(src, src_options)
     db = open_backend(dst, dst_options)
     try:
