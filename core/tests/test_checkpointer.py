@@ -367,6 +367,35 @@ def test_background_error_surfaces_at_exit(monkeypatch: pytest.MonkeyPatch) -> N
     assert any("disk full" in n for n in getattr(ei.value, "__notes__", []))
 
 
+def test_a_failed_save_does_not_count_as_saved(monkeypatch: pytest.MonkeyPatch) -> None:
+    # hunt3 finding 5: should_save(N) stayed False after step N's save failed, and
+    # save(N) then returned False without saving.
+    seen: list[int | None] = []
+
+    class Every(EveryNSteps):
+        def should_save(self, ctx: SaveContext) -> bool:
+            seen.append(ctx.last_saved_step)
+            return super().should_save(ctx)
+
+    c = quire.Checkpointer(mem(), save_policy=Every(1))
+    assert c.save(1, tree(1))
+    c.wait()
+    _fail_commits(monkeypatch)
+    assert c.save(2, tree(2))
+    with pytest.raises(OSError, match="disk full"):
+        c.wait()
+    monkeypatch.undo()
+    assert c.latest_step() == 1
+    seen.clear()
+    assert c.should_save(2)  # the latest saved step is 1
+    assert seen == [1]  # the policy sees the last save that did save
+    assert c.save(2, tree(2))
+    c.wait()
+    assert c.steps() == [1, 2] and c.load(2)["i"] == 2
+    assert not c.should_save(2)
+    c.close()
+
+
 def test_deletion_error_surfaces(monkeypatch: pytest.MonkeyPatch) -> None:
     async def broken(self: MemoryBackend, keys: Any) -> None:
         raise PermissionError("no delete for you")

@@ -4,9 +4,12 @@ when it last saved), and the preemption notice of the policies."""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import hashlib
+import threading
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import jax
 
@@ -54,6 +57,7 @@ class SaveDecider:
         self.policy = policy
         self.last_step = last_step
         self.last_time = time.monotonic()
+        self._lock = threading.Lock()  # saved() and a failed save's undo (quire's loop)
         self._without_policy = without_policy
         self._follow_primary = follow_primary
         self._name = name
@@ -104,9 +108,26 @@ class SaveDecider:
         )
         return got == b"1"
 
-    def saved(self, step: int) -> None:
-        """A save of ``step`` started (what the policy sees as the last save from now on)."""
-        self.last_step, self.last_time = step, time.monotonic()
+    def saved(self, step: int, outcome: concurrent.futures.Future[Any] | None = None) -> None:
+        """A save of ``step`` started (what the policy sees as the last save from now on).
+
+        ``outcome``: the save's background future.  When it fails (raises, or returns
+        False: nothing committed), the save does not count: unless a later save started
+        meanwhile, the last save is again the one before."""
+        with self._lock:
+            before = (self.last_step, self.last_time)
+            self.last_step, self.last_time = step, time.monotonic()
+        if outcome is None:
+            return
+
+        def undo(fut: concurrent.futures.Future[Any]) -> None:
+            if not fut.cancelled() and fut.exception() is None and fut.result() is not False:
+                return
+            with self._lock:
+                if self.last_step == step:
+                    self.last_step, self.last_time = before
+
+        outcome.add_done_callback(undo)
 
     def attach(self) -> None:
         if self.policy is not None:

@@ -134,8 +134,8 @@ class _PersistentOnly:
                 step,
             )
             return False
-        self.root.save(step, units, metrics, metadata, overwrite=force)
-        self.decider.saved(step)
+        fut = self.root.save(step, units, metrics, metadata, overwrite=force)
+        self.decider.saved(step, fut)  # a failed save does not count
         return True
 
     def should_save(self, step: int) -> bool:
