@@ -410,6 +410,36 @@ def test_deletion_error_surfaces(monkeypatch: pytest.MonkeyPatch) -> None:
     c.close()
 
 
+def test_a_failed_deletion_leaves_every_victim_listed_and_loadable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # hunt3 finding 6: after the deletion of step 1 failed, step 2 (the next victim) stayed
+    # "being deleted by the keep policy" for good, even after reload().
+    url = mem()
+    with quire.Checkpointer(url) as c:
+        c.save(1, tree(1))
+        c.save(2, tree(2))
+    real = MemoryBackend.delete
+
+    async def broken(self: MemoryBackend, keys: Any) -> None:
+        raise PermissionError("no delete for you")
+
+    monkeypatch.setattr(MemoryBackend, "delete", broken)
+    c = quire.Checkpointer(url, keep=LatestN(1))
+    c.save(3, tree(3))
+    with pytest.raises(PermissionError):
+        c.wait()
+    assert c.steps() == [1, 2, 3]  # nothing was deleted
+    assert c.load(2)["i"] == 2
+    c.reload()
+    assert c.steps() == [1, 2, 3] and c.load(1)["i"] == 1
+    monkeypatch.setattr(MemoryBackend, "delete", real)
+    c.save(4, tree(4))  # the policy runs again and can delete now
+    c.wait()
+    assert c.steps() == [4]
+    c.close()
+
+
 def test_one_save_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
     active, peak = [0], [0]

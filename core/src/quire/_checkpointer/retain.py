@@ -87,22 +87,26 @@ class Retention:
         borrowing = self._incremental or (
             bool(victims) and await self._backend.exists(_root.INCREMENTAL_MARKER)
         )
-        for s in victims:
-            name = self._fmt.name(s)
-            if self._maintainer:
-                try:
+        left = list(victims)  # marked "being deleted", record not removed yet
+        try:
+            for s in victims:
+                name = self._fmt.name(s)
+                if self._maintainer:
                     if borrowing:  # the record only: later steps may borrow its bytes
                         await _gc.retire_step(self._backend, self._root, name)
                     else:
                         await self._backend.delete([f"{name}/quire.json"])  # invisible now
-                except BaseException:
-                    self._ledger.kept(s)
-                    raise
-            self._ledger.deleted(s)
-            if self._maintainer and not borrowing:
-                # A failure here leaves an incomplete step directory: garbage for gc().
-                await self._backend.delete_prefix(name)
-            log.debug("%s: deleted step %d (keep policy)", self._root, s)
+                left.remove(s)
+                self._ledger.deleted(s)
+                if self._maintainer and not borrowing:
+                    # A failure here leaves an incomplete step directory: garbage for gc().
+                    await self._backend.delete_prefix(name)
+                log.debug("%s: deleted step %d (keep policy)", self._root, s)
+        finally:
+            # On a failure the victims whose record is still there stay live: listed,
+            # loadable, chosen again by the next run of the policy.
+            for s in left:
+                self._ledger.kept(s)
         if self._maintainer and borrowing and victims:
             grace = self.grace if self.grace is not None else _gc.DEFAULT_GRACE_PERIOD
             await _gc.sweep_retired(self._backend, self._root, self._fmt, grace)
