@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 import quire
 from quire import partial
 from quire._cli.main import main
-from quire._engine import journal as _journal
+from quire._engine import journal_cache
 from quire._format import chunkid as _chunkid
 from quire._format.crc import crc32c
 from quire._format.record import record_checksum
@@ -74,8 +74,7 @@ def _resign(url: str) -> None:
             e["size"], e["crc32c"] = len(data), f"{crc32c(data):08x}"
         doc["checksum"] = record_checksum(doc)
         rp.write_text(json.dumps(doc))
-    with _journal._cache_lock:  # journal records are immutable, so cached per process
-        _journal._cache.clear()
+    journal_cache.forget(url)  # records are immutable, so cached per process (edited here)
 
 
 def _downgrade(url: str) -> None:

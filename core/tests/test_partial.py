@@ -528,6 +528,43 @@ def test_two_processes_appending_never_lose_a_version(tmp_path: Path) -> None:
     json.dumps([v.version for v in vs])
 
 
+REPLACER = textwrap.dedent(
+    """
+    import os, sys
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import numpy as np
+    from quire import partial
+    url = sys.argv[1]
+    partial.discard(url)
+    partial.save(url, {"x": np.full(4, 7.0, np.float32)})
+    partial.save(url, {"y": np.full(4, 8.0, np.float32)})
+    print("RESULT", [v.version for v in partial.versions(url)])
+    """
+)
+
+
+def test_a_journal_another_process_replaced_is_read_again(tmp_path: Path) -> None:
+    # hunt3 finding 3: this process kept the discarded journal's records: versions() showed
+    # them, load called the new (healthy) journal damaged and finalize was refused.
+    url = str(tmp_path / "c")
+    partial.save(url, {"k0": np.zeros(4, np.float32)})
+    partial.save(url, {"k1": np.ones(4, np.float32)})
+    assert sorted(partial.load(url)) == ["k0", "k1"]
+    p = forkserver.popen(
+        ["-c", REPLACER, url], stdout=forkserver.PIPE, stderr=forkserver.PIPE, text=True
+    )
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 0, err
+    assert "RESULT [1, 2]" in out
+    assert [v.added for v in partial.versions(url)] == [[("x",)], [("y",)]]
+    got = partial.load(url)
+    assert sorted(got) == ["x", "y"] and got["x"][0] == 7 and got["y"][0] == 8
+    partial.save(url, {"z": np.full(4, 9.0, np.float32)})
+    assert [v.version for v in partial.versions(url)] == [1, 2, 3]
+    partial.finalize(url)
+    assert {k: float(v[0]) for k, v in quire.load(url).items()} == {"x": 7, "y": 8, "z": 9}
+
+
 def test_partial_load_after_finalize_killed_before_journal_removal_sees_committed_state(
     tmp_path: Path,
 ) -> None:

@@ -24,12 +24,12 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from quire._engine import commit as _commit
+from quire._engine import journal_cache as _cached
 from quire._engine import load as _load
 from quire._engine import packrewrite as _packrewrite
 from quire._engine import record_parts as _record_parts
@@ -100,11 +100,6 @@ def record_key(n: int) -> str:
     return f"{JOURNAL}/{n:010d}.json"
 
 
-# Records are immutable once created, so a per-process cache is always valid.
-_cache_lock = threading.Lock()
-_cache: dict[tuple[str, int], dict[str, Any]] = {}
-
-
 def _parse(raw: bytes, url: str, n: int) -> dict[str, Any]:
     where = f"{url}/{record_key(n)}"
     try:
@@ -167,24 +162,22 @@ async def read_records(backend: Backend, url: str, upto: int | None = None) -> l
             f"{url}: the partial-save journal has gaps (versions {versions[:20]}); it is damaged"
         )
 
+    if not versions:
+        return []
+    raw1 = await backend.get(record_key(1))
+    first = _cached.digest(raw1)  # which journal this is: another's may replace it
+    _cached.check(url, first)
+
     async def one(n: int) -> dict[str, Any]:
-        with _cache_lock:
-            hit = _cache.get((url, n))
+        hit = _cached.get(url, n)
         if hit is not None:
             return hit
-        doc = _parse(await backend.get(record_key(n)), url, n)
+        doc = _parse(raw1 if n == 1 else await backend.get(record_key(n)), url, n)
         if _records.verify_record():  # an unverified record must not serve verified reads
-            with _cache_lock:
-                _cache[(url, n)] = doc
+            _cached.put(url, first, n, doc)
         return doc
 
     return list(await asyncio.gather(*(one(n) for n in versions)))
-
-
-def _forget(url: str) -> None:
-    with _cache_lock:
-        for k in [k for k in _cache if k[0] == url]:
-            del _cache[k]
 
 
 # ----------------------------------------------------------------------------- operations
@@ -445,7 +438,7 @@ async def _cleanup(
     for r in reversed(records):
         await backend.delete([record_key(r["journal_version"])])
     await drop_dead(backend, records, dead, dead_locs)
-    _forget(url)
+    _cached.forget(url)
 
 
 async def discard(
