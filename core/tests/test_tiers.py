@@ -173,6 +173,24 @@ def test_failed_promotion_never_moves_persistent_latest(tmp_path: Path) -> None:
     assert (tmp_path / "persistent" / name(12) / "quire.json").exists()
 
 
+def test_a_failed_local_save_does_not_count_as_saved(tmp_path: Path) -> None:
+    # hunt3 finding 5, with a local tier: after step 8's local save failed (and so its
+    # promotion), should_save(8) stayed False and save(8) did nothing.
+    c = ckpt(tmp_path)
+    c.save(4, tree(4))
+    c.wait()
+    blocker = tmp_path / "local" / "process_00000" / name(8)
+    blocker.write_bytes(b"in the way")  # a real OSError for the local save
+    assert c.save(8, tree(8))
+    with pytest.raises(quire.QuireError, match="File exists"):
+        c.wait()
+    blocker.unlink()
+    assert c.latest_step() == 4 and c.should_save(8)
+    assert c.save(8, tree(8))
+    c.close()
+    assert c.tiers_of(8) == ("local", "persistent")
+
+
 def test_wait_waits_for_a_local_deletion_a_promotion_held_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -305,10 +305,10 @@ class StepRoot:
     ) -> concurrent.futures.Future[Any]:
         """Run ``commit`` in the background as the save of ``step`` (a promotion from a
         local tier): it commits the step and returns its metrics, or None when it did not
-        save (then nothing is counted)."""
+        save (then nothing is counted and the future's result is False)."""
         self._ledger.start(step)
 
-        async def run() -> None:
+        async def run() -> bool:
             try:
                 metrics = await commit
             except BaseException:
@@ -316,8 +316,9 @@ class StepRoot:
                 raise
             if metrics is None:
                 self._ledger.abandoned()
-            else:
-                await self.after_commit(step, metrics)
+                return False
+            await self.after_commit(step, metrics)
+            return True
 
         return self._tasks.start_save(run())
 

@@ -175,11 +175,15 @@ class TwoTiers:
         if spread is not None:
             # the next local save waits for this step's peer copies; a promotion does not
             self.inner.follow_save(spread.after_local(local_fut, step, seq))
-        self.decider.saved(step)
+        # A failed save does not count (one process: with several, every process must
+        # keep deciding alike, so it counts there).
+        self.decider.saved(step, local_fut if spread is None else None)
         if persistent:
             self.inner.pin(step)  # local retention must not delete what we copy
-            self.persistent.begin(step, self._promote(local_fut, step, overwrite=force, seq=seq))
-            self.outer_decider.saved(step)
+            promo = self.persistent.begin(
+                step, self._promote(local_fut, step, overwrite=force, seq=seq)
+            )
+            self.outer_decider.saved(step, promo if spread is None else None)
         return True
 
     async def _promote(
