@@ -718,3 +718,19 @@ def test_metrics_no_float_holds_are_stored_as_null_and_retention_goes_on(
         c.save(4, tree(4), metrics={"loss": 3.0})
         c.wait()
         assert c.best_step("loss", mode="min") == 1 and c.steps() == [1, 4]
+
+
+def test_a_step_another_writer_committed_names_the_checkpointers_fix(tmp_path: Path) -> None:
+    """Two Checkpointers on one root saving one step: the second's error names what a
+    Checkpointer takes (``force=True``, ``reload()``), not ``quire.save``'s ``overwrite``."""
+    with quire.Checkpointer(tmp_path) as a, quire.Checkpointer(tmp_path) as b:
+        a.save(1, tree(1))
+        a.wait()
+        b.save(1, tree(2))
+        with pytest.raises(quire.CheckpointExistsError) as ei:
+            b.wait()
+        msg = str(ei.value)
+        assert "force=True" in msg and "overwrite=True" not in msg and "step 1" in msg, msg
+        assert b.save(1, tree(2), force=True)  # the fix it names works
+        b.wait()
+    assert np.array_equal(quire.load(str(tmp_path / "step_00000001"))["w"], tree(2)["w"])

@@ -48,7 +48,7 @@ from quire._engine import incremental as _inc
 from quire._format import root as _root
 from quire._handlers.units import as_mapping
 from quire._store.url import normalize, open_backend
-from quire.errors import CheckpointNotFoundError
+from quire.errors import CheckpointExistsError, CheckpointNotFoundError
 
 if TYPE_CHECKING:
     import concurrent.futures
@@ -293,6 +293,12 @@ class StepRoot:
                 self.inc.failed()
                 await self.inc.release(self._backend)
             self._ledger.abandoned()
+            if isinstance(e, CheckpointExistsError):  # quire.save's fix is not this API's
+                raise CheckpointExistsError(
+                    f"{url}: step {step} is already committed (another writer on this root, "
+                    "or a step this Checkpointer had not listed); pass force=True to "
+                    "Checkpointer.save to replace it, or reload() to list it"
+                ) from e
             e.add_note(f"(background save of step {step} to {url})")
             raise
         if self.inc is not None:
