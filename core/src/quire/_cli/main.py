@@ -24,6 +24,7 @@ import sys
 from quire._cli.common import EXIT_DAMAGED, EXIT_USAGE, UsageError
 from quire._runtime.version import __version__
 from quire.errors import CorruptCheckpointError, QuireError
+from quire.options import CASTINGS
 
 
 def _common() -> argparse.ArgumentParser:
@@ -177,7 +178,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--casting",
-        choices=["same_kind", "unsafe", "safe", "equiv", "no"],
+        choices=CASTINGS,
         default="same_kind",
         help="which casts --dtype may make (default same_kind: a float to an int or a bool "
         "is refused, as on load; unsafe makes it)",

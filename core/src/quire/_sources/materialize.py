@@ -366,16 +366,18 @@ async def materialize_tree(
                 kind = "jax"
         return dtype, sharding, kind
 
-    # Before anything is read: every sharding that does not divide its leaf's shape.
+    # Each leaf's placement once; before anything is read, every sharding that does not
+    # divide its leaf's shape.
+    placed_as = {id(node): placement(node, v, target) for node, v, target in pairs}
     misfits = []
-    for node, v, target in pairs:
-        why = sharding_misfit(placement(node, v, target)[1], getattr(v, "shape", None))
+    for node, v, _ in pairs:
+        why = sharding_misfit(placed_as[id(node)][1], getattr(v, "shape", None))
         if why is not None:
             misfits.append(f"{keystr(node.path)!r}: {why}")
-    refuse_misfits(subject or f"the {what}", misfits, transform)
+    refuse_misfits(where, misfits, transform)
 
     async def one(node: Node, v: Any, target: Any) -> None:
-        dtype, sharding, kind = placement(node, v, target)
+        dtype, sharding, kind = placed_as[id(node)]
         how = castings.get(id(node), "unsafe")
         shape = getattr(v, "shape", None)
         try:
