@@ -223,9 +223,8 @@ class Checkpointer:
         """Whether :meth:`save` would save at ``step``.
 
         False for a step at or below the latest committed one or the one being saved (a
-        save that failed does not count); otherwise the save policy's answer (True without
-        a policy) or, with a local tier, either tier's policy's answer.  Asking has no side
-        effect.
+        save that failed does not count); otherwise the save policy's answer (True without a
+        policy) or, with a local tier, either tier's policy's answer.  Asking has no effect.
 
         Parameters
         ----------
